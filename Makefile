@@ -1,0 +1,46 @@
+# `make demo` and `make test` set everything up on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A pinned torch: on our machines 2.13.0 is a local CPU build; unpinned would pull CUDA (GBs).
+TORCH_VERSION ?= 2.13.0
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: help venv prometheus test lint demo bench dashboards install-service clean
+
+help:
+	@echo "make demo   - set up, then run profagent against a demo torch training job"
+	@echo "make test   - set up (venv, prometheus), then run ruff and the whole test suite"
+	@echo "make bench  - run the benchmarks in bench/"
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e '.[test,torch]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+prometheus:
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+		echo "installing Debian's prometheus (for the end-to-end tests)"; \
+		$(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	fi
+
+lint: venv
+	$(VENV)/bin/ruff check src tests bench examples
+
+test: venv prometheus lint
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+demo: venv
+	$(PY) examples/demo.py
+
+bench: venv
+	$(PY) bench/scrape.py
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache

@@ -1,0 +1,3 @@
+"""profagent: observe PyTorch training jobs from the outside."""
+
+__version__ = "0.1.0"

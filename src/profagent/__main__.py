@@ -1,0 +1,3 @@
+from profagent.cli import main
+
+main()

@@ -1,0 +1,119 @@
+"""The composition root: config -> target, sources, state, runtime, exporter.
+
+``attach()`` is what ``profagent attach`` runs. Everything is built here and passed
+down; nothing is created at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rich.console import Console
+
+from profagent.agent.runtime import Runtime
+from profagent.agent.sources import Source
+from profagent.agent.sources.host import HostSource
+from profagent.agent.state import State
+from profagent.agent.target import Target, check_attachable
+from profagent.config import Config, parse_listen
+from profagent.exporters.http import AgentHTTPServer, load_web_config
+from profagent.exporters.prometheus import build_registry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Disabled:
+    """A source switched off by configuration, shown in the banner."""
+
+    name: str
+    why: str
+
+
+def build_sources(config: Config) -> tuple[list[Source], list[Disabled]]:
+    """Every source the configuration turns on, and why the others are off."""
+    sources: list[Source] = []
+    disabled: list[Disabled] = []
+    if config.host.enabled:
+        sources.append(HostSource(interval=config.interval_of("host")))
+    else:
+        disabled.append(Disabled("host", "host.enabled = false"))
+    return sources, disabled
+
+
+class Agent:
+    """One attached job: its target, runtime, state and HTTP endpoint."""
+
+    def __init__(self, config: Config, pid: int) -> None:
+        self.config = config
+        self.pid = pid
+        self.state = State()
+        self.target = Target(pid)
+        self.sources, self.disabled = build_sources(config)
+        self.runtime = Runtime(self.target, self.sources, self.state, interval=config.agent.interval)
+        web = load_web_config(config.agent.web_config) if config.agent.web_config else None
+        host, port = parse_listen(config.agent.listen)
+        self.server = AgentHTTPServer(host, port, build_registry(lambda: [self.state.view()]), web)
+
+    def start(self) -> None:
+        """Bind first (a taken port fails before anything runs), then start the sources."""
+        self.server.start()
+        try:
+            self.runtime.start()
+        except BaseException:
+            self.server.shutdown()
+            raise
+
+    def stop(self) -> None:
+        self.runtime.stop()
+        self.server.shutdown()
+
+
+def print_banner(agent: Agent, console: Console) -> None:
+    view = agent.state.view()
+    tree = view.tree
+    console.print(f"[bold]profagent[/bold] attached to PID {agent.pid}")
+    if tree is not None:
+        ranks = tree.ranks()
+        roles: dict[str, int] = {}
+        for p in tree.processes:
+            roles[p.role] = roles.get(p.role, 0) + 1
+        parts = ", ".join(f"{n} {role}" for role, n in sorted(roles.items()))
+        console.print(f"  job {tree.job_id}: ranks {', '.join(ranks) or '-'} ({parts})")
+    for name, health in sorted(view.health.items()):
+        state = "[green]on[/green]" if health.up else f"[yellow]off[/yellow]: {health.detail}"
+        console.print(f"  source {name}: {state}", highlight=False)
+    for d in agent.disabled:
+        console.print(f"  source {d.name}: [yellow]off[/yellow]: {d.why}", highlight=False)
+    console.print(f"  metrics: {agent.server.url}", highlight=False)
+
+
+def install_stop_signals(stop: threading.Event) -> Callable[[], None]:
+    """SIGINT/SIGTERM set ``stop``; returns a function restoring the old handlers."""
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in old:
+        signal.signal(sig, lambda *_: stop.set())
+    return lambda: [signal.signal(sig, handler) for sig, handler in old.items()]  # type: ignore[func-returns-value]
+
+
+def attach(config: Config, pid: int, console: Console) -> int:
+    """Run until a signal, or until the target tree has been gone for ``exit_grace``."""
+    check_attachable(pid)
+    agent = Agent(config, pid)
+    stop = threading.Event()
+    restore = install_stop_signals(stop)
+    try:
+        agent.start()
+        print_banner(agent, console)
+        while not stop.wait(0.2):
+            if agent.runtime.target_gone_for() > config.agent.exit_grace:
+                log.info("target PID %d and its whole tree are gone: exiting", pid)
+                break
+    finally:
+        agent.stop()
+        restore()
+    return 0

@@ -1,0 +1,311 @@
+"""Configuration: defaults < TOML file < PROFAGENT_* environment < command-line flags.
+
+Every key lives in one dataclass below, with its default and its help text; the
+reference in docs/configuration.md and ``profagent config`` are generated from them.
+Top-level keys (``listen``, ``interval``...) belong to the agent; the others sit in a
+table per source (``[gpu] backend = ...``). The environment variable of a key is
+``PROFAGENT_`` + the dotted key in upper case with dots as underscores
+(``gpu.backend`` -> ``PROFAGENT_GPU_BACKEND``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from profagent.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+# 9100-9999 is fully allocated in Prometheus' default port allocations (node_exporter
+# 9100, dcgm-exporter 9400...). 19400 sits outside it and reads as "next to dcgm".
+DEFAULT_PORT = 19400
+MIN_INTERVAL = 0.1
+LOG_LEVELS = ("debug", "info", "warning", "error")
+ENV_PREFIX = "PROFAGENT_"
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class AgentConfig:
+    listen: str = _opt(f":{DEFAULT_PORT}", "HOST:PORT for /metrics and /healthz (empty host = all interfaces)")
+    interval: float = _opt(1.0, "default collection interval of every source, seconds (>= 0.1)")
+    web_config: str = _opt("", "exporter-toolkit web-config.yml for TLS and basic auth")
+    log_level: str = _opt("info", "debug, info, warning or error")
+    exit_grace: float = _opt(3.0, "seconds attach keeps serving after the whole target tree is gone")
+    state_dir: str = _opt("", "folder for small state files (default: $XDG_STATE_HOME/profagent or /var/lib/profagent as root)")
+
+
+@dataclass
+class HostConfig:
+    enabled: bool = _opt(True, "per-rank CPU, memory, threads, fds, IO and context switches (psutil)")
+    interval: float = _opt(0.0, "seconds between samples; 0 = the agent interval")
+
+
+@dataclass
+class GpuConfig:
+    backend: str = _opt("nvml", "nvml, off, or simulated[:PROFILE[xN]] (e.g. simulated:h100x8); simulated is never chosen automatically")
+    gpus: str = _opt("", "comma-separated device indices to report (empty = all)")
+    interval: float = _opt(0.0, "seconds between samples; 0 = the agent interval")
+
+
+@dataclass
+class StacksConfig:
+    enabled: bool = _opt(True, "sample Python stacks of every rank with py-spy")
+    rate: int = _opt(20, "samples per second per process")
+    window: float = _opt(2.0, "seconds per sampling window")
+    nonblocking: bool = _opt(True, "sample without stopping the target (py-spy --nonblocking)")
+    dataloader: bool = _opt(False, "also sample DataLoader worker processes")
+    top_k: int = _opt(10, "leaf functions kept per rank; the rest is folded into 'other'")
+    stall_seconds: float = _opt(120.0, "a main-thread stack unchanged this long marks the rank stalled")
+    ring_seconds: float = _opt(600.0, "seconds of stacks kept in memory for /api/stacks")
+    interval: float = _opt(0.0, "seconds between publishing aggregates; 0 = the agent interval")
+
+
+@dataclass
+class TracesConfig:
+    dirs: list[str] = _opt([], "folders watched recursively for torch profiler traces (repeatable --trace-dir)")
+    polling: bool = _opt(False, "poll the folders instead of inotify (network filesystems)")
+    settle_seconds: float = _opt(1.0, "a .json.gz must keep its size this long before it is read")
+    invalid_after: float = _opt(60.0, "seconds a trace may stay incomplete before it counts as invalid")
+    max_file_bytes: int = _opt(2 * 1024**3, "traces larger than this (on disk) are skipped")
+    top_k: int = _opt(10, "kernels and ops kept per rank; the rest is folded into 'other'")
+    interval: float = _opt(0.0, "seconds between folder checks; 0 = the agent interval")
+
+
+@dataclass
+class OndemandConfig:
+    enabled: bool = _opt(True, "host Kineto's daemon endpoint so `profagent trace` works")
+    socket_dir: str = _opt("", "use socket files in this folder instead of the abstract namespace (KINETO_IPC_SOCKET_DIR)")
+    trace_dir: str = _opt("/tmp/profagent-ondemand", "where on-demand traces are written (must be under /tmp or KINETO_ONDEMAND_TRACE_DIR)")
+    periodic_minutes: float = _opt(0.0, "take a trace every N minutes, rotating through ranks; 0 = off")
+    keep: int = _opt(10, "how many agent-requested traces to keep")
+    interval: float = _opt(0.0, "seconds between registry updates; 0 = the agent interval")
+
+
+SECTIONS: dict[str, type] = {
+    "": AgentConfig,
+    "host": HostConfig,
+    "gpu": GpuConfig,
+    "stacks": StacksConfig,
+    "traces": TracesConfig,
+    "ondemand": OndemandConfig,
+}
+
+
+@dataclass
+class Config:
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    host: HostConfig = field(default_factory=HostConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    stacks: StacksConfig = field(default_factory=StacksConfig)
+    traces: TracesConfig = field(default_factory=TracesConfig)
+    ondemand: OndemandConfig = field(default_factory=OndemandConfig)
+
+    def section(self, name: str) -> Any:
+        return getattr(self, name or "agent")
+
+    def interval_of(self, section: str) -> float:
+        """The effective interval of a source: its own, else the agent's."""
+        own = getattr(self.section(section), "interval", 0.0) or 0.0
+        return own if own > 0 else self.agent.interval
+
+
+@dataclass(frozen=True)
+class Key:
+    dotted: str
+    section: str
+    name: str
+    type: Any
+    default: Any
+    help: str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dotted.upper().replace(".", "_")
+
+
+def all_keys() -> list[Key]:
+    keys = []
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            dotted = f"{section}.{f.name}" if section else f.name
+            keys.append(Key(dotted, section, f.name, hints[f.name], default, f.metadata["help"]))
+    return keys
+
+
+def _suggest(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    return f"did you mean '{close[0]}'?" if close else "see docs/configuration.md for the known keys"
+
+
+def _convert(key: Key, value: Any, origin: str) -> Any:
+    """Coerce a file/env/flag value to the key's type; strings come from the environment."""
+    typ = key.type
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
+        typ = next(a for a in typing.get_args(typ) if a is not type(None))
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if typing.get_origin(typ) is list:
+            if isinstance(value, str):
+                return [v for v in value.split(",") if v]
+            if isinstance(value, (list, tuple)):
+                return [str(v) for v in value]
+            raise ValueError(value)
+        if typ is int and isinstance(value, float):
+            raise ValueError(value)
+        if typ in (int, float) and isinstance(value, bool):
+            raise ValueError(value)
+        return typ(value)
+    except (TypeError, ValueError):
+        name = getattr(typ, "__name__", str(typ))
+        raise UserError(
+            f"invalid value {value!r} for '{key.dotted}' in {origin}", f"expected {name}"
+        ) from None
+
+
+def _apply(config: Config, key: Key, value: Any, origin: str) -> None:
+    setattr(config.section(key.section), key.name, _convert(key, value, origin))
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise UserError(f"config file {path} not found", "check the --config path") from None
+    except PermissionError:
+        raise UserError(f"cannot read config file {path}", "fix its permissions") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"malformed config file {path} ({exc})", "fix the TOML syntax") from None
+
+
+def _flatten(data: Mapping[str, Any], path: Path, by_dotted: dict[str, Key]) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for name, value in data.items():
+        if isinstance(value, dict) and name in SECTIONS:
+            for sub, subvalue in value.items():
+                flat[f"{name}.{sub}"] = subvalue
+        else:
+            flat[name] = value
+    for dotted in flat:
+        if dotted not in by_dotted:
+            raise UserError(
+                f"unknown config key '{dotted}' in {path}", _suggest(dotted, list(by_dotted))
+            )
+    return flat
+
+
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the effective configuration. Raises UserError on any bad key or value."""
+    keys = all_keys()
+    by_dotted = {k.dotted: k for k in keys}
+    by_env = {k.env: k for k in keys}
+    config = Config()
+    if path:
+        path = Path(path)
+        for dotted, value in _flatten(_read_file(path), path, by_dotted).items():
+            _apply(config, by_dotted[dotted], value, str(path))
+    for name, value in (env or {}).items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        if name not in by_env:
+            raise UserError(
+                f"unknown environment variable {name}", _suggest(name, list(by_env))
+            )
+        _apply(config, by_env[name], value, f"${name}")
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if dotted not in by_dotted:  # a programming error, not user input
+            raise KeyError(dotted)
+        _apply(config, by_dotted[dotted], value, "the command line")
+    validate(config)
+    return config
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """Split HOST:PORT (``:PORT`` = all interfaces, ``[::1]:PORT`` for IPv6)."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UserError(f"invalid listen address {listen!r}", "use HOST:PORT, e.g. 127.0.0.1:19400")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def validate(config: Config) -> None:
+    parse_listen(config.agent.listen)
+    if config.agent.log_level.lower() not in LOG_LEVELS:
+        raise UserError(
+            f"invalid log level {config.agent.log_level!r}", f"use one of {', '.join(LOG_LEVELS)}"
+        )
+    for key in all_keys():
+        if key.name == "interval":
+            value = getattr(config.section(key.section), "interval")
+            if value and value < MIN_INTERVAL:
+                raise UserError(
+                    f"'{key.dotted}' is {value}s, below the minimum", f"use at least {MIN_INTERVAL}s"
+                )
+    if config.agent.interval <= 0:
+        raise UserError("'interval' must be positive", f"use at least {MIN_INTERVAL}s")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def default_toml() -> str:
+    """A commented TOML file with every key at its default (for /etc/profagent/config.toml)."""
+    lines = ["# profagent configuration. Every key is shown at its default, commented out.", ""]
+    current = None
+    for key in all_keys():
+        if key.section != current:
+            current = key.section
+            if current:
+                lines += ["", f"[{current}]"]
+        lines.append(f"# {key.help}")
+        lines.append(f"# {key.name} = {_toml_value(key.default)}")
+    return "\n".join(lines) + "\n"
+
+
+def reference_markdown() -> str:
+    """The table of every key, as in docs/configuration.md."""
+    rows = ["| key | environment | default | meaning |", "| --- | --- | --- | --- |"]
+    for key in all_keys():
+        default = _toml_value(key.default).replace("|", "\\|")
+        rows.append(f"| `{key.dotted}` | `{key.env}` | `{default}` | {key.help} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,1 @@
+"""Exporters: how state becomes metrics (Prometheus) and dashboards (Grafana)."""

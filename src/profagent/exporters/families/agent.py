@@ -1,0 +1,54 @@
+"""The agent's own families: build, target and collector health."""
+
+from __future__ import annotations
+
+from profagent import __version__
+from profagent.agent.state import StateView
+from profagent.exporters.families import Families
+
+JOB = ("job_id",)
+
+
+def render_build(out: Families) -> None:
+    out.gauge("profagent_build_info", "profagent build; value is 1", ("version",)).add_metric(
+        [__version__], 1
+    )
+
+
+def render_target(view: StateView, out: Families) -> None:
+    tree = view.tree
+    if tree is None:
+        return
+    out.gauge("profagent_target_up", "1 while any process of the target tree is alive", JOB).add_metric(
+        [tree.job_id], 1 if tree.alive else 0
+    )
+    info = out.gauge(
+        "profagent_target_info",
+        "one series per process of the target tree; value is 1 (PIDs appear only here)",
+        ("job_id", "rank", "local_rank", "world_size", "role", "pid", "cmdline"),
+    )
+    for p in tree.processes:
+        info.add_metric([tree.job_id, p.rank, p.local_rank, p.world_size, p.role, str(p.pid), p.cmdline], 1)
+
+
+def render_health(view: StateView, out: Families) -> None:
+    up = out.gauge("profagent_collector_up", "1 if the collector runs, 0 if it is off", ("collector",))
+    errors = out.counter(
+        "profagent_collector_errors", "failed collector ticks by reason", ("collector", "reason")
+    )
+    duration = out.gauge(
+        "profagent_collector_duration_seconds", "duration of the collector's last tick", ("collector",)
+    )
+    last = out.gauge(
+        "profagent_collector_last_success_timestamp_seconds",
+        "Unix time of the collector's last successful tick",
+        ("collector",),
+    )
+    for name, health in sorted(view.health.items()):
+        up.add_metric([name], 1 if health.up else 0)
+        for reason, count in sorted(health.errors.items()):
+            errors.add_metric([name, reason], count)
+        if health.last_duration is not None:
+            duration.add_metric([name], health.last_duration)
+        if health.last_success is not None:
+            last.add_metric([name], health.last_success)

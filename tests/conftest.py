@@ -1,0 +1,208 @@
+"""Shared fixtures: real child processes, a real agent subprocess, a real Prometheus."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_TRACES = ROOT.parent / "shared" / "traces" / "gpu"
+WORKLOADS = Path(__file__).resolve().parent / "workloads"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 15.0, interval: float = 0.1, what: str = "condition"):
+    """Poll until predicate() is truthy; return its value or fail the test."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # not ready yet
+            last_exc = exc
+        time.sleep(interval)
+    pytest.fail(f"timed out waiting for {what} (last error: {last_exc})")
+
+
+def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> str:
+    req = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Sample name -> [(labels, value)], from the Prometheus text format."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return out
+
+
+class Children:
+    """Real child processes started by a test, all killed (with their trees) afterwards."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen] = []
+
+    def python(self, code: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+        script = self.tmp / f"child_{len(self.procs)}.py"
+        script.write_text(textwrap.dedent(code))
+        full_env = {**os.environ, **(env or {})}
+        proc = subprocess.Popen([sys.executable, str(script)], env=full_env, start_new_session=True, **kw)
+        self.procs.append(proc)
+        return proc
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+@pytest.fixture
+def children(tmp_path: Path) -> Iterator[Children]:
+    kids = Children(tmp_path)
+    yield kids
+    kids.cleanup()
+
+
+class AgentProcess:
+    """`profagent ARGS` as a real subprocess, with its output captured to a file."""
+
+    def __init__(self, args: list[str], tmp: Path, env: dict[str, str] | None = None) -> None:
+        self.log_path = tmp / f"agent-{time.monotonic_ns()}.log"
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "profagent", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+
+    @property
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, url: str, timeout: float = 20.0) -> None:
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                pytest.fail(f"agent exited early ({self.proc.returncode}):\n{self.output}")
+            return http_get(url + "/healthz", timeout=1).strip() == "ok"
+
+        wait_for(ready, timeout, what="agent /healthz")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def run_agent(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
+    agents: list[AgentProcess] = []
+
+    def start(args: list[str], env: dict[str, str] | None = None) -> AgentProcess:
+        agent = AgentProcess(args, tmp_path, env)
+        agents.append(agent)
+        return agent
+
+    yield start
+    for agent in agents:
+        agent.stop()
+
+
+class Prometheus:
+    """A real Prometheus server on 127.0.0.1 scraping the given targets every second."""
+
+    def __init__(self, targets: list[str], tmp: Path, scheme: str = "http") -> None:
+        binary = shutil.which("prometheus")
+        if binary is None:
+            pytest.fail("prometheus is not installed: `make test` installs Debian's package")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = tmp / "prometheus.yml"
+        targets_yaml = ", ".join(f"'{t}'" for t in targets)
+        cfg.write_text(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            "scrape_configs:\n  - job_name: profagent\n"
+            f"    scheme: {scheme}\n    static_configs:\n      - targets: [{targets_yaml}]\n"
+        )
+        data = Path(tempfile.mkdtemp(dir=tmp, prefix="prom-data-"))
+        self.log_path = tmp / "prometheus.log"
+        self.proc = subprocess.Popen(
+            [binary, f"--config.file={cfg}", f"--storage.tsdb.path={data}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT,
+        )
+        wait_for(lambda: http_get(self.url + "/-/ready", timeout=1), 30, what="prometheus ready")
+
+    def query(self, expr: str) -> list[dict]:
+        import json
+        from urllib.parse import quote
+
+        body = json.loads(http_get(f"{self.url}/api/v1/query?query={quote(expr)}"))
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[Callable[..., Prometheus]]:
+    servers: list[Prometheus] = []
+
+    def start(targets: list[str], scheme: str = "http") -> Prometheus:
+        server = Prometheus(targets, tmp_path, scheme)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def promtool_check_metrics(text: str) -> str:
+    """Run `promtool check metrics` on an exposition; returns what it printed (empty = clean)."""
+    binary = shutil.which("promtool")
+    if binary is None:
+        pytest.fail("promtool is not installed: `make test` installs Debian's prometheus package")
+    res = subprocess.run([binary, "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
+    return (res.stdout + res.stderr).decode().strip()
