@@ -98,6 +98,27 @@ def show_config(
         typer.echo(f"{key.dotted} = {getattr(cfg.section(key.section), key.name)!r}")
 
 
+@app.command()
+def doctor(config: ConfigOpt = None, log_level: LogLevelOpt = None) -> None:
+    """Check what works here (NVML, ptrace, py-spy, Kineto endpoint) and how to fix the rest."""
+    from rich.table import Table
+
+    from profagent.doctor import FAIL, OK, run_checks
+
+    cfg = load_config(config, os.environ, {"log_level": log_level})
+    _setup_logging(cfg.agent.log_level)
+    table = Table(title="profagent doctor")
+    for col in ("area", "check", "status", "detail", "fix"):
+        table.add_column(col)
+    rows = run_checks(cfg)
+    colors = {OK: "green", FAIL: "red"}
+    for r in rows:
+        color = colors.get(r.status, "yellow")
+        table.add_row(r.area, r.name, f"[{color}]{r.status}[/{color}]", r.detail, r.fix)
+    Console().print(table)
+    raise typer.Exit(1 if any(r.status == FAIL for r in rows) else 0)
+
+
 def main() -> None:
     """Console-script entry point."""
     try:
