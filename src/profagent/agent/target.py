@@ -179,6 +179,8 @@ class Target:
         for proc in procs:
             try:
                 with proc.oneshot():
+                    if proc.status() == psutil.STATUS_ZOMBIE:
+                        continue  # exited, not yet reaped by its parent
                     info[proc.pid] = (proc.ppid(), proc.create_time(), _short_cmdline(proc))
             except psutil.Error:
                 continue

@@ -109,9 +109,12 @@ class HostSource:
         self,
         interval: float = 1.0,
         reader: Callable[[psutil.Process], Usage] = read_usage,
+        process_factory: Callable[[int], psutil.Process] = psutil.Process,
     ) -> None:
+        """``reader`` and ``process_factory`` are injectable so tests can feed readings."""
         self.interval = interval
         self._read = reader
+        self._new_process = process_factory
         self._procs: dict[tuple[int, float], psutil.Process] = {}
         self._last: dict[tuple[int, float], tuple[tuple[str, str], Usage]] = {}
         self._retired: dict[tuple[str, str], Usage] = {}
@@ -126,7 +129,7 @@ class HostSource:
         key = (info.pid, info.create_time)
         proc = self._procs.get(key)
         if proc is None:
-            proc = self._procs[key] = psutil.Process(info.pid)
+            proc = self._procs[key] = self._new_process(info.pid)
         return proc
 
     def collect(self, tree: ProcessTree) -> HostSnapshot:

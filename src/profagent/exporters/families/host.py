@@ -15,7 +15,7 @@ def render(snap: HostSnapshot, out: Families) -> None:
     rss = out.gauge("profagent_process_resident_memory_bytes", "resident memory of the group's processes", GROUP)
     threads = out.gauge("profagent_process_threads", "threads of the group's processes", GROUP)
     fds = out.gauge("profagent_process_open_fds", "open file descriptors of the group's processes", GROUP)
-    procs = out.gauge("profagent_process_count", "live processes in the group (DataLoader workers...)", GROUP)
+    procs = out.gauge("profagent_processes", "live processes in the group (DataLoader workers...)", GROUP)
     read = out.counter("profagent_process_io_read_bytes", "bytes read from storage by the group", GROUP)
     write = out.counter("profagent_process_io_written_bytes", "bytes written to storage by the group", GROUP)
     ctx = out.counter(

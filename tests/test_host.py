@@ -1,0 +1,97 @@
+"""Host source: aggregation per (rank, role) and counters that survive worker churn."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import psutil
+
+from profagent.agent.sources.host import HostSource, Usage
+from profagent.agent.target import ProcessInfo, ProcessTree
+
+
+def _info(pid: int, role: str, rank: str = "0") -> ProcessInfo:
+    return ProcessInfo(pid, 1, float(pid), role, rank, rank, "1", f"p{pid}")
+
+
+class FakeProcess:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+
+class FakeReader:
+    """Readings per PID, set by the test (psutil.Process objects are never queried)."""
+
+    def __init__(self) -> None:
+        self.values: dict[int, Usage] = {}
+
+    def __call__(self, proc: psutil.Process) -> Usage:
+        if proc.pid not in self.values:
+            raise psutil.NoSuchProcess(proc.pid)
+        return self.values[proc.pid]
+
+
+def _source(reader: FakeReader) -> HostSource:
+    return HostSource(reader=reader, process_factory=FakeProcess)
+
+
+def _group(snap, rank, role):
+    return next(g for g in snap.groups if (g.rank, g.role) == (rank, role))
+
+
+def test_workers_aggregate_into_their_rank_and_counters_survive_churn() -> None:
+    reader = FakeReader()
+    src = _source(reader)
+    reader.values = {
+        10: Usage(cpu_user=5.0, rss=100, threads=4, ctx_voluntary=7),
+        11: Usage(cpu_user=1.0, rss=10, threads=1, ctx_voluntary=2),
+        12: Usage(cpu_user=2.0, rss=20, threads=1, ctx_voluntary=3),
+    }
+    tree = ProcessTree("j", 10, (_info(10, "main"), _info(11, "dataloader"), _info(12, "dataloader")), True)
+    snap = src.collect(tree)
+    dl = _group(snap, "0", "dataloader")
+    assert (dl.processes, dl.usage.cpu_user, dl.usage.rss, dl.usage.ctx_voluntary) == (2, 3.0, 30, 5)
+
+    # Worker 11 exits, a new worker 13 starts (an epoch boundary).
+    reader.values = {
+        10: Usage(cpu_user=6.0, rss=100, threads=4, ctx_voluntary=8),
+        12: Usage(cpu_user=2.5, rss=20, threads=1, ctx_voluntary=3),
+        13: Usage(cpu_user=0.1, rss=15, threads=1, ctx_voluntary=1),
+    }
+    tree = dataclasses.replace(tree, processes=(_info(10, "main"), _info(12, "dataloader"), _info(13, "dataloader")))
+    snap2 = src.collect(tree)
+    dl2 = _group(snap2, "0", "dataloader")
+    assert dl2.processes == 2
+    assert dl2.usage.cpu_user == 1.0 + 2.5 + 0.1  # the exited worker's CPU is kept
+    assert dl2.usage.ctx_voluntary == 2 + 3 + 1
+    assert dl2.usage.rss == 35  # gauges only count live processes
+    assert _group(snap2, "0", "main").usage.cpu_user == 6.0
+
+    # All workers gone: the group stays, counters keep their value, gauges drop to 0.
+    reader.values = {10: Usage(cpu_user=7.0, rss=100, threads=4)}
+    snap3 = src.collect(dataclasses.replace(tree, processes=(_info(10, "main"),)))
+    dl3 = _group(snap3, "0", "dataloader")
+    assert dl3.processes == 0 and dl3.usage.rss == 0
+    assert dl3.usage.cpu_user == 1.0 + 2.5 + 0.1
+
+
+def test_unreadable_fields_stay_absent() -> None:
+    reader = FakeReader()
+    reader.values = {10: Usage(cpu_user=1.0, fds=None, read_bytes=None, write_bytes=None)}
+    snap = _source(reader).collect(ProcessTree("j", 10, (_info(10, "main"),), True))
+    usage = _group(snap, "0", "main").usage
+    assert usage.fds is None and usage.read_bytes is None
+
+
+def test_real_process_readings() -> None:
+    import os
+
+    src = HostSource()
+    src.start()
+    me = psutil.Process()
+    tree = ProcessTree("j", os.getpid(), (ProcessInfo(me.pid, me.ppid(), me.create_time(), "main", "0", "0", "1", "pytest"),), True)
+    snap = src.collect(tree)
+    usage = _group(snap, "0", "main").usage
+    assert usage.rss > 10_000_000 and usage.threads >= 1 and usage.cpu_user > 0
+    assert usage.fds is not None and usage.fds > 2
+    assert 0 < snap.node.memory_available <= snap.node.memory_total

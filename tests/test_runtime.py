@@ -1,0 +1,123 @@
+"""The runtime isolates sources: errors are counted, logged once, and never stop the others."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from conftest import wait_for
+
+from profagent.agent.runtime import Runtime
+from profagent.agent.sources import SourceError, SourceUnavailable
+from profagent.agent.state import State
+from profagent.agent.target import Target
+from profagent.exporters.prometheus import build_registry
+
+
+class Counting:
+    name = "counting"
+    interval = 0.1
+
+    def __init__(self) -> None:
+        self.ticks = 0
+        self.stopped = False
+
+    def start(self) -> None: ...
+
+    def collect(self, tree):
+        self.ticks += 1
+        return self.ticks
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class Failing(Counting):
+    name = "failing"
+
+    def collect(self, tree):
+        self.ticks += 1
+        if self.ticks % 2:
+            raise SourceError("device went away", reason="device_lost")
+        raise ValueError("boom")
+
+
+class Unavailable(Counting):
+    name = "unavailable"
+
+    def start(self) -> None:
+        raise SourceUnavailable("no NVIDIA driver found: GPU metrics off")
+
+
+class Slow(Counting):
+    """A tick that takes far longer than any scrape may wait."""
+
+    name = "slow"
+    interval = 0.1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def collect(self, tree):
+        self.ticks += 1
+        self.release.wait(30)
+        return self.ticks
+
+
+def _runtime(*sources) -> tuple[Runtime, State]:
+    state = State()
+    rt = Runtime(Target(os.getpid()), list(sources), state, interval=0.1)
+    rt.start()
+    return rt, state
+
+
+def test_failing_source_is_counted_logged_once_and_isolated(caplog) -> None:
+    ok, bad = Counting(), Failing()
+    with caplog.at_level(logging.WARNING):
+        rt, state = _runtime(ok, bad)
+        try:
+            wait_for(lambda: bad.ticks >= 6 and ok.ticks >= 6, what="ticks")
+        finally:
+            rt.stop()
+    health = state.view().health
+    assert health["failing"].errors["device_lost"] >= 3
+    assert health["failing"].errors["ValueError"] >= 2
+    assert health["counting"].up and not health["counting"].errors
+    assert state.view().snapshots["counting"] >= 6
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("device went away" in m for m in messages) == 1
+    assert sum("boom" in m for m in messages) == 1
+
+
+def test_unavailable_source_is_off_with_reason_and_others_run() -> None:
+    ok, off = Counting(), Unavailable()
+    rt, state = _runtime(off, ok)
+    try:
+        wait_for(lambda: ok.ticks >= 3, what="ticks")
+    finally:
+        rt.stop()
+    health = state.view().health["unavailable"]
+    assert not health.up and "no NVIDIA driver" in health.detail
+    text = build_registry(lambda: [state.view()]).collect()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text for s in fam.samples}
+    assert samples[("profagent_collector_up", (("collector", "unavailable"),))] == 0
+    assert samples[("profagent_collector_up", (("collector", "counting"),))] == 1
+
+
+def test_scrape_never_waits_on_a_source_and_stop_is_prompt() -> None:
+    slow = Slow()
+    rt, state = _runtime(slow)
+    registry = build_registry(lambda: [state.view()])
+    wait_for(lambda: slow.ticks >= 1, what="slow tick started")
+    began = time.monotonic()
+    families = list(registry.collect())
+    assert time.monotonic() - began < 0.5
+    assert any(f.name == "profagent_target_up" for f in families)
+    began = time.monotonic()
+    rt.stop()
+    assert time.monotonic() - began < 2.0
+    assert slow.stopped
+    slow.release.set()
