@@ -85,13 +85,17 @@ def attach(
 @app.command("config")
 def show_config(
     defaults: Annotated[bool, typer.Option("--defaults", help="print every key at its default as commented TOML")] = False,
+    reference: Annotated[bool, typer.Option("--reference", help="print the Markdown table of every key")] = False,
     config: ConfigOpt = None,
 ) -> None:
-    """Print the effective configuration (or, with --defaults, a commented default file)."""
-    from profagent.config import all_keys, default_toml
+    """Print the effective configuration (or a commented default file, or the key reference)."""
+    from profagent.config import all_keys, default_toml, reference_markdown
 
     if defaults:
         typer.echo(default_toml(), nl=False)
+        return
+    if reference:
+        typer.echo(reference_markdown(), nl=False)
         return
     cfg = load_config(config, os.environ)
     for key in all_keys():
