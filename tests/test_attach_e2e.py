@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import free_port, http_get, parse_metrics, promtool_check_metrics, wait_for
 
 JOB = """

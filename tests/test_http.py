@@ -13,8 +13,8 @@ from pathlib import Path
 
 import bcrypt
 import pytest
-from conftest import free_port
 
+from conftest import free_port
 from profagent.agent.state import State
 from profagent.errors import UserError
 from profagent.exporters.http import AgentHTTPServer, load_web_config

@@ -8,7 +8,6 @@ import threading
 import time
 
 from conftest import wait_for
-
 from profagent.agent.runtime import Runtime
 from profagent.agent.sources import SourceError, SourceUnavailable
 from profagent.agent.state import State

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import wait_for
 
+from conftest import wait_for
 from profagent.agent.target import Target, check_attachable
 from profagent.errors import UserError
 

@@ -269,7 +269,7 @@ def validate(config: Config) -> None:
         )
     for key in all_keys():
         if key.name == "interval":
-            value = getattr(config.section(key.section), "interval")
+            value = config.section(key.section).interval
             if value and value < MIN_INTERVAL:
                 raise UserError(
                     f"'{key.dotted}' is {value}s, below the minimum", f"use at least {MIN_INTERVAL}s"

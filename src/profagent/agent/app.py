@@ -45,38 +45,56 @@ def build_sources(config: Config) -> tuple[list[Source], list[Disabled]]:
     return sources, disabled
 
 
-class Agent:
-    """One attached job: its target, runtime, state and HTTP endpoint."""
+class Job:
+    """One observed job: its target, sources, state and runtime."""
 
     def __init__(self, config: Config, pid: int) -> None:
-        self.config = config
         self.pid = pid
         self.state = State()
         self.target = Target(pid)
         self.sources, self.disabled = build_sources(config)
         self.runtime = Runtime(self.target, self.sources, self.state, interval=config.agent.interval)
-        web = load_web_config(config.agent.web_config) if config.agent.web_config else None
-        host, port = parse_listen(config.agent.listen)
-        self.server = AgentHTTPServer(host, port, build_registry(lambda: [self.state.view()]), web)
 
     def start(self) -> None:
-        """Bind first (a taken port fails before anything runs), then start the sources."""
-        self.server.start()
-        try:
-            self.runtime.start()
-        except BaseException:
-            self.server.shutdown()
-            raise
+        self.runtime.start()
 
     def stop(self) -> None:
         self.runtime.stop()
+
+
+class Agent:
+    """The HTTP endpoint and the jobs it serves (one for attach, many for watch)."""
+
+    def __init__(self, config: Config, jobs: list[Job] | None = None) -> None:
+        self.config = config
+        self.jobs: list[Job] = list(jobs or [])
+        web = load_web_config(config.agent.web_config) if config.agent.web_config else None
+        host, port = parse_listen(config.agent.listen)
+        self.server = AgentHTTPServer(host, port, build_registry(self.views), web)
+
+    def views(self) -> list:
+        return [job.state.view() for job in list(self.jobs)]
+
+    def start(self) -> None:
+        """Bind first (a taken port fails before anything runs), then start the jobs."""
+        self.server.start()
+        try:
+            for job in self.jobs:
+                job.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for job in self.jobs:
+            job.stop()
         self.server.shutdown()
 
 
-def print_banner(agent: Agent, console: Console) -> None:
-    view = agent.state.view()
+def print_banner(agent: Agent, job: Job, console: Console) -> None:
+    view = job.state.view()
     tree = view.tree
-    console.print(f"[bold]profagent[/bold] attached to PID {agent.pid}")
+    console.print(f"[bold]profagent[/bold] attached to PID {job.pid}")
     if tree is not None:
         ranks = tree.ranks()
         roles: dict[str, int] = {}
@@ -87,7 +105,7 @@ def print_banner(agent: Agent, console: Console) -> None:
     for name, health in sorted(view.health.items()):
         state = "[green]on[/green]" if health.up else f"[yellow]off[/yellow]: {health.detail}"
         console.print(f"  source {name}: {state}", highlight=False)
-    for d in agent.disabled:
+    for d in job.disabled:
         console.print(f"  source {d.name}: [yellow]off[/yellow]: {d.why}", highlight=False)
     console.print(f"  metrics: {agent.server.url}", highlight=False)
 
@@ -103,14 +121,15 @@ def install_stop_signals(stop: threading.Event) -> Callable[[], None]:
 def attach(config: Config, pid: int, console: Console) -> int:
     """Run until a signal, or until the target tree has been gone for ``exit_grace``."""
     check_attachable(pid)
-    agent = Agent(config, pid)
+    job = Job(config, pid)
+    agent = Agent(config, [job])
     stop = threading.Event()
     restore = install_stop_signals(stop)
     try:
         agent.start()
-        print_banner(agent, console)
+        print_banner(agent, job, console)
         while not stop.wait(0.2):
-            if agent.runtime.target_gone_for() > config.agent.exit_grace:
+            if job.runtime.target_gone_for() > config.agent.exit_grace:
                 log.info("target PID %d and its whole tree are gone: exiting", pid)
                 break
     finally:

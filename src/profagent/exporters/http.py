@@ -88,7 +88,10 @@ def load_web_config(path: str | Path) -> WebConfig:
     if auth_type not in _CLIENT_AUTH:
         raise UserError(f"unknown client_auth_type {auth_type!r} in {path}", f"use one of {', '.join(k for k in _CLIENT_AUTH if k)}")
     base = path.parent
-    resolve = (lambda p: str((base / p) if p and not Path(p).is_absolute() else p))
+
+    def resolve(p: str) -> str:  # relative paths are relative to the web config, as in exporter-toolkit
+        return str(base / p) if p and not Path(p).is_absolute() else p
+
     for user, hashed in users.items():
         if not str(hashed).startswith("$2"):
             raise UserError(f"password of user {user!r} in {path} is not a bcrypt hash", "generate one with `htpasswd -nBC 10 USER`")
