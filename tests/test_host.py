@@ -11,7 +11,7 @@ from profagent.agent.target import ProcessInfo, ProcessTree
 
 
 def _info(pid: int, role: str, rank: str = "0") -> ProcessInfo:
-    return ProcessInfo(pid, 1, float(pid), role, rank, rank, "1", f"p{pid}")
+    return ProcessInfo(pid, 1, float(pid), role, rank, rank, "1", f"p{pid}", job_id="j")
 
 
 class FakeProcess:
@@ -89,7 +89,7 @@ def test_real_process_readings() -> None:
     src = HostSource()
     src.start()
     me = psutil.Process()
-    tree = ProcessTree("j", os.getpid(), (ProcessInfo(me.pid, me.ppid(), me.create_time(), "main", "0", "0", "1", "pytest"),), True)
+    tree = ProcessTree("j", os.getpid(), (ProcessInfo(me.pid, me.ppid(), me.create_time(), "main", "0", "0", "1", "pytest", "j"),), True)
     snap = src.collect(tree)
     usage = _group(snap, "0", "main").usage
     assert usage.rss > 10_000_000 and usage.threads >= 1 and usage.cpu_user > 0

@@ -12,6 +12,7 @@ workers come and go. Each process gets a role and a rank from its environment:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -40,16 +41,27 @@ class ProcessInfo:
     local_rank: str
     world_size: str
     cmdline: str
+    job_id: str = ""
 
 
 @dataclass(frozen=True)
 class ProcessTree:
-    """One consistent view of the job. ``alive`` is False once every process is gone."""
+    """One consistent view of what we watch. ``alive`` is False once every process is gone.
+
+    ``attach`` watches one job (``job_id``); ``watch`` mode merges every job of the node
+    into one tree, so per-process data must be keyed by ``ProcessInfo.job_id``, and
+    ``jobs`` lists each job with whether it is alive (ended jobs stay for a grace period).
+    """
 
     job_id: str
     root_pid: int
     processes: tuple[ProcessInfo, ...]
     alive: bool
+    jobs: tuple[tuple[str, bool], ...] = ()
+
+    def job_status(self) -> dict[str, bool]:
+        """job_id -> alive, for profagent_target_up."""
+        return dict(self.jobs) if self.jobs else {self.job_id: self.alive}
 
     def ranks(self) -> list[str]:
         return sorted({p.rank for p in self.processes if p.role == ROLE_MAIN}, key=_rank_key)
@@ -219,7 +231,9 @@ class Target:
         for top in tops:
             visit(top, None)
         self._known = {p.pid: p.create_time for p in out}
-        return ProcessTree(self._resolve_job_id(out, envs), self.pid, tuple(out), alive=True)
+        job_id = self._resolve_job_id(out, envs)
+        processes = tuple(dataclasses.replace(p, job_id=job_id) for p in out)
+        return ProcessTree(job_id, self.pid, processes, alive=True)
 
     def _resolve_job_id(self, procs: Iterable[ProcessInfo], envs: dict[int, dict[str, str]]) -> str:
         if self._job_id is not None:

@@ -14,6 +14,8 @@ import psutil
 
 from profagent.agent.target import ProcessInfo, ProcessTree
 
+Group = tuple[str, str, str]  # (job_id, rank, role)
+
 COUNTER_FIELDS = (
     "cpu_user",
     "cpu_system",
@@ -51,6 +53,7 @@ def _add(a: Usage, b: Usage) -> Usage:
 
 @dataclass(frozen=True)
 class GroupUsage:
+    job_id: str
     rank: str
     role: str
     processes: int
@@ -67,7 +70,6 @@ class NodeUsage:
 
 @dataclass(frozen=True)
 class HostSnapshot:
-    job_id: str
     groups: tuple[GroupUsage, ...]
     node: NodeUsage
 
@@ -116,8 +118,8 @@ class HostSource:
         self._read = reader
         self._new_process = process_factory
         self._procs: dict[tuple[int, float], psutil.Process] = {}
-        self._last: dict[tuple[int, float], tuple[tuple[str, str], Usage]] = {}
-        self._retired: dict[tuple[str, str], Usage] = {}
+        self._last: dict[tuple[int, float], tuple[Group, Usage]] = {}
+        self._retired: dict[Group, Usage] = {}
 
     def start(self) -> None:
         psutil.cpu_percent(None)  # prime: the first call has no interval to measure
@@ -133,11 +135,12 @@ class HostSource:
         return proc
 
     def collect(self, tree: ProcessTree) -> HostSnapshot:
-        current: dict[tuple[int, float], tuple[tuple[str, str], Usage]] = {}
-        counts: dict[tuple[str, str], int] = {}
+        current: dict[tuple[int, float], tuple[Group, Usage]] = {}
+        counts: dict[Group, int] = {}
+        live_jobs = {p.job_id for p in tree.processes}
         for info in tree.processes:
             key = (info.pid, info.create_time)
-            group = (info.rank, info.role)
+            group = (info.job_id, info.rank, info.role)
             try:
                 usage = self._read(self._process(info))
             except psutil.Error:
@@ -152,13 +155,15 @@ class HostSource:
                 self._retired[group] = _add(self._retired.get(group, Usage()), counter_part)
                 self._procs.pop(key, None)
         self._last = current
+        # A job that ended takes its groups with it (watch mode), so series don't pile up.
+        self._retired = {g: u for g, u in self._retired.items() if g[0] in live_jobs}
 
-        totals: dict[tuple[str, str], Usage] = dict(self._retired)
+        totals: dict[Group, Usage] = dict(self._retired)
         for group, usage in current.values():
             totals[group] = _add(totals.get(group, Usage()), usage)
         groups = tuple(
-            GroupUsage(rank, role, counts.get((rank, role), 0), usage)
-            for (rank, role), usage in sorted(totals.items())
+            GroupUsage(job_id, rank, role, counts.get((job_id, rank, role), 0), usage)
+            for (job_id, rank, role), usage in sorted(totals.items())
         )
         vm = psutil.virtual_memory()
         node = NodeUsage(
@@ -167,4 +172,4 @@ class HostSource:
             memory_available=vm.available,
             cpu_count=psutil.cpu_count() or 1,
         )
-        return HostSnapshot(tree.job_id, groups, node)
+        return HostSnapshot(groups, node)

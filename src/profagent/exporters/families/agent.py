@@ -19,16 +19,16 @@ def render_target(view: StateView, out: Families) -> None:
     tree = view.tree
     if tree is None:
         return
-    out.gauge("profagent_target_up", "1 while any process of the target tree is alive", JOB).add_metric(
-        [tree.job_id], 1 if tree.alive else 0
-    )
+    up = out.gauge("profagent_target_up", "1 while any process of the job is alive", JOB)
+    for job_id, alive in sorted(tree.job_status().items()):
+        up.add_metric([job_id], 1 if alive else 0)
     info = out.gauge(
         "profagent_target_info",
         "one series per process of the target tree; value is 1 (PIDs appear only here)",
         ("job_id", "rank", "local_rank", "world_size", "role", "pid", "cmdline"),
     )
     for p in tree.processes:
-        info.add_metric([tree.job_id, p.rank, p.local_rank, p.world_size, p.role, str(p.pid), p.cmdline], 1)
+        info.add_metric([p.job_id, p.rank, p.local_rank, p.world_size, p.role, str(p.pid), p.cmdline], 1)
 
 
 def render_health(view: StateView, out: Families) -> None:

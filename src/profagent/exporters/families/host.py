@@ -22,7 +22,7 @@ def render(snap: HostSnapshot, out: Families) -> None:
         "profagent_process_context_switches", "context switches of the group by kind", (*GROUP, "kind")
     )
     for g in snap.groups:
-        labels = [snap.job_id, g.rank, g.role]
+        labels = [g.job_id, g.rank, g.role]
         u = g.usage
         cpu.add_metric([*labels, "user"], u.cpu_user)
         cpu.add_metric([*labels, "system"], u.cpu_system)
