@@ -1,0 +1,62 @@
+"""A large synthetic agent state built from the real snapshot types (for bench/scrape.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from profagent.agent.sources.host import GroupUsage, HostSnapshot, NodeUsage, Usage
+from profagent.agent.state import State
+from profagent.agent.target import ProcessInfo, ProcessTree
+
+RANKS = 8
+WORKERS_PER_RANK = 7  # 8 ranks x (1 + 7) = 64 processes
+GPUS = 8
+FUNCTIONS = 50
+JOB = "bench-job"
+
+
+def synthetic_tree() -> ProcessTree:
+    procs = []
+    pid = 1000
+    for rank in range(RANKS):
+        procs.append(ProcessInfo(pid, 999, 1.0, "main", str(rank), str(rank), str(RANKS), f"python train.py --rank {rank}", JOB))
+        main_pid = pid
+        for _ in range(WORKERS_PER_RANK):
+            pid += 1
+            procs.append(ProcessInfo(pid, main_pid, 1.0, "dataloader", str(rank), str(rank), str(RANKS), "python train.py", JOB))
+        pid += 1
+    return ProcessTree(JOB, 999, tuple(procs), True)
+
+
+def host_snapshot(tick: int) -> HostSnapshot:
+    groups = []
+    for rank in range(RANKS):
+        for role, n in (("main", 1), ("dataloader", WORKERS_PER_RANK)):
+            usage = Usage(cpu_user=100.0 + tick, cpu_system=10.0, cpu_iowait=0.5, rss=2 << 30, threads=40,
+                          fds=120, read_bytes=1 << 30, write_bytes=1 << 20, ctx_voluntary=1000 + tick,
+                          ctx_involuntary=100)
+            groups.append(GroupUsage(JOB, str(rank), role, n, usage))
+    return HostSnapshot(tuple(groups), NodeUsage(0.5, 1 << 40, 1 << 39, 128))
+
+
+EXTRA: list[Callable[[ProcessTree, int], tuple[str, object]]] = []
+
+
+def synthetic_state() -> tuple[State, Callable[[], None], str]:
+    """The state, a function that republishes every snapshot (a new version), and a description."""
+    state = State()
+    tree = synthetic_tree()
+    state.set_tree(tree)
+    tick = [0]
+
+    def republish() -> None:
+        tick[0] += 1
+        state.publish("host", host_snapshot(tick[0]), 0.001)
+        for make in EXTRA:
+            name, snap = make(tree, tick[0])
+            state.publish(name, snap, 0.001)
+
+    republish()
+    return state, republish, f"{len(tree.processes)} processes, {RANKS} ranks, sources: host" + "".join(
+        f", {make(tree, 0)[0]}" for make in EXTRA
+    )
