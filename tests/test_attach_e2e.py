@@ -152,6 +152,11 @@ def test_env_var_config(job) -> None:
     _one_line_error(_run("config", env={"PROFAGENT_INTERVALL": "0.5"}), "did you mean")
 
 
+def test_usage_errors_are_one_line() -> None:
+    _one_line_error(_run("attach", "--pidd", "3"), "No such option: --pidd")
+    _one_line_error(_run("attach"), "Missing option '--pid'")
+
+
 def test_version_and_help() -> None:
     res = _run("--version")
     assert res.returncode == 0 and res.stdout.startswith("profagent ")

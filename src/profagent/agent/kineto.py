@@ -1,0 +1,144 @@
+"""Kineto's on-demand daemon protocol (the one dynolog speaks), as pure functions.
+
+A PyTorch process started with ``KINETO_USE_DAEMON=1`` polls a daemon about every 5 s
+over an AF_UNIX datagram socket. Each datagram is a header ``{uint64 size; char
+type[32]}`` followed by ``size`` payload bytes. The process sends ``req`` with
+``{int32 type; int32 n; int64 jobid; int32 pids[n]}`` (``pids``: itself, then its
+ancestors; ``type`` bit 2 = it can start an activity trace now); the daemon answers
+``req`` with config text (empty = nothing to do). Older libkineto may send ``ctxt``
+``{int32 gpu; int32 pid; int64 jobid}`` and expect ``ctxt`` with an int32 count.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+HEADER = struct.Struct("<Q32s")  # 40 bytes on x86-64, as libkineto lays it out
+REQ_HEAD = struct.Struct("<iiq")
+CTXT = struct.Struct("<iiq")
+MAX_PIDS = 1024
+DAEMON_NAME = "dynolog"
+ACTIVITIES = 2  # bit in the request type: the process can start an activity trace
+
+
+class MalformedDatagram(ValueError):
+    """A datagram that does not follow the protocol; ``kind`` is a bounded label."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Poll:
+    """A ``req`` from a traced process."""
+
+    type: int
+    jobid: int
+    pids: tuple[int, ...]  # the process itself first, then its ancestors
+
+    @property
+    def pid(self) -> int:
+        return self.pids[0]
+
+    @property
+    def can_trace(self) -> bool:
+        return bool(self.type & ACTIVITIES)
+
+
+@dataclass(frozen=True)
+class Context:
+    """A ``ctxt`` from an older libkineto."""
+
+    gpu: int
+    pid: int
+    jobid: int
+
+
+def encode(kind: str, payload: bytes) -> bytes:
+    return HEADER.pack(len(payload), kind.encode()) + payload
+
+
+def decode(datagram: bytes) -> Poll | Context:
+    """Parse one datagram. Raises MalformedDatagram for anything off-protocol."""
+    if len(datagram) < HEADER.size:
+        raise MalformedDatagram("short", f"{len(datagram)} bytes, header needs {HEADER.size}")
+    size, raw_kind = HEADER.unpack_from(datagram)
+    payload = datagram[HEADER.size :]
+    if size != len(payload):
+        raise MalformedDatagram("size", f"header says {size} bytes, payload has {len(payload)}")
+    kind = raw_kind.split(b"\0", 1)[0]
+    if kind == b"req":
+        if len(payload) < REQ_HEAD.size:
+            raise MalformedDatagram("req", "payload shorter than its fixed part")
+        rtype, n, jobid = REQ_HEAD.unpack_from(payload)
+        if not 1 <= n <= MAX_PIDS or len(payload) != REQ_HEAD.size + 4 * n:
+            raise MalformedDatagram("req", f"bad pid count {n}")
+        pids = struct.unpack_from(f"<{n}i", payload, REQ_HEAD.size)
+        if pids[0] <= 0:
+            raise MalformedDatagram("req", f"bad pid {pids[0]}")
+        return Poll(rtype, jobid, tuple(pids))
+    if kind == b"ctxt":
+        if len(payload) != CTXT.size:
+            raise MalformedDatagram("ctxt", f"payload of {len(payload)} bytes")
+        return Context(*CTXT.unpack(payload))
+    raise MalformedDatagram("type", f"unknown message type {kind[:32]!r}")
+
+
+def encode_poll(poll: Poll) -> bytes:
+    """The datagram a process sends (used by tests and fuzzers)."""
+    payload = REQ_HEAD.pack(poll.type, len(poll.pids), poll.jobid) + struct.pack(f"<{len(poll.pids)}i", *poll.pids)
+    return encode("req", payload)
+
+
+def reply_config(config: str) -> bytes:
+    return encode("req", config.encode())
+
+
+def reply_context(count: int) -> bytes:
+    return encode("ctxt", struct.pack("<i", count))
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    """What a `profagent trace` asks for. Exactly one of duration_ms / iterations is set."""
+
+    duration_ms: int = 500
+    iterations: int = 0
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+
+
+def config_text(log_file: str, options: TraceOptions, trace_id: str) -> str:
+    """The KEY=VALUE config libkineto expects. It writes ``<log file stem>_<pid>.json``."""
+    lines = [f"ACTIVITIES_LOG_FILE={log_file}", "PROFILE_START_TIME=0"]
+    if options.iterations > 0:
+        lines += [
+            "PROFILE_START_ITERATION=0",
+            "PROFILE_START_ITERATION_ROUNDUP=1",
+            f"ACTIVITIES_ITERATIONS={options.iterations}",
+        ]
+    else:
+        lines.append(f"ACTIVITIES_DURATION_MSECS={options.duration_ms}")
+    flags = {
+        "PROFILE_REPORT_INPUT_SHAPES": options.record_shapes,
+        "PROFILE_PROFILE_MEMORY": options.profile_memory,
+        "PROFILE_WITH_STACK": options.with_stack,
+        "PROFILE_WITH_FLOPS": options.with_flops,
+        "PROFILE_WITH_MODULES": options.with_modules,
+    }
+    lines += [f"{k}={'true' if v else 'false'}" for k, v in flags.items()]
+    lines.append(f"REQUEST_TRACE_ID={trace_id}")
+    return "\n".join(lines)
+
+
+def output_path(log_file: str, pid: int) -> str:
+    """Where libkineto writes the trace of ``pid`` for ``ACTIVITIES_LOG_FILE=log_file``."""
+    stem, dot, ext = log_file.rpartition(".")
+    if not dot or "/" in ext:
+        return f"{log_file}_{pid}.json"
+    return f"{stem}_{pid}.{ext}"
