@@ -210,3 +210,49 @@ def test_name_taken_turns_the_source_off_and_the_rest_runs(tmp_path: Path, run_a
         assert "Traceback" not in agent.output
     finally:
         squatter.close()
+
+
+def test_periodic_mode_rotates_ranks_and_keeps_only_its_own_last_k(tmp_path: Path) -> None:
+    from profagent.agent.sources.ondemand import OndemandSource
+    from profagent.agent.target import ProcessInfo, ProcessTree
+
+    now = [0.0]
+    src = OndemandSource(interval=1, trace_dir=str(tmp_path), periodic_minutes=1, keep=2, clock=lambda: now[0])
+    tree = ProcessTree("j", 1, tuple(
+        ProcessInfo(pid, 1, 0.0, "main", str(rank), str(rank), "2", "python", "j") for rank, pid in ((0, 100), (1, 101))
+    ), True)
+    user_file = tmp_path / "profagent_mine_100.json"  # looks like ours, but the agent never asked for it
+    user_file.write_text("{}")
+    chosen = []
+    for _ in range(5):
+        now[0] += 61
+        for pid in (100, 101):
+            src.endpoint.handle(kineto.encode_poll(kineto.Poll(3, 0, (pid, 1))))
+        src.collect(tree)
+        # The process that got a config writes its trace where libkineto would.
+        for pid in (100, 101):
+            reply = src.endpoint.handle(kineto.encode_poll(kineto.Poll(3, 0, (pid, 1))))
+            if reply[40:]:
+                log_file = reply[40:].decode().splitlines()[0].split("=", 1)[1]
+                Path(kineto.output_path(log_file, pid)).write_text("{}")
+                chosen.append(pid)
+    assert chosen == [100, 101, 100, 101, 100]  # one rank per period, in turn
+    own = sorted(p for p in tmp_path.glob("profagent_*.json") if p != user_file)
+    assert len(own) == 2  # only the last K of the agent's own traces are kept
+    assert user_file.read_text() == "{}"  # the user's file is never touched
+
+
+def test_doctor_reports_a_free_endpoint(tmp_path: Path) -> None:
+    from profagent.agent.sources.ondemand import doctor_check
+    from profagent.config import load_config
+
+    cfg = load_config(None, {}, {"ondemand.socket_dir": str(tmp_path), "ondemand.control_socket": str(tmp_path / "c")})
+    rows = list(doctor_check(cfg))
+    assert rows[0].status == "ok" and "is free" in rows[0].detail
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    squatter.bind(str(tmp_path / "dynolog"))
+    try:
+        rows = list(doctor_check(cfg))
+        assert rows[0].status == "warn" and "another daemon" in rows[0].detail
+    finally:
+        squatter.close()

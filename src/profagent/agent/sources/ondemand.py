@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -363,3 +363,35 @@ class OndemandSource:
                 pass
             except OSError as exc:
                 log.warning("could not remove old periodic trace %s: %s", path, exc)
+
+
+def doctor_check(config) -> Iterable:  # config: profagent.config.Config
+    """Is the Kineto endpoint free, held by a profagent agent (and who polls it), or by another daemon?"""
+    from profagent.agent.control import call, default_control_socket
+    from profagent.doctor import OK, WARN, Check
+
+    endpoint = Endpoint(config.ondemand.socket_dir)
+    where = endpoint.describe()
+    try:
+        endpoint.bind()
+    except SourceUnavailable:
+        pass
+    else:
+        endpoint.close()
+        yield Check("ondemand", "Kineto endpoint", OK, f"{where} is free: an agent started now will host it")
+        return
+    control = config.ondemand.control_socket or default_control_socket()
+    try:
+        reply = call(control, {"op": "registry"}, timeout=2)
+    except (OSError, ValueError):
+        yield Check("ondemand", "Kineto endpoint", WARN, f"{where} is held by another daemon (dynolog?)",
+                    "stop it, or trace through that daemon; profagent's on-demand source stays off")
+        return
+    pollers = reply.get("pollers", [])
+    yield Check("ondemand", "Kineto endpoint", OK, f"{where} is hosted by a running profagent agent ({control})")
+    if pollers:
+        names = ", ".join(f"{p['pid']}" + (f" (rank {p['rank']})" if p.get("rank") else "") for p in pollers[:8])
+        yield Check("ondemand", "polling processes", OK, f"{len(pollers)}: {names}")
+    else:
+        yield Check("ondemand", "polling processes", WARN, "none",
+                    "start training scripts with KINETO_USE_DAEMON=1 to trace them with `profagent trace`")
