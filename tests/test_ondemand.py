@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, free_port, http_get, parse_metrics, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import ROOT, free_port, http_get, parse_metrics, wait_for
 from profagent.agent import kineto
 from profagent.agent.sources.ondemand import Endpoint, NoPollers, match_pid
 
