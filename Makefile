@@ -42,5 +42,9 @@ demo: venv
 bench: venv
 	$(PY) bench/scrape.py
 
+# Regenerate the committed Grafana dashboards (tests/test_dashboards_structure.py checks them).
+dashboards: venv
+	$(PY) -m profagent.exporters.grafana.generate
+
 clean:
 	rm -rf $(VENV) build dist .pytest_cache

@@ -31,7 +31,7 @@ SHOWN = [
     "profagent_processes",
     "profagent_gpu_info",
     "profagent_gpu_utilization_ratio",
-    "profagent_gpu_power_watts",
+    "profagent_gpu_power_usage_watts",
     "profagent_process_gpu_memory_used_bytes",
     "profagent_stack_samples_total",
     "profagent_rank_stalled",
@@ -77,13 +77,34 @@ def show(url: str, per_family: int) -> None:
         print(f"  (scrape failed: {exc})")
         return
     counts: dict[str, int] = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
+    lines = [line for line in text.splitlines() if not line.startswith("#")]
+    # Rank lines first: they are the interesting ones (the launcher has rank="").
+    lines.sort(key=lambda line: 'rank=""' in line)
+    chosen = []
+    for line in lines:
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in SHOWN and counts.get(name, 0) < per_family:
             counts[name] = counts.get(name, 0) + 1
-            print("  " + line)
+            chosen.append(line)
+    for line in sorted(chosen, key=lambda line: SHOWN.index(line.split("{", 1)[0].split(" ", 1)[0])):
+        print("  " + line)
+
+
+def on_demand_trace(launcher: int, config: Path) -> None:
+    """Take one on-demand trace of rank 0 through the agent, as a user would."""
+    try:
+        import psutil
+
+        rank0 = min(p.pid for p in psutil.Process(launcher).children())
+    except Exception:
+        return
+    print(f"\ndemo: profagent trace --pid {rank0} --duration-ms 300 (on demand, no code change)", flush=True)
+    cmd = [sys.executable, "-m", "profagent", "trace", "--pid", str(rank0), "--duration-ms", "300",
+           "--timeout", "40", "--config", str(config)]
+    try:
+        subprocess.run(cmd, timeout=60, check=False)
+    except subprocess.TimeoutExpired:
+        print("demo: the on-demand trace did not finish in time", flush=True)
 
 
 def main() -> int:
@@ -94,20 +115,41 @@ def main() -> int:
     args = parser.parse_args()
 
     port = pick_port()
-    trace_dir = Path(tempfile.mkdtemp(prefix="profagent-demo-traces-"))
-    print(f"demo: starting a 2-rank torch CPU training job (traces -> {trace_dir})", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="profagent-demo-"))
+    trace_dir = work / "traces"
+    trace_dir.mkdir()
+    # Private Kineto and control sockets, so the demo never collides with an agent that
+    # already runs on this machine (real deployments use the defaults).
+    config = work / "profagent.toml"
+    config.write_text(
+        f"[ondemand]\nsocket_dir = '{work / 'kineto'}'\ncontrol_socket = '{work / 'control.sock'}'\n"
+        f"trace_dir = '{work / 'ondemand'}'\n"
+    )
+    print(f"demo: starting a 2-rank torch CPU training job; rank 1 writes profiler traces to {trace_dir},"
+          " rank 0 is traced on demand", flush=True)
+    # KINETO_USE_DAEMON=1 lets `profagent trace` take traces with no code change.
     job = subprocess.Popen(
-        [sys.executable, str(HERE / "train.py"), "--ranks", "2", "--workers", "2", "--trace-dir", str(trace_dir)],
+        [sys.executable, str(HERE / "train.py"), "--ranks", "2", "--workers", "2", "--trace-dir", str(trace_dir), "--profile-every", "150",
+         "--profile-ranks", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(work / "kineto")},
     )
     agent_args = [sys.executable, "-m", "profagent", "attach", "--pid", str(job.pid),
-                  "--listen", f"127.0.0.1:{port}", "--trace-dir", str(trace_dir)]
+                  "--listen", f"127.0.0.1:{port}", "--trace-dir", str(trace_dir), "--config", str(config)]
     if not gpu_present():
         print("demo: no GPU here, so the GPU source uses the simulated backend (simulated:h100x2)", flush=True)
         agent_args += ["--gpu-backend", "simulated:h100x2"]
     agent = subprocess.Popen(agent_args)
     url = f"http://127.0.0.1:{port}/metrics"
     stop = False
+    for _ in range(100):  # the agent is up once /healthz answers
+        try:
+            urllib.request.urlopen(url.replace("/metrics", "/healthz"), timeout=1).read()
+            break
+        except OSError:
+            if agent.poll() is not None:
+                break
+            time.sleep(0.2)
 
     def on_signal(*_: object) -> None:
         nonlocal stop
@@ -116,16 +158,23 @@ def main() -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     began = time.monotonic()
+    traced = False
+    next_print = began + 2.0  # let the first samples arrive
     try:
         while not stop and agent.poll() is None:
-            time.sleep(min(args.every, 1.0) if time.monotonic() - began < 3 else args.every)
-            if stop or agent.poll() is not None:
-                break
-            print(f"\n--- {url} (Ctrl-C stops the demo) ---", flush=True)
-            show(url, args.lines)
-            sys.stdout.flush()
+            now = time.monotonic()
+            if now >= next_print:
+                next_print = now + args.every
+                print(f"\n--- {url} (Ctrl-C stops the demo) ---", flush=True)
+                show(url, args.lines)
+                sys.stdout.flush()
+            if not traced and now - began > 8:
+                traced = True
+                on_demand_trace(job.pid, config)
+                next_print = time.monotonic()
             if args.seconds and time.monotonic() - began >= args.seconds:
                 break
+            time.sleep(0.2)
     finally:
         print("\ndemo: stopping the agent and the training job", flush=True)
         if agent.poll() is None:

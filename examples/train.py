@@ -62,10 +62,12 @@ def train(args: argparse.Namespace) -> None:
                         persistent_workers=args.workers > 0)
 
     profiler = None
-    if args.trace_dir:
+    rank = os.environ.get("RANK", "0")
+    # A process profiling itself holds libkineto, so on-demand traces of it wait; the demo
+    # profiles one rank in-process and leaves the other free for `profagent trace`.
+    if args.trace_dir and (not args.profile_ranks or rank in args.profile_ranks.split(",")):
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-        rank = os.environ.get("RANK", "0")
         profiler = profile(
             activities=[ProfilerActivity.CPU],
             schedule=schedule(wait=args.profile_every, warmup=1, active=3, repeat=0),
@@ -101,6 +103,7 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=0, help="act as a launcher starting this many ranks")
     parser.add_argument("--trace-dir", default="", help="write torch profiler traces here")
     parser.add_argument("--profile-every", type=int, default=40, help="steps between profiled windows")
+    parser.add_argument("--profile-ranks", default="", help="comma-separated ranks that profile themselves (default all)")
     parser.add_argument("--slow-data", type=float, default=0.0, help="seconds of sleep per sample")
     parser.add_argument("--step-sleep", type=float, default=0.01, help="seconds of sleep per step")
     args = parser.parse_args()

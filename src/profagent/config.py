@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import sys
 import types
 import typing
@@ -81,7 +82,7 @@ class StacksConfig:
 class TracesConfig:
     dirs: list[str] = _opt([], "folders watched recursively for torch profiler traces (repeatable --trace-dir)")
     polling: bool = _opt(False, "poll the folders instead of inotify (network filesystems)")
-    settle_seconds: float = _opt(1.0, "a .json.gz must keep its size this long before it is read")
+    settle_seconds: float = _opt(0.5, "a .json.gz must keep its size this long before it is read")
     invalid_after: float = _opt(60.0, "seconds a trace may stay incomplete before it counts as invalid")
     max_file_bytes: int = _opt(2 * 1024**3, "traces larger than this (on disk) are skipped")
     top_k: int = _opt(10, "kernels and ops kept per rank; the rest is folded into 'other'")
@@ -93,9 +94,29 @@ class OndemandConfig:
     enabled: bool = _opt(True, "host Kineto's daemon endpoint so `profagent trace` works")
     socket_dir: str = _opt("", "use socket files in this folder instead of the abstract namespace (KINETO_IPC_SOCKET_DIR)")
     trace_dir: str = _opt("/tmp/profagent-ondemand", "where on-demand traces are written (must be under /tmp or KINETO_ONDEMAND_TRACE_DIR)")
+    control_socket: str = _opt("", "Unix socket (0600) that `profagent trace` talks to (default: /run/profagent/control.sock as root, else $XDG_RUNTIME_DIR/profagent/control.sock)")
     periodic_minutes: float = _opt(0.0, "take a trace every N minutes, rotating through ranks; 0 = off")
+    periodic_duration_ms: int = _opt(500, "length of each periodic trace, milliseconds")
     keep: int = _opt(10, "how many agent-requested traces to keep")
     interval: float = _opt(0.0, "seconds between registry updates; 0 = the agent interval")
+
+
+# Python running torchrun / torch.distributed.run|launch, or a script or module named *train*.
+DEFAULT_WATCH_CMDLINE = (
+    r"python[0-9.]*\s(.*[\s/])?(torchrun\b|-m\s+torch\.distributed\.(run|launch)\b"
+    r"|[\w.-]*train[\w.-]*\.py\b|-m\s+[\w.]*train\b)"
+)
+
+
+@dataclass
+class WatchConfig:
+    cmdline_regex: str = _opt(DEFAULT_WATCH_CMDLINE, "`profagent watch` attaches to processes whose command line matches this regex (empty = rule off)")
+    env_markers: list[str] = _opt(["PROFAGENT=1", "KINETO_USE_DAEMON"], "...or whose environment has one of these: NAME (set, non-empty) or NAME=VALUE")
+    gpu_processes: bool = _opt(True, "...or that hold a GPU context according to NVML (needs the gpu source on)")
+    grace_seconds: float = _opt(30.0, "seconds an ended job keeps profagent_target_up = 0 and its last counters before its series disappear")
+    max_jobs: int = _opt(16, "jobs watched at once; further jobs are ignored (one log line) until one ends")
+    max_processes_per_job: int = _opt(256, "processes exported per job (launcher and ranks first); the rest are ignored (one log line)")
+    scan_interval: float = _opt(2.0, "seconds between scans of /proc for new jobs (known jobs refresh every agent interval)")
 
 
 SECTIONS: dict[str, type] = {
@@ -105,6 +126,7 @@ SECTIONS: dict[str, type] = {
     "stacks": StacksConfig,
     "traces": TracesConfig,
     "ondemand": OndemandConfig,
+    "watch": WatchConfig,
 }
 
 
@@ -116,6 +138,7 @@ class Config:
     stacks: StacksConfig = field(default_factory=StacksConfig)
     traces: TracesConfig = field(default_factory=TracesConfig)
     ondemand: OndemandConfig = field(default_factory=OndemandConfig)
+    watch: WatchConfig = field(default_factory=WatchConfig)
 
     def section(self, name: str) -> Any:
         return getattr(self, name or "agent")
@@ -276,6 +299,34 @@ def validate(config: Config) -> None:
                 )
     if config.agent.interval <= 0:
         raise UserError("'interval' must be positive", f"use at least {MIN_INTERVAL}s")
+    _validate_watch(config.watch)
+    _validate_stacks(config.stacks)
+
+
+def _validate_stacks(st: StacksConfig) -> None:
+    if st.rate < 1 or st.rate > 1000:
+        raise UserError(f"'stacks.rate' is {st.rate}", "use 1 to 1000 samples per second (--stack-rate)")
+    if st.window < 1:
+        raise UserError(f"'stacks.window' is {st.window}s, below the minimum", "use at least 1 s")
+    if st.top_k < 1:
+        raise UserError(f"'stacks.top_k' is {st.top_k}", "use 1 or more")
+
+
+def _validate_watch(w: WatchConfig) -> None:
+    try:
+        re.compile(w.cmdline_regex)
+    except re.error as exc:
+        raise UserError(f"invalid 'watch.cmdline_regex' ({exc})", "fix the regular expression") from None
+    for marker in w.env_markers:
+        if not marker.partition("=")[0].strip():
+            raise UserError(f"invalid 'watch.env_markers' entry {marker!r}", "use NAME or NAME=VALUE")
+    if w.scan_interval < MIN_INTERVAL:
+        raise UserError(f"'watch.scan_interval' is {w.scan_interval}s, below the minimum", f"use at least {MIN_INTERVAL}s")
+    if w.grace_seconds < 0:
+        raise UserError("'watch.grace_seconds' is negative", "use 0 or more seconds")
+    for name in ("max_jobs", "max_processes_per_job"):
+        if getattr(w, name) < 1:
+            raise UserError(f"'watch.{name}' must be at least 1", f"set watch.{name} to 1 or more")
 
 
 def _toml_value(value: Any) -> str:

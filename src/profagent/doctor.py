@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import psutil
 
 from profagent import __version__
+from profagent.agent.nvml.checks import check_nvml
+from profagent.agent.pyspy import doctor_check as pyspy_doctor_check
+from profagent.agent.sources.ondemand import doctor_check as ondemand_doctor_check
 from profagent.config import Config
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -40,7 +43,7 @@ def check_runtime(config: Config) -> Iterable[Check]:
 
 
 # Each entry takes the effective config and yields rows. Order = order in the table.
-CHECKS: list[Callable[[Config], Iterable[Check]]] = [check_runtime]
+CHECKS: list[Callable[[Config], Iterable[Check]]] = [check_runtime, check_nvml, pyspy_doctor_check, ondemand_doctor_check]
 
 
 def run_checks(config: Config, checks: Iterable[Callable[[Config], Iterable[Check]]] = CHECKS) -> list[Check]:

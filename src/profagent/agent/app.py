@@ -6,6 +6,7 @@ down; nothing is created at import time.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -14,9 +15,15 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
+from profagent.agent.control import default_control_socket
+from profagent.agent.kineto import TraceOptions
 from profagent.agent.runtime import Runtime
 from profagent.agent.sources import Source
+from profagent.agent.sources.gpu import build_gpu_source
 from profagent.agent.sources.host import HostSource
+from profagent.agent.sources.ondemand import OndemandSource
+from profagent.agent.sources.stacks import StacksSource, stacks_route
+from profagent.agent.sources.traces import traces_source
 from profagent.agent.state import State
 from profagent.agent.target import Target, check_attachable
 from profagent.config import Config, parse_listen
@@ -42,16 +49,47 @@ def build_sources(config: Config) -> tuple[list[Source], list[Disabled]]:
         sources.append(HostSource(interval=config.interval_of("host")))
     else:
         disabled.append(Disabled("host", "host.enabled = false"))
+    gpu = build_gpu_source(config)  # raises UserError for a malformed gpu.backend / gpu.gpus
+    if gpu is not None:
+        sources.append(gpu)
+    else:
+        disabled.append(Disabled("gpu", "gpu.backend = off"))
+    if config.stacks.enabled:
+        sources.append(StacksSource(config.stacks, interval=config.interval_of("stacks")))
+    else:
+        disabled.append(Disabled("stacks", "stacks.enabled = false (--no-stacks)"))
+    if config.ondemand.enabled:
+        sources.append(OndemandSource(
+            interval=config.interval_of("ondemand"),
+            trace_dir=config.ondemand.trace_dir,
+            socket_dir=config.ondemand.socket_dir,
+            control_socket=config.ondemand.control_socket or default_control_socket(),
+            periodic_minutes=config.ondemand.periodic_minutes,
+            keep=config.ondemand.keep,
+            periodic_options=TraceOptions(duration_ms=config.ondemand.periodic_duration_ms),
+        ))
+    else:
+        disabled.append(Disabled("ondemand", "ondemand.enabled = false"))
+    # On-demand traces land in their own folder, which the trace watcher also ingests.
+    trace_dirs = list(config.traces.dirs)
+    if config.ondemand.enabled and config.ondemand.trace_dir not in trace_dirs:
+        trace_dirs.append(config.ondemand.trace_dir)
+    if trace_dirs:
+        sources.append(traces_source(dataclasses.replace(
+            config, traces=dataclasses.replace(config.traces, dirs=trace_dirs))))
+    else:
+        disabled.append(Disabled("traces", "no --trace-dir given"))
     return sources, disabled
 
 
 class Job:
     """One observed job: its target, sources, state and runtime."""
 
-    def __init__(self, config: Config, pid: int) -> None:
+    def __init__(self, config: Config, pid: int, target: Target | None = None) -> None:
+        """``target`` replaces ``Target(pid)`` (watch mode passes a NodeTarget)."""
         self.pid = pid
         self.state = State()
-        self.target = Target(pid)
+        self.target = target if target is not None else Target(pid)
         self.sources, self.disabled = build_sources(config)
         self.runtime = Runtime(self.target, self.sources, self.state, interval=config.agent.interval)
 
@@ -71,6 +109,9 @@ class Agent:
         web = load_web_config(config.agent.web_config) if config.agent.web_config else None
         host, port = parse_listen(config.agent.listen)
         self.server = AgentHTTPServer(host, port, build_registry(self.views), web)
+        self.server.add_route("/api/stacks", stacks_route(
+            lambda: [s for job in list(self.jobs) for s in job.sources if isinstance(s, StacksSource)]
+        ))
 
     def views(self) -> list:
         return [job.state.view() for job in list(self.jobs)]
@@ -104,7 +145,8 @@ def print_banner(agent: Agent, job: Job, console: Console) -> None:
         console.print(f"  job {tree.job_id}: ranks {', '.join(ranks) or '-'} ({parts})")
     for name, health in sorted(view.health.items()):
         state = "[green]on[/green]" if health.up else f"[yellow]off[/yellow]: {health.detail}"
-        console.print(f"  source {name}: {state}", highlight=False)
+        note = next((getattr(s, "note", "") for s in job.sources if s.name == name), "") if health.up else ""
+        console.print(f"  source {name}: {state}{f' ({note})' if note else ''}", highlight=False, soft_wrap=True)
     for d in job.disabled:
         console.print(f"  source {d.name}: [yellow]off[/yellow]: {d.why}", highlight=False)
     console.print(f"  metrics: {agent.server.url}", highlight=False)

@@ -61,7 +61,9 @@ class ProcessTree:
 
     def job_status(self) -> dict[str, bool]:
         """job_id -> alive, for profagent_target_up."""
-        return dict(self.jobs) if self.jobs else {self.job_id: self.alive}
+        if self.jobs or not self.job_id:  # watch mode (job_id ""): only the listed jobs
+            return dict(self.jobs)
+        return {self.job_id: self.alive}
 
     def ranks(self) -> list[str]:
         return sorted({p.rank for p in self.processes if p.role == ROLE_MAIN}, key=_rank_key)

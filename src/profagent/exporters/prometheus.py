@@ -15,13 +15,18 @@ from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector,
 from prometheus_client.core import Metric
 
 from profagent.agent.state import StateView
-from profagent.exporters.families import Families, agent, host
+from profagent.exporters.families import Families, agent, gpu, host, ondemand, stacks
+from profagent.exporters.families import traces as traces_families
 
 Renderer = Callable[[Any, Families], None]
 
 # source name -> how its snapshot becomes families. A new source adds one line here.
 RENDERERS: dict[str, Renderer] = {
     "host": host.render,
+    "gpu": gpu.render,
+    "stacks": stacks.render,
+    "traces": traces_families.render,
+    "ondemand": ondemand.render,
 }
 
 

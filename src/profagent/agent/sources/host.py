@@ -137,7 +137,9 @@ class HostSource:
     def collect(self, tree: ProcessTree) -> HostSnapshot:
         current: dict[tuple[int, float], tuple[Group, Usage]] = {}
         counts: dict[Group, int] = {}
-        live_jobs = {p.job_id for p in tree.processes}
+        # Jobs still listed (watch mode keeps an ended job for its grace period) keep
+        # their retired counters; a job no longer listed takes its groups with it.
+        live_jobs = {p.job_id for p in tree.processes} | set(tree.job_status())
         for info in tree.processes:
             key = (info.pid, info.create_time)
             group = (info.job_id, info.rank, info.role)
@@ -155,7 +157,6 @@ class HostSource:
                 self._retired[group] = _add(self._retired.get(group, Usage()), counter_part)
                 self._procs.pop(key, None)
         self._last = current
-        # A job that ended takes its groups with it (watch mode), so series don't pile up.
         self._retired = {g: u for g, u in self._retired.items() if g[0] in live_jobs}
 
         totals: dict[Group, Usage] = dict(self._retired)

@@ -1,0 +1,70 @@
+"""Interval arithmetic with numpy: unions, and one shared grid to intersect them on.
+
+``merge`` turns possibly overlapping [start, end) spans into a sorted disjoint union.
+A ``Timeline`` is the grid of every boundary of a set of unions: on it, each union is a
+boolean mask over elementary segments, so intersections, differences and priorities are
+``&``, ``& ~`` and running "not yet claimed" masks, and times are masked sums.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+Merged = tuple[np.ndarray, np.ndarray]  # (starts, ends), sorted and disjoint
+
+
+def merge(starts: np.ndarray, ends: np.ndarray) -> Merged:
+    """Union of spans; empty and negative spans are dropped."""
+    keep = ends > starts
+    s, e = starts[keep], ends[keep]
+    if len(s) == 0:
+        return np.empty(0), np.empty(0)
+    order = np.argsort(s, kind="stable")
+    s, e = s[order], e[order]
+    reach = np.maximum.accumulate(e)
+    new = np.empty(len(s), dtype=bool)
+    new[0] = True
+    np.greater(s[1:], reach[:-1], out=new[1:])
+    first = np.flatnonzero(new)
+    last = np.append(first[1:] - 1, len(s) - 1)
+    return s[first], reach[last]
+
+
+def total(m: Merged) -> float:
+    return float((m[1] - m[0]).sum())
+
+
+def covered(m: Merged, points: np.ndarray) -> np.ndarray:
+    """For each point, whether it lies inside the union (start inclusive, end exclusive)."""
+    if len(m[0]) == 0:
+        return np.zeros(len(points), dtype=bool)
+    i = np.searchsorted(m[0], points, side="right") - 1
+    ok = i >= 0
+    out = np.zeros(len(points), dtype=bool)
+    out[ok] = points[ok] < m[1][i[ok]]
+    return out
+
+
+class Timeline:
+    """Elementary segments between every boundary of the given unions."""
+
+    def __init__(self, unions: list[Merged]) -> None:
+        pts = np.unique(np.concatenate([np.concatenate(m) for m in unions] or [np.empty(0)]))
+        self.points = pts
+        self.left = pts[:-1]
+        self.length = np.diff(pts)
+
+    def mask(self, m: Merged) -> np.ndarray:
+        return covered(m, self.left)
+
+    def time(self, mask: np.ndarray) -> float:
+        return float(self.length[mask].sum())
+
+    def runs(self, mask: np.ndarray) -> Merged:
+        """The mask's maximal runs as spans."""
+        if len(mask) == 0:
+            return np.empty(0), np.empty(0)
+        edge = np.diff(mask.astype(np.int8), prepend=0, append=0)
+        starts = np.flatnonzero(edge == 1)
+        ends = np.flatnonzero(edge == -1)
+        return self.points[starts], self.points[ends]

@@ -1,0 +1,278 @@
+"""What a Python stack sample says the job is doing. Pure: no I/O, no clock.
+
+Input is py-spy's folded (``raw``) output recorded with ``--threads --idle``: one line per
+distinct stack, root first, then a count::
+
+    thread (4242): MainThread;<module> (train.py:9);Module._call_impl (torch/nn/modules/module.py:1789) 12
+
+Categories (``classify``), decided in three tiers; see docs/stacks.md:
+
+1. anywhere in the stack: ``compile`` (torch._dynamo / _inductor compiling), then
+   ``checkpoint_io`` (torch.save/load, torch.distributed.checkpoint, safetensors);
+2. innermost match, walking from the leaf to the root: ``host_sync``, ``collective``,
+   ``dataloader``, ``optimizer``, ``backward``, ``forward``;
+3. the leaf alone: ``idle`` (a thread waiting on a lock, queue, select or socket);
+4. else ``other``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+CATEGORIES = (
+    "dataloader", "host_sync", "optimizer", "backward", "forward",
+    "collective", "checkpoint_io", "compile", "idle", "other",
+)
+OTHER = "other"
+
+
+@dataclass(frozen=True)
+class Frame:
+    name: str  # py-spy's qualified name, e.g. "Module._call_impl"
+    file: str  # py-spy's short filename, e.g. "torch/nn/modules/module.py"
+    line: int
+
+    @property
+    def function(self) -> str:
+        """The top-K label: ``function (file.py)``."""
+        return f"{self.name} ({self.file.rsplit('/', 1)[-1]})"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.file}:{self.line})"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """``count`` identical samples of one thread's stack (frames root first)."""
+
+    thread: str  # the thread name py-spy reports ("MainThread", "pin_memory"...)
+    main: bool  # the process' main thread (OS thread id == PID, or named MainThread)
+    frames: tuple[Frame, ...]
+    count: int
+    folded: str  # the line as py-spy wrote it, without the count
+
+    @property
+    def leaf(self) -> Frame | None:
+        return self.frames[-1] if self.frames else None
+
+
+_FRAME = re.compile(r"^(?P<name>.*) \((?P<file>[^()]*?):(?P<line>\d+)\)$")
+_THREAD = re.compile(r"^thread \((?P<tid>[^)]*)\)(?:: (?P<name>.*))?$")
+
+
+def parse_frame(text: str) -> Frame:
+    m = _FRAME.match(text)
+    if m is None:  # a frame without a location (e.g. a process or native frame)
+        return Frame(text, "", 0)
+    return Frame(m.group("name"), m.group("file"), int(m.group("line")))
+
+
+def parse_folded(text: str, pid: int) -> list[Sample]:
+    """Parse py-spy raw output of process ``pid``. Malformed lines are skipped."""
+    samples = []
+    for line in text.splitlines():
+        stack, sep, count = line.rstrip().rpartition(" ")
+        if not sep or not count.isdigit() or not stack:
+            continue
+        parts = stack.split(";")
+        thread, main = "", False
+        m = _THREAD.match(parts[0])
+        if m is not None:
+            parts = parts[1:]
+            thread = m.group("name") or ""
+            tid = m.group("tid")
+            main = thread == "MainThread" or (tid.isdigit() and int(tid) == pid)
+        frames = tuple(parse_frame(p) for p in parts)
+        samples.append(Sample(thread, main, frames, int(count), stack))
+    return samples
+
+
+# -- classification ---------------------------------------------------------------------
+
+_COMPILE_DIRS = ("torch/_dynamo/", "torch/_inductor/", "torch/_functorch/_aot_autograd/",
+                 "torch/_functorch/aot_autograd.py", "torch/_functorch/partitioners.py")
+# Files of those folders that also run on every call of an already compiled model.
+_COMPILE_RUNTIME = ("eval_frame.py", "external_utils.py", "output_code.py", "runtime_wrappers.py",
+                    "torch/_inductor/runtime/", "utils.py")
+_CHECKPOINT = ("torch/serialization.py", "torch/distributed/checkpoint/", "safetensors/",
+               "torch/_weights_only_unpickler.py")
+_SYNC_DIRS = ("torch/cuda/", "torch/cpu/", "torch/xpu/", "torch/mps/", "torch/accelerator/")
+_IDLE_LEAF = {
+    "threading.py": ("wait", "acquire", "join", "_wait_for_tstate_lock"),
+    "queue.py": ("get", "put"),
+    "selectors.py": ("select",),
+    "multiprocessing/connection.py": ("wait", "poll", "_poll", "recv", "_recv", "recv_bytes",
+                                      "_recv_bytes", "accept"),
+    "socket.py": ("accept", "recv_into", "readinto"),
+    "subprocess.py": ("wait", "_wait", "_try_wait", "communicate"),
+    "asyncio/base_events.py": ("_run_once", "select"),
+}
+
+
+def _in(file: str, prefixes: Iterable[str]) -> bool:
+    return any(p in file for p in prefixes)
+
+
+def _method(name: str) -> str:
+    """``Event.synchronize`` -> ``synchronize``; ``f.<locals>.g`` -> ``g``."""
+    return name.rsplit(".", 1)[-1]
+
+
+def _is_compile(f: Frame) -> bool:
+    return _in(f.file, _COMPILE_DIRS) and not _in(f.file, _COMPILE_RUNTIME)
+
+
+def _innermost(f: Frame) -> str | None:
+    """The tier-2 category of one frame, or None."""
+    file, method = f.file, _method(f.name)
+    if file.startswith("torch/") or "/torch/" in file:
+        if method == "synchronize" and _in(file, _SYNC_DIRS):
+            return "host_sync"
+        if _in(file, ("torch/_tensor_str.py",)):
+            return "host_sync"  # printing a tensor copies it to the host
+        if "torch/distributed/" in file:
+            return "collective"
+        if "torch/utils/data/" in file:
+            return "dataloader"
+        if "torch/optim/" in file:
+            return "optimizer"
+        if "torch/autograd/" in file and (method in ("backward", "grad", "_engine_run_backward")
+                                          or file.endswith("autograd/graph.py")):
+            return "backward"
+        if file.endswith("torch/_tensor.py") and method == "backward":
+            return "backward"
+        if "torch/nn/" in file and "torch/nn/parallel/" not in file:
+            return "forward"
+    if "multiprocessing/queues.py" in file:
+        return "dataloader"
+    return None
+
+
+def _idle_leaf(f: Frame) -> bool:
+    for suffix, methods in _IDLE_LEAF.items():
+        if f.file.endswith(suffix) and _method(f.name) in methods:
+            return True
+    return False
+
+
+def classify(frames: tuple[Frame, ...]) -> str:
+    """The category of one stack (frames root first). See the module docstring."""
+    if any(_is_compile(f) for f in frames):
+        return "compile"
+    if any(_in(f.file, _CHECKPOINT) for f in frames):
+        return "checkpoint_io"
+    for f in reversed(frames):
+        category = _innermost(f)
+        if category is not None:
+            return category
+    if frames and _idle_leaf(frames[-1]):
+        return "idle"
+    return OTHER
+
+
+# -- thread states (from `py-spy dump --json`) --------------------------------------------
+
+def thread_states(dump: object) -> dict[tuple[str, str], int]:
+    """Count threads by (state, gil): state active|idle, gil held|not_held.
+    ``dump`` is py-spy's parsed JSON: a list of threads with ``active`` and ``owns_gil``."""
+    counts: dict[tuple[str, str], int] = {}
+    for t in dump if isinstance(dump, list) else ():
+        if not isinstance(t, dict):
+            continue
+        key = ("active" if t.get("active") else "idle", "held" if t.get("owns_gil") else "not_held")
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+# -- top-K functions ------------------------------------------------------------------------
+
+class TopK:
+    """Monotonic counters for the K busiest leaf functions, the rest folded into ``other``.
+
+    Membership follows an exponentially decayed count (half-life ``half_life`` seconds of
+    sampled time), so a function that was hot an hour ago makes room for today's. Each
+    sample is counted once, at the time it is seen: under its function if that function is
+    a member then, else under ``other``. So every exported series only grows: a function
+    that enters starts a new series, one that leaves stops being exported (its count is
+    kept, so it resumes where it was if it comes back), and ``other`` never gives counts back.
+    """
+
+    def __init__(self, k: int, half_life: float = 300.0, max_tracked: int = 512) -> None:
+        self.k = k
+        self.half_life = half_life
+        self.max_tracked = max(max_tracked, 4 * k)
+        self._score: dict[str, float] = {}
+        self._count: dict[str, int] = {}  # every function ever a member (bounded)
+        self._members: set[str] = set()
+        self.other = 0
+
+    def add(self, counts: Mapping[str, int], elapsed: float) -> None:
+        """Account one window: ``counts`` per function, ``elapsed`` seconds long."""
+        decay = math.pow(0.5, max(elapsed, 0.0) / self.half_life)
+        for fn in self._score:
+            self._score[fn] *= decay
+        for fn, n in counts.items():
+            self._score[fn] = self._score.get(fn, 0.0) + n
+        ranked = sorted(self._score, key=lambda fn: (-self._score[fn], fn))
+        if len(ranked) > self.max_tracked:
+            for fn in ranked[self.max_tracked:]:
+                del self._score[fn]
+        self._members = set(ranked[: self.k])
+        for fn, n in counts.items():
+            if fn in self._members:
+                self._count[fn] = self._count.get(fn, 0) + n
+            else:
+                self.other += n
+        if len(self._count) > self.max_tracked:  # forget the least useful ex-members
+            for fn in sorted(self._count, key=lambda f: self._score.get(f, 0.0))[: len(self._count) - self.max_tracked]:
+                if fn not in self._members:
+                    del self._count[fn]
+
+    def series(self) -> list[tuple[str, int]]:
+        """(function, total) for the current members, plus ("other", total)."""
+        rows = sorted(((fn, self._count.get(fn, 0)) for fn in self._members), key=lambda r: (-r[1], r[0]))
+        return [*rows, (OTHER, self.other)]
+
+
+# -- stall detection --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StallStatus:
+    stalled: bool
+    unchanged_seconds: float
+    frames: tuple[Frame, ...]
+    started: bool  # True only on the update where the stall began (log it then, once)
+
+
+class StallTracker:
+    """Tracks how long one rank's main-thread stack has stayed identical.
+
+    Windows are the unit: a window whose main-thread samples all share one stack extends
+    the run if it is the same stack as before, else starts a new run at the window start.
+    A window with several stacks (or none) ends the run. The rank is stalled when the run
+    is longer than ``stall_seconds`` and ``gpu_busy`` is not True (None = no GPU signal).
+    """
+
+    def __init__(self, stall_seconds: float) -> None:
+        self.stall_seconds = stall_seconds
+        self._stack: str | None = None
+        self._frames: tuple[Frame, ...] = ()
+        self._since: float | None = None
+        self._stalled = False
+
+    def update(self, main_samples: list[Sample], start: float, end: float, gpu_busy: bool | None) -> StallStatus:
+        stacks = {s.folded for s in main_samples}
+        if len(stacks) != 1:
+            self._stack, self._since, self._frames = None, None, ()
+        else:
+            stack = stacks.pop()
+            if stack != self._stack or self._since is None:
+                self._stack, self._since, self._frames = stack, start, main_samples[0].frames
+        unchanged = end - self._since if self._since is not None else 0.0
+        stalled = unchanged > self.stall_seconds and gpu_busy is not True
+        started = stalled and not self._stalled
+        self._stalled = stalled
+        return StallStatus(stalled, unchanged, self._frames, started)

@@ -1,0 +1,312 @@
+"""Every dashboard panel, proven against a real Prometheus scraping a real agent.
+
+One module-wide setup: a torch CPU training job (`examples/train.py --ranks 2`) writing
+profiler traces into a watched folder and polling the agent's Kineto endpoint (a private
+socket folder), `profagent attach` with stacks on and the simulated GPU backend, and a
+Prometheus scraping it every second. The job is CPU-only,
+so its traces have no GPU side: a real GPU trace from ../shared/traces/gpu is dropped
+into the same folder as rank 9 (its distributedInfo rank rewritten), and a file that is
+not a trace is dropped there too, so the rejected-files panel has something to show.
+
+Then every target of every committed dashboard, variables substituted, must parse and
+return data through Prometheus' HTTP API.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlencode
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import (
+    ROOT,
+    SHARED_TRACES,
+    AgentProcess,
+    Prometheus,
+    free_port,
+    http_get,
+    parse_metrics,
+    wait_for,
+)
+from profagent.exporters.grafana.model import Target, iter_targets, metric_names
+
+pytestmark = pytest.mark.slow
+
+DASHBOARDS = ROOT / "dashboards"
+ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
+FAMILIES_SRC = ROOT / "src" / "profagent" / "exporters" / "families"
+JOB_ID = "dash-e2e"
+GPU_TRACE = SHARED_TRACES / "a100-2gpu-nccl.pt.trace.json.gz"
+GPU_TRACE_RANK = "9"
+
+# Grafana's built-in variables, as Grafana would expand them for a short time range.
+BUILTINS = {"$__rate_interval": "10s", "$__interval": "2s", "$__range": "2m"}
+
+# Families exported by the agent that no panel shows, and why.
+NOT_ON_A_DASHBOARD: dict[str, str] = {
+    "profagent_traces_dir_configured": "keys the ProfagentNoTraces alert; always 1 while present",
+    "profagent_process_threads": "threads of a rank: shown by `profagent` top-like views, not worth a panel",
+    "profagent_process_open_fds": "fd leaks are rare in training jobs; exported for ad-hoc queries",
+    "profagent_processes": "process count per rank and role; the Ranks and roles table counts processes",
+    "profagent_process_io_read_bytes_total": "storage I/O of a rank: for ad-hoc queries (checkpoint I/O shows as the checkpoint_io stack category)",
+    "profagent_process_io_written_bytes_total": "storage I/O of a rank: for ad-hoc queries",
+    "profagent_process_context_switches_total": "scheduler detail for ad-hoc queries",
+    "profagent_node_cpu_utilization_ratio": "node-level view belongs to node_exporter dashboards",
+    "profagent_node_cpus": "node-level view belongs to node_exporter dashboards",
+    "profagent_node_memory_total_bytes": "node-level view belongs to node_exporter dashboards",
+    "profagent_node_memory_available_bytes": "used by the ProfagentHostMemoryLeak alert; node view belongs to node_exporter",
+    "profagent_gpu_mig_info": "MIG only (absent here); per-process GPU memory carries the mig label",
+    "profagent_gpu_mig_memory_used_bytes": "MIG only (absent here)",
+    "profagent_gpu_mig_memory_free_bytes": "MIG only (absent here)",
+    "profagent_gpu_mig_memory_total_bytes": "MIG only (absent here)",
+    "profagent_gpu_fan_speed_ratio": "absent on passively cooled data-centre boards (the simulated H100)",
+    "profagent_gpu_retired_pages": "pre-Ampere boards only; Ampere and later report remapped rows (on the GPUs dashboard)",
+    "profagent_stack_sampler_errors_total": "py-spy failures: their effect shows as collector errors in Agent health",
+    "process_virtual_memory_bytes": "the agent's own virtual size says little; resident memory is on Agent health",
+    "process_start_time_seconds": "the agent's start time; restarts show as counter resets",
+    "process_max_fds": "a limit, not a measurement",
+    "python_info": "the agent's Python version",
+    "python_gc_collections_total": "the agent's garbage collector, for debugging the agent",
+    "python_gc_objects_collected_total": "the agent's garbage collector, for debugging the agent",
+    "python_gc_objects_uncollectable_total": "the agent's garbage collector, for debugging the agent",
+}
+
+# Series that exist only after something went wrong; a healthy job leaves their panels
+# empty. Their names are checked against the renderers' source instead of the exposition.
+ONLY_AFTER_A_FAILURE: dict[str, str] = {
+    "profagent_collector_errors_total": "a collector tick failed",
+    "profagent_gpu_xid_errors_total": "the driver reported an XID (the simulated backend has no CLI hook for one)",
+    "profagent_stack_sampler_errors_total": "a py-spy run failed",
+}
+
+# Prometheus' own series about the scrape, present without the agent emitting them.
+SCRAPE_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped", "scrape_samples_post_metric_relabeling", "scrape_series_added"}
+
+
+@dataclass
+class Stack:
+    prom: Prometheus
+    instance: str
+    agent_url: str
+    agent: AgentProcess
+
+
+def _gpu_trace_as_rank(dest: Path) -> None:
+    """A real GPU trace, relabelled as rank 9 of this job, written the way Kineto does."""
+    trace = json.loads(gzip.decompress(GPU_TRACE.read_bytes()))
+    trace.setdefault("distributedInfo", {})["rank"] = int(GPU_TRACE_RANK)
+    tmp = dest.with_name(dest.name + ".tmp")
+    tmp.write_bytes(gzip.compress(json.dumps(trace).encode()))
+    tmp.rename(dest)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("dashboards-e2e")
+    traces = tmp / "traces"
+    traces.mkdir()
+    sockets = tmp / "sockets"  # a private Kineto endpoint, not the machine-wide @dynolog
+    sockets.mkdir()
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": JOB_ID, "KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(sockets)}
+    job = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "train.py"), "--ranks", "2", "--workers", "1",
+         "--trace-dir", str(traces), "--profile-every", "60"],
+        env=env, stdout=(tmp / "train.log").open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    agent: AgentProcess | None = None
+    prom: Prometheus | None = None
+    try:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        agent = AgentProcess(
+            ["attach", "--pid", str(job.pid), "--listen", f"127.0.0.1:{port}", "--interval", "0.5",
+             "--trace-dir", str(traces), "--stacks", "--stack-dataloader", "--gpu-backend", "simulated:h100x2"],
+            tmp, env={"PROFAGENT_STATE_DIR": str(tmp / "state"), "PROFAGENT_ONDEMAND_SOCKET_DIR": str(sockets),
+                      "PROFAGENT_ONDEMAND_CONTROL_SOCKET": str(tmp / "control.sock"),
+                      "PROFAGENT_ONDEMAND_TRACE_DIR": str(tmp / "ondemand")},
+        )
+        agent.wait_healthy(url, timeout=60)
+        prom = Prometheus([f"127.0.0.1:{port}"], tmp)
+        _gpu_trace_as_rank(traces / f"gpu-rank{GPU_TRACE_RANK}.pt.trace.json.gz")
+        (traces / "notes.json").write_text('{"hello": "not a trace"}')
+        wait_for(lambda: _everything_flows(url), timeout=120, interval=0.5,
+                 what="traces of ranks 0, 1 and 9, a rejected file, stacks of both roles, GPU memory and Kineto polls per rank")
+        yield Stack(prom, f"127.0.0.1:{port}", url, agent)
+    finally:
+        if prom is not None:
+            prom.stop()
+        if agent is not None:
+            agent.stop()
+        _kill_tree(job)
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _everything_flows(agent_url: str) -> bool:
+    metrics = parse_metrics(http_get(agent_url + "/metrics"))
+
+    def labels(name: str, key: str) -> set[str]:
+        return {lab.get(key, "") for lab, _ in metrics.get(name, [])}
+
+    return (
+        {"0", "1", GPU_TRACE_RANK} <= labels("profagent_trace_step_seconds", "rank")
+        and GPU_TRACE_RANK in labels("profagent_trace_gpu_idle_ratio", "rank")
+        and "profagent_traces_rejected_total" in metrics
+        and {"main", "dataloader"} <= labels("profagent_stack_samples_total", "role")
+        and {"0", "1"} <= labels("profagent_process_gpu_memory_used_bytes", "rank")
+        and {"0", "1"} <= labels("profagent_ondemand_processes", "rank")
+    )
+
+
+def _dashboards() -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
+
+
+def _targets() -> list[Target]:
+    return [t for model in _dashboards().values() for t in iter_targets(model)]
+
+
+def _alert_exprs() -> dict[str, str]:
+    rules = yaml.safe_load(ALERTS.read_text())
+    return {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"]}
+
+
+def substitute(expr: str, instance: str) -> str:
+    """Variables as Grafana sends them: one node and job, All ranks and GPUs."""
+    values = {
+        **BUILTINS,
+        "$instance": re.escape(instance).replace("\\", "\\\\"),
+        "$job_id": JOB_ID,
+        "$rank": ".*",
+        "$gpu": ".*",
+    }
+    for name in sorted(values, key=len, reverse=True):
+        expr = expr.replace(name, values[name])
+    assert "$" not in expr, f"unsubstituted variable in {expr}"
+    return expr
+
+
+def _api(prom: Prometheus, path: str, params: dict[str, str]) -> dict:
+    import urllib.error
+
+    try:
+        body = json.loads(http_get(f"{prom.url}/api/v1/{path}?{urlencode(params)}", timeout=10))
+    except urllib.error.HTTPError as exc:  # 400 = the expression does not parse
+        body = json.loads(exc.read().decode())
+    return body
+
+
+def run_target(prom: Prometheus, target: Target, instance: str) -> tuple[str, int]:
+    """(error or "", number of series) for one panel target."""
+    expr = substitute(target.expr, instance)
+    now = time.time()
+    if target.instant:
+        body = _api(prom, "query", {"query": expr, "time": f"{now:.3f}"})
+    else:
+        body = _api(prom, "query_range", {"query": expr, "start": f"{now - 60:.3f}", "end": f"{now:.3f}", "step": "2"})
+    if body.get("status") != "success":
+        return f"{body.get('errorType')}: {body.get('error')}", 0
+    return "", len(body["data"]["result"])
+
+
+def exposition_names(text: str) -> set[str]:
+    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def declared_in_renderers(name: str) -> bool:
+    """A counter's family is declared without `_total` (the client library adds it)."""
+    base = name.removesuffix("_total")
+    source = "\n".join(p.read_text() for p in FAMILIES_SRC.glob("*.py"))
+    return f'"{base}"' in source
+
+
+# -- tests -----------------------------------------------------------------------------
+
+
+def test_prometheus_scrapes_the_agent(stack: Stack) -> None:
+    result = wait_for(lambda: stack.prom.query(f'profagent_trace_gpu_idle_ratio{{rank="{GPU_TRACE_RANK}"}}'),
+                      timeout=30, what="Prometheus to scrape the GPU trace's figures")
+    assert result[0]["metric"]["job_id"] == JOB_ID
+
+
+def test_every_panel_target_returns_data(stack: Stack) -> None:
+    targets = _targets()
+    assert len(targets) > 60
+    exposition = exposition_names(http_get(stack.agent_url + "/metrics"))
+    failure_only = {name for name in ONLY_AFTER_A_FAILURE if name not in exposition}
+    pending = {(t.dashboard, t.panel, t.ref_id): t for t in targets}
+    problems: dict[tuple[str, str, str], str] = {}
+    deadline = time.monotonic() + 90
+    while pending and time.monotonic() < deadline:
+        for key, target in list(pending.items()):
+            error, series = run_target(stack.prom, target, stack.instance)
+            if error:
+                problems[key] = f"does not run: {error}"
+                del pending[key]
+            elif series:
+                problems.pop(key, None)
+                del pending[key]
+            elif metric_names(target.expr) & failure_only:
+                problems.pop(key, None)  # parses; empty until something fails
+                del pending[key]
+            else:
+                problems[key] = f"no data: {substitute(target.expr, stack.instance)}"
+        if pending:
+            time.sleep(1)
+    assert not problems, "\n".join(f"{d} / {p} / {r}: {why}" for (d, p, r), why in sorted(problems.items()))
+
+
+def test_every_referenced_metric_exists(stack: Stack) -> None:
+    exposition = exposition_names(http_get(stack.agent_url + "/metrics")) | SCRAPE_SERIES
+    used: dict[str, str] = {}
+    for target in _targets():
+        for name in metric_names(target.expr):
+            used.setdefault(name, f"{target.dashboard} / {target.panel}")
+    for alert, expr in _alert_exprs().items():
+        for name in metric_names(expr):
+            used.setdefault(name, f"alert {alert}")
+    missing = {
+        name: where for name, where in used.items()
+        if name not in exposition and not (name in ONLY_AFTER_A_FAILURE and declared_in_renderers(name))
+    }
+    assert not missing, f"referenced but not exported: {missing}"
+
+
+def test_every_exported_family_is_on_a_dashboard_or_allowlisted(stack: Stack) -> None:
+    exposition = exposition_names(http_get(stack.agent_url + "/metrics"))
+    on_panels = {name for t in _targets() for name in metric_names(t.expr)}
+    unused = sorted(exposition - on_panels - set(NOT_ON_A_DASHBOARD))
+    assert not unused, f"exported but on no panel and not in NOT_ON_A_DASHBOARD: {unused}"
+    stale = sorted(set(NOT_ON_A_DASHBOARD) & on_panels)
+    assert not stale, f"on a panel and in NOT_ON_A_DASHBOARD: {stale}"
+
+
+def test_alert_expressions_run(stack: Stack) -> None:
+    for alert, expr in _alert_exprs().items():
+        body = _api(stack.prom, "query", {"query": expr})
+        assert body.get("status") == "success", f"{alert}: {body}"

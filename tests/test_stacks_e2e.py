@@ -1,0 +1,130 @@
+"""End to end: the real `profagent attach` and `profagent stacks` against real Python processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import free_port, http_get, parse_metrics, promtool_check_metrics, wait_for
+
+pytestmark = pytest.mark.slow
+
+HOT = """
+import sys
+def e2e_named_hot_function():
+    x = 0
+    while True:
+        for i in range(1000):
+            x += i
+open(sys.argv[0] + ".ready", "w").close()
+e2e_named_hot_function()
+"""
+
+
+def start_hot(children, tmp_path):
+    proc = children.python(HOT)
+    wait_for(lambda: (tmp_path / "child_0.py.ready").exists(), 20, what="child ready")
+    return proc
+
+
+def pyspy_on(pid: int) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        try:
+            cmd = p.info["cmdline"] or []
+            if p.info["name"] == "py-spy" and str(pid) in cmd and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_attach_exports_stack_families_serves_folded_stacks_and_cleans_up(children, tmp_path, run_agent) -> None:
+    proc = start_hot(children, tmp_path)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    agent = run_agent(
+        ["attach", "--pid", str(proc.pid), "--listen", f"127.0.0.1:{port}", "--stack-rate", "50"],
+        env={"PROFAGENT_STACKS_WINDOW": "1", "PROFAGENT_INTERVAL": "0.5"},
+    )
+    agent.wait_healthy(url)
+
+    def hot_counted() -> dict:
+        m = parse_metrics(http_get(url + "/metrics"))
+        rows = m.get("profagent_stack_function_samples_total", [])
+        hit = [v for labels, v in rows if labels["function"] == "e2e_named_hot_function (child_0.py)"]
+        return m if hit and hit[0] >= 20 else {}
+
+    m = wait_for(hot_counted, 30, what="hot function counted")
+    text = http_get(url + "/metrics")
+    assert promtool_check_metrics(text) == ""
+    labels = {tuple(sorted(lbl)) for lbl, _ in m["profagent_stack_samples_total"]}
+    assert labels == {("category", "job_id", "rank", "role")}
+    assert {lbl["category"] for lbl, _ in m["profagent_stack_samples_total"]} >= {"idle", "other", "forward"}
+    assert [v for lbl, v in m["profagent_rank_stalled"] if lbl["rank"] == "0"] == [0.0]
+    assert ({"collector": "stacks"}, 1.0) in m["profagent_collector_up"]
+
+    folded = http_get(url + "/api/stacks?rank=0&seconds=30")
+    lines = folded.strip().splitlines()
+    assert lines and all(line.rsplit(" ", 1)[1].isdigit() for line in lines)
+    # the main thread's OS id is the PID (py-spy names threads only once `threading` is imported)
+    assert any(line.startswith(f"thread ({proc.pid})") and "e2e_named_hot_function (" in line for line in lines), folded
+
+    assert pyspy_on(proc.pid), "the agent samples with py-spy"
+    assert agent.stop() == 0
+    assert pyspy_on(proc.pid) == []
+    assert "Traceback" not in agent.output
+    assert psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED
+
+
+def test_no_stacks_flag_turns_the_source_off(children, tmp_path, run_agent) -> None:
+    proc = start_hot(children, tmp_path)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    agent = run_agent(["attach", "--pid", str(proc.pid), "--listen", f"127.0.0.1:{port}", "--no-stacks"])
+    agent.wait_healthy(url)
+    time.sleep(1.5)
+    assert "profagent_stack_samples_total" not in http_get(url + "/metrics")
+    assert pyspy_on(proc.pid) == []
+    assert "source stacks: off" in agent.output
+
+
+def test_stacks_command_writes_each_format(children, tmp_path) -> None:
+    proc = start_hot(children, tmp_path)
+    runs = {}
+    for fmt, name in (("flamegraph", "out.svg"), ("speedscope", "out.json"), ("folded", "out.txt")):
+        out = tmp_path / name
+        cmd = [sys.executable, "-m", "profagent", "stacks", "--pid", str(proc.pid), "--seconds", "1",
+               "--format", fmt, "-o", str(out)]
+        runs[fmt] = (out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for out, run in runs.values():
+        stdout, _ = run.communicate(timeout=30)
+        assert run.returncode == 0, stdout
+        assert f"wrote {out}" in stdout
+    svg = runs["flamegraph"][0].read_text()
+    assert "<svg" in svg and "e2e_named_hot_function" in svg
+    speedscope = json.loads(runs["speedscope"][0].read_text())
+    assert speedscope["profiles"] and any(
+        f["name"] == "e2e_named_hot_function" for f in speedscope["shared"]["frames"]
+    )
+    folded = runs["folded"][0].read_text()
+    assert "e2e_named_hot_function (child_0.py:" in folded
+
+
+def test_stacks_command_bad_input_is_one_line(tmp_path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for args, needle in (
+        (["--pid", str(dead.pid), "--format", "folded"], f"no process with PID {dead.pid}"),
+        (["--pid", "1", "--format", "png"], "unknown format 'png'"),
+    ):
+        res = subprocess.run([sys.executable, "-m", "profagent", "stacks", "--seconds", "1",
+                              "-o", str(tmp_path / "x"), *args], capture_output=True, text=True, timeout=30)
+        assert res.returncode == 2
+        err = res.stderr.strip()
+        assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err

@@ -1,0 +1,192 @@
+"""GPU figures of every shared real trace, checked against an independent brute force.
+
+The reference reads the raw JSON with the standard library and computes coverage on the
+grid of every event boundary with a numpy difference array (no interval merging, no
+shared code with profagent). Each elementary segment is then labelled directly.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from bisect import bisect_right
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import SHARED_TRACES
+from profagent.agent.analysis.report import analyze
+from profagent.agent.traceio import read_trace
+
+TRACES = sorted(SHARED_TRACES.glob("*.pt.trace.json.gz"))
+PRIORITY = ("kernel", "memcpy", "memset", "communication", "runtime", "dataloader", "cpu_exec")
+
+
+def _raw(path: Path) -> dict:
+    with gzip.open(path, "rt") as fh:
+        return json.load(fh)
+
+
+class Reference:
+    """Brute-force figures of one trace."""
+
+    def __init__(self, path: Path) -> None:
+        events = [e for e in _raw(path)["traceEvents"] if e.get("ph") == "X"]
+        gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver", "cuda_sync")]
+        launch = {e["args"]["correlation"]: e["ts"] for e in runtime if "correlation" in e.get("args", {})}
+        step_events = sorted((e for e in events if e.get("cat") in ("user_annotation", "cpu_op")
+                              and str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
+        seen, steps = set(), []
+        for e in step_events:
+            if e["name"] not in seen:
+                seen.add(e["name"])
+                steps.append([e["ts"], e["ts"] + e["dur"]])
+        self.inferred = not steps
+        if steps:
+            ends = [s[1] for s in steps]
+            starts = [s[0] for s in steps]
+            for k in gpu:
+                t = launch.get(k.get("args", {}).get("correlation"))
+                if t is None:
+                    continue
+                i = bisect_right(starts, t) - 1
+                if i >= 0 and t < steps[i][1]:
+                    ends[i] = max(ends[i], k["ts"] + k["dur"])
+            prev = -np.inf
+            self.steps = []
+            for (s, _), e in zip(steps, ends, strict=True):
+                s = max(s, prev)
+                e = max(e, s)
+                self.steps.append((s, e))
+                prev = e
+        else:
+            kept = [e for e in events if e.get("cat") in
+                    ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver", "cuda_sync",
+                     "cpu_op", "user_annotation")]
+            self.steps = [(min(e["ts"] for e in kept), max(e["ts"] + e["dur"] for e in kept))]
+
+        def comm(e: dict) -> bool:
+            return e["cat"] == "kernel" and ("nccl" in e["name"].lower() or "rccl" in e["name"].lower())
+
+        self.sets = {
+            "kernel": [e for e in gpu if e["cat"] == "kernel" and not comm(e)],
+            "allkernel": [e for e in gpu if e["cat"] == "kernel"],
+            "memcpy": [e for e in gpu if e["cat"] == "gpu_memcpy"],
+            "memset": [e for e in gpu if e["cat"] == "gpu_memset"],
+            "comm_kernel": [e for e in gpu if comm(e)],
+            "gpu": gpu,
+            "runtime": runtime,
+        }
+        cpu_ops = [e for e in events if e.get("cat") == "cpu_op" and not e["name"].startswith("ProfilerStep#")]
+        ann = [e for e in events if e.get("cat") == "user_annotation"]
+        comm_prefix = ("nccl:", "gloo:", "c10d::", "record_param_comms", "mpi:")
+        self.sets["dataloader"] = [e for e in cpu_ops + ann if e["name"].startswith("enumerate(DataLoader)")]
+        self.sets["communication"] = self.sets["comm_kernel"] + [
+            e for e in cpu_ops + ann if e["name"].startswith(comm_prefix)
+            and not e["name"].startswith("enumerate(DataLoader)")]
+        self.sets["cpu_exec"] = [e for e in cpu_ops if not e["name"].startswith(("enumerate(DataLoader)", *comm_prefix))]
+
+        points = {p for s in self.steps for p in s}
+        for group in self.sets.values():
+            for e in group:
+                points.add(e["ts"])
+                points.add(e["ts"] + e["dur"])
+        self.points = np.array(sorted(points))
+        self.seg = np.diff(self.points)
+        self.window = self._cover([{"ts": s, "dur": e - s} for s, e in self.steps])
+
+    def _cover(self, spans: list[dict]) -> np.ndarray:
+        diff = np.zeros(len(self.points) + 1)
+        if spans:
+            starts = np.searchsorted(self.points, [e["ts"] for e in spans])
+            ends = np.searchsorted(self.points, [e["ts"] + e["dur"] for e in spans])
+            np.add.at(diff, starts, 1)
+            np.add.at(diff, ends, -1)
+        return (np.cumsum(diff)[: len(self.seg)] > 0)
+
+    def time(self, mask: np.ndarray) -> float:
+        return float(self.seg[mask & self.window].sum())
+
+    def cover(self, name: str) -> np.ndarray:
+        return self._cover(self.sets[name])
+
+
+@pytest.fixture(scope="module", params=TRACES, ids=[p.name.split(".")[0] for p in TRACES])
+def pair(request: pytest.FixtureRequest) -> tuple[Reference, object]:
+    return Reference(request.param), analyze(read_trace(request.param))
+
+
+def test_all_shared_traces_present() -> None:
+    assert len(TRACES) == 7, TRACES
+
+
+def test_steps_match(pair) -> None:
+    ref, report = pair
+    assert report.steps_inferred == ref.inferred
+    assert len(report.steps) == len(ref.steps)
+    for step, (s, e) in zip(report.steps, ref.steps, strict=True):
+        assert step.seconds == pytest.approx((e - s) * 1e-6, rel=1e-9, abs=1e-12)
+
+
+def test_gpu_unions_match(pair) -> None:
+    ref, report = pair
+    window = ref.time(np.ones_like(ref.window))
+    busy = ref.cover("gpu")
+    if ref.time(busy) == 0:
+        assert report.gpu is None
+        return
+    g = report.gpu
+    assert g is not None and g.devices == 1  # every shared trace has one device per rank
+    compute = ref.cover("kernel")
+    comm = ref.cover("comm_kernel")
+    assert g.idle_ratio == pytest.approx(1 - ref.time(busy) / window, abs=1e-9)
+    assert g.utilization == pytest.approx(ref.time(ref.cover("allkernel")) / window, abs=1e-9)
+    assert g.compute_ratio == pytest.approx(ref.time(compute) / window, abs=1e-9)
+    assert g.non_compute_ratio == pytest.approx(ref.time(busy & ~compute) / window, abs=1e-9)
+    assert g.memcpy_share == pytest.approx(ref.time(ref.cover("memcpy")) / ref.time(busy), abs=1e-9)
+    if ref.time(comm) > 0:
+        assert g.overlap_ratio == pytest.approx(ref.time(comm & compute) / ref.time(comm), abs=1e-9)
+    else:
+        assert g.overlap_ratio is None
+    parts = g.host_wait_ratio + g.kernel_wait_ratio + g.idle_other_ratio
+    assert parts == pytest.approx(g.idle_ratio, abs=1e-9)
+    assert min(g.host_wait_ratio, g.kernel_wait_ratio, g.idle_other_ratio) >= 0
+
+
+def test_breakdown_by_priority_matches(pair) -> None:
+    ref, report = pair
+    window = ref.time(np.ones_like(ref.window))
+    left = np.ones_like(ref.window)
+    for name in PRIORITY:
+        mask = ref.cover(name) & left
+        assert report.breakdown[name] == pytest.approx(ref.time(mask) / window, abs=1e-9), name
+        left &= ~mask
+    assert report.breakdown["other"] == pytest.approx(ref.time(left) / window, abs=1e-9)
+    assert sum(report.breakdown.values()) == pytest.approx(1.0)
+
+
+def test_launch_delay_median_matches(pair) -> None:
+    ref, report = pair
+    launch = {e["args"]["correlation"]: e["ts"] for e in ref.sets["runtime"] if "correlation" in e.get("args", {})}
+    delays = sorted(max(0.0, k["ts"] - launch[k["args"]["correlation"]])
+                    for k in ref.sets["allkernel"] if k.get("args", {}).get("correlation") in launch)
+    if not delays:
+        assert report.launch_delay is None
+        return
+    assert report.launch_delay["p50"] == pytest.approx(delays[(len(delays) - 1) // 2] * 1e-6)
+    assert report.launch_delay["max"] == pytest.approx(delays[-1] * 1e-6)
+
+
+def test_known_facts_of_the_shared_traces() -> None:
+    by_name = {p.name.split(".")[0]: analyze(read_trace(p)) for p in TRACES}
+    assert by_name["a100-2gpu-nccl"].rank == "0" and len(by_name["a100-2gpu-nccl"].steps) == 3
+    assert len(by_name["a100-80gb-rank0"].steps) == 5
+    assert len(by_name["v100-rank0"].steps) == 5
+    assert by_name["a100-alexnet-cudasync"].steps_inferred
+    assert by_name["cpu-only-rank34"].rank == "34" and by_name["cpu-only-rank34"].gpu is None
+    assert by_name["mi250-rocm"].rank is None and by_name["mi250-rocm"].gpu is not None  # ROCm kernels
+    assert by_name["small-gpu-rank0"].gpu.overlap_ratio is not None  # NCCL kernels present
+    # the V100 trace is GPU bound: kernels run ~97% of the step time
+    assert by_name["v100-rank0"].gpu.utilization > 0.9

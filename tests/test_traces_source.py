@@ -1,0 +1,225 @@
+"""The traces source and its watcher: completeness rules, statuses, restarts, rendering."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from conftest import SHARED_TRACES, parse_metrics, promtool_check_metrics, wait_for
+from profagent.agent.sources.traces import TracesSnapshot, TracesSource, resolve_rank
+from profagent.agent.target import ProcessInfo, ProcessTree
+from profagent.exporters.families import Families
+from profagent.exporters.families.traces import render
+
+NCCL = SHARED_TRACES / "a100-2gpu-nccl.pt.trace.json.gz"
+SMALL = SHARED_TRACES / "mi250-rocm.pt.trace.json.gz"
+TREE = ProcessTree("job1", 100, (
+    ProcessInfo(100, 1, 0.0, "launcher", "", "", "", "torchrun"),
+    ProcessInfo(4242, 100, 0.0, "main", "3", "3", "4", "python train.py"),
+    ProcessInfo(4243, 100, 0.0, "main", "2", "2", "4", "python train.py"),
+), alive=True)
+
+
+class Running:
+    """A started TracesSource plus a thread calling collect() like the runtime does."""
+
+    def __init__(self, folder: Path, state: Path, **kw) -> None:
+        kw.setdefault("settle_seconds", 0.3)
+        kw.setdefault("invalid_after", 30.0)
+        self.source = TracesSource([folder], state, interval=0.1, **kw)
+        self.source.start()
+        self.snapshot: TracesSnapshot | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.snapshot = self.source.collect(TREE)
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        snap = self.snapshot
+        return {} if snap is None else {(s, r): n for s, r, n in snap.counts if n}
+
+    def total(self, status: str) -> int:
+        return sum(n for (s, _), n in self.counts().items() if s == status)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.source.stop()
+        self._thread.join(2)
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> tuple[Path, Path]:
+    folder, state = tmp_path / "traces", tmp_path / "state"
+    folder.mkdir()
+    return folder, state
+
+
+@pytest.fixture
+def running(dirs):
+    started: list[Running] = []
+
+    def start(**kw) -> Running:
+        r = Running(*dirs, **kw)
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.stop()
+
+
+def _fingerprint(folder: Path) -> dict[str, tuple[int, int, str]]:
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            out[str(p)] = (st.st_size, st.st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+def test_slow_gzip_writer_is_ingested_once_never_half(dirs, running) -> None:
+    folder, _ = dirs
+    data = gzip.decompress(NCCL.read_bytes())
+    r = running()
+    target = folder / "sub" / "rank0.pt.trace.json.gz"
+    target.parent.mkdir()
+
+    def writer() -> None:
+        with gzip.open(target, "wb") as fh:
+            step = len(data) // 20
+            for i in range(0, len(data), step):
+                fh.write(data[i : i + step])
+                fh.flush()
+                time.sleep(0.8 if i == 10 * step else 0.03)  # one pause longer than settle
+
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join(30)
+    wait_for(lambda: r.total("ingested") == 1, 15, what="slow gzip ingested")
+    time.sleep(0.5)
+    assert r.counts() == {("ingested", "ok"): 1}
+    (rank,) = r.snapshot.ranks
+    assert rank.rank == "0" and len(rank.report.steps) == 3  # the whole trace, not a prefix
+    assert r.source._thread.is_alive()
+
+
+def test_statuses_of_bad_files(dirs, running) -> None:
+    folder, _ = dirs
+    (folder / "corrupt.json").write_text('{"traceEvents": [{"ph": "X",, ]}')
+    (folder / "empty.pt.trace.json").write_text('{"traceEvents": []}')
+    (folder / "big.pt.trace.json.gz").write_bytes(NCCL.read_bytes())
+    (folder / "cut.json").write_text('{"traceEvents": [{"ph": "X", "ts": 1')
+    (folder / "x.pt.trace.json.tmp").write_text("{}")
+    (folder / "notes.json").write_text('{"hello": 1}')
+    r = running(max_file_bytes=100_000, invalid_after=1.5)
+    expected = {("invalid", "corrupt"): 1, ("skipped", "empty"): 1, ("skipped", "too_large"): 1,
+                ("invalid", "truncated"): 1, ("skipped", "not_a_trace"): 1}
+    wait_for(lambda: r.counts() == expected, 15, what=f"statuses {expected}")
+    assert r.snapshot.ranks == ()
+    assert r.source._thread.is_alive()
+    # still working afterwards
+    (folder / "ok.pt.trace.json.gz").write_bytes(SMALL.read_bytes())
+    wait_for(lambda: r.total("ingested") == 1, 10, what="a good trace after bad ones")
+
+
+def test_tmp_then_rename_and_files_untouched(dirs, running) -> None:
+    folder, _ = dirs
+    r = running()
+    tmp = folder / "w.pt.trace.json.tmp"
+    tmp.write_bytes(gzip.decompress(SMALL.read_bytes()))
+    time.sleep(1.0)
+    assert r.counts() == {}
+    before = _fingerprint(folder)
+    began = time.monotonic()
+    os.replace(tmp, folder / "w.pt.trace.json")
+    wait_for(lambda: r.total("ingested") == 1, 10, what="renamed trace ingested")
+    assert time.monotonic() - began < 2.0  # complete -> visible within 2 s
+    after = _fingerprint(folder)
+    assert list(after.values()) == list(before.values())  # same bytes, size, mtime
+
+
+def test_restart_does_not_count_twice(dirs, running) -> None:
+    folder, state = dirs
+    (folder / "a.pt.trace.json.gz").write_bytes(SMALL.read_bytes())
+    (folder / "b.json").write_text("{not json}")
+    first = running()
+    wait_for(lambda: first.total("ingested") == 1 and first.total("invalid") == 1, 10, what="first pass")
+    before = _fingerprint(folder)
+    first.stop()
+    assert (state / "traces-processed.json").exists()
+    second = running()
+    time.sleep(1.5)
+    assert second.counts() == {}
+    (folder / "c.pt.trace.json.gz").write_bytes(SMALL.read_bytes())
+    wait_for(lambda: second.total("ingested") == 1, 10, what="new file after restart")
+    time.sleep(0.3)
+    assert second.counts() == {("ingested", "ok"): 1}
+    assert all(_fingerprint(folder)[k] == v for k, v in before.items())
+
+
+def test_polling_fallback(dirs, running) -> None:
+    folder, _ = dirs
+    r = running(polling=True)
+    (folder / "p.pt.trace.json.gz").write_bytes(SMALL.read_bytes())
+    wait_for(lambda: r.total("ingested") == 1, 10, what="ingested while polling")
+
+
+def test_rank_resolution() -> None:
+    from profagent.agent.analysis.report import analyze
+    from profagent.agent.traceio import read_trace
+
+    with_rank = analyze(read_trace(NCCL))
+    assert resolve_rank(with_rank, "x.json", TREE) == "0"  # distributedInfo wins
+    rocm = analyze(read_trace(SMALL))  # no distributedInfo; pid 597913
+    assert resolve_rank(rocm, "/t/host_1.123.pt.trace.json", TREE) == "unknown"
+    assert resolve_rank(rocm, "/t/rank-7.json.gz", TREE) == "7"
+    assert resolve_rank(rocm, "/t/host_4243.1700.pt.trace.json", TREE) == "2"
+    mapped = ProcessTree("j", 1, (ProcessInfo(597913, 1, 0.0, "main", "5", "", "", "py"),), True)
+    assert resolve_rank(rocm, "/t/anything.json", mapped) == "5"
+    single = ProcessTree("j", 1, (ProcessInfo(1, 0, 0.0, "main", "0", "0", "1", "py"),), True)
+    assert resolve_rank(rocm, "/t/anything.json", single) == "0"
+
+
+def test_metrics_are_clean_and_bounded(dirs, running) -> None:
+    folder, _ = dirs
+    r = running(top_k=3)
+    for name in ("a100-2gpu-nccl", "cpu-only-rank34", "v100-rank0"):
+        (folder / f"{name}.pt.trace.json.gz").write_bytes((SHARED_TRACES / f"{name}.pt.trace.json.gz").read_bytes())
+    (folder / "bad.json").write_text("[")
+    wait_for(lambda: r.total("ingested") == 3, 20, what="three traces")
+    wait_for(lambda: r.total("invalid") == 1 or r.total("skipped") == 1 or r.source._watcher.waiting, 5)
+    out = Families()
+    render(r.snapshot, out)
+
+    class One:
+        def collect(self):
+            return iter(out)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(One())
+    text = generate_latest(registry).decode()
+    assert promtool_check_metrics(text) == ""
+    m = parse_metrics(text)
+    # rank 0 (v100 or nccl, whichever came last) and rank 34 (CPU only: no GPU series)
+    ranks = {labels["rank"] for labels, _ in m["profagent_trace_step_seconds"]}
+    assert ranks == {"0", "34"}
+    assert {labels["rank"] for labels, _ in m["profagent_trace_gpu_idle_ratio"]} == {"0"}
+    kernels = [labels for labels, _ in m["profagent_trace_top_kernel_seconds"] if labels["rank"] == "0"]
+    assert len(kernels) == 4 and {"other"} <= {k["kernel"] for k in kernels}
+    totals = {labels["status"]: v for labels, v in m["profagent_traces_total"]}
+    assert totals["ingested"] == 3 and set(totals) == {"ingested", "invalid", "skipped"}
+    ratios = [v for labels, v in m["profagent_trace_step_breakdown_ratio"] if labels["rank"] == "0"]
+    assert len(ratios) == 8 and sum(ratios) == pytest.approx(1.0)
+    assert json.dumps(r.snapshot.ranks[0].report.to_dict())  # JSON-able

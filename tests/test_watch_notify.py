@@ -1,0 +1,111 @@
+"""sd_notify: READY, WATCHDOG, RELOADING, STOPPING arrive on a NOTIFY_SOCKET the test binds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, wait_for
+from profagent.agent.sdnotify import Notifier
+from watchkit import token, watch_config
+
+
+class NotifySocket:
+    """A datagram socket standing in for systemd's notify socket; collects every message."""
+
+    def __init__(self, address: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind("\0" + address[1:] if address.startswith("@") else address)
+        self.sock.settimeout(0.2)
+        self.address = address
+        self.messages: list[dict[str, str]] = []
+
+    def poll(self) -> list[dict[str, str]]:
+        try:
+            while True:
+                data = self.sock.recv(4096).decode()
+                self.messages.append(dict(line.split("=", 1) for line in data.splitlines() if "=" in line))
+                self.sock.settimeout(0.01)
+        except (TimeoutError, BlockingIOError):
+            self.sock.settimeout(0.2)
+        return self.messages
+
+    def count(self, key: str, value: str = "1") -> int:
+        return sum(1 for m in self.poll() if m.get(key) == value)
+
+    def index(self, key: str, value: str = "1", start: int = 0) -> int:
+        for i, m in enumerate(self.poll()[start:], start):
+            if m.get(key) == value:
+                return i
+        return -1
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture(params=["path", "abstract"])
+def notify_socket(request, tmp_path: Path):
+    if request.param == "path":
+        address = str(tmp_path / "notify.sock")
+    else:
+        address = f"@profagent-test-{uuid.uuid4().hex}"
+    sock = NotifySocket(address)
+    yield sock
+    sock.close()
+
+
+def test_notifier_outside_systemd_is_a_no_op() -> None:
+    n = Notifier.from_env({})
+    assert n.address is None and n.watchdog_interval is None
+    assert n.ready() is False and n.watchdog() is False
+
+
+def test_notifier_watchdog_interval_is_half_and_respects_watchdog_pid() -> None:
+    env = {"NOTIFY_SOCKET": "@x", "WATCHDOG_USEC": "30000000"}
+    assert Notifier.from_env(env).watchdog_interval == 15.0
+    assert Notifier.from_env({**env, "WATCHDOG_PID": str(os.getpid())}).watchdog_interval == 15.0
+    assert Notifier.from_env({**env, "WATCHDOG_PID": "1"}).watchdog_interval is None
+    assert Notifier.from_env({"NOTIFY_SOCKET": "vsock:2:9"}).address is None  # unsupported: skipped
+
+
+def test_notifier_sends_to_both_kinds_of_socket(notify_socket: NotifySocket) -> None:
+    n = Notifier.from_env({"NOTIFY_SOCKET": notify_socket.address})
+    assert n.ready("serving") and n.reloading() and n.stopping()
+    msgs = wait_for(lambda: len(notify_socket.poll()) >= 3 and notify_socket.messages, what="3 datagrams")
+    assert msgs[0] == {"READY": "1", "STATUS": "serving"}
+    assert msgs[1]["RELOADING"] == "1" and int(msgs[1]["MONOTONIC_USEC"]) > 0
+    assert msgs[2] == {"STOPPING": "1"}
+
+
+@pytest.mark.slow
+def test_watch_sends_ready_watchdog_reload_and_stopping(notify_socket, run_agent, tmp_path) -> None:
+    port = free_port()
+    cfg = watch_config(tmp_path, token())
+    began = time.monotonic()
+    agent = run_agent(["watch", "--config", str(cfg), "--listen", f"127.0.0.1:{port}"],
+                      env={"NOTIFY_SOCKET": notify_socket.address, "WATCHDOG_USEC": "600000"})
+    wait_for(lambda: notify_socket.count("READY"), timeout=30, what="READY=1")
+    agent.wait_healthy(f"http://127.0.0.1:{port}", timeout=5)  # READY means serving already
+    ready = next(m for m in notify_socket.messages if m.get("READY") == "1")
+    assert "watching 0 jobs" in ready.get("STATUS", "")
+
+    # WATCHDOG_USEC = 0.6 s: pings every 0.3 s; ask for several in a row.
+    wait_for(lambda: notify_socket.count("WATCHDOG") >= 4, timeout=20, what="WATCHDOG=1 pings")
+    assert time.monotonic() - began < 30
+
+    start = len(notify_socket.poll())
+    agent.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: notify_socket.index("RELOADING", start=start) >= 0, what="RELOADING=1")
+    reloading = notify_socket.index("RELOADING", start=start)
+    wait_for(lambda: notify_socket.index("READY", start=reloading) > reloading, what="READY=1 after the reload")
+
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.proc.wait(timeout=10) == 0
+    wait_for(lambda: notify_socket.count("STOPPING"), timeout=5, what="STOPPING=1")
+    assert "Traceback" not in agent.output
