@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic import synthetic_state  # noqa: E402
 
 from profagent.exporters.http import AgentHTTPServer  # noqa: E402
-from profagent.exporters.prometheus import build_registry  # noqa: E402
+from profagent.exporters.prometheus import Exposition  # noqa: E402
 
 
 def measure(port: int, n: int, before=None) -> list[float]:
@@ -57,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
 
     state, republish, description = synthetic_state()
-    server = AgentHTTPServer("127.0.0.1", 0, build_registry(lambda: [state.view()]))
+    server = AgentHTTPServer("127.0.0.1", 0, Exposition(lambda: [state.view()]))
     server.start()
     try:
         body = http.client.HTTPConnection("127.0.0.1", server.port)

@@ -60,3 +60,22 @@ def synthetic_state() -> tuple[State, Callable[[], None], str]:
     return state, republish, f"{len(tree.processes)} processes, {RANKS} ranks, sources: host" + "".join(
         f", {make(tree, 0)[0]}" for make in EXTRA
     )
+
+
+def _gpu_maker() -> Callable[[ProcessTree, int], tuple[str, object]]:
+    """Real GpuSource ticks over the simulated backend (8 GPUs, one rank per GPU)."""
+    from profagent.agent.nvml import Nvml
+    from profagent.agent.nvml.profiles import PROFILES
+    from profagent.agent.nvml.simulated import SimulatedNvml
+    from profagent.agent.sources.gpu import GpuSource
+
+    source = GpuSource(Nvml(SimulatedNvml(PROFILES["h100"], GPUS), simulated=True))
+    source.start()
+
+    def make(tree: ProcessTree, tick: int) -> tuple[str, object]:
+        return "gpu", source.collect(tree)
+
+    return make
+
+
+EXTRA.append(_gpu_maker())

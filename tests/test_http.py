@@ -140,3 +140,22 @@ def test_unreadable_web_config(tmp_path: Path) -> None:
     cfg.chmod(0)
     with pytest.raises(UserError, match="cannot read"):
         load_web_config(cfg)
+
+
+def test_exposition_is_cached_per_state_version_and_openmetrics_ends_once() -> None:
+    from profagent.agent.target import ProcessInfo, ProcessTree
+    from profagent.exporters.prometheus import Exposition
+
+    state = State()
+    tree = ProcessTree("j", 1, (ProcessInfo(1, 0, 0.0, "main", "0", "0", "1", "x", "j"),), True)
+    state.set_tree(tree)
+    exposition = Exposition(lambda: [state.view()])
+    first, ctype = exposition.render("")
+    assert b'profagent_target_up{job_id="j"} 1.0' in first and ctype.startswith("text/plain")
+    assert exposition.render("")[0].split(b"profagent_build_info")[1] == first.split(b"profagent_build_info")[1]
+    state.set_tree(ProcessTree("j", 1, (), False))  # a new version must show at once
+    assert b'profagent_target_up{job_id="j"} 0.0' in exposition.render("")[0]
+    om, om_type = exposition.render("application/openmetrics-text; version=1.0.0")
+    assert om_type.startswith("application/openmetrics-text")
+    assert om.count(b"# EOF") == 1 and om.endswith(b"# EOF\n")
+    assert b"process_cpu_seconds_total" in om  # the agent's own families are there too

@@ -28,7 +28,7 @@ from profagent.agent.state import State
 from profagent.agent.target import Target, check_attachable
 from profagent.config import Config, parse_listen
 from profagent.exporters.http import AgentHTTPServer, load_web_config
-from profagent.exporters.prometheus import build_registry
+from profagent.exporters.prometheus import Exposition
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,15 @@ class Job:
         self.state = State()
         self.target = target if target is not None else Target(pid)
         self.sources, self.disabled = build_sources(config)
+        for source in self.sources:
+            if isinstance(source, StacksSource):
+                source.gpu_busy = self.gpu_busy  # a stall needs the rank's GPUs idle too
         self.runtime = Runtime(self.target, self.sources, self.state, interval=config.agent.interval)
+
+    def gpu_busy(self, rank: str) -> bool | None:
+        """Whether the rank's GPUs work, from the GPU source's latest snapshot (None: unknown)."""
+        snapshot = self.state.snapshot("gpu")
+        return snapshot.rank_busy(rank) if snapshot is not None else None
 
     def start(self) -> None:
         self.runtime.start()
@@ -108,7 +116,7 @@ class Agent:
         self.jobs: list[Job] = list(jobs or [])
         web = load_web_config(config.agent.web_config) if config.agent.web_config else None
         host, port = parse_listen(config.agent.listen)
-        self.server = AgentHTTPServer(host, port, build_registry(self.views), web)
+        self.server = AgentHTTPServer(host, port, Exposition(self.views), web)
         self.server.add_route("/api/stacks", stacks_route(
             lambda: [s for job in list(self.jobs) for s in job.sources if isinstance(s, StacksSource)]
         ))

@@ -6,6 +6,7 @@ source: the lock is held only to swap references.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -37,6 +38,10 @@ class StateView:
     version: int
 
 
+# Versions are unique across every State, so (version, ...) keys never collide between jobs.
+_VERSIONS = itertools.count(1)
+
+
 class State:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._lock = threading.Lock()
@@ -49,12 +54,12 @@ class State:
     def register(self, name: str) -> None:
         with self._lock:
             self._health.setdefault(name, SourceHealth())
-            self._version += 1
+            self._version = next(_VERSIONS)
 
     def set_tree(self, tree: ProcessTree) -> None:
         with self._lock:
             self._tree = tree
-            self._version += 1
+            self._version = next(_VERSIONS)
 
     @property
     def tree(self) -> ProcessTree | None:
@@ -67,7 +72,7 @@ class State:
             self._health[name] = replace(
                 old, up=True, detail="", last_duration=duration, last_success=self._clock()
             )
-            self._version += 1
+            self._version = next(_VERSIONS)
 
     def record_error(self, name: str, reason: str, duration: float | None = None) -> None:
         with self._lock:
@@ -77,7 +82,7 @@ class State:
             self._health[name] = replace(
                 old, errors=errors, last_duration=duration if duration is not None else old.last_duration
             )
-            self._version += 1
+            self._version = next(_VERSIONS)
 
     def set_down(self, name: str, detail: str) -> None:
         """The source is off (unavailable or stopped for good); its last snapshot is dropped."""
@@ -85,7 +90,7 @@ class State:
             old = self._health.get(name, SourceHealth())
             self._health[name] = replace(old, up=False, detail=detail)
             self._snapshots.pop(name, None)
-            self._version += 1
+            self._version = next(_VERSIONS)
 
     def snapshot(self, name: str) -> Any:
         return self._snapshots.get(name)

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from profagent.errors import UserError
+from profagent.exporters.prometheus import Exposition
 
 log = logging.getLogger(__name__)
 
@@ -172,11 +173,12 @@ class AgentHTTPServer:
         self,
         host: str,
         port: int,
-        registry: CollectorRegistry,
+        metrics: CollectorRegistry | Exposition,
         web_config: WebConfig | None = None,
     ) -> None:
+        """``metrics`` is an Exposition (cached, what the agent uses) or a plain registry."""
         self.host, self.port = host, port
-        self.registry = registry
+        self.render_metrics = metrics.render if isinstance(metrics, Exposition) else _encode_with(metrics)
         self.web_config = web_config or WebConfig()
         self.routes: dict[str, Route] = {"/healthz": lambda q: (200, "text/plain", b"ok\n")}
         self._httpd: _Server | None = None
@@ -224,6 +226,14 @@ class AgentHTTPServer:
             self._httpd = None
 
 
+def _encode_with(registry: CollectorRegistry) -> Callable[[str], tuple[bytes, str]]:
+    def render(accept: str) -> tuple[bytes, str]:
+        encoder, content_type = choose_encoder(accept)
+        return encoder(registry), content_type
+
+    return render
+
+
 def _make_handler(server: AgentHTTPServer) -> type[BaseHTTPRequestHandler]:
     auth = _Authenticator(server.web_config.users)
 
@@ -262,8 +272,7 @@ def _make_handler(server: AgentHTTPServer) -> type[BaseHTTPRequestHandler]:
             url = urlsplit(self.path)
             try:
                 if url.path == "/metrics":
-                    encoder, ctype = choose_encoder(self.headers.get("Accept", ""))
-                    body = encoder(server.registry)
+                    body, ctype = server.render_metrics(self.headers.get("Accept", ""))
                     headers = {}
                     if "gzip" in self.headers.get("Accept-Encoding", ""):
                         body = gzip.compress(body, compresslevel=1)

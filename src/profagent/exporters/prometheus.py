@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import Metric
+from prometheus_client.exposition import choose_encoder
 
 from profagent.agent.state import StateView
 from profagent.exporters.families import Families, agent, gpu, host, ondemand, stacks
@@ -44,32 +45,60 @@ class ProfagentCollector:
 
     def __init__(self, views: Callable[[], Iterable[StateView]]) -> None:
         self._views = views
-        self._lock = threading.Lock()
-        self._cache_key: tuple[int, ...] | None = None
-        self._cache: list[Metric] = []
 
     def collect(self) -> Iterator[Metric]:
-        views = list(self._views())
-        key = tuple(v.version for v in views) + (len(views),)
-        with self._lock:
-            if key != self._cache_key:
-                out = Families()
-                agent.render_build(out)
-                for view in views:
-                    render_view(view, out)
-                self._cache = list(out)
-                self._cache_key = key
-            return iter(self._cache)
+        out = Families()
+        agent.render_build(out)
+        for view in self._views():
+            render_view(view, out)
+        return iter(out)
 
     def describe(self) -> list[Metric]:
         return []  # unchecked collector: families vary with what sources are on
 
 
-def build_registry(views: Callable[[], Iterable[StateView]]) -> CollectorRegistry:
-    """A fresh registry (never the global one) with profagent and the agent's own process_*."""
-    registry = CollectorRegistry(auto_describe=False)
+def _own_collectors(registry: CollectorRegistry) -> CollectorRegistry:
+    """The agent's own process_*, python_* families (they describe the agent itself)."""
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
+    return registry
+
+
+def build_registry(views: Callable[[], Iterable[StateView]]) -> CollectorRegistry:
+    """A fresh registry (never the global one) with profagent and the agent's own process_*."""
+    registry = _own_collectors(CollectorRegistry(auto_describe=False))
     registry.register(ProfagentCollector(views))
     return registry
+
+
+class Exposition:
+    """The /metrics body. profagent's families are encoded once per state version (and
+    format), so a scrape between two source ticks costs a lookup; the agent's own
+    process_* families are read fresh each time."""
+
+    def __init__(self, views: Callable[[], Iterable[StateView]]) -> None:
+        self._views = views
+        self._own = _own_collectors(CollectorRegistry(auto_describe=False))
+        self._profagent = CollectorRegistry(auto_describe=False)
+        self._profagent.register(ProfagentCollector(self._pinned))
+        self._pinned_views: list[StateView] = []
+        self._lock = threading.Lock()
+        self._cache: dict[str, tuple[tuple[int, ...], bytes]] = {}
+
+    def _pinned(self) -> list[StateView]:
+        return self._pinned_views
+
+    def render(self, accept: str) -> tuple[bytes, str]:
+        encoder, content_type = choose_encoder(accept)
+        views = list(self._views())
+        key = tuple(v.version for v in views)
+        with self._lock:
+            cached = self._cache.get(content_type)
+            if cached is None or cached[0] != key:
+                self._pinned_views = views  # render exactly the views the key describes
+                cached = self._cache[content_type] = (key, encoder(self._profagent))
+        own = encoder(self._own)
+        if own.endswith(b"# EOF\n"):  # OpenMetrics ends once, after everything
+            own = own[: -len(b"# EOF\n")]
+        return own + cached[1], content_type
