@@ -41,6 +41,7 @@ from conftest import (
     parse_metrics,
     wait_for,
 )
+from profagent.exporters.grafana.coverage import NOT_ON_A_DASHBOARD, ONLY_AFTER_A_FAILURE
 from profagent.exporters.grafana.model import Target, iter_targets, metric_names
 
 pytestmark = pytest.mark.slow
@@ -55,42 +56,8 @@ GPU_TRACE_RANK = "9"
 # Grafana's built-in variables, as Grafana would expand them for a short time range.
 BUILTINS = {"$__rate_interval": "10s", "$__interval": "2s", "$__range": "2m"}
 
-# Families exported by the agent that no panel shows, and why.
-NOT_ON_A_DASHBOARD: dict[str, str] = {
-    "profagent_traces_dir_configured": "keys the ProfagentNoTraces alert; always 1 while present",
-    "profagent_process_threads": "threads of a rank: shown by `profagent` top-like views, not worth a panel",
-    "profagent_process_open_fds": "fd leaks are rare in training jobs; exported for ad-hoc queries",
-    "profagent_processes": "process count per rank and role; the Ranks and roles table counts processes",
-    "profagent_process_io_read_bytes_total": "storage I/O of a rank: for ad-hoc queries (checkpoint I/O shows as the checkpoint_io stack category)",
-    "profagent_process_io_written_bytes_total": "storage I/O of a rank: for ad-hoc queries",
-    "profagent_process_context_switches_total": "scheduler detail for ad-hoc queries",
-    "profagent_node_cpu_utilization_ratio": "node-level view belongs to node_exporter dashboards",
-    "profagent_node_cpus": "node-level view belongs to node_exporter dashboards",
-    "profagent_node_memory_total_bytes": "node-level view belongs to node_exporter dashboards",
-    "profagent_node_memory_available_bytes": "used by the ProfagentHostMemoryLeak alert; node view belongs to node_exporter",
-    "profagent_gpu_mig_info": "MIG only (absent here); per-process GPU memory carries the mig label",
-    "profagent_gpu_mig_memory_used_bytes": "MIG only (absent here)",
-    "profagent_gpu_mig_memory_free_bytes": "MIG only (absent here)",
-    "profagent_gpu_mig_memory_total_bytes": "MIG only (absent here)",
-    "profagent_gpu_fan_speed_ratio": "absent on passively cooled data-centre boards (the simulated H100)",
-    "profagent_gpu_retired_pages": "pre-Ampere boards only; Ampere and later report remapped rows (on the GPUs dashboard)",
-    "profagent_stack_sampler_errors_total": "py-spy failures: their effect shows as collector errors in Agent health",
-    "process_virtual_memory_bytes": "the agent's own virtual size says little; resident memory is on Agent health",
-    "process_start_time_seconds": "the agent's start time; restarts show as counter resets",
-    "process_max_fds": "a limit, not a measurement",
-    "python_info": "the agent's Python version",
-    "python_gc_collections_total": "the agent's garbage collector, for debugging the agent",
-    "python_gc_objects_collected_total": "the agent's garbage collector, for debugging the agent",
-    "python_gc_objects_uncollectable_total": "the agent's garbage collector, for debugging the agent",
-}
-
-# Series that exist only after something went wrong; a healthy job leaves their panels
-# empty. Their names are checked against the renderers' source instead of the exposition.
-ONLY_AFTER_A_FAILURE: dict[str, str] = {
-    "profagent_collector_errors_total": "a collector tick failed",
-    "profagent_gpu_xid_errors_total": "the driver reported an XID (the simulated backend has no CLI hook for one)",
-    "profagent_stack_sampler_errors_total": "a py-spy run failed",
-}
+SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}")
+MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
 
 # Prometheus' own series about the scrape, present without the agent emitting them.
 SCRAPE_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped", "scrape_samples_post_metric_relabeling", "scrape_series_added"}
@@ -295,6 +262,28 @@ def test_every_referenced_metric_exists(stack: Stack) -> None:
         if name not in exposition and not (name in ONLY_AFTER_A_FAILURE and declared_in_renderers(name))
     }
     assert not missing, f"referenced but not exported: {missing}"
+
+
+def test_label_matchers_name_labels_the_metric_has(stack: Stack) -> None:
+    """`rank=~".*"` also matches a series without a rank label, so the data test alone
+    would not notice a matcher on a label the metric lacks: Grafana, with one rank
+    picked, would then show nothing."""
+    labels: dict[str, set[str]] = {}
+    for fam in text_string_to_metric_families(http_get(stack.agent_url + "/metrics")):
+        for sample in fam.samples:
+            labels.setdefault(sample.name, set()).update(sample.labels)
+    target_labels = {"instance", "job"}
+    wrong = []
+    exprs = [(f"{t.dashboard} / {t.panel}", t.expr) for t in _targets()]
+    exprs += [(f"alert {name}", expr) for name, expr in _alert_exprs().items()]
+    for where, expr in exprs:
+        for metric, matchers in SELECTOR.findall(expr):
+            if metric not in labels:
+                continue  # only-after-a-failure series, or Prometheus' own
+            for label in MATCHER.findall(matchers):
+                if label not in labels[metric] | target_labels:
+                    wrong.append(f"{where}: {metric} has no label {label!r}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_every_exported_family_is_on_a_dashboard_or_allowlisted(stack: Stack) -> None:

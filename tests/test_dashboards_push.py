@@ -235,3 +235,15 @@ def test_export_to_an_unwritable_place_is_one_line(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     _one_line_error(_cli("export", str(blocker / "sub")), "cannot write to")
+
+
+def test_export_and_push_do_not_need_the_sdk(tmp_path: Path) -> None:
+    """grafana-foundation-sdk is a test extra: the installed CLI must work without it."""
+    code = (
+        "import sys; sys.modules['grafana_foundation_sdk'] = None\n"  # any import of it now fails
+        "sys.argv = ['profagent', 'dashboards', 'export', sys.argv[1]]\n"
+        "from profagent.cli import main; main()\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert len(list(tmp_path.glob("*.json"))) == 5

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from profagent.exporters.grafana.model import iter_panels, iter_targets
+from profagent.exporters.grafana.coverage import NOT_ON_A_DASHBOARD, ONLY_AFTER_A_FAILURE
+from profagent.exporters.grafana.model import iter_panels, iter_targets, metric_names
 from profagent.exporters.grafana.provisioning import (
     DATASOURCE_FILE,
     DATASOURCE_UID,
@@ -166,3 +167,25 @@ def test_docker_compose_mounts_the_provisioning() -> None:
     assert prom_mounts["/etc/prometheus/alerts.yml"] == "./prometheus/alerts.yml"
     for spec in compose["volumes"]:
         assert any(v.startswith(f"{spec}:") for s in services.values() for v in s["volumes"])
+
+
+def test_every_family_a_renderer_declares_is_on_a_panel_or_allowlisted() -> None:
+    """Also the families a healthy simulated job never exports (MIG, XID, fan speed...).
+
+    Renderers name families without the suffixes the client library adds (`_total`, a
+    unit), so a declared name counts as covered when a used name starts with it.
+    """
+    source = "\n".join(p.read_text() for p in (ROOT / "src/profagent/exporters/families").glob("*.py"))
+    declared = set(re.findall(r'"(profagent_[a-z0-9_]+)"', source))
+    used = {name for m in _models().values() for t in iter_targets(m) for name in metric_names(t.expr)}
+    covered = used | set(NOT_ON_A_DASHBOARD)
+    missing = sorted(d for d in declared if not any(name == d or name.startswith(d + "_") for name in covered))
+    assert not missing, f"declared by a renderer, on no panel and not in NOT_ON_A_DASHBOARD: {missing}"
+
+
+def test_allowlists_name_families_that_renderers_declare() -> None:
+    source = "\n".join(p.read_text() for p in (ROOT / "src/profagent/exporters/families").glob("*.py"))
+    declared = set(re.findall(r'"(profagent_[a-z0-9_]+)"', source))
+    for name in [*NOT_ON_A_DASHBOARD, *ONLY_AFTER_A_FAILURE]:
+        if name.startswith("profagent_"):  # the others are the client library's process_* / python_*
+            assert any(name == d or name.startswith(d + "_") for d in declared), f"{name}: no renderer declares it"

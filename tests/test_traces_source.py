@@ -43,7 +43,7 @@ class Running:
         self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.wait(self.source.interval):  # as the runtime ticks
             self.snapshot = self.source.collect(TREE)
 
     def counts(self) -> dict[tuple[str, str], int]:

@@ -109,3 +109,41 @@ def test_watch_sends_ready_watchdog_reload_and_stopping(notify_socket, run_agent
     assert agent.proc.wait(timeout=10) == 0
     wait_for(lambda: notify_socket.count("STOPPING"), timeout=5, what="STOPPING=1")
     assert "Traceback" not in agent.output
+
+
+class RecordingNotifier(Notifier):
+    def __init__(self) -> None:
+        super().__init__("@unused", watchdog_usec=100_000)  # ping every 0.05 s
+        self.sent: list[tuple[str, ...]] = []
+
+    def send(self, *fields: str) -> bool:
+        self.sent.append(fields)
+        return True
+
+
+def test_watchdog_pings_only_while_discovery_refreshes(tmp_path) -> None:
+    """A stuck discovery loop stops the pings, so systemd restarts the agent."""
+    import io
+    import threading
+
+    from rich.console import Console
+
+    from profagent.agent.watch import Watcher
+    from profagent.config import load_config
+
+    cfg = load_config(watch_config(tmp_path, token()), overrides={"listen": "127.0.0.1:0"})
+    notifier = RecordingNotifier()
+    watcher = Watcher(cfg, lambda: cfg, notifier, Console(file=io.StringIO()))
+    loop = threading.Thread(target=watcher._loop, daemon=True)
+    loop.start()  # the runtime is not started: discovery never refreshes
+    try:
+        time.sleep(0.6)
+        assert not [f for f in notifier.sent if "WATCHDOG=1" in f]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sum("WATCHDOG=1" in f for f in notifier.sent) < 3:
+            watcher.target.last_refresh = time.monotonic()  # discovery is alive again
+            time.sleep(0.05)
+        assert sum("WATCHDOG=1" in f for f in notifier.sent) >= 3
+    finally:
+        watcher.stop_event.set()
+        loop.join(5)

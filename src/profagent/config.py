@@ -69,7 +69,7 @@ class GpuConfig:
 class StacksConfig:
     enabled: bool = _opt(True, "sample Python stacks of every rank with py-spy")
     rate: int = _opt(20, "samples per second per process")
-    window: float = _opt(2.0, "seconds per sampling window")
+    window: float = _opt(5.0, "seconds per py-spy record window (whole seconds); counters move once per window")
     nonblocking: bool = _opt(True, "sample without stopping the target (py-spy --nonblocking)")
     dataloader: bool = _opt(False, "also sample DataLoader worker processes")
     top_k: int = _opt(10, "leaf functions kept per rank; the rest is folded into 'other'")
@@ -86,7 +86,7 @@ class TracesConfig:
     invalid_after: float = _opt(60.0, "seconds a trace may stay incomplete before it counts as invalid")
     max_file_bytes: int = _opt(2 * 1024**3, "traces larger than this (on disk) are skipped")
     top_k: int = _opt(10, "kernels and ops kept per rank; the rest is folded into 'other'")
-    interval: float = _opt(0.0, "seconds between folder checks; 0 = the agent interval")
+    interval: float = _opt(0.0, "seconds between publishing newly analysed traces; 0 = 0.25 s (or the agent interval if shorter)")
 
 
 @dataclass

@@ -1,17 +1,17 @@
 """Reading Kineto (Chrome trace JSON) files, fast and memory-bounded.
 
-Only what the analyzers use is decoded, into typed msgspec Structs (unknown fields are
-skipped without building Python objects). Large files are decoded in chunks: the
-``traceEvents`` array is cut at event boundaries (``}`` , ``{``), each piece is decoded
-on its own, and only the kept events stay in memory, so peak memory is about one chunk
-plus the kept events rather than the whole text plus every object.
+Only what the analyzers use is decoded: msgspec decodes events into typed Structs
+(unknown fields skipped), and the kept events become numpy columns (about 40 bytes per
+event). The ``traceEvents`` array is decoded piece by piece, cut at event boundaries
+(``}`` , ``{``; a cut inside a string or a nested object fails to decode and an earlier
+one is tried), so peak memory is one piece of text (about ``CHUNK``) plus the columns,
+never the whole text plus a dict per event. Gzip is inflated in bounded chunks too.
 
 Raises ``TraceError`` (with a short bounded ``reason``) and nothing else for bad input.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import zlib
 from collections.abc import Iterator
@@ -372,8 +372,3 @@ def _last_boundary(buf: bytes | bytearray, end: int) -> int | None:
         m = _BOUNDARY.match(buf, pos)
         if m is not None and m.end() <= end:
             return pos
-
-
-def trace_size(path: str | Path) -> int:
-    """Size on disk. Raises OSError."""
-    return os.stat(path).st_size

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from grafana_foundation_sdk.builders.dashboard import Dashboard
+
 from profagent.exporters.grafana.common import (
     BY_KEY,
     BYTES,
@@ -22,7 +24,7 @@ from profagent.exporters.grafana.common import (
 BOARD = BY_KEY["agent"]
 
 
-def build():
+def build() -> Dashboard:
     d = dashboard(BOARD, "Is profagent itself healthy: collectors, errors, collection and scrape cost.")
     d = (
         d.with_row(row("Collectors"))

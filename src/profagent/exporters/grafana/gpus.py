@@ -3,6 +3,8 @@ ECC and XID, per device (NVML)."""
 
 from __future__ import annotations
 
+from grafana_foundation_sdk.builders.dashboard import Dashboard
+
 from profagent.exporters.grafana.common import (
     BY_KEY,
     BYTES,
@@ -29,7 +31,7 @@ DEV = "{{instance}} gpu {{gpu}}"
 PROC = f'{RANK}, gpu=~"$gpu"'
 
 
-def build():
+def build() -> Dashboard:
     d = dashboard(BOARD, "Every GPU of the selected nodes, as NVML reports it.")
     d = (
         d.with_row(row("Utilisation and memory"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from grafana_foundation_sdk.builders.dashboard import Dashboard
+
 from profagent.exporters.grafana.common import (
     BY_KEY,
     BYTES,
@@ -35,7 +37,7 @@ RANK_GPU_UTIL = (
 )
 
 
-def build():
+def build() -> Dashboard:
     d = dashboard(BOARD, "Is the job healthy, and where does its time go? Start here.")
     d = (
         d.with_row(row("Job"))

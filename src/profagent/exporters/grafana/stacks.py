@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from grafana_foundation_sdk.builders.dashboard import Dashboard
+
 from profagent.exporters.grafana.common import (
     BY_KEY,
     NONE,
@@ -36,7 +38,7 @@ def _function_share() -> str:
     )
 
 
-def build():
+def build() -> Dashboard:
     d = dashboard(BOARD, "Where the Python main thread of each rank spends its time (py-spy samples).")
     d = (
         d.with_row(row("Where time goes"))

@@ -6,6 +6,8 @@ in steps, each time a new trace lands in the watched folder.
 
 from __future__ import annotations
 
+from grafana_foundation_sdk.builders.dashboard import Dashboard
+
 from profagent.exporters.grafana.common import (
     BY_KEY,
     BYTES,
@@ -31,7 +33,7 @@ def _top(metric: str, name: str) -> str:
     return f"sort_desc({metric}{{{RANK}, {name}!=\"other\"}})"
 
 
-def build():
+def build() -> Dashboard:
     d = dashboard(BOARD, "What the torch profiler traces of each rank say: steps, GPU idle, top kernels and ops.")
     d = (
         d.with_row(row("Steps and stragglers"))

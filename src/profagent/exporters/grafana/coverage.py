@@ -1,0 +1,44 @@
+"""Which exported families the dashboards leave out, and why.
+
+A metric family without a panel is unfinished work unless it is listed here with its
+reason. The tests hold both lists against the renderers and a live exposition.
+"""
+
+from __future__ import annotations
+
+# Families that no panel shows.
+NOT_ON_A_DASHBOARD: dict[str, str] = {
+    "profagent_traces_dir_configured": "keys the ProfagentNoTraces alert; always 1 while present",
+    "profagent_process_threads": "threads of a rank's processes: for ad-hoc queries",
+    "profagent_process_open_fds": "fd leaks are rare in training jobs: for ad-hoc queries",
+    "profagent_processes": "processes per rank and role: the Ranks and roles table counts them from target_info",
+    "profagent_process_io_read_bytes_total": "storage I/O of a rank: for ad-hoc queries (checkpoints show as the checkpoint_io stack category)",
+    "profagent_process_io_written_bytes_total": "storage I/O of a rank: for ad-hoc queries",
+    "profagent_process_context_switches_total": "scheduler detail: for ad-hoc queries",
+    "profagent_node_cpu_utilization_ratio": "the node view belongs to node_exporter's dashboards",
+    "profagent_node_cpus": "the node view belongs to node_exporter's dashboards",
+    "profagent_node_memory_total_bytes": "the node view belongs to node_exporter's dashboards",
+    "profagent_node_memory_available_bytes": "used by the ProfagentHostMemoryLeak alert; the node view belongs to node_exporter",
+    "profagent_gpu_mig_info": "MIG only; per-process GPU memory carries the mig label",
+    "profagent_gpu_mig_memory_used_bytes": "MIG only: for ad-hoc queries",
+    "profagent_gpu_mig_memory_free_bytes": "MIG only: for ad-hoc queries",
+    "profagent_gpu_mig_memory_total_bytes": "MIG only: for ad-hoc queries",
+    "profagent_gpu_fan_speed_ratio": "absent on passively cooled data-centre boards, the ones training runs on",
+    "profagent_gpu_retired_pages": "pre-Ampere boards only; newer ones report remapped rows (on the GPUs dashboard)",
+    "profagent_stack_sampler_errors_total": "py-spy failures; their effect shows as collector errors on Agent health",
+    "process_virtual_memory_bytes": "the agent's virtual size says little; its resident memory is on Agent health",
+    "process_start_time_seconds": "the agent's start time; restarts show as counter resets",
+    "process_max_fds": "a limit, not a measurement",
+    "python_info": "the agent's Python version",
+    "python_gc_collections_total": "the agent's garbage collector, for debugging the agent",
+    "python_gc_objects_collected_total": "the agent's garbage collector, for debugging the agent",
+    "python_gc_objects_uncollectable_total": "the agent's garbage collector, for debugging the agent",
+}
+
+# Series that exist only after something went wrong, so a healthy job leaves their panels
+# (and alerts) empty.
+ONLY_AFTER_A_FAILURE: dict[str, str] = {
+    "profagent_collector_errors_total": "a collector tick failed",
+    "profagent_gpu_xid_errors_total": "the driver reported an XID",
+    "profagent_stack_sampler_errors_total": "a py-spy run failed",
+}
