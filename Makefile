@@ -46,5 +46,9 @@ bench: venv
 dashboards: venv
 	$(PY) -m profagent.exporters.grafana.generate
 
+# systemd units + /etc/profagent/config.toml (kept if present); PREFIX=DIR for a staging root.
+install-service: venv
+	$(SUDO) $(VENV)/bin/profagent install-service --prefix "$(or $(PREFIX),/)"
+
 clean:
 	rm -rf $(VENV) build dist .pytest_cache

@@ -10,8 +10,10 @@ so drift of the machine hits every condition alike. For B and C the agent is att
 and has sampled for a few seconds before the timed steps begin.
 
 Printed: the slowdown of B and C against the A runs of the same rounds (mean, stdev and
-median of the per-round ratios), the agent's CPU as % of one core during the timed
-steps (the agent plus its py-spy children), and the agent's peak RSS.
+median of the per-round ratios), both in wall time and in the job's own CPU time (the
+latter is far less sensitive to other load on a shared machine, but does not see time
+the job spends stopped, which only blocking mode causes); the agent's CPU as % of one
+core during the timed steps (the agent plus its py-spy children); its peak RSS.
 Goals (issue 4): slowdown <= 0.5% (hard limit 1%), agent <= 2% of a core, RSS <= 100 MB.
 """
 
@@ -48,10 +50,10 @@ JOB = textwrap.dedent("""
         step()
     print("ready", flush=True)
     sys.stdin.readline()
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     for _ in range(int(sys.argv[1])):
         step()
-    print(time.perf_counter() - began, flush=True)
+    print(time.perf_counter() - began, time.process_time() - cpu, flush=True)
 """)
 
 
@@ -74,8 +76,9 @@ def agent_cpu(agent: psutil.Process) -> float:
     return total
 
 
-def run(script: Path, steps: int, mode: str, settle: float) -> tuple[float, float | None, float | None]:
-    """One timed run. Returns (seconds, agent CPU % of a core, agent peak RSS bytes)."""
+def run(script: Path, steps: int, mode: str, settle: float) -> tuple[float, float, float | None, float | None]:
+    """One timed run. Returns (wall seconds, job CPU seconds, agent CPU % of a core,
+    agent peak RSS bytes)."""
     job = subprocess.Popen([sys.executable, str(script), str(steps)], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, text=True)
     assert job.stdout.readline().strip() == "ready"
@@ -109,14 +112,14 @@ def run(script: Path, steps: int, mode: str, settle: float) -> tuple[float, floa
         line = job.stdout.readline().strip()
         if proc:
             peak = max(peak, proc.memory_info().rss)
-    seconds = float(line)
+    seconds, job_cpu = (float(v) for v in line.split())
     cpu_pct = None
     if proc:
         cpu_pct = 100.0 * (agent_cpu(proc) - cpu0) / (time.monotonic() - wall0)
         agent.terminate()
         agent.wait(10)
     job.wait(10)
-    return seconds, cpu_pct, (peak or None)
+    return seconds, job_cpu, cpu_pct, (peak or None)
 
 
 def sd(values: list[float]) -> float:
@@ -135,30 +138,32 @@ def main() -> None:
     script.write_text(JOB)
     modes = ["none", "nonblocking"] + ([] if args.no_blocking else ["blocking"])
     times: dict[str, list[float]] = {m: [] for m in modes}
+    job_cpu: dict[str, list[float]] = {m: [] for m in modes}
     cpu: dict[str, list[float]] = {m: [] for m in modes}
     rss: dict[str, list[float]] = {m: [] for m in modes}
     try:
         for i in range(args.pairs):
             order = modes[i % len(modes):] + modes[: i % len(modes)]
             for mode in order:
-                seconds, pct, peak = run(script, args.steps, mode, args.settle)
+                seconds, used, pct, peak = run(script, args.steps, mode, args.settle)
                 times[mode].append(seconds)
+                job_cpu[mode].append(used)
                 if pct is not None:
                     cpu[mode].append(pct)
                     rss[mode].append(peak)
-                print(f"round {i + 1} {mode:12s} {seconds:7.3f} s" + (f"  agent {pct:4.2f}% cpu" if pct is not None else ""), flush=True)
+                print(f"round {i + 1} {mode:12s} {seconds:7.3f} s wall {used:7.3f} s job CPU" + (f"  agent {pct:4.2f}% cpu" if pct is not None else ""), flush=True)
     finally:
         script.unlink(missing_ok=True)
 
-    base = times["none"]
-    print(f"\nbaseline: {statistics.mean(base):.3f} s for {args.steps} steps (stdev {sd(base):.3f})")
+    print(f"\nbaseline: {statistics.mean(times['none']):.3f} s wall, {statistics.mean(job_cpu['none']):.3f} s job CPU "
+          f"for {args.steps} steps (stdev {sd(times['none']):.3f} / {sd(job_cpu['none']):.3f})")
     for mode in modes[1:]:
-        slow = [100.0 * (b / a - 1.0) for a, b in zip(base, times[mode], strict=True)]
-        print(f"{mode:12s} slowdown {statistics.mean(slow):+.2f}% ± {sd(slow):.2f} "
-              f"(median {statistics.median(slow):+.2f}%, rounds {', '.join(f'{s:+.1f}' for s in slow)}); "
-              f"agent {statistics.mean(cpu[mode]):.2f}% of a core (max {max(cpu[mode]):.2f}); "
+        for what, series in (("wall", times), ("job CPU", job_cpu)):
+            slow = [100.0 * (b / a - 1.0) for a, b in zip(series["none"], series[mode], strict=True)]
+            print(f"{mode:12s} {what:8s} slowdown {statistics.mean(slow):+.2f}% ± {sd(slow):.2f} "
+                  f"(median {statistics.median(slow):+.2f}%; rounds {', '.join(f'{s:+.1f}' for s in slow)})")
+        print(f"{mode:12s} agent {statistics.mean(cpu[mode]):.2f}% of a core (max {max(cpu[mode]):.2f}); "
               f"RSS peak {max(rss[mode]) / 2**20:.0f} MiB")
-
 
 if __name__ == "__main__":
     main()

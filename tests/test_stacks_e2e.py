@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -128,3 +129,43 @@ def test_stacks_command_bad_input_is_one_line(tmp_path) -> None:
         assert res.returncode == 2
         err = res.stderr.strip()
         assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_ptrace_denied_turns_stacks_off_with_one_line_and_the_rest_goes_on(children, tmp_path) -> None:
+    """The agent runs as `nobody` against a root-owned job: py-spy is denied."""
+    import shutil
+
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or os.geteuid() != 0:
+        pytest.skip("needs root and setpriv to drop privileges")
+    proc = start_hot(children, tmp_path)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chmod(home, 0o777)
+    log_path = tmp_path / "agent-nobody.log"
+    with log_path.open("wb") as log:
+        agent = subprocess.Popen(
+            [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m", "profagent",
+             "attach", "--pid", str(proc.pid), "--listen", f"127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=home,
+            env={**os.environ, "HOME": str(home), "XDG_STATE_HOME": str(home), "PROFAGENT_STACKS_WINDOW": "1"},
+        )
+    try:
+        def stacks_off() -> bool:
+            m = parse_metrics(http_get(url + "/metrics", timeout=1))
+            up = {lbl["collector"]: v for lbl, v in m.get("profagent_collector_up", [])}
+            return up.get("stacks") == 0.0 and up.get("host") == 1.0
+
+        wait_for(stacks_off, 30, what="stacks off, host on")
+        time.sleep(1.5)  # no repeated messages afterwards
+    finally:
+        agent.terminate()
+        agent.wait(10)
+    out = log_path.read_text()
+    denied = [line for line in out.splitlines() if "ptrace denied" in line]
+    assert len(denied) == 1, out
+    assert "CAP_SYS_PTRACE" in denied[0] and "ptrace_scope" in denied[0] and "SYS_PTRACE" in denied[0]
+    assert "Traceback" not in out
+    assert pyspy_on(proc.pid) == []

@@ -276,7 +276,7 @@ def test_stop_leaves_no_py_spy_and_the_target_running(children, tmp_path) -> Non
         source.start()
         tree = Target(proc.pid).refresh()
         deadline = time.monotonic() + 10
-        while len(pyspy_children()) < 2:  # a record window and a dump
+        while not pyspy_children():  # a record window is running
             assert time.monotonic() < deadline, "py-spy never started"
             source.collect(tree)
             time.sleep(0.02)

@@ -16,6 +16,7 @@ import pytest
 
 from profagent.assets import asset_dir
 from profagent.config import default_toml
+from profagent.errors import UserError
 from profagent.service import UNITS, find_executable, install
 
 MAX_EXPOSURE = 4.0
@@ -129,3 +130,9 @@ def test_install_service_command(tmp_path: Path) -> None:
                           "--executable", "relative/profagent"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert len([line for line in res.stderr.splitlines() if line.strip()]) == 1
+
+
+def test_install_service_refuses_a_path_with_spaces_before_writing(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="contains a space"):
+        install(tmp_path, "/opt/my tools/profagent")
+    assert not any(tmp_path.iterdir())

@@ -190,3 +190,57 @@ def test_known_facts_of_the_shared_traces() -> None:
     assert by_name["small-gpu-rank0"].gpu.overlap_ratio is not None  # NCCL kernels present
     # the V100 trace is GPU bound: kernels run ~97% of the step time
     assert by_name["v100-rank0"].gpu.utilization > 0.9
+
+
+@pytest.mark.parametrize("name", ["mi250-rocm", "a100-alexnet-cudasync", "cpu-only-rank34"])
+def test_top_ops_self_time_brute_force(name: str) -> None:
+    path = SHARED_TRACES / f"{name}.pt.trace.json.gz"
+    ops = [e for e in _raw(path)["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "cpu_op"
+           and not e["name"].startswith("ProfilerStep#")]
+    spans = [(e["pid"], e["tid"], e["ts"], e["ts"] + e["dur"]) for e in ops]
+    own = {i: e - s for i, (_, _, s, e) in enumerate(spans)}
+    for j, (p, t, s, e) in enumerate(spans):
+        # containers; of identical ranges, the one written first is the parent
+        parents = [i for i, (p2, t2, s2, e2) in enumerate(spans)
+                   if (p2, t2) == (p, t) and s2 <= s and e <= e2 and ((s2, e2) != (s, e) or i < j)]
+        if parents:
+            parent = min(parents, key=lambda i: (spans[i][3] - spans[i][2], -i))
+            own[parent] -= e - s
+    expected: dict[str, float] = {}
+    for i, e in enumerate(ops):
+        expected[e["name"]] = expected.get(e["name"], 0.0) + max(own[i], 0.0)
+    report = analyze(read_trace(path), top_k=1000)
+    got = {n: s for n, s, _ in report.top_ops}
+    assert set(got) == set(expected)
+    for n, seconds in expected.items():
+        assert got[n] == pytest.approx(seconds * 1e-6, abs=1e-9), n
+
+
+def test_idle_split_brute_force(pair) -> None:
+    ref, report = pair
+    busy = ref.cover("gpu")
+    if ref.time(busy) == 0:
+        return
+    gap = ref.window & ~busy
+    # maximal runs of idle segments
+    edges = np.diff(np.concatenate([[0], gap.astype(int), [0]]))
+    starts, ends = ref.points[np.flatnonzero(edges == 1)], ref.points[np.flatnonzero(edges == -1)]
+    launch = {e["args"]["correlation"]: e["ts"] for e in ref.sets["runtime"] if "correlation" in e.get("args", {})}
+    first_at: dict[float, dict] = {}
+    for e in sorted(ref.sets["gpu"], key=lambda e: e["ts"]):
+        first_at.setdefault(e["ts"], e)
+    host = queued = other = 0.0
+    for gs, ge in zip(starts.tolist(), ends.tolist(), strict=True):
+        op = first_at.get(ge)
+        t = launch.get(op.get("args", {}).get("correlation")) if op else None
+        if t is None:
+            other += ge - gs
+        else:
+            cut = min(max(t, gs), ge)
+            host += cut - gs
+            queued += ge - cut
+    window = ref.time(np.ones_like(ref.window))
+    g = report.gpu
+    assert g.host_wait_ratio == pytest.approx(host / window, abs=1e-9)
+    assert g.kernel_wait_ratio == pytest.approx(queued / window, abs=1e-9)
+    assert g.idle_other_ratio == pytest.approx(other / window, abs=1e-9)

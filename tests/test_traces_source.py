@@ -223,3 +223,36 @@ def test_metrics_are_clean_and_bounded(dirs, running) -> None:
     ratios = [v for labels, v in m["profagent_trace_step_breakdown_ratio"] if labels["rank"] == "0"]
     assert len(ratios) == 8 and sum(ratios) == pytest.approx(1.0)
     assert json.dumps(r.snapshot.ranks[0].report.to_dict())  # JSON-able
+
+
+def test_mutated_real_traces_each_end_in_a_status(dirs, running) -> None:
+    import random
+
+    folder, _ = dirs
+    text = gzip.decompress(SMALL.read_bytes())
+    rng = random.Random(5)
+    for i in range(8):
+        data = bytearray(text)
+        for _ in range(rng.randint(1, 5)):
+            pos = rng.randrange(len(data))
+            data[pos : pos + rng.randint(0, 3)] = bytes(rng.randrange(256) for _ in range(rng.randint(0, 3)))
+        if i % 2:
+            data = data[: rng.randrange(1, len(data))]
+        (folder / f"m{i}.pt.trace.json").write_bytes(bytes(data))
+    r = running(invalid_after=1.0)
+    wait_for(lambda: sum(r.counts().values()) == 8, 20, what="every mutated file counted once")
+    assert r.source._thread.is_alive()
+    (folder / "after.pt.trace.json.gz").write_bytes(SMALL.read_bytes())
+    wait_for(lambda: sum(r.counts().values()) == 9, 10, what="the source still works")
+
+
+def test_folder_created_later_is_watched(tmp_path: Path) -> None:
+    later = tmp_path / "later" / "traces"
+    r = Running(later, tmp_path / "state")
+    try:
+        time.sleep(0.5)
+        later.mkdir(parents=True)
+        (later / "x.pt.trace.json.gz").write_bytes(SMALL.read_bytes())
+        wait_for(lambda: r.total("ingested") == 1, 10, what="trace in a folder created after start")
+    finally:
+        r.stop()

@@ -6,7 +6,10 @@ import logging
 import os
 import re
 import signal
+import subprocess
+import sys
 
+import psutil
 import pytest
 
 import watchkit
@@ -200,3 +203,40 @@ def test_watchkit_config_loads(tmp_path) -> None:
     cfg = load_config(watchkit.watch_config(tmp_path, "abc", grace_seconds=1.5))
     assert cfg.watch.env_markers == ["PAW_TOKEN=abc"] and cfg.watch.grace_seconds == 1.5
     assert cfg.watch.cmdline_regex == "" and not cfg.stacks.enabled
+
+
+def test_a_shell_with_the_marker_is_not_a_job_but_its_python_is() -> None:
+    tok = token()
+    # `sh -c "python ...; true"`: the shell stays as the python's parent, both carry the marker.
+    shell = subprocess.Popen(
+        ["/bin/sh", "-c", f"{sys.executable} -c 'import time; time.sleep(3600)'; true"],
+        env={**os.environ, **job_env(tok, SLURM_JOB_ID="sh-1")}, start_new_session=True,
+    )
+    try:
+        target = _target(tok)
+        tree = wait_for(lambda: (t := target.refresh()) and t.processes and t, what="the python process")
+        pids = {p.pid for p in tree.processes}
+        assert shell.pid not in pids
+        assert len(pids) == 1 and psutil.Process(next(iter(pids))).ppid() == shell.pid
+        assert _jobs(tree) == {"sh-1": True}
+    finally:
+        os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait()
+
+
+def test_is_python() -> None:
+    from profagent.agent.discovery import _is_python
+
+    assert _is_python("/opt/conda/bin/python3.11 -u train.py")
+    assert _is_python("python train.py")
+    assert not _is_python("/bin/bash /var/spool/slurmd/job42/slurm_script")
+    assert not _is_python("srun python train.py")
+
+
+def test_reconfigure_applies_new_markers_on_the_next_refresh(children) -> None:
+    tok_a, tok_b = token(), token()
+    children.python(SLEEPER, env=job_env(tok_b, SLURM_JOB_ID="rc-b"))
+    target = _target(tok_a, scan_interval=3600.0)  # only the first refresh scans on its own
+    assert _jobs(target.refresh()) == {}
+    target.reconfigure(Rules(None, (("PAW_TOKEN", tok_b),), False), Limits(scan_interval=3600.0))
+    wait_for(lambda: _jobs(target.refresh()) == {"rc-b": True}, what="job found after reconfigure")

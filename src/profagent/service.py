@@ -58,6 +58,7 @@ def install(prefix: str | Path = "/", executable: str | None = None) -> Installe
     exe = executable or find_executable()
     if not Path(exe).is_absolute():
         raise UserError(f"executable {exe!r} is not an absolute path", "pass an absolute --executable")
+    render_unit("", exe)  # refuses a path systemd would split, before anything is written
     source = asset_dir("systemd")
     written = []
     try:

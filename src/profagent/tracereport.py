@@ -35,6 +35,9 @@ def render_report(r: TraceReport, console: Console) -> None:
     """Print one trace's report as rich tables plus findings."""
     rank = r.rank if r.rank is not None else "?"
     console.print(f"\n[bold]{r.path}[/bold]  rank {rank}, {r.bytes / 1e6:.1f} MB of JSON", highlight=False)
+    if not r.steps:
+        console.print("  no events to analyse in this trace (empty traceEvents)")
+        return
     steps = Table(title="steps" + (" (no ProfilerStep: whole window)" if r.steps_inferred else ""))
     steps.add_column("step")
     steps.add_column("ms", justify="right")

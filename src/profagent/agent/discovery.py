@@ -4,7 +4,8 @@
 runtime and the one set of sources serve every job of the node:
 
 1. **Discovery** (every ``scan_interval``): a process is a candidate when its command
-   line matches the regex, its environment carries a marker, or it holds a GPU context.
+   line matches the regex, it is a Python process whose environment carries a marker,
+   or it holds a GPU context.
    The agent itself and its children (py-spy) are never candidates.
 2. **Roots**: a candidate's root is its topmost candidate ancestor. Sibling roots that
    carry a rank (RANK/SLURM_PROCID) but no job id variable and share a parent are
@@ -139,6 +140,7 @@ class NodeTarget:
         self._alive_jobs: set[str] = set()
         self._capped: set[str] = set()  # jobs whose max_processes_per_job line was logged
         self._last_scan: float | None = None
+        self._reconfigured = False
         self.last_refresh: float | None = None  # clock() of the last complete refresh
 
     # -- configuration ---------------------------------------------------------------
@@ -146,13 +148,15 @@ class NodeTarget:
         """New rules and limits, used from the next refresh on (thread-safe)."""
         with self._lock:
             self._rules, self._limits = rules, limits
-            self._last_scan = None  # scan again at once with the new rules
-            self._ignored.clear()  # a larger max_jobs may admit them now
-            self._env_match.clear()
+            self._reconfigured = True  # applied by the next refresh, on the runtime's thread
 
     def set_gpu_pids(self, gpu_pids: Callable[[], Iterable[int]] | None) -> None:
         """Where the gpu_processes rule gets its PIDs (the gpu source, once built)."""
         self._gpu_pids = gpu_pids
+
+    @property
+    def gpu_rule_active(self) -> bool:
+        return self._gpu_pids is not None
 
     @property
     def jobs_watched(self) -> int:
@@ -161,7 +165,12 @@ class NodeTarget:
     # -- the tick --------------------------------------------------------------------
     def refresh(self) -> ProcessTree:
         with self._lock:
-            rules, limits = self._rules, self._limits
+            rules, limits, reconfigured = self._rules, self._limits, self._reconfigured
+            self._reconfigured = False
+        if reconfigured:
+            self._last_scan = None  # scan again at once with the new rules
+            self._ignored.clear()  # a larger max_jobs may admit them now
+            self._env_match.clear()  # the markers may have changed
         now = self._clock()
         if self._last_scan is None or now - self._last_scan >= limits.scan_interval:
             self._last_scan = now
@@ -220,7 +229,7 @@ class NodeTarget:
             if rules.match_cmdline(cmdline) or pid in gpu:
                 candidates.add(pid)
                 continue
-            if rules.env_markers:
+            if rules.env_markers and _is_python(cmdline):
                 env_key = (pid, ct, cmdline)
                 live_env_keys.add(env_key)
                 if env_key not in self._env_match:
@@ -296,6 +305,15 @@ def _process_table() -> dict[int, tuple[int, float, str]]:
             continue
         table[proc.pid] = (info["ppid"] or 0, info["create_time"], " ".join(info["cmdline"] or ()))
     return table
+
+
+def _is_python(cmdline: str) -> bool:
+    """Whether argv[0] is a Python interpreter (python, python3.11, /opt/conda/bin/python...).
+
+    The environment rule applies to Python processes only: a shell that exports
+    PROFAGENT=1 (a batch script, srun) must not become a job of its own."""
+    argv0 = cmdline.split(" ", 1)[0]
+    return "python" in argv0.rsplit("/", 1)[-1]
 
 
 def _descendants(pid: int, table: dict[int, tuple[int, float, str]]) -> set[int]:

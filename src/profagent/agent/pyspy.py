@@ -24,11 +24,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
+
+if TYPE_CHECKING:
+    from profagent.config import Config
+    from profagent.doctor import Check
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +291,7 @@ def record_to_file(
     return int(m.group(1)) if m else 0
 
 
-def doctor_check(config: object) -> Iterable[object]:
+def doctor_check(config: Config) -> Iterator[Check]:
     """``profagent doctor`` rows: py-spy installed and fitting, ptrace policy, and a live
     py-spy dump of a child Python (which proves ptrace and process_vm_readv work here)."""
     from profagent.doctor import FAIL, OK, WARN, Check

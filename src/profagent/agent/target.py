@@ -244,7 +244,8 @@ class Target:
         for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
             for proc in ordered:
                 value = envs.get(proc.pid, {}).get(var)
-                if value:
+                # torchrun's non-standalone default run id is "none": not an identity.
+                if value and value != "none":
                     self._job_id = value  # stable from now on
                     return value
         return str(self.pid)

@@ -12,7 +12,10 @@ Raises ``TraceError`` (with a short bounded ``reason``) and nothing else for bad
 
 from __future__ import annotations
 
+import queue
 import re
+import threading
+import typing
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -67,6 +70,37 @@ class Event(msgspec.Struct, gc=False):
     args: Args | None = None
 
 
+# The fast path: a union tagged by "ph", where only the kinds used have fields, so flow
+# events and the like are skipped without building strings and floats. A piece with a
+# "ph" outside this set is decoded again with the plain ``Event``.
+class XEvent(msgspec.Struct, tag_field="ph", tag="X", gc=False):
+    cat: str = ""
+    name: str = ""
+    ts: float = 0.0
+    dur: float = 0.0
+    pid: int | str = 0
+    tid: int | str = 0
+    args: Args | None = None
+
+
+class InstantEvent(msgspec.Struct, tag_field="ph", tag="i", gc=False):
+    name: str = ""
+    args: Args | None = None
+
+
+class MetaEvent(msgspec.Struct, tag_field="ph", tag="M", gc=False):
+    name: str = ""
+    pid: int | str = 0
+    args: Args | None = None
+
+
+_SKIPPED = tuple(
+    msgspec.defstruct(f"Skipped_{ord(ph)}", [], tag_field="ph", tag=ph, gc=False)
+    for ph in ("s", "f", "t", "C", "b", "e", "n", "I", "B", "E", "P", "O", "N", "D", "R")
+)
+Tagged = typing.Union[(XEvent, InstantEvent, MetaEvent, *_SKIPPED)]  # noqa: UP007
+
+
 class DistributedInfo(msgspec.Struct):
     rank: int | str | None = None
     world_size: int | None = None
@@ -83,6 +117,10 @@ class Meta(msgspec.Struct):
 
 class Whole(Meta):
     traceEvents: list[Event] = msgspec.field(default_factory=list)
+
+
+class WholeTagged(Meta):
+    traceEvents: list[Tagged] = msgspec.field(default_factory=list)  # type: ignore[valid-type]
 
 
 @dataclass
@@ -121,6 +159,16 @@ _BOUNDARY = re.compile(rb"\}\s*,\s*\{")
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 _piece_decoder = msgspec.json.Decoder(list[Event])
 _whole_decoder = msgspec.json.Decoder(Whole)
+_fast_piece_decoder = msgspec.json.Decoder(list[Tagged])  # type: ignore[valid-type]
+_fast_whole_decoder = msgspec.json.Decoder(WholeTagged)
+
+
+def _decode(fast: msgspec.json.Decoder, plain: msgspec.json.Decoder, data):  # type: ignore[no-untyped-def]
+    """Decode with the tagged union; if some event has another "ph", with ``Event``."""
+    try:
+        return fast.decode(data)
+    except msgspec.ValidationError:
+        return plain.decode(data)
 _meta_decoder = msgspec.json.Decoder(Meta)
 
 
@@ -155,6 +203,49 @@ def _chunks(path: Path) -> Iterator[bytes]:
             raise TraceError("the gzip stream ends early (file still being written?)", "truncated")
 
 
+def _prefetched(chunks: Iterator[bytes], depth: int = 2) -> Iterator[bytes]:
+    """Read and inflate in a helper thread (zlib and file reads release the GIL), at most
+    ``depth`` chunks ahead. Errors are raised in the consumer."""
+    q: queue.Queue = queue.Queue(maxsize=depth)  # type: ignore[type-arg]
+    stop = threading.Event()
+    done = object()
+
+    def produce() -> None:
+        try:
+            for chunk in chunks:
+                while not stop.is_set():
+                    try:
+                        q.put(chunk, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            item: object = done
+        except BaseException as exc:  # handed to the consumer
+            item = exc
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    thread = threading.Thread(target=produce, name="profagent-trace-reader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join(1.0)
+
+
 def _int_column(values: list, default: int = -1) -> np.ndarray:
     """int64 column; strings ("0x1f", "7") are parsed, anything unusable becomes ``default``."""
     try:
@@ -169,6 +260,9 @@ def _int_column(values: list, default: int = -1) -> np.ndarray:
                     v = default
             out.append(v if isinstance(v, int) and -(2**63) <= v < 2**63 else default)
         return np.array(out, dtype=np.int64)
+
+
+_THREAD_BASE = 1 << 31  # thread code = provisional pid id * base + provisional tid id
 
 
 def _dense(ids: np.ndarray, first_seen: dict) -> tuple[np.ndarray, list]:  # type: ignore[type-arg]
@@ -186,21 +280,32 @@ class _Builder:
     def __init__(self, trace: Trace) -> None:
         self.trace = trace
         self._names: dict[str, int] = {}
-        self._threads: dict[tuple[int | str, int | str], int] = {}
+        self._pids: dict[int | str, int] = {}
+        self._tids: dict[int | str, int] = {}
         self._pieces: list[tuple[np.ndarray, ...]] = []
         self._seen = 0
 
-    def add(self, events: list[Event]) -> None:
+    def add(self, events: list) -> None:  # type: ignore[type-arg]
+        """Keep what the analyzers use from decoded ``Event`` or tagged events."""
         kinds = KINDS
-        kept = [e for e in events if e.ph == "X" and e.cat in kinds]
-        if len(kept) != len(events):
-            for e in events:
-                if e.ph == "i":
-                    if e.name == "[memory]" and e.args is not None and e.args.total_allocated is not None:
-                        a = e.args
-                        self.trace.memory.append((a.device_type, a.device_id, a.total_allocated))
-                elif e.ph == "M":
-                    self._metadata(e)
+        if events and type(events[0]).__name__ != "Event":
+            kept = [e for e in events if type(e) is XEvent and e.cat in kinds]
+            instant, meta = InstantEvent, MetaEvent
+            if len(kept) != len(events):
+                for e in events:
+                    t = type(e)
+                    if t is instant:
+                        self._instant(e)
+                    elif t is meta:
+                        self._metadata(e)
+        else:
+            kept = [e for e in events if e.ph == "X" and e.cat in kinds]
+            if len(kept) != len(events):
+                for e in events:
+                    if e.ph == "i":
+                        self._instant(e)
+                    elif e.ph == "M":
+                        self._metadata(e)
         n = len(kept)
         if not n:
             return
@@ -208,7 +313,8 @@ class _Builder:
         dur = [e.dur for e in kept]
         cat = [e.cat for e in kept]
         name = [e.name for e in kept]
-        thread = [(e.pid, e.tid) for e in kept]
+        pid = [e.pid for e in kept]
+        tid = [e.tid for e in kept]
         args = [e.args for e in kept]
         # provisional ids: the position of a name's first occurrence (made dense in finish)
         ids = range(self._seen, self._seen + n)
@@ -219,12 +325,18 @@ class _Builder:
             start + np.array(dur, dtype=np.float64),
             np.fromiter(map(kinds.__getitem__, cat), dtype=np.int8, count=n),
             np.fromiter(map(self._names.setdefault, name, ids), dtype=np.int64, count=n),
-            np.fromiter(map(self._threads.setdefault, thread, ids), dtype=np.int64, count=n),
+            np.fromiter(map(self._pids.setdefault, pid, ids), dtype=np.int64, count=n) * _THREAD_BASE
+            + np.fromiter(map(self._tids.setdefault, tid, ids), dtype=np.int64, count=n),
             _int_column([-1 if a is None or a.correlation is None else a.correlation for a in args]),
             _int_column([-1 if a is None or a.device is None else a.device for a in args]),
         ))
 
-    def _metadata(self, e: Event) -> None:
+    def _instant(self, e: Event | InstantEvent) -> None:
+        a = e.args
+        if e.name == "[memory]" and a is not None and a.total_allocated is not None:
+            self.trace.memory.append((a.device_type, a.device_id, a.total_allocated))
+
+    def _metadata(self, e: Event | MetaEvent) -> None:
         if e.name != "process_labels" or e.args is None or not isinstance(e.pid, int):
             return
         label = e.args.labels or ""
@@ -243,7 +355,11 @@ class _Builder:
             t.ts, t.end, t.kind, t.name, t.thread, t.corr, t.device = cols
         self._pieces.clear()
         t.name, t.names = _dense(t.name, self._names)
-        t.thread, t.threads = _dense(t.thread, self._threads)
+        codes, t.thread = np.unique(t.thread, return_inverse=True)
+        t.thread = t.thread.astype(np.int32)
+        pids = {v: k for k, v in self._pids.items()}
+        tids = {v: k for k, v in self._tids.items()}
+        t.threads = [(pids[c // _THREAD_BASE], tids[c % _THREAD_BASE]) for c in codes.tolist()]
         gpu_missing = (t.kind <= KINDS["gpu_memset"]) & (t.device < 0)
         if gpu_missing.any():  # no args.device: the GPU's pid ("GPU N" label), else the pid
             per_thread = np.array([t.gpu_devices.get(p, p) if isinstance(p, int) else 0 for p, _ in t.threads],
@@ -278,10 +394,13 @@ def read_trace(path: str | Path) -> Trace:
     path = Path(path)
     trace = Trace(str(path))
     builder = _Builder(trace)
+    chunks = _prefetched(_chunks(path))
     try:
-        _stream_into(_chunks(path), trace, builder)
+        _stream_into(chunks, trace, builder)
     except OSError as exc:
         raise TraceError(f"cannot read {path} ({exc.strerror or exc})", "unreadable") from None
+    finally:
+        chunks.close()  # stops the reader thread at once, also on errors
     builder.finish()
     return trace
 
@@ -317,7 +436,7 @@ def _stream_into(chunks: Iterator[bytes], trace: Trace, builder: _Builder) -> No
             _drain(pending, builder)
     # 3. the last events and the metadata after the array
     try:
-        whole = _whole_decoder.decode(b'{"traceEvents": ' + pending)
+        whole = _decode(_fast_whole_decoder, _whole_decoder, b'{"traceEvents": ' + pending)
     except msgspec.ValidationError as exc:
         raise TraceError(f"unexpected trace content ({exc})", "corrupt") from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
@@ -348,7 +467,7 @@ def _drain(pending: bytearray, builder: _Builder) -> None:
         pending[cut + 1] = 0x5D  # "]" over the "," or blank after the event's "}"
         try:
             with memoryview(pending) as view:
-                events = _piece_decoder.decode(view[: cut + 2])
+                events = _decode(_fast_piece_decoder, _piece_decoder, view[: cut + 2])
         except (msgspec.DecodeError, UnicodeDecodeError):
             pending[cut + 1] = saved
             end = cut

@@ -142,26 +142,51 @@ class Watcher:
         self._dirty: set[str] = set()
         self._pending: dict[str, Pending] = {}
         self._observer: Observer | PollingObserver | None = None  # type: ignore[valid-type]
+        self._handler = _Handler(self.notify)
+        self._missing: list[Path] = []
+        self._missing_checked = 0.0
 
     def start(self) -> None:
-        """Watch every folder (falls back to polling if inotify fails) and scan what exists."""
-        handler = _Handler(self.notify)
+        """Watch every existing folder (falls back to polling if inotify fails) and scan
+        what they hold; folders that do not exist yet are picked up when they appear."""
+        self._handler = _Handler(self.notify)
+        present = [d for d in self.dirs if d.is_dir()]
+        self._missing = [d for d in self.dirs if not d.is_dir()]
+        for d in self._missing:
+            log.warning("trace folder %s does not exist yet: it will be watched once created", d)
         try:
-            self._observer = self._schedule(PollingObserver(timeout=0.5) if self.polling else Observer(), handler)
+            self._observer = self._schedule(PollingObserver(timeout=0.5) if self.polling else Observer(), present)
         except OSError as exc:  # inotify watch limit, unsupported filesystem...
             log.warning("inotify unavailable (%s): polling the trace folders instead", exc)
-            self._observer = self._schedule(PollingObserver(timeout=0.5), handler)
-        for d in self.dirs:
-            for root, _, files in os.walk(d):
-                for name in files:
-                    self.notify(os.path.join(root, name))
+            self._observer = self._schedule(PollingObserver(timeout=0.5), present)
+        for d in present:
+            self._scan(d)
 
-    def _schedule(self, observer, handler):  # type: ignore[no-untyped-def]
-        for d in self.dirs:
-            observer.schedule(handler, str(d), recursive=True)
+    def _schedule(self, observer, dirs):  # type: ignore[no-untyped-def]
+        for d in dirs:
+            observer.schedule(self._handler, str(d), recursive=True)
         observer.daemon = True
         observer.start()
         return observer
+
+    def _scan(self, folder: Path) -> None:
+        for root, _, files in os.walk(folder):
+            for name in files:
+                self.notify(os.path.join(root, name))
+
+    def _appeared(self, now: float) -> None:
+        if not self._missing or now - self._missing_checked < 1.0:
+            return
+        self._missing_checked = now
+        for d in list(self._missing):
+            if d.is_dir() and self._observer is not None:
+                try:
+                    self._observer.schedule(self._handler, str(d), recursive=True)
+                except OSError as exc:
+                    log.warning("cannot watch %s (%s)", d, exc)
+                    continue
+                self._missing.remove(d)
+                self._scan(d)
 
     def stop(self) -> None:
         if self._observer is not None:
@@ -181,6 +206,7 @@ class Watcher:
 
     def due(self, now: float) -> list[Verdict]:
         """Files to attempt or to count now. Call ``failed`` after a failed attempt."""
+        self._appeared(now)
         with self._lock:
             dirty, self._dirty = self._dirty, set()
         for path in dirty:

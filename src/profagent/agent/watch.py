@@ -63,16 +63,19 @@ def set_log_level(level: str) -> None:
     logging.getLogger().setLevel(getattr(logging, level.upper(), logging.INFO))
 
 
-def _describe(config: Config) -> str:
+def _describe(config: Config, gpu_lister: bool) -> str:
     w = config.watch
     rules = []
     if w.cmdline_regex:
         rules.append("command line matches watch.cmdline_regex")
     if w.env_markers:
         rules.append("environment has " + " or ".join(w.env_markers))
-    if w.gpu_processes:
+    if w.gpu_processes and gpu_lister:
         rules.append("holds a GPU context")
-    return "; ".join(rules) or "no rule (nothing will be watched)"
+    text = "; ".join(rules) or "no rule (nothing will be watched)"
+    if w.gpu_processes and not gpu_lister:
+        text += " (GPU rule inactive: the gpu source is off or does not list PIDs)"
+    return text
 
 
 def _changed_fixed_keys(old: Config, new: Config) -> list[str]:
@@ -151,12 +154,13 @@ class Watcher:
                 log.error("reload failed, keeping the previous configuration: %s", exc)
                 return False
             self.target.reconfigure(Rules.from_config(new.watch), Limits.from_config(new.watch))
+            self.target.set_gpu_pids(_gpu_pids(self.job) if new.watch.gpu_processes else None)
             set_log_level(new.agent.log_level)
             fixed = _changed_fixed_keys(self.config, new)
             if fixed:
                 log.warning("reload: %s changed; restart profagent to apply", ", ".join(fixed))
             self.config = new
-            log.info("configuration reloaded: %s", _describe(new))
+            log.info("configuration reloaded: %s", _describe(new, self.target.gpu_rule_active))
             return True
         finally:
             self.notifier.ready(self.status())
@@ -181,7 +185,7 @@ class Watcher:
         c = self.console
         w = self.config.watch
         c.print("[bold]profagent[/bold] watching this node for training jobs", highlight=False)
-        c.print(f"  discovery: {_describe(self.config)}", highlight=False, soft_wrap=True)
+        c.print(f"  discovery: {_describe(self.config, self.target.gpu_rule_active)}", highlight=False, soft_wrap=True)
         c.print(
             f"  limits: {w.max_jobs} jobs, {w.max_processes_per_job} processes per job; "
             f"ended jobs kept {w.grace_seconds:g}s",

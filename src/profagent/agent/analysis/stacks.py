@@ -27,6 +27,7 @@ CATEGORIES = (
     "collective", "checkpoint_io", "compile", "idle", "other",
 )
 OTHER = "other"
+LABEL_MAX = 120
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,9 @@ class Frame:
 
     @property
     def function(self) -> str:
-        """The top-K label: ``function (file.py)``."""
-        return f"{self.name} ({self.file.rsplit('/', 1)[-1]})"
+        """The top-K label: ``function (file.py)``, at most LABEL_MAX characters."""
+        label = f"{self.name} ({self.file.rsplit('/', 1)[-1]})"
+        return label if len(label) <= LABEL_MAX else label[: LABEL_MAX - 1] + "…"
 
     def __str__(self) -> str:
         return f"{self.name} ({self.file}:{self.line})"

@@ -38,27 +38,27 @@ def top_ops(c: Classified, k: int) -> tuple[Top, ...]:
     """Ops by self CPU time (µs), K largest then "other"."""
     t = c.trace
     ops = c.cpu_ops
-    own = (t.end[ops] - t.ts[ops]).copy()
+    start, end, thread = t.ts[ops], t.end[ops], t.thread[ops]
     # nesting per thread: sort by (thread, start, longest first) and walk a stack
-    order = np.lexsort((-(t.end[ops] - t.ts[ops]), t.ts[ops], t.thread[ops]))
-    starts, ends, threads = t.ts[ops][order].tolist(), t.end[ops][order].tolist(), t.thread[ops][order].tolist()
-    self_time = own[order]
-    stack: list[int] = []
-    current = -1
-    for j in range(len(order)):
-        if threads[j] != current:
-            stack.clear()
-            current = threads[j]
-        s = starts[j]
-        while stack and ends[stack[-1]] <= s:
-            stack.pop()
-        if stack:
-            parent = stack[-1]
-            self_time[parent] -= min(ends[j], ends[parent]) - s
-        stack.append(j)
+    order = np.lexsort((start - end, start, thread))
+    starts, ends = start[order].tolist(), end[order].tolist()
+    bounds = np.flatnonzero(np.diff(thread[order])) + 1
+    self_time = (end[order] - start[order]).tolist()
+    for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(order)], strict=True):
+        stack: list[int] = []
+        pop, push = stack.pop, stack.append
+        for j in range(lo, hi):
+            s = starts[j]
+            while stack and ends[stack[-1]] <= s:
+                pop()
+            if stack:
+                p = stack[-1]
+                e, pe = ends[j], ends[p]
+                self_time[p] -= (e if e < pe else pe) - s
+            push(j)
     names = t.name[ops][order]
     n = len(t.names)
-    times = np.bincount(names, weights=np.maximum(self_time, 0.0), minlength=n)
+    times = np.bincount(names, weights=np.maximum(np.array(self_time), 0.0), minlength=n)
     counts = np.bincount(names, minlength=n)
     return _rank(t.names, times, counts, k)
 

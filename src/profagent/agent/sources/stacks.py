@@ -1,9 +1,9 @@
 """Stacks source: continuous py-spy sampling of every rank's main process.
 
-A sampler thread keeps one ``py-spy record --format raw`` window running per sampled
-process, back to back (a new window starts within ~50 ms of the previous one ending),
-plus a ``py-spy dump --json`` every ``window`` seconds for thread states (active/idle,
-GIL). Why windows and not dump polling: see bench/pyspy_modes.py and docs/stacks.md.
+A ``Sampler`` thread (agent/sampler.py) keeps one ``py-spy record --format raw`` window
+running per sampled process, back to back, plus a periodic ``py-spy dump --json`` for
+thread states. Why windows and not dump polling: see bench/pyspy_modes.py and
+docs/stacks.md.
 
 ``collect()`` only folds finished windows into counters and returns a snapshot: no
 py-spy run happens on a scrape. A bounded ring of folded stacks per rank feeds
@@ -12,17 +12,12 @@ py-spy run happens on a scrape. A bounded ring of folded stacks per rank feeds
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 from profagent.agent import pyspy
 from profagent.agent.analysis.stacks import (
@@ -31,18 +26,14 @@ from profagent.agent.analysis.stacks import (
     StallTracker,
     TopK,
     classify,
-    parse_folded,
-    thread_states,
 )
+from profagent.agent.sampler import Result, Sampler
 from profagent.agent.sources import SourceUnavailable
 from profagent.agent.target import ROLE_DATALOADER, ROLE_MAIN, ProcessTree
 from profagent.config import StacksConfig
 
 log = logging.getLogger(__name__)
 
-POLL = 0.05  # seconds between checks of the py-spy children
-RETRY_AFTER = 5.0  # seconds before sampling a process again after py-spy failed on it,
-RETRY_MAX = 300.0  # doubling on each consecutive failure up to this
 RING_MAX_BYTES = 4 << 20  # per rank
 RING_MAX_LINES = 5000  # distinct stacks kept per window
 
@@ -76,36 +67,6 @@ class StacksSnapshot:
     errors: tuple[tuple[str, int], ...]
 
 
-@dataclass
-class _Job:
-    """A running py-spy child (a record window or a dump) and where its output goes."""
-
-    kind: str  # "record" or "dump"
-    pid: int
-    rank: str
-    role: str
-    proc: subprocess.Popen
-    out: Path
-    err: Path
-    start: float
-    wall_start: float
-
-
-@dataclass(frozen=True)
-class _Result:
-    kind: str
-    pid: int
-    rank: str
-    role: str
-    start: float
-    end: float
-    wall_end: float
-    samples: tuple[Sample, ...] = ()
-    states: dict = field(default_factory=dict)
-    error: str = ""  # bounded reason, "" when fine
-    detail: str = ""
-
-
 class StacksSource:
     name = "stacks"
 
@@ -125,19 +86,11 @@ class StacksSource:
         self._binary = binary
         self._clock, self._wall = clock, wall
         self._proc_root = proc_root
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._tmp: Path | None = None
-        self._wanted: dict[int, tuple[str, str]] = {}  # pid -> (rank, role)
-        self._jobs: dict[tuple[str, int], _Job] = {}  # (kind, pid) -> running child
-        self._next: dict[tuple[str, int], float] = {}  # (kind, pid) -> earliest next start
-        self._fails: dict[tuple[str, int], int] = {}  # (kind, pid) -> consecutive failures
-        self._results: list[_Result] = []
+        self._lock = threading.Lock()  # guards the ring (read by HTTP threads)
+        self._sampler: Sampler | None = None
         self._checked: set[int] = set()
         self._fatal = ""
         self._version: tuple[int, ...] = ()
-        self._seq = 0
         # aggregates, touched only by collect()
         self._categories: dict[tuple[str, str], dict[str, int]] = {}
         self._topk: dict[tuple[str, str], TopK] = {}
@@ -146,7 +99,7 @@ class StacksSource:
         self._stall_state: dict[str, tuple[bool, float]] = {}
         self._errors: dict[str, int] = {}
         self._logged: set[str] = set()
-        # ring: rank -> deque of (wall_end, role, {folded: count}, bytes)
+        # ring: rank -> deque of (wall_end, {folded line: count}, bytes)
         self._ring: dict[str, deque] = {}
         self._ring_bytes: dict[str, int] = {}
 
@@ -158,108 +111,13 @@ class StacksSource:
         except pyspy.PySpyProblem as exc:
             raise SourceUnavailable(str(exc), exc.reason) from None
         self._version = pyspy.pyspy_version(self._binary)
-        self._tmp = Path(tempfile.mkdtemp(prefix="profagent-stacks-"))
-        self._thread = threading.Thread(target=self._run, name="profagent-pyspy", daemon=True)
-        self._thread.start()
+        self._sampler = Sampler(self._binary, self.config, self._clock, self._wall)
+        self._sampler.start()
 
     def stop(self) -> None:
         """Stop sampling: every py-spy child is gone when this returns (< 1 s)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(1.0)
-        with self._lock:
-            jobs = list(self._jobs.values())
-            self._jobs.clear()
-        pyspy.stop_all([j.proc for j in jobs])  # the thread normally did it already
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-
-    # -- the sampler thread -----------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while not self._stop.wait(POLL):
-                try:
-                    self._step()
-                except Exception as exc:  # keep sampling; the error is counted and logged once
-                    with self._lock:
-                        self._results.append(_Result("record", 0, "", "", 0.0, 0.0, 0.0, error=type(exc).__name__, detail=str(exc)))
-                    log.debug("stacks sampler step failed", exc_info=True)
-        finally:
-            with self._lock:
-                jobs = list(self._jobs.values())
-                self._jobs.clear()
-            pyspy.stop_all([j.proc for j in jobs])
-            if not self.config.nonblocking:
-                for j in jobs:
-                    pyspy.resume_if_stopped(j.pid)
-
-    def _step(self) -> None:
-        with self._lock:
-            wanted = dict(self._wanted)
-            jobs = dict(self._jobs)
-        now = self._clock()
-        done = []
-        for key, job in list(jobs.items()):
-            if job.proc.poll() is not None:
-                done.extend(self._harvest(job, now))
-                del jobs[key]
-        for pid, (rank, role) in wanted.items():
-            for kind in ("record", "dump"):
-                key = (kind, pid)
-                if key not in jobs and now >= self._next.get(key, 0.0):
-                    job = self._launch(kind, pid, rank, role, now)
-                    if job is not None:
-                        jobs[key] = job
-        for key in [k for k in self._next if k[1] not in wanted]:
-            del self._next[key]
-            self._fails.pop(key, None)
-        with self._lock:
-            self._jobs = jobs
-            self._results.extend(done)
-
-    def _launch(self, kind: str, pid: int, rank: str, role: str, now: float) -> _Job | None:
-        assert self._tmp is not None and self._binary is not None
-        self._seq += 1
-        out = self._tmp / f"{kind}-{pid}-{self._seq}.out"
-        err = self._tmp / f"{kind}-{pid}-{self._seq}.err"
-        window = max(1, round(self.config.window))
-        if kind == "record":
-            args = pyspy.record_args(self._binary, pid, window, self.config.rate, "raw", out, self.config.nonblocking)
-        else:
-            args = pyspy.dump_args(self._binary, pid, self.config.nonblocking)
-            self._next[(kind, pid)] = now + window
-        try:
-            proc = pyspy.spawn(args, err, stdout_path=out if kind == "dump" else None)
-        except OSError as exc:
-            self._next[(kind, pid)] = now + RETRY_AFTER
-            with self._lock:
-                self._results.append(_Result(kind, pid, rank, role, now, now, self._wall(), error="spawn", detail=str(exc)))
-            return None
-        return _Job(kind, pid, rank, role, proc, out, err, now, self._wall())
-
-    def _harvest(self, job: _Job, now: float) -> list[_Result]:
-        text = _read(job.out)
-        stderr = _read(job.err)
-        for path in (job.out, job.err):
-            path.unlink(missing_ok=True)
-        base = dict(kind=job.kind, pid=job.pid, rank=job.rank, role=job.role, start=job.start, end=now, wall_end=self._wall())
-        extra = []
-        if not self.config.nonblocking and pyspy.resume_if_stopped(job.pid):
-            detail = f"PID {job.pid} was left stopped after a blocking py-spy sample: resumed it with SIGCONT"
-            extra.append(_Result(**base, error="target_resumed", detail=detail))
-        key = (job.kind, job.pid)
-        if job.proc.returncode != 0 and not text.strip():
-            reason = pyspy.failure_reason(stderr, job.pid)
-            fails = self._fails[key] = self._fails.get(key, 0) + 1
-            self._next[key] = now + min(RETRY_AFTER * 2 ** (fails - 1), RETRY_MAX)
-            return [*extra, _Result(**base, error=reason, detail=pyspy.first_line(stderr))]
-        self._fails.pop(key, None)
-        if job.kind == "dump":
-            try:
-                return [*extra, _Result(**base, states=thread_states(json.loads(text)))]
-            except ValueError:
-                return [*extra, _Result(**base, error="parse", detail="py-spy dump printed invalid JSON")]
-        return [*extra, _Result(**base, samples=tuple(parse_folded(text, job.pid)))]
+        if self._sampler is not None:
+            self._sampler.stop()
 
     # -- collect -------------------------------------------------------------------------------
     def collect(self, tree: ProcessTree) -> StacksSnapshot:
@@ -267,11 +125,9 @@ class StacksSource:
         cannot read the target (ptrace denied, unsupported Python)."""
         if self._fatal:
             raise SourceUnavailable(self._fatal, "unavailable")
-        wanted = self._targets(tree)
-        with self._lock:
-            self._wanted = wanted
-            results, self._results = self._results, []
-        for r in results:
+        assert self._sampler is not None, "start() first"
+        self._sampler.set_targets(self._targets(tree))
+        for r in self._sampler.drain():
             self._fold(r)
         if self._fatal:
             raise SourceUnavailable(self._fatal, "unavailable")
@@ -291,7 +147,7 @@ class StacksSource:
         self._checked &= set(wanted)
         return wanted
 
-    def _fold(self, r: _Result) -> None:
+    def _fold(self, r: Result) -> None:
         group = (r.rank, r.role)
         if r.error:
             self._error(r)
@@ -314,7 +170,7 @@ class StacksSource:
         if r.role == ROLE_MAIN:
             self._check_stall(r, main)
 
-    def _error(self, r: _Result) -> None:
+    def _error(self, r: Result) -> None:
         if r.error == "target_gone":
             return  # a process that exits mid-window is normal, not an error
         if r.error == "permission":
@@ -326,7 +182,7 @@ class StacksSource:
             self._logged.add(key)
             log.warning("stacks: py-spy on PID %d (rank %s): %s", r.pid, r.rank, r.detail or r.error)
 
-    def _check_stall(self, r: _Result, main: list[Sample]) -> None:
+    def _check_stall(self, r: Result, main: list[Sample]) -> None:
         tracker = self._stalls.setdefault(r.rank, StallTracker(self.config.stall_seconds))
         busy = None
         if self.gpu_busy is not None:
@@ -347,7 +203,7 @@ class StacksSource:
         elif was and not status.stalled:
             log.info("rank %s is moving again", r.rank)
 
-    def _remember(self, r: _Result) -> None:
+    def _remember(self, r: Result) -> None:
         lines: dict[str, int] = {}
         prefix = "" if r.role == ROLE_MAIN else f"{r.role} worker;"
         for s in r.samples[:RING_MAX_LINES]:
@@ -411,13 +267,6 @@ class StacksSource:
             return 404, "text/plain", f"no stacks for rank {rank} (sampled ranks: {', '.join(ranks) or 'none yet'})\n".encode()
         seconds = min(max(seconds, 0.0), self.config.ring_seconds)
         return 200, "text/plain; charset=utf-8", self.folded(rank, seconds).encode()
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except FileNotFoundError:
-        return ""
 
 
 def stacks_route(sources: Callable[[], list[StacksSource]]) -> Callable[[dict[str, list[str]]], tuple[int, str, bytes]]:

@@ -17,7 +17,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from profagent.agent.analysis.report import TraceReport, analyze
@@ -49,7 +49,6 @@ class TracesSnapshot:
     counts: tuple[tuple[str, str, int], ...]  # (status, reason, files)
     waiting: int  # files seen but not complete yet
     top_k: int = 10
-    kind: str = field(default="traces")
 
 
 def resolve_rank(report: TraceReport, path: str, tree: ProcessTree | None) -> str:
@@ -106,14 +105,12 @@ class TracesSource:
 
     # -- Source protocol ------------------------------------------------------------
     def start(self) -> None:
-        missing = [str(d) for d in self._dirs if not d.is_dir()]
         if not self._dirs:
             raise SourceUnavailable("no trace folder configured: pass --trace-dir DIR")
-        if missing:
-            raise SourceUnavailable(
-                f"trace folder {missing[0]} does not exist: create it (mkdir -p) or fix --trace-dir"
-            )
-        self._watcher.start()
+        try:
+            self._watcher.start()
+        except OSError as exc:
+            raise SourceUnavailable(f"cannot watch the trace folders ({exc}): check --trace-dir and permissions") from None
         self._thread = threading.Thread(target=self._work, name="profagent-traces-worker", daemon=True)
         self._thread.start()
 
@@ -139,7 +136,14 @@ class TracesSource:
             for verdict in self._watcher.due(self._clock()):
                 if self._stop.is_set():
                     return
-                self._handle(verdict)
+                try:
+                    self._handle(verdict)
+                except Exception as exc:  # a bug must not end the worker: count the file
+                    log.debug("handling %s failed", verdict.path, exc_info=True)
+                    self._count(verdict, "invalid", "internal_error", f"{type(exc).__name__}: {exc}")
+            if self._watcher.waiting != self._snapshot.waiting:
+                with self._lock:
+                    self._snapshot = self._build(self._snapshot.job_id)
 
     def _handle(self, verdict: Verdict) -> None:
         if verdict.action != "attempt":
