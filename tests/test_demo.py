@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -33,7 +34,10 @@ def test_demo_shows_every_capability_and_cleans_up() -> None:
     ):
         assert family in out, f"{family} missing from the demo output"
     assert 'simulated="true"' in out or "simulated" in res.stderr
-    # Everything the demo started is gone: the job, its ranks and workers, the agent, py-spy.
-    leftovers = [p for p in psutil.process_iter(["pid", "cmdline"])
-                 if p.pid not in before and any(k in " ".join(p.info["cmdline"] or []) for k in ("train.py", "profagent", "py-spy"))]
+    # Everything the demo started is gone: the job, its ranks and workers, the agent (their
+    # command lines name the demo's private folder), and py-spy (children of the agent).
+    work = re.search(r"(/\S*profagent-demo-[^/\s]+)", out).group(1)
+    leftovers = [p for p in psutil.process_iter(["pid", "ppid", "cmdline"])
+                 if p.pid not in before and (work in " ".join(p.info["cmdline"] or [])
+                                             or ("py-spy" in " ".join(p.info["cmdline"] or []) and p.info["ppid"] == 1))]
     assert not leftovers, leftovers

@@ -332,3 +332,16 @@ def test_target_python_is_read_from_proc(children, tmp_path) -> None:
     wait_ready(proc, str(tmp_path / "child_0.py.ready"))
     build = target_python(proc.pid)
     assert build is not None and (build.major, build.minor) == (3, 11) and not build.free_threaded
+
+
+def test_ptrace_denial_is_fatal_only_for_a_process_never_read() -> None:
+    from profagent.agent.sampler import Result
+
+    source = StacksSource(StacksConfig())
+    source._fold(Result("record", 5, "0", "main", 0.0, 1.0, 1.0))
+    source._fold(Result("record", 5, "0", "main", 1.0, 2.0, 2.0, error="permission", detail="Permission Denied"))
+    assert source._fatal == "" and source._errors == {"permission": 1}
+    source._fold(Result("record", 6, "1", "main", 1.0, 2.0, 2.0, error="permission"))
+    assert "ptrace denied on PID 6" in source._fatal and "CAP_SYS_PTRACE" in source._fatal
+    source._fold(Result("record", 7, "2", "main", 1.0, 2.0, 2.0, error="target_gone"))
+    assert source._errors == {"permission": 1}  # a process exiting is not an error

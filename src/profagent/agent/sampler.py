@@ -170,7 +170,7 @@ class Sampler:
         if kind == "record":
             args = pyspy.record_args(self._binary, pid, window, self.config.rate, "raw", out, self.config.nonblocking)
         else:
-            args = pyspy.dump_args(self._binary, pid, self.config.nonblocking)
+            args = pyspy.dump_args(self._binary, pid, True)  # states need no consistent stack
             self._next[(kind, pid)] = now + max(window, STATE_EVERY)
         try:
             proc = pyspy.spawn(args, err, stdout_path=out if kind == "dump" else None)

@@ -88,7 +88,8 @@ class StacksSource:
         self._proc_root = proc_root
         self._lock = threading.Lock()  # guards the ring (read by HTTP threads)
         self._sampler: Sampler | None = None
-        self._checked: set[int] = set()
+        self._checked: set[int] = set()  # pids whose Python version was checked
+        self._readable: set[int] = set()  # pids py-spy has read at least once
         self._fatal = ""
         self._version: tuple[int, ...] = ()
         # aggregates, touched only by collect()
@@ -145,6 +146,7 @@ class StacksSource:
                 self._fatal = problem
                 raise SourceUnavailable(problem, "unsupported_python")
         self._checked &= set(wanted)
+        self._readable &= set(wanted)
         return wanted
 
     def _fold(self, r: Result) -> None:
@@ -152,6 +154,7 @@ class StacksSource:
         if r.error:
             self._error(r)
             return
+        self._readable.add(r.pid)
         if r.kind == "dump":
             counts = self._threads.setdefault(group, {})
             for key, n in r.states.items():
@@ -173,9 +176,9 @@ class StacksSource:
     def _error(self, r: Result) -> None:
         if r.error == "target_gone":
             return  # a process that exits mid-window is normal, not an error
-        if r.error == "permission":
+        if r.error == "permission" and r.pid not in self._readable:
             self._fatal = f"ptrace denied on PID {r.pid}, so py-spy cannot read its stacks: {pyspy.PTRACE_FIX}"
-            return
+            return  # (once read, a denial is transient: e.g. another tracer attached for a moment)
         self._errors[r.error] = self._errors.get(r.error, 0) + 1
         key = f"{r.error}:{r.detail}"
         if key not in self._logged:

@@ -40,6 +40,7 @@ class RankTrace:
     rank: str
     report: TraceReport
     ingested_at: float  # wall clock, seconds
+    job_id: str = ""  # the job of the traced process (watch mode has several)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,18 @@ class TracesSnapshot:
     counts: tuple[tuple[str, str, int], ...]  # (status, reason, files)
     waiting: int  # files seen but not complete yet
     top_k: int = 10
+
+
+def resolve_job(report: TraceReport, tree: ProcessTree | None) -> str:
+    """The job of the traced process (by pid), else the tree's job (attach mode)."""
+    if tree is None:
+        return ""
+    by_pid = tree.by_pid()
+    for pid in report.cpu_pids:
+        info = by_pid.get(pid)
+        if info is not None:
+            return info.job_id
+    return tree.job_id
 
 
 def resolve_rank(report: TraceReport, path: str, tree: ProcessTree | None) -> str:
@@ -96,7 +109,7 @@ class TracesSource:
         processed = Processed(state_dir / STATE_FILE if state_dir is not None else None)
         self._watcher = Watcher(dirs, processed, settle_seconds, invalid_after, max_file_bytes, polling)
         self._tree: ProcessTree | None = None
-        self._ranks: dict[str, RankTrace] = {}
+        self._ranks: dict[tuple[str, str], RankTrace] = {}  # (job_id, rank) -> last trace
         self._counts: dict[tuple[str, str], int] = {("ingested", "ok"): 0}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -118,7 +131,11 @@ class TracesSource:
         """The latest snapshot the worker built (no I/O, no waiting)."""
         self._tree = tree
         with self._lock:
-            if self._snapshot.job_id != tree.job_id:
+            live = set(tree.job_status())
+            ended = [key for key in self._ranks if key[0] and key[0] not in live]
+            for key in ended:  # a job that ended (watch mode) takes its series with it
+                del self._ranks[key]
+            if ended or self._snapshot.job_id != tree.job_id:
                 self._snapshot = self._build(tree.job_id)
             return self._snapshot
 
@@ -173,8 +190,9 @@ class TracesSource:
             return
         del trace
         rank = resolve_rank(report, verdict.path, self._tree)
+        job_id = resolve_job(report, self._tree)
         with self._lock:
-            self._ranks[rank] = RankTrace(rank, report, self._wall())
+            self._ranks[(job_id, rank)] = RankTrace(rank, report, self._wall(), job_id)
         self._count(verdict, "ingested", "ok", "")
         log.info("trace %s ingested (rank %s)", verdict.path, rank)
 

@@ -60,7 +60,7 @@ def render(snap: TracesSnapshot, out: Families) -> None:
 
     for rt in snap.ranks:
         r = rt.report
-        labels = [snap.job_id, rt.rank]
+        labels = [rt.job_id or snap.job_id, rt.rank]
         last.add_metric(labels, rt.ingested_at)
         size.add_metric(labels, r.bytes)
         steps.add_metric(labels, len(r.steps))
