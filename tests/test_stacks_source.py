@@ -300,8 +300,8 @@ def test_stall_is_flagged_once_with_frames_unless_gpus_are_busy(children, tmp_pa
     caplog.set_level(logging.INFO, logger="profagent")
     proc = children.python(STUCK)
     wait_ready(proc, str(tmp_path / "child_0.py.ready"))
-    busy = StacksSource(StacksConfig(rate=20, window=1.0, stall_seconds=2.0), 0.2, gpu_busy=lambda rank: True)
-    idle = StacksSource(StacksConfig(rate=20, window=1.0, stall_seconds=2.0), 0.2, gpu_busy=lambda rank: False)
+    busy = StacksSource(StacksConfig(rate=20, window=1.0, stall_seconds=2.0), 0.2, gpu_busy=lambda rank, job: True)
+    idle = StacksSource(StacksConfig(rate=20, window=1.0, stall_seconds=2.0), 0.2, gpu_busy=lambda rank, job: False)
     for s in (busy, idle):
         s.start()
     try:

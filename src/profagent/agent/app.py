@@ -96,10 +96,10 @@ class Job:
                 source.gpu_busy = self.gpu_busy  # a stall needs the rank's GPUs idle too
         self.runtime = Runtime(self.target, self.sources, self.state, interval=config.agent.interval)
 
-    def gpu_busy(self, rank: str) -> bool | None:
+    def gpu_busy(self, rank: str, job_id: str | None = None) -> bool | None:
         """Whether the rank's GPUs work, from the GPU source's latest snapshot (None: unknown)."""
         snapshot = self.state.snapshot("gpu")
-        return snapshot.rank_busy(rank) if snapshot is not None else None
+        return snapshot.rank_busy(rank, job_id=job_id or None) if snapshot is not None else None
 
     def start(self) -> None:
         self.runtime.start()

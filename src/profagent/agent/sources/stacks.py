@@ -35,9 +35,10 @@ from profagent.config import StacksConfig
 log = logging.getLogger(__name__)
 
 RING_MAX_BYTES = 4 << 20  # per rank
+JOB_MEMORY_SECONDS = 60.0  # how long a pid's job is remembered after it left the targets
 RING_MAX_LINES = 5000  # distinct stacks kept per window
 
-GpuBusy = Callable[[str], "bool | None"]
+GpuBusy = Callable[[str, str], "bool | None"]  # (rank, job_id) -> GPUs busy? None: unknown
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class StackGroup:
     categories: tuple[tuple[str, int], ...]
     functions: tuple[tuple[str, int], ...]
     threads: tuple[tuple[str, str, int], ...]  # (state, gil, count)
+    job_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class RankStall:
     rank: str
     stalled: bool
     unchanged_seconds: float
+    job_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -92,17 +95,18 @@ class StacksSource:
         self._readable: set[int] = set()  # pids py-spy has read at least once
         self._fatal = ""
         self._version: tuple[int, ...] = ()
-        # aggregates, touched only by collect()
-        self._categories: dict[tuple[str, str], dict[str, int]] = {}
-        self._topk: dict[tuple[str, str], TopK] = {}
-        self._threads: dict[tuple[str, str], dict[tuple[str, str], int]] = {}
-        self._stalls: dict[str, StallTracker] = {}
-        self._stall_state: dict[str, tuple[bool, float]] = {}
+        # aggregates, touched only by collect(); keyed by (job_id, rank, role) or (job_id, rank)
+        self._job_of: dict[int, tuple[str, float]] = {}  # pid -> (job_id, last wanted); watch mode has several jobs
+        self._categories: dict[tuple[str, str, str], dict[str, int]] = {}
+        self._topk: dict[tuple[str, str, str], TopK] = {}
+        self._threads: dict[tuple[str, str, str], dict[tuple[str, str], int]] = {}
+        self._stalls: dict[tuple[str, str], StallTracker] = {}
+        self._stall_state: dict[tuple[str, str], tuple[bool, float]] = {}
         self._errors: dict[str, int] = {}
         self._logged: set[str] = set()
-        # ring: rank -> deque of (wall_end, {folded line: count}, bytes)
-        self._ring: dict[str, deque] = {}
-        self._ring_bytes: dict[str, int] = {}
+        # ring: (job_id, rank) -> deque of (wall_end, {folded line: count}, bytes)
+        self._ring: dict[tuple[str, str], deque] = {}
+        self._ring_bytes: dict[tuple[str, str], int] = {}
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -132,11 +136,25 @@ class StacksSource:
             self._fold(r)
         if self._fatal:
             raise SourceUnavailable(self._fatal, "unavailable")
+        self._forget_ended_jobs(tree)
         return self._snapshot(tree.job_id)
+
+    def _forget_ended_jobs(self, tree: ProcessTree) -> None:
+        """A job that left the tree (watch mode, after its grace) takes its series along."""
+        live = set(tree.job_status())
+        for table in (self._categories, self._topk, self._threads, self._stalls, self._stall_state):
+            for key in [k for k in table if k[0] not in live]:
+                del table[key]
+        with self._lock:
+            for key in [k for k in self._ring if k[0] not in live]:
+                del self._ring[key]
+                self._ring_bytes.pop(key, None)
 
     def _targets(self, tree: ProcessTree) -> dict[int, tuple[str, str]]:
         roles = (ROLE_MAIN, ROLE_DATALOADER) if self.config.dataloader else (ROLE_MAIN,)
         wanted = {p.pid: (p.rank, p.role) for p in tree.processes if p.role in roles}
+        now = self._clock()
+        self._job_of.update({p.pid: (p.job_id, now) for p in tree.processes if p.pid in wanted})
         for pid in wanted:
             if pid in self._checked:
                 continue
@@ -147,10 +165,15 @@ class StacksSource:
                 raise SourceUnavailable(problem, "unsupported_python")
         self._checked &= set(wanted)
         self._readable &= set(wanted)
+        # A window of a process that just left may still be in flight: remember jobs a while.
+        self._job_of = {pid: v for pid, v in self._job_of.items() if now - v[1] < JOB_MEMORY_SECONDS}
         return wanted
 
+    def _job(self, pid: int) -> str:
+        return self._job_of.get(pid, ("", 0.0))[0]
+
     def _fold(self, r: Result) -> None:
-        group = (r.rank, r.role)
+        group = (self._job(r.pid), r.rank, r.role)
         if r.error:
             self._error(r)
             return
@@ -186,16 +209,17 @@ class StacksSource:
             log.warning("stacks: py-spy on PID %d (rank %s): %s", r.pid, r.rank, r.detail or r.error)
 
     def _check_stall(self, r: Result, main: list[Sample]) -> None:
-        tracker = self._stalls.setdefault(r.rank, StallTracker(self.config.stall_seconds))
+        job = self._job(r.pid)
+        tracker = self._stalls.setdefault((job, r.rank), StallTracker(self.config.stall_seconds))
         busy = None
         if self.gpu_busy is not None:
             try:
-                busy = self.gpu_busy(r.rank)
+                busy = self.gpu_busy(r.rank, job)
             except Exception:  # the GPU hook is someone else's: never let it break stacks
                 busy = None
         status = tracker.update(main, r.start, r.end, busy)
-        was = self._stall_state.get(r.rank, (False, 0.0))[0]
-        self._stall_state[r.rank] = (status.stalled, status.unchanged_seconds)
+        was = self._stall_state.get((job, r.rank), (False, 0.0))[0]
+        self._stall_state[(job, r.rank)] = (status.stalled, status.unchanged_seconds)
         if status.started:
             gpu = "no GPU signal" if busy is None else "its GPUs idle"
             frames = "\n".join(f"    {f}" for f in status.frames)
@@ -213,14 +237,15 @@ class StacksSource:
             key = prefix + s.folded
             lines[key] = lines.get(key, 0) + s.count
         size = sum(len(k) + 8 for k in lines)
+        key = (self._job(r.pid), r.rank)
         with self._lock:
-            ring = self._ring.setdefault(r.rank, deque())
+            ring = self._ring.setdefault(key, deque())
             ring.append((r.wall_end, lines, size))
-            total = self._ring_bytes.get(r.rank, 0) + size
+            total = self._ring_bytes.get(key, 0) + size
             horizon = r.wall_end - self.config.ring_seconds
             while ring and (ring[0][0] < horizon or total > RING_MAX_BYTES):
                 total -= ring.popleft()[2]
-            self._ring_bytes[r.rank] = total
+            self._ring_bytes[key] = total
 
     def _snapshot(self, job_id: str) -> StacksSnapshot:
         groups = []
@@ -229,47 +254,54 @@ class StacksSource:
             topk = self._topk.get(group)
             threads = self._threads.get(group, {})
             groups.append(StackGroup(
-                group[0], group[1],
+                group[1], group[2],
                 tuple(cats.items()),
                 tuple(topk.series()) if topk else (),
                 tuple((state, gil, n) for (state, gil), n in sorted(threads.items())),
+                job_id=group[0],
             ))
-        stalls = tuple(RankStall(rank, s, u) for rank, (s, u) in sorted(self._stall_state.items()))
+        stalls = tuple(RankStall(rank, s, u, job) for (job, rank), (s, u) in sorted(self._stall_state.items()))
         return StacksSnapshot(job_id, tuple(groups), stalls, tuple(sorted(self._errors.items())))
 
     # -- /api/stacks ----------------------------------------------------------------------------
-    def ranks(self) -> list[str]:
+    def ranks(self) -> list[tuple[str, str]]:
+        """(job_id, rank) pairs with stacks in the ring."""
         with self._lock:
             return sorted(self._ring)
 
-    def folded(self, rank: str, seconds: float) -> str:
+    def folded(self, rank: str, seconds: float, job_id: str | None = None) -> str:
         """Collapsed stacks of ``rank`` over the last ``seconds`` (one ``stack count`` a line)."""
         horizon = self._wall() - seconds
         totals: dict[str, int] = {}
         with self._lock:
-            windows = [lines for end, lines, _ in self._ring.get(rank, ()) if end >= horizon]
+            windows = [lines for (job, r), ring in self._ring.items() if r == rank and job_id in (None, job)
+                       for end, lines, _ in ring if end >= horizon]
         for lines in windows:
             for stack, n in lines.items():
                 totals[stack] = totals.get(stack, 0) + n
         return "".join(f"{stack} {n}\n" for stack, n in sorted(totals.items()))
 
     def route(self, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
-        """GET /api/stacks?rank=R&seconds=S -> folded stacks as text/plain."""
-        ranks = self.ranks()
+        """GET /api/stacks?rank=R&seconds=S[&job=J] -> folded stacks as text/plain."""
+        keys = self.ranks()
+        job = (query.get("job") or [None])[0]
         rank = (query.get("rank") or [""])[0]
+        known = ", ".join(f"{r} (job {j})" if j else r for j, r in keys) or "none yet"
         if not rank:
-            if len(ranks) != 1:
-                known = ", ".join(ranks) or "none yet"
+            if len(keys) != 1:
                 return 400, "text/plain", f"rank=R is required (sampled ranks: {known})\n".encode()
-            rank = ranks[0]
+            job, rank = keys[0]
         try:
             seconds = float((query.get("seconds") or ["60"])[0])
         except ValueError:
             return 400, "text/plain", b"seconds=S must be a number\n"
-        if rank not in ranks:
-            return 404, "text/plain", f"no stacks for rank {rank} (sampled ranks: {', '.join(ranks) or 'none yet'})\n".encode()
+        matches = [(j, r) for j, r in keys if r == rank and job in (None, j)]
+        if not matches:
+            return 404, "text/plain", f"no stacks for rank {rank} (sampled ranks: {known})\n".encode()
+        if len({j for j, _ in matches}) > 1:
+            return 400, "text/plain", f"rank {rank} exists in several jobs: add job=J (sampled ranks: {known})\n".encode()
         seconds = min(max(seconds, 0.0), self.config.ring_seconds)
-        return 200, "text/plain; charset=utf-8", self.folded(rank, seconds).encode()
+        return 200, "text/plain; charset=utf-8", self.folded(rank, seconds, matches[0][0]).encode()
 
 
 def stacks_route(sources: Callable[[], list[StacksSource]]) -> Callable[[dict[str, list[str]]], tuple[int, str, bytes]]:
@@ -281,7 +313,7 @@ def stacks_route(sources: Callable[[], list[StacksSource]]) -> Callable[[dict[st
             return 503, "text/plain", b"the stacks source is off (see profagent_collector_up and the agent log)\n"
         rank = (query.get("rank") or [""])[0]
         for source in live:
-            if not rank or rank in source.ranks():
+            if not rank or rank in {r for _, r in source.ranks()}:
                 return source.route(query)
         return live[0].route(query)
 

@@ -25,7 +25,7 @@ def render(snap: StacksSnapshot, out: Families) -> None:
         (*GROUP, "state", "gil"),
     )
     for g in snap.groups:
-        labels = [snap.job_id, g.rank, g.role]
+        labels = [g.job_id or snap.job_id, g.rank, g.role]
         for category, n in g.categories:
             samples.add_metric([*labels, category], n)
         for function, n in g.functions:
@@ -51,5 +51,5 @@ def render(snap: StacksSnapshot, out: Families) -> None:
         ("job_id", "rank"),
     )
     for s in snap.stalls:
-        stalled.add_metric([snap.job_id, s.rank], 1 if s.stalled else 0)
-        unchanged.add_metric([snap.job_id, s.rank], s.unchanged_seconds)
+        stalled.add_metric([s.job_id or snap.job_id, s.rank], 1 if s.stalled else 0)
+        unchanged.add_metric([s.job_id or snap.job_id, s.rank], s.unchanged_seconds)
