@@ -79,3 +79,28 @@ def _gpu_maker() -> Callable[[ProcessTree, int], tuple[str, object]]:
 
 
 EXTRA.append(_gpu_maker())
+
+
+def _stacks_maker() -> Callable[[ProcessTree, int], tuple[str, object]]:
+    """A stacks snapshot with 50 function series per rank (top_k raised to 50)."""
+    from profagent.agent.analysis.stacks import CATEGORIES
+    from profagent.agent.sources.stacks import RankStall, StackGroup, StacksSnapshot
+
+    def make(tree: ProcessTree, tick: int) -> tuple[str, object]:
+        groups = tuple(
+            StackGroup(
+                str(rank), "main",
+                tuple((c, 1000 + tick + i) for i, c in enumerate(CATEGORIES)),
+                tuple((f"function_{i} (module_{i % 7}.py)", 100 * i + tick) for i in range(FUNCTIONS)),
+                (("active", "held", 50 + tick), ("idle", "not_held", 200 + tick)),
+                job_id=JOB,
+            )
+            for rank in range(RANKS)
+        )
+        stalls = tuple(RankStall(str(rank), False, 1.0, JOB) for rank in range(RANKS))
+        return "stacks", StacksSnapshot(JOB, groups, stalls, (("pyspy_failed", 1),))
+
+    return make
+
+
+EXTRA.append(_stacks_maker())

@@ -159,3 +159,31 @@ def test_exposition_is_cached_per_state_version_and_openmetrics_ends_once() -> N
     assert om_type.startswith("application/openmetrics-text")
     assert om.count(b"# EOF") == 1 and om.endswith(b"# EOF\n")
     assert b"process_cpu_seconds_total" in om  # the agent's own families are there too
+
+
+def test_block_cache_matches_a_full_render_and_follows_new_snapshots() -> None:
+    """The per-source block cache must give exactly what rendering everything gives."""
+    import sys
+
+    from prometheus_client import generate_latest
+
+    from profagent.exporters.prometheus import Exposition, build_registry
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from synthetic import synthetic_state
+
+    state, republish, _ = synthetic_state()
+    exposition = Exposition(lambda: [state.view()])
+    state.subscribe(exposition.prerender)
+
+    def ours(text: str) -> dict:
+        from conftest import parse_metrics
+
+        return {name: sorted(map(repr, rows)) for name, rows in parse_metrics(text).items()
+                if name.startswith("profagent_")}
+
+    for _ in range(3):
+        full = ours(generate_latest(build_registry(lambda: [state.view()])).decode())
+        cached = ours(exposition.render("")[0].decode())
+        assert cached == full and len(full) > 50
+        republish()  # new snapshots: the blocks must follow

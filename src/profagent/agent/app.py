@@ -116,7 +116,10 @@ class Agent:
         self.jobs: list[Job] = list(jobs or [])
         web = load_web_config(config.agent.web_config) if config.agent.web_config else None
         host, port = parse_listen(config.agent.listen)
-        self.server = AgentHTTPServer(host, port, Exposition(self.views), web)
+        self.exposition = Exposition(self.views)
+        for job in self.jobs:  # encode each new snapshot in its source's thread, not on scrape
+            job.state.subscribe(self.exposition.prerender)
+        self.server = AgentHTTPServer(host, port, self.exposition, web)
         self.server.add_route("/api/stacks", stacks_route(
             lambda: [s for job in list(self.jobs) for s in job.sources if isinstance(s, StacksSource)]
         ))

@@ -49,6 +49,7 @@ class State:
         self._tree: ProcessTree | None = None
         self._snapshots: dict[str, Any] = {}
         self._health: dict[str, SourceHealth] = {}
+        self._listeners: list[Callable[[str, Any], None]] = []
         self._version = 0
 
     def register(self, name: str) -> None:
@@ -73,6 +74,14 @@ class State:
                 old, up=True, detail="", last_duration=duration, last_success=self._clock()
             )
             self._version = next(_VERSIONS)
+            listeners = list(self._listeners)
+        for listener in listeners:  # outside the lock: e.g. the exporter encoding the snapshot
+            listener(name, snapshot)
+
+    def subscribe(self, listener: Callable[[str, Any], None]) -> None:
+        """Call ``listener(name, snapshot)`` in the publishing thread after each publish."""
+        with self._lock:
+            self._listeners.append(listener)
 
     def record_error(self, name: str, reason: str, duration: float | None = None) -> None:
         with self._lock:

@@ -72,33 +72,87 @@ def build_registry(views: Callable[[], Iterable[StateView]]) -> CollectorRegistr
     return registry
 
 
+class _Families:
+    """A collector over families already built (to encode one block)."""
+
+    def __init__(self, families: Families) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+_EOF = b"# EOF\n"
+
+
+def _encode(encoder: Callable[[Any], bytes], collector: Any) -> bytes:
+    """Encode one block; OpenMetrics' "# EOF" is added once, after everything."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    body = encoder(registry)
+    return body[: -len(_EOF)] if body.endswith(_EOF) else body
+
+
 class Exposition:
-    """The /metrics body. profagent's families are encoded once per state version (and
-    format), so a scrape between two source ticks costs a lookup; the agent's own
-    process_* families are read fresh each time."""
+    """The /metrics body, encoded off the scrape path where possible.
+
+    Each source's families are encoded into a block once per snapshot: right after the
+    source publishes (``prerender``, in the source's thread, for every format a scrape
+    has asked for), or at the first scrape that needs it. A scrape then joins the cached
+    blocks with the small families that change at every tick (target, collector health)
+    and the agent's own process_* families.
+    """
 
     def __init__(self, views: Callable[[], Iterable[StateView]]) -> None:
         self._views = views
         self._own = _own_collectors(CollectorRegistry(auto_describe=False))
-        self._profagent = CollectorRegistry(auto_describe=False)
-        self._profagent.register(ProfagentCollector(self._pinned))
-        self._pinned_views: list[StateView] = []
         self._lock = threading.Lock()
-        self._cache: dict[str, tuple[tuple[int, ...], bytes]] = {}
+        self._formats: dict[str, Callable[[Any], bytes]] = {}  # content type -> encoder
+        self._blocks: dict[tuple[str, str], tuple[Any, bytes]] = {}  # (source, type) -> (snapshot, bytes)
 
-    def _pinned(self) -> list[StateView]:
-        return self._pinned_views
+    def _block(self, name: str, snapshot: Any, encoder: Callable[[Any], bytes], content_type: str) -> bytes:
+        key = (name, content_type)
+        with self._lock:
+            cached = self._blocks.get(key)
+        if cached is not None and cached[0] is snapshot:
+            return cached[1]
+        out = Families()
+        RENDERERS[name](snapshot, out)
+        body = _encode(encoder, _Families(out))
+        with self._lock:
+            self._blocks[key] = (snapshot, body)
+        return body
+
+    def prerender(self, name: str, snapshot: Any) -> None:
+        """Encode a freshly published snapshot (called from the publishing source's thread)."""
+        if name not in RENDERERS or snapshot is None:
+            return
+        with self._lock:
+            formats = list(self._formats.items())
+        for content_type, encoder in formats:
+            self._block(name, snapshot, encoder, content_type)
 
     def render(self, accept: str) -> tuple[bytes, str]:
         encoder, content_type = choose_encoder(accept)
-        views = list(self._views())
-        key = tuple(v.version for v in views)
         with self._lock:
-            cached = self._cache.get(content_type)
-            if cached is None or cached[0] != key:
-                self._pinned_views = views  # render exactly the views the key describes
-                cached = self._cache[content_type] = (key, encoder(self._profagent))
+            self._formats[content_type] = encoder
+        views = list(self._views())
+        if len(views) > 1:  # several states could emit one family twice: merge them instead
+            parts = [_encode(encoder, ProfagentCollector(lambda: views))]
+        else:
+            head = Families()
+            agent.render_build(head)
+            for view in views:
+                agent.render_target(view, head)
+                agent.render_health(view, head)
+            parts = [_encode(encoder, _Families(head))]
+            for view in views:
+                for name, snapshot in sorted(view.snapshots.items()):
+                    if name in RENDERERS and snapshot is not None:
+                        parts.append(self._block(name, snapshot, encoder, content_type))
         own = encoder(self._own)
-        if own.endswith(b"# EOF\n"):  # OpenMetrics ends once, after everything
-            own = own[: -len(b"# EOF\n")]
-        return own + cached[1], content_type
+        own = own[: -len(_EOF)] if own.endswith(_EOF) else own
+        body = own + b"".join(parts)
+        if content_type.startswith("application/openmetrics-text"):
+            body += _EOF
+        return body, content_type
