@@ -8,12 +8,13 @@ TORCH_VERSION ?= 2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help venv prometheus test lint demo bench dashboards install-service clean
+.PHONY: help venv prometheus test lint demo bench soak dashboards install-service clean
 
 help:
 	@echo "make demo   - set up, then run profagent against a demo torch training job"
 	@echo "make test   - set up (venv, prometheus), then run ruff and the whole test suite"
-	@echo "make bench  - run the benchmarks in bench/"
+	@echo "make bench  - run the benchmarks in bench/ (about 10 minutes; installs HolisticTraceAnalysis)"
+	@echo "make soak   - watch mode for 10 minutes against churning jobs (RSS growth, CPU)"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,8 +40,17 @@ test: venv prometheus lint
 demo: venv
 	$(PY) examples/demo.py
 
+# Each script measures side by side in one run and prints its figures (README: Performance).
 bench: venv
+	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/scrape.py
+	$(PY) bench/gpu_tick.py
+	$(PY) bench/traces.py
+	$(PY) bench/pyspy_modes.py --seconds 30
+	$(PY) bench/overhead.py --pairs 10 --steps 4000
+
+soak: venv
+	$(PY) bench/soak.py
 
 # Regenerate the committed Grafana dashboards (tests/test_dashboards_structure.py checks them).
 dashboards: venv
