@@ -168,15 +168,20 @@ def test_iteration_trace_of_one_rank(traced_job, ondemand_env) -> None:
     assert report  # the JSON report of the new trace
 
 
-def test_no_registered_process_exits_2(tmp_path: Path, run_agent, children) -> None:
-    sockets = tmp_path / "s"
+def _isolated_agent(tmp_path: Path, run_agent, children):
+    """An agent on a sleeping process, with private Kineto and control sockets."""
     cfg = tmp_path / "a.toml"
-    cfg.write_text(f"[ondemand]\nsocket_dir = '{sockets}'\ncontrol_socket = '{tmp_path / 'c.sock'}'\n"
+    cfg.write_text(f"[ondemand]\nsocket_dir = '{tmp_path / 's'}'\ncontrol_socket = '{tmp_path / 'c.sock'}'\n"
                    f"trace_dir = '{tmp_path / 't'}'\n[stacks]\nenabled = false\n")
     target = children.python("import time; time.sleep(60)")
     port = free_port()
     agent = run_agent(["attach", "--pid", str(target.pid), "--listen", f"127.0.0.1:{port}", "--config", str(cfg)])
     agent.wait_healthy(f"http://127.0.0.1:{port}")
+    return agent, target, port, cfg
+
+
+def test_no_registered_process_exits_2(tmp_path: Path, run_agent, children) -> None:
+    agent, target, port, cfg = _isolated_agent(tmp_path, run_agent, children)
     res = _trace_cli({"config": cfg}, "--pid", str(target.pid), timeout=30)
     assert res.returncode == 2 and "KINETO_USE_DAEMON=1" in res.stderr and "Traceback" not in res.stderr
     res = _trace_cli({"config": cfg}, "--pid", "1", "--all", timeout=30)
@@ -196,13 +201,7 @@ def test_name_taken_turns_the_source_off_and_the_rest_runs(tmp_path: Path, run_a
     squatter = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     squatter.bind(str(sockets / "dynolog"))  # another daemon holds the name
     try:
-        cfg = tmp_path / "a.toml"
-        cfg.write_text(f"[ondemand]\nsocket_dir = '{sockets}'\ncontrol_socket = '{tmp_path / 'c.sock'}'\n"
-                       f"trace_dir = '{tmp_path / 't'}'\n[stacks]\nenabled = false\n")
-        target = children.python("import time; time.sleep(60)")
-        port = free_port()
-        agent = run_agent(["attach", "--pid", str(target.pid), "--listen", f"127.0.0.1:{port}", "--config", str(cfg)])
-        agent.wait_healthy(f"http://127.0.0.1:{port}")
+        agent, target, port, cfg = _isolated_agent(tmp_path, run_agent, children)
         samples = parse_metrics(http_get(f"http://127.0.0.1:{port}/metrics"))
         up = {lab["collector"]: v for lab, v in samples["profagent_collector_up"]}
         assert up["ondemand"] == 0 and up["host"] == 1

@@ -34,6 +34,18 @@ def default_control_socket() -> str:
     return str(base / "control.sock")
 
 
+def close_unix_socket(sock: socket.socket | None, path: str | None) -> None:
+    """Close a socket we bound and remove its file (our own file, never a user's)."""
+    if sock is None:
+        return
+    sock.close()
+    if path:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def call(path: str, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
     """Send one request to the agent at ``path``. Raises OSError if nobody listens."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -79,13 +91,8 @@ class ControlServer:
         self._sock = sock
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+        close_unix_socket(self._sock, self.path)
+        self._sock = None
 
     def serve(self, stop: threading.Event) -> None:
         while not stop.is_set() and self._sock is not None:

@@ -114,14 +114,10 @@ class Endpoint:
         self._sock = sock
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-            if isinstance(self.address, str):
-                try:
-                    os.unlink(self.address)
-                except OSError:
-                    pass
+        from profagent.agent.control import close_unix_socket
+
+        close_unix_socket(self._sock, self.address if isinstance(self.address, str) else None)
+        self._sock = None
 
     def serve(self, stop: threading.Event) -> None:
         """Answer datagrams until ``stop`` is set (run in a thread)."""
