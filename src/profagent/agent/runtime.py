@@ -66,10 +66,10 @@ class Runtime:
             try:
                 source.start()
             except SourceUnavailable as exc:
-                self._off(source, str(exc))
+                self._off(source, str(exc), at_start=True)
                 continue
             except Exception as exc:
-                self._off(source, f"{source.name} source failed to start: {exc}")
+                self._off(source, f"{source.name} source failed to start: {exc}", at_start=True)
                 continue
             self._spawn(source.name, lambda s=source: self._source_loop(s))
         return tree
@@ -140,10 +140,11 @@ class Runtime:
                 log.debug("%s tick failed", name, exc_info=True)
             self._stop.wait(max(0.0, source.interval - (self._clock() - began)))
 
-    def _off(self, source: Source, detail: str) -> None:
+    def _off(self, source: Source, detail: str, at_start: bool = False) -> None:
         self.state.set_down(source.name, detail)
         self.state.record_error(source.name, SourceUnavailable.reason)
-        self._log_once(logging.WARNING, source.name, detail)
+        # At start the banner shows the reason; a source lost later is worth a warning.
+        self._log_once(logging.DEBUG if at_start else logging.WARNING, source.name, detail)
         try:
             source.stop()
         except Exception:
