@@ -39,6 +39,7 @@ from conftest import (
     free_port,
     http_get,
     parse_metrics,
+    promtool_check_metrics,
     wait_for,
 )
 from profagent.exporters.grafana.coverage import NOT_ON_A_DASHBOARD, ONLY_AFTER_A_FAILURE
@@ -213,6 +214,11 @@ def declared_in_renderers(name: str) -> bool:
 
 
 # -- tests -----------------------------------------------------------------------------
+
+
+def test_whole_exposition_passes_promtool(stack: Stack) -> None:
+    """Every source on (host, simulated GPU, stacks, traces, on-demand): promtool is silent."""
+    assert promtool_check_metrics(http_get(stack.agent_url + "/metrics")) == ""
 
 
 def test_prometheus_scrapes_the_agent(stack: Stack) -> None:

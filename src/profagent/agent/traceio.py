@@ -12,9 +12,7 @@ Raises ``TraceError`` (with a short bounded ``reason``) and nothing else for bad
 
 from __future__ import annotations
 
-import queue
 import re
-import threading
 import typing
 import zlib
 from collections.abc import Iterator
@@ -24,7 +22,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-CHUNK = 8 * 1024 * 1024
+# Small pieces: inflated text is decoded while still in the CPU cache (a reader thread
+# was slower: it waits for the GIL while msgspec decodes, and it evicts the pieces).
+CHUNK = 512 * 1024
 RAW_CHUNK = 1024 * 1024  # compressed bytes read at a time
 MAX_PIECE = 512 * 1024 * 1024  # an event boundary must appear within this many bytes
 HEAD_LIMIT = 64 * 1024 * 1024  # metadata before traceEvents
@@ -49,8 +49,8 @@ class TraceError(Exception):
 
 
 class Args(msgspec.Struct, gc=False):
-    correlation: int | str | None = None
-    device: int | str | None = None
+    correlation: int | str | None = -1  # absent: -1 (an explicit null stays None)
+    device: int | str | None = -1
     stream: int | str | None = None
     total_allocated: int | None = msgspec.field(default=None, name="Total Allocated")
     device_id: int | None = msgspec.field(default=None, name="Device Id")
@@ -70,6 +70,13 @@ class Event(msgspec.Struct, gc=False):
     args: Args | None = None
 
 
+class XArgs(msgspec.Struct, gc=False):
+    """The args complete events need: fewer fields, faster decoding than ``Args``."""
+
+    correlation: int | str | None = -1  # absent: -1 (an explicit null stays None)
+    device: int | str | None = -1
+
+
 # The fast path: a union tagged by "ph", where only the kinds used have fields, so flow
 # events and the like are skipped without building strings and floats. A piece with a
 # "ph" outside this set is decoded again with the plain ``Event``.
@@ -80,7 +87,7 @@ class XEvent(msgspec.Struct, tag_field="ph", tag="X", gc=False):
     dur: float = 0.0
     pid: int | str = 0
     tid: int | str = 0
-    args: Args | None = None
+    args: XArgs | None = None
 
 
 class InstantEvent(msgspec.Struct, tag_field="ph", tag="i", gc=False):
@@ -203,49 +210,6 @@ def _chunks(path: Path) -> Iterator[bytes]:
             raise TraceError("the gzip stream ends early (file still being written?)", "truncated")
 
 
-def _prefetched(chunks: Iterator[bytes], depth: int = 2) -> Iterator[bytes]:
-    """Read and inflate in a helper thread (zlib and file reads release the GIL), at most
-    ``depth`` chunks ahead. Errors are raised in the consumer."""
-    q: queue.Queue = queue.Queue(maxsize=depth)  # type: ignore[type-arg]
-    stop = threading.Event()
-    done = object()
-
-    def produce() -> None:
-        try:
-            for chunk in chunks:
-                while not stop.is_set():
-                    try:
-                        q.put(chunk, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            item: object = done
-        except BaseException as exc:  # handed to the consumer
-            item = exc
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    thread = threading.Thread(target=produce, name="profagent-trace-reader", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = q.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join(1.0)
-
-
 def _int_column(values: list, default: int = -1) -> np.ndarray:
     """int64 column; strings ("0x1f", "7") are parsed, anything unusable becomes ``default``."""
     try:
@@ -327,8 +291,9 @@ class _Builder:
             np.fromiter(map(self._names.setdefault, name, ids), dtype=np.int64, count=n),
             np.fromiter(map(self._pids.setdefault, pid, ids), dtype=np.int64, count=n) * _THREAD_BASE
             + np.fromiter(map(self._tids.setdefault, tid, ids), dtype=np.int64, count=n),
-            _int_column([-1 if a is None or a.correlation is None else a.correlation for a in args]),
-            _int_column([-1 if a is None or a.device is None else a.device for a in args]),
+            # (an explicit null makes _int_column take its slow path, which maps it to -1)
+            _int_column([-1 if a is None else a.correlation for a in args]),
+            _int_column([-1 if a is None else a.device for a in args]),
         ))
 
     def _instant(self, e: Event | InstantEvent) -> None:
@@ -394,13 +359,13 @@ def read_trace(path: str | Path) -> Trace:
     path = Path(path)
     trace = Trace(str(path))
     builder = _Builder(trace)
-    chunks = _prefetched(_chunks(path))
+    chunks = _chunks(path)
     try:
         _stream_into(chunks, trace, builder)
     except OSError as exc:
         raise TraceError(f"cannot read {path} ({exc.strerror or exc})", "unreadable") from None
     finally:
-        chunks.close()  # stops the reader thread at once, also on errors
+        chunks.close()  # closes the file at once, also on errors
     builder.finish()
     return trace
 
@@ -429,11 +394,15 @@ def _stream_into(chunks: Iterator[bytes], trace: Trace, builder: _Builder) -> No
     pending = bytearray(b"[")
     pending += memoryview(buf)[match.end():]
     del buf
+    due = CHUNK  # drain when pending is this long
     for data in chunks:
         trace.bytes_read += len(data)
         pending += data
-        if len(pending) >= CHUNK:
+        if len(pending) >= due:
             _drain(pending, builder)
+            # nothing decodable yet (a huge event): wait for twice as much text before
+            # trying again, so a long event is not re-parsed once per small chunk
+            due = CHUNK if len(pending) < CHUNK else 2 * len(pending)
     # 3. the last events and the metadata after the array
     try:
         whole = _decode(_fast_whole_decoder, _whole_decoder, b'{"traceEvents": ' + pending)

@@ -55,7 +55,17 @@ class Timeline:
         self.length = np.diff(pts)
 
     def mask(self, m: Merged) -> np.ndarray:
-        return covered(m, self.left)
+        """Segments inside ``m`` (a union from ``merge``)."""
+        pts = self.points
+        i, j = np.searchsorted(pts, m[0]), np.searchsorted(pts, m[1])
+        if len(j) == 0 or j[-1] >= len(pts) or (pts[i] != m[0]).any() or (pts[j] != m[1]).any():
+            return covered(m, self.left)  # not one of the grid's unions
+        # m's boundaries are grid points: +1 where a span starts, -1 where it ends, and a
+        # running sum (spans are disjoint, so 0 or 1). Cheaper than locating every segment.
+        edge = np.zeros(len(pts), dtype=np.int8)
+        edge[i] = 1
+        edge[j] = -1
+        return np.cumsum(edge[:-1], dtype=np.int8).astype(bool)
 
     def time(self, mask: np.ndarray) -> float:
         return float(self.length[mask].sum())

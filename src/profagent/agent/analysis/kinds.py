@@ -93,7 +93,18 @@ def classify(trace: Trace) -> Classified:
     u = c.unions
     gkind, gdev = kind[gpu], t.device[gpu]
     gs, ge = t.ts[gpu], t.end[gpu]
-    for dev in c.devices:
+    for code, label in GPU_KINDS.items():
+        sel = gkind == code
+        if code == KERNEL:
+            u["comm"] = merge(gs[sel & gpu_comm], ge[sel & gpu_comm])
+            sel &= ~gpu_comm
+        u[label] = merge(gs[sel], ge[sel])
+    devices = c.devices
+    for dev in devices:
+        if len(devices) == 1:  # the same unions: share them (Frame masks each union once)
+            for label in ("comm", *GPU_KINDS.values()):
+                u[f"{label}@{dev}"] = u[label]
+            continue
         on = gdev == dev
         for code, label in GPU_KINDS.items():
             sel = on & (gkind == code)
@@ -101,12 +112,6 @@ def classify(trace: Trace) -> Classified:
                 u[f"comm@{dev}"] = merge(gs[sel & gpu_comm], ge[sel & gpu_comm])
                 sel &= ~gpu_comm
             u[f"{label}@{dev}"] = merge(gs[sel], ge[sel])
-    for code, label in GPU_KINDS.items():
-        sel = gkind == code
-        if code == KERNEL:
-            u["comm"] = merge(gs[sel & gpu_comm], ge[sel & gpu_comm])
-            sel &= ~gpu_comm
-        u[label] = merge(gs[sel], ge[sel])
     u["runtime"] = merge(*c.span(runtime))
     ops_loader = loader_name[t.name[cpu_ops]]
     ops_comm = comm_cpu_name[t.name[cpu_ops]] & ~ops_loader
@@ -138,15 +143,16 @@ class Frame:
         self.step_of = np.where(inside, i, -1)
         self.steps = len(windows)
         self._c = c
-        self._masks: dict[str, np.ndarray] = {}
+        self._masks: dict[int, np.ndarray] = {}  # id of a union in c.unions -> its mask
 
     def mask(self, key: str) -> np.ndarray:
         """The union ``key`` as a segment mask (all False if the trace has none)."""
-        m = self._masks.get(key)
+        union = self._c.unions.get(key)
+        if union is None:
+            return np.zeros(len(self.timeline.left), dtype=bool)
+        m = self._masks.get(id(union))
         if m is None:
-            union = self._c.unions.get(key)
-            m = self.timeline.mask(union) if union is not None else np.zeros(len(self.timeline.left), dtype=bool)
-            self._masks[key] = m
+            m = self._masks[id(union)] = self.timeline.mask(union)
         return m
 
     def time(self, mask: np.ndarray) -> float:
