@@ -59,6 +59,18 @@ def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     return out
 
 
+def kill_tree(proc: subprocess.Popen, timeout: float = 10) -> None:
+    """SIGKILL a child started with start_new_session=True, with its whole process group."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 class Children:
     """Real child processes started by a test, all killed (with their trees) afterwards."""
 
@@ -76,14 +88,7 @@ class Children:
 
     def cleanup(self) -> None:
         for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+            kill_tree(proc)
 
 
 @pytest.fixture

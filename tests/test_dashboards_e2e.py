@@ -18,7 +18,6 @@ import gzip
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from conftest import (
     Prometheus,
     free_port,
     http_get,
+    kill_tree,
     parse_metrics,
     promtool_check_metrics,
     wait_for,
@@ -81,17 +81,6 @@ def _gpu_trace_as_rank(dest: Path) -> None:
     tmp.rename(dest)
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("dashboards-e2e")
@@ -129,7 +118,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             prom.stop()
         if agent is not None:
             agent.stop()
-        _kill_tree(job)
+        kill_tree(job)
 
 
 # -- helpers ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT, free_port, http_get, parse_metrics, wait_for
+from conftest import ROOT, free_port, http_get, kill_tree, parse_metrics, wait_for
 from profagent.agent import kineto
 from profagent.agent.sources.ondemand import Endpoint, NoPollers, match_pid
 
@@ -122,8 +122,7 @@ def traced_job(ondemand_env):
     finally:
         agent.terminate()
         agent.wait(timeout=10)
-        os.killpg(job.pid, 9)
-        job.wait()
+        kill_tree(job)
         log.close()
 
 
