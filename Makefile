@@ -54,7 +54,7 @@ soak: venv
 
 # Regenerate the committed Grafana dashboards (tests/test_dashboards_structure.py checks them).
 dashboards: venv
-	$(PY) -m profagent.exporters.grafana.generate
+	PYTHONPATH=tools $(PY) -m profagent_dashboards.generate
 
 # systemd units + /etc/profagent/config.toml (kept if present); PREFIX=DIR for a staging root.
 install-service: venv

@@ -16,11 +16,11 @@ import os
 import statistics
 import time
 
-from profagent.agent.nvml import Nvml
-from profagent.agent.nvml.profiles import PROFILES
-from profagent.agent.nvml.simulated import SimulatedNvml
-from profagent.agent.sources.gpu import GpuSource
-from profagent.agent.target import ROLE_MAIN, ProcessInfo, ProcessTree
+from profagent.sources.gpu.nvml import Nvml
+from profagent.sources.gpu.profiles import PROFILES
+from profagent.sources.gpu.simulated import SimulatedNvml
+from profagent.sources.gpu.source import GpuSource
+from profagent.target import ROLE_MAIN, ProcessInfo, ProcessTree
 
 
 def main() -> None:

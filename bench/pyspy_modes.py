@@ -28,7 +28,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from profagent.agent.pyspy import dump_args, find_pyspy, record_args
+from profagent.sources.stacks.pyspy import dump_args, find_pyspy, record_args
 
 JOB = textwrap.dedent("""
     import sys, time

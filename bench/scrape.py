@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from synthetic import synthetic_state  # noqa: E402
 
+from profagent.exporters.exposition import Exposition  # noqa: E402
 from profagent.exporters.http import AgentHTTPServer  # noqa: E402
-from profagent.exporters.prometheus import Exposition  # noqa: E402
 
 
 def measure(port: int, n: int, before=None) -> list[float]:

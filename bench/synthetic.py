@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from profagent.agent.sources.host import GroupUsage, HostSnapshot, NodeUsage, Usage
-from profagent.agent.state import State
-from profagent.agent.target import ProcessInfo, ProcessTree
+from profagent.sources.host import GroupUsage, HostSnapshot, NodeUsage, Usage
+from profagent.state import State
+from profagent.target import ProcessInfo, ProcessTree
 
 RANKS = 8
 WORKERS_PER_RANK = 7  # 8 ranks x (1 + 7) = 64 processes
@@ -64,10 +64,10 @@ def synthetic_state() -> tuple[State, Callable[[], None], str]:
 
 def _gpu_maker() -> Callable[[ProcessTree, int], tuple[str, object]]:
     """Real GpuSource ticks over the simulated backend (8 GPUs, one rank per GPU)."""
-    from profagent.agent.nvml import Nvml
-    from profagent.agent.nvml.profiles import PROFILES
-    from profagent.agent.nvml.simulated import SimulatedNvml
-    from profagent.agent.sources.gpu import GpuSource
+    from profagent.sources.gpu.nvml import Nvml
+    from profagent.sources.gpu.profiles import PROFILES
+    from profagent.sources.gpu.simulated import SimulatedNvml
+    from profagent.sources.gpu.source import GpuSource
 
     source = GpuSource(Nvml(SimulatedNvml(PROFILES["h100"], GPUS), simulated=True))
     source.start()
@@ -83,8 +83,8 @@ EXTRA.append(_gpu_maker())
 
 def _stacks_maker() -> Callable[[ProcessTree, int], tuple[str, object]]:
     """A stacks snapshot with 50 function series per rank (top_k raised to 50)."""
-    from profagent.agent.analysis.stacks import CATEGORIES
-    from profagent.agent.sources.stacks import RankStall, StackGroup, StacksSnapshot
+    from profagent.analysis.stacks import CATEGORIES
+    from profagent.sources.stacks.source import RankStall, StackGroup, StacksSnapshot
 
     def make(tree: ProcessTree, tick: int) -> tuple[str, object]:
         groups = tuple(

@@ -39,8 +39,8 @@ TOOLS = ("profagent", "orjson", "hta")
 
 # -- one measurement (child process) ----------------------------------------------------
 def _run_profagent(path: Path) -> int:
-    from profagent.agent.analysis.report import analyze
-    from profagent.agent.traceio import read_trace
+    from profagent.analysis.trace.report import analyze
+    from profagent.sources.traces.reader import read_trace
 
     trace = read_trace(path)
     size = trace.bytes_read
@@ -83,7 +83,7 @@ def child(tool: str, path: Path, repeat: int) -> None:
     else:
         import orjson  # noqa: F401
 
-        import profagent.agent.analysis.report  # noqa: F401
+        import profagent.analysis.trace.report  # noqa: F401
     best, best_cpu = float("inf"), float("inf")
     for _ in range(repeat):
         began, cpu = time.perf_counter(), _cpu()

@@ -63,7 +63,7 @@ def test_prometheus_config_passes_promtool_check() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     assert "WARNING" not in res.stdout + res.stderr
     cfg = yaml.safe_load((PROM / "prometheus.yml").read_text())
-    assert cfg["rule_files"] == ["alerts.yml"]
+    assert cfg["rule_files"] == ["alerts.yml", "recording.yml"]
     (job,) = cfg["scrape_configs"]
     assert job["job_name"] == "profagent"  # ProfagentAgentDown selects up{job="profagent"}
     assert job["file_sd_configs"][0]["files"]

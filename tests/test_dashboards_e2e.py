@@ -42,8 +42,8 @@ from conftest import (
     promtool_check_metrics,
     wait_for,
 )
-from profagent.exporters.grafana.coverage import NOT_ON_A_DASHBOARD, ONLY_AFTER_A_FAILURE
-from profagent.exporters.grafana.model import Target, iter_targets, metric_names
+from profagent_dashboards.coverage import NOT_ON_A_DASHBOARD, ONLY_AFTER_A_FAILURE
+from profagent_dashboards.model import PanelQuery, iter_targets, metric_names
 
 pytestmark = pytest.mark.slow
 
@@ -144,7 +144,7 @@ def _dashboards() -> dict[str, dict]:
     return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
 
 
-def _targets() -> list[Target]:
+def _targets() -> list[PanelQuery]:
     return [t for model in _dashboards().values() for t in iter_targets(model)]
 
 
@@ -178,7 +178,7 @@ def _api(prom: Prometheus, path: str, params: dict[str, str]) -> dict:
     return body
 
 
-def run_target(prom: Prometheus, target: Target, instance: str) -> tuple[str, int]:
+def run_target(prom: Prometheus, target: PanelQuery, instance: str) -> tuple[str, int]:
     """(error or "", number of series) for one panel target."""
     expr = substitute(target.expr, instance)
     now = time.time()

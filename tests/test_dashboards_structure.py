@@ -10,14 +10,14 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from profagent.exporters.grafana.coverage import NOT_ON_A_DASHBOARD, ONLY_AFTER_A_FAILURE
-from profagent.exporters.grafana.model import iter_panels, iter_targets, metric_names
 from profagent.exporters.grafana.provisioning import (
     DATASOURCE_FILE,
     DATASOURCE_UID,
     FOLDER,
     PROVIDER_FILE,
 )
+from profagent_dashboards.coverage import NOT_ON_A_DASHBOARD, ONLY_AFTER_A_FAILURE
+from profagent_dashboards.model import iter_panels, iter_targets, metric_names
 
 DASHBOARDS = ROOT / "dashboards"
 VARIABLES = ["datasource", "instance", "job_id", "rank", "gpu"]
@@ -31,16 +31,16 @@ def _models() -> dict[str, dict]:
 
 def test_regenerating_gives_exactly_the_committed_files(tmp_path: Path) -> None:
     pytest.importorskip("grafana_foundation_sdk", reason="the generator needs the test extra")
-    from profagent.exporters.grafana.generate import files
+    from profagent_dashboards.generate import files
 
     generated = files()
     committed = {
         str(p.relative_to(DASHBOARDS)): p.read_text(encoding="utf-8")
         for p in DASHBOARDS.rglob("*") if p.is_file()
     }
-    assert sorted(generated) == sorted(committed), "run: python -m profagent.exporters.grafana.generate"
+    assert sorted(generated) == sorted(committed), "run: make dashboards"
     for rel, text in generated.items():
-        assert committed[rel] == text, f"{rel} is stale: run python -m profagent.exporters.grafana.generate"
+        assert committed[rel] == text, f"{rel} is stale: run make dashboards"
 
 
 def test_five_dashboards_with_stable_uids_and_current_schema() -> None:

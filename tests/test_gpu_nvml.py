@@ -6,11 +6,10 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from profagent.agent.nvml import DeviceLost, Nvml, open_backend, parse_backend, parse_gpus
-from profagent.agent.nvml.profiles import A100, H100
-from profagent.agent.nvml.simulated import SimulatedNvml
-from profagent.agent.sources import SourceUnavailable
-from profagent.errors import UserError
+from profagent.errors import SourceUnavailable, UserError
+from profagent.sources.gpu.nvml import DeviceLost, Nvml, open_backend, parse_backend, parse_gpus
+from profagent.sources.gpu.profiles import A100, H100
+from profagent.sources.gpu.simulated import SimulatedNvml
 
 
 def opened(sim: SimulatedNvml) -> Nvml:

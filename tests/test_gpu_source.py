@@ -13,16 +13,16 @@ import pytest
 from prometheus_client.exposition import generate_latest
 
 from conftest import parse_metrics, promtool_check_metrics, wait_for
-from profagent.agent.nvml import Nvml
-from profagent.agent.nvml.profiles import A100, H100, H100_MIG
-from profagent.agent.nvml.simulated import SimulatedNvml
-from profagent.agent.sources.gpu import GpuSnapshot, GpuSource, read_nspid
-from profagent.agent.sources.host import HostSource
-from profagent.agent.state import State
-from profagent.agent.target import ROLE_LAUNCHER, ROLE_MAIN, ProcessInfo, ProcessTree, Target
+from profagent.exporters.exposition import build_registry
 from profagent.exporters.families import Families
 from profagent.exporters.families.gpu import render
-from profagent.exporters.prometheus import build_registry
+from profagent.sources.gpu.nvml import Nvml
+from profagent.sources.gpu.profiles import A100, H100, H100_MIG
+from profagent.sources.gpu.simulated import SimulatedNvml
+from profagent.sources.gpu.source import GpuSnapshot, GpuSource, read_nspid
+from profagent.sources.host import HostSource
+from profagent.state import State
+from profagent.target import ROLE_LAUNCHER, ROLE_MAIN, PidTarget, ProcessInfo, ProcessTree
 
 
 class FakeClock:
@@ -174,7 +174,7 @@ def test_attribution_to_real_children_by_rank(children) -> None:
         time.sleep(120)
         """
     )
-    target = Target(launcher.pid)
+    target = PidTarget(launcher.pid)
     tree = wait_for(lambda: (t := target.refresh()) and len(t.mains()) == 2 and t, what="two ranks")
     ranks = {p.rank: p.pid for p in tree.mains()}
     sim = SimulatedNvml(H100, 2)
@@ -227,7 +227,7 @@ def test_process_utilization_keeps_last_seen_timestamp() -> None:
 def test_rank_busy_from_process_or_device_utilization() -> None:
     from types import MappingProxyType
 
-    from profagent.agent.sources.gpu import GpuDevice, ProcessGpuUsage
+    from profagent.sources.gpu.source import GpuDevice, ProcessGpuUsage
 
     def dev(index: int, util: float | None, up: bool = True) -> GpuDevice:
         values = {} if util is None else {"utilization_ratio": util}
@@ -329,7 +329,7 @@ def test_gpus_filter_and_bad_index() -> None:
     assert [d.index for d in snap.devices] == [1, 3]
     assert sim.calls[("nvmlDeviceGetPowerUsage", 0)] == 0
     src.stop()
-    from profagent.agent.sources import SourceUnavailable
+    from profagent.errors import SourceUnavailable
 
     with pytest.raises(SourceUnavailable) as exc:
         source(SimulatedNvml(H100, 2), gpus=frozenset({5}))
@@ -346,8 +346,8 @@ def test_stop_shuts_down_nvml_and_frees_events() -> None:
 
 
 def test_build_sources_wiring() -> None:
-    from profagent.agent.app import build_sources
     from profagent.config import Config
+    from profagent.engine.agent import build_sources
     from profagent.errors import UserError
 
     config = Config()
@@ -366,7 +366,7 @@ def test_build_sources_wiring() -> None:
 def test_promtool_clean_with_8_simulated_gpus(children) -> None:
     """The agent's whole exposition (agent, host and gpu families) passes promtool."""
     kid = children.python("import time; time.sleep(60)", env={"RANK": "0", "LOCAL_RANK": "0"})
-    target = Target(kid.pid)
+    target = PidTarget(kid.pid)
     tree = wait_for(lambda: (t := target.refresh()) and t.mains() and t, what="child")
     state = State()
     state.set_tree(tree)
@@ -388,8 +388,8 @@ def test_promtool_clean_with_8_simulated_gpus(children) -> None:
 
 
 def test_doctor_rows_for_simulated_backend() -> None:
-    from profagent.agent.nvml.checks import check_nvml
     from profagent.config import Config
+    from profagent.doctor.gpu import check_nvml
 
     config = Config()
     config.gpu.backend = "simulated:h100-migx2"
@@ -402,7 +402,7 @@ def test_doctor_rows_for_simulated_backend() -> None:
     assert by_name["GPU process PIDs"].status == "ok"  # no process on the simulated GPUs
 
     # A GPU process whose PID this agent cannot see: a PID-namespace hint with the fix.
-    from profagent.agent.nvml import Nvml
+    from profagent.sources.gpu.nvml import Nvml
 
     sim = SimulatedNvml(H100, 1)
     sim.simulatedSetTargetProcesses([(2**22 + 17, 0)])

@@ -6,8 +6,8 @@ import dataclasses
 
 import psutil
 
-from profagent.agent.sources.host import HostSource, Usage
-from profagent.agent.target import ProcessInfo, ProcessTree
+from profagent.sources.host import HostSource, Usage
+from profagent.target import ProcessInfo, ProcessTree
 
 
 def _info(pid: int, role: str, rank: str = "0") -> ProcessInfo:

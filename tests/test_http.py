@@ -15,10 +15,10 @@ import bcrypt
 import pytest
 
 from conftest import free_port
-from profagent.agent.state import State
 from profagent.errors import UserError
+from profagent.exporters.exposition import build_registry
 from profagent.exporters.http import AgentHTTPServer, load_web_config
-from profagent.exporters.prometheus import build_registry
+from profagent.state import State
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +143,8 @@ def test_unreadable_web_config(tmp_path: Path) -> None:
 
 
 def test_exposition_is_cached_per_state_version_and_openmetrics_ends_once() -> None:
-    from profagent.agent.target import ProcessInfo, ProcessTree
-    from profagent.exporters.prometheus import Exposition
+    from profagent.exporters.exposition import Exposition
+    from profagent.target import ProcessInfo, ProcessTree
 
     state = State()
     tree = ProcessTree("j", 1, (ProcessInfo(1, 0, 0.0, "main", "0", "0", "1", "x", "j"),), True)
@@ -167,7 +167,7 @@ def test_block_cache_matches_a_full_render_and_follows_new_snapshots() -> None:
 
     from prometheus_client import generate_latest
 
-    from profagent.exporters.prometheus import Exposition, build_registry
+    from profagent.exporters.exposition import Exposition, build_registry
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from synthetic import synthetic_state

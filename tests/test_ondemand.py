@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ROOT, free_port, http_get, kill_tree, parse_metrics, wait_for
-from profagent.agent import kineto
-from profagent.agent.sources.ondemand import Endpoint, NoPollers, match_pid
+from profagent.sources.ondemand import kineto
+from profagent.sources.ondemand.endpoint import Endpoint, NoPollers, match_pid
 
 TRAIN = str(ROOT / "examples" / "train.py")
 
@@ -211,8 +211,8 @@ def test_name_taken_turns_the_source_off_and_the_rest_runs(tmp_path: Path, run_a
 
 
 def test_periodic_mode_rotates_ranks_and_keeps_only_its_own_last_k(tmp_path: Path) -> None:
-    from profagent.agent.sources.ondemand import OndemandSource
-    from profagent.agent.target import ProcessInfo, ProcessTree
+    from profagent.sources.ondemand.source import OndemandSource
+    from profagent.target import ProcessInfo, ProcessTree
 
     now = [0.0]
     src = OndemandSource(interval=1, trace_dir=str(tmp_path), periodic_minutes=1, keep=2, clock=lambda: now[0])
@@ -241,8 +241,8 @@ def test_periodic_mode_rotates_ranks_and_keeps_only_its_own_last_k(tmp_path: Pat
 
 
 def test_doctor_reports_a_free_endpoint(tmp_path: Path) -> None:
-    from profagent.agent.sources.ondemand import doctor_check
     from profagent.config import load_config
+    from profagent.doctor.ondemand import check_ondemand as doctor_check
 
     cfg = load_config(None, {}, {"ondemand.socket_dir": str(tmp_path), "ondemand.control_socket": str(tmp_path / "c")})
     rows = list(doctor_check(cfg))

@@ -8,11 +8,11 @@ import threading
 import time
 
 from conftest import wait_for
-from profagent.agent.runtime import Runtime
-from profagent.agent.sources import SourceError, SourceUnavailable
-from profagent.agent.state import State
-from profagent.agent.target import Target
-from profagent.exporters.prometheus import build_registry
+from profagent.engine.runtime import Runtime
+from profagent.errors import SourceError, SourceUnavailable
+from profagent.exporters.exposition import build_registry
+from profagent.state import State
+from profagent.target import PidTarget
 
 
 class Counting:
@@ -68,7 +68,7 @@ class Slow(Counting):
 
 def _runtime(*sources) -> tuple[Runtime, State]:
     state = State()
-    rt = Runtime(Target(os.getpid()), list(sources), state, interval=0.1)
+    rt = Runtime(PidTarget(os.getpid()), list(sources), state, interval=0.1)
     rt.start()
     return rt, state
 

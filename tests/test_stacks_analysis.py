@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from profagent.agent.analysis.stacks import (
+from profagent.analysis.stacks import (
     CATEGORIES,
     StallTracker,
     TopK,
@@ -13,7 +13,7 @@ from profagent.agent.analysis.stacks import (
     parse_frame,
     thread_states,
 )
-from profagent.agent.pyspy import PythonBuild, compatibility
+from profagent.sources.stacks.pyspy import PythonBuild, compatibility
 
 
 def stack(*frames: str) -> tuple:

@@ -9,8 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from profagent.agent import pyspy
 from profagent.config import Config
+from profagent.doctor.stacks import check_pyspy
+from profagent.sources.stacks import pyspy
 
 
 def test_find_pyspy_uses_the_installed_package() -> None:
@@ -47,7 +48,7 @@ def test_spawned_children_die_with_their_parent() -> None:
     """PR_SET_PDEATHSIG: a py-spy child does not outlive an agent killed with SIGKILL."""
     code = (
         "import sys, time\n"
-        "from profagent.agent import pyspy\n"
+        "from profagent.sources.stacks import pyspy\n"
         "child = pyspy.spawn([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(60)\n"
@@ -70,7 +71,7 @@ def test_spawned_children_die_with_their_parent() -> None:
 
 
 def test_doctor_check_reports_py_spy_and_a_live_dump() -> None:
-    rows = {r.name: r for r in pyspy.doctor_check(Config())}
+    rows = {r.name: r for r in check_pyspy(Config())}
     assert rows["py-spy"].status == "ok"
     assert rows["ptrace policy"].status in ("ok", "warn", "fail")
     assert rows["py-spy dump"].status == "ok", rows["py-spy dump"]

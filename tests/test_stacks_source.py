@@ -11,10 +11,10 @@ from collections.abc import Callable
 import psutil
 import pytest
 
-from profagent.agent.pyspy import target_python
-from profagent.agent.sources.stacks import StacksSnapshot, StacksSource
-from profagent.agent.target import Target
 from profagent.config import StacksConfig
+from profagent.sources.stacks.pyspy import target_python
+from profagent.sources.stacks.source import StacksSnapshot, StacksSource
+from profagent.target import PidTarget
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def pyspy_children() -> list[psutil.Process]:
 
 def run_until(source: StacksSource, pid: int, done: Callable[[StacksSnapshot], bool], timeout: float = 25.0) -> StacksSnapshot:
     """Collect on a fresh tree every 0.2 s until ``done(snapshot)``; fail on timeout."""
-    target = Target(pid)
+    target = PidTarget(pid)
     deadline = time.monotonic() + timeout
     snap = None
     while time.monotonic() < deadline:
@@ -245,7 +245,7 @@ def test_target_killed_mid_window_gives_no_errors_and_no_leftover(children, tmp_
     wait_ready(proc, str(tmp_path / "child_0.py.ready"))
     source = make_source()
     source.start()
-    target = Target(proc.pid)
+    target = PidTarget(proc.pid)
     try:
         tree = target.refresh()
         deadline = time.monotonic() + 10
@@ -274,7 +274,7 @@ def test_stop_leaves_no_py_spy_and_the_target_running(children, tmp_path) -> Non
     for blocking in (False, True):
         source = make_source(nonblocking=not blocking)
         source.start()
-        tree = Target(proc.pid).refresh()
+        tree = PidTarget(proc.pid).refresh()
         deadline = time.monotonic() + 10
         while not pyspy_children():  # a record window is running
             assert time.monotonic() < deadline, "py-spy never started"
@@ -305,7 +305,7 @@ def test_stall_is_flagged_once_with_frames_unless_gpus_are_busy(children, tmp_pa
     for s in (busy, idle):
         s.start()
     try:
-        target = Target(proc.pid)
+        target = PidTarget(proc.pid)
         snaps: dict = {}
 
         def both_stalled_long_enough(_: object) -> bool:
@@ -335,7 +335,7 @@ def test_target_python_is_read_from_proc(children, tmp_path) -> None:
 
 
 def test_ptrace_denial_is_fatal_only_for_a_process_never_read() -> None:
-    from profagent.agent.sampler import Result
+    from profagent.sources.stacks.sampler import Result
 
     source = StacksSource(StacksConfig())
     source._fold(Result("record", 5, "0", "main", 0.0, 1.0, 1.0))

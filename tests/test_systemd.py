@@ -17,7 +17,7 @@ import pytest
 from profagent.assets import asset_dir
 from profagent.config import default_toml
 from profagent.errors import UserError
-from profagent.service import UNITS, find_executable, install
+from profagent.system.service import UNITS, find_executable, install
 
 MAX_EXPOSURE = 4.0
 ANALYZE = shutil.which("systemd-analyze")

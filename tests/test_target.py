@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from conftest import wait_for
-from profagent.agent.target import Target, check_attachable
 from profagent.errors import UserError
+from profagent.target import PidTarget, check_attachable
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -29,7 +29,7 @@ time.sleep(60)
 """
 
 
-def _tree_when(target: Target, n: int):
+def _tree_when(target: PidTarget, n: int):
     return wait_for(lambda: (t := target.refresh()) and len(t.processes) >= n and t, what=f"{n} processes")
 
 
@@ -42,7 +42,7 @@ def test_rank_with_grandchild(children) -> None:
         """,
         env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "SLURM_JOB_ID": ""},
     )
-    tree = _tree_when(Target(proc.pid), 2)
+    tree = _tree_when(PidTarget(proc.pid), 2)
     by_pid = tree.by_pid()
     assert by_pid[proc.pid].role == "main" and by_pid[proc.pid].rank == "0"
     worker = next(p for p in tree.processes if p.pid != proc.pid)
@@ -52,7 +52,7 @@ def test_rank_with_grandchild(children) -> None:
 
 def test_launcher_with_two_ranks_and_torchelastic_job_id(children) -> None:
     proc = children.python(LAUNCHER, env={"TORCHELASTIC_RUN_ID": "run-42"})
-    tree = _tree_when(Target(proc.pid), 5)
+    tree = _tree_when(PidTarget(proc.pid), 5)
     roles = {p.pid: (p.role, p.rank) for p in tree.processes}
     assert roles[proc.pid] == ("launcher", "")
     assert tree.ranks() == ["0", "1"]
@@ -63,9 +63,9 @@ def test_launcher_with_two_ranks_and_torchelastic_job_id(children) -> None:
 
 def test_attach_to_a_single_rank_of_a_launcher(children) -> None:
     proc = children.python(LAUNCHER, env={"SLURM_JOB_ID": "777"})
-    full = _tree_when(Target(proc.pid), 5)
+    full = _tree_when(PidTarget(proc.pid), 5)
     rank1 = next(p for p in full.mains() if p.rank == "1")
-    tree = _tree_when(Target(rank1.pid), 2)
+    tree = _tree_when(PidTarget(rank1.pid), 2)
     assert tree.ranks() == ["1"]
     assert tree.job_id == "777"
 
@@ -75,7 +75,7 @@ def test_plain_process_is_rank_zero_and_job_id_is_its_pid() -> None:
     clean = {k: v for k, v in os.environ.items() if k not in unset}
     plain = subprocess.Popen(SLEEPER, env=clean)
     try:
-        tree = Target(plain.pid).refresh()
+        tree = PidTarget(plain.pid).refresh()
         (only,) = tree.processes
         assert (only.role, only.rank, only.world_size) == ("main", "0", "1")
         assert tree.job_id == str(plain.pid)
@@ -97,7 +97,7 @@ def test_workers_come_and_go(children, tmp_path: Path) -> None:
         """,
         env={"RANK": "3"},
     )
-    target = Target(proc.pid)
+    target = PidTarget(proc.pid)
     assert len(target.refresh().processes) == 1
     flag.touch()
     tree = _tree_when(target, 2)
@@ -114,7 +114,7 @@ def test_environ_unreadable_degrades_with_one_warning(children, caplog) -> None:
     def denied(pid: int, root: Path) -> dict[str, str]:
         raise PermissionError(13, "Permission denied")
 
-    target = Target(proc.pid, environ_reader=denied)
+    target = PidTarget(proc.pid, environ_reader=denied)
     with caplog.at_level("WARNING"):
         tree = _tree_when(target, 2)
         target.refresh()
@@ -125,7 +125,7 @@ def test_environ_unreadable_degrades_with_one_warning(children, caplog) -> None:
 
 def test_tree_gone_after_kill(children) -> None:
     proc = children.python("import time; time.sleep(60)")
-    target = Target(proc.pid)
+    target = PidTarget(proc.pid)
     assert target.refresh().alive
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -138,7 +138,7 @@ def test_orphaned_rank_keeps_the_tree_alive(children) -> None:
         "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)'], start_new_session=False); time.sleep(60)",
         env={"RANK": "0"},
     )
-    target = Target(proc.pid)
+    target = PidTarget(proc.pid)
     tree = _tree_when(target, 2)
     worker = next(p.pid for p in tree.processes if p.pid != proc.pid)
     os.kill(proc.pid, signal.SIGKILL)

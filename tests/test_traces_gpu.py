@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import SHARED_TRACES
-from profagent.agent.analysis.report import analyze
-from profagent.agent.traceio import read_trace
+from profagent.analysis.trace.report import analyze
+from profagent.sources.traces.reader import read_trace
 
 TRACES = sorted(SHARED_TRACES.glob("*.pt.trace.json.gz"))
 PRIORITY = ("kernel", "memcpy", "memset", "communication", "runtime", "dataloader", "cpu_exec")

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import SHARED_TRACES
-from profagent.agent import traceio
-from profagent.agent.analysis.report import analyze
-from profagent.agent.traceio import TraceError, read_trace
+from profagent.analysis.trace.report import analyze
+from profagent.sources.traces import reader as traceio
+from profagent.sources.traces.reader import TraceError, read_trace
 
 SMALL = SHARED_TRACES / "mi250-rocm.pt.trace.json.gz"
 V100 = SHARED_TRACES / "v100-rank0.pt.trace.json.gz"

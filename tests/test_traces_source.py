@@ -15,10 +15,10 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from conftest import SHARED_TRACES, parse_metrics, promtool_check_metrics, wait_for
-from profagent.agent.sources.traces import TracesSnapshot, TracesSource, resolve_rank
-from profagent.agent.target import ProcessInfo, ProcessTree
 from profagent.exporters.families import Families
 from profagent.exporters.families.traces import render
+from profagent.sources.traces.source import TracesSnapshot, TracesSource, resolve_rank
+from profagent.target import ProcessInfo, ProcessTree
 
 NCCL = SHARED_TRACES / "a100-2gpu-nccl.pt.trace.json.gz"
 SMALL = SHARED_TRACES / "mi250-rocm.pt.trace.json.gz"
@@ -177,8 +177,8 @@ def test_polling_fallback(dirs, running) -> None:
 
 
 def test_rank_resolution() -> None:
-    from profagent.agent.analysis.report import analyze
-    from profagent.agent.traceio import read_trace
+    from profagent.analysis.trace.report import analyze
+    from profagent.sources.traces.reader import read_trace
 
     with_rank = analyze(read_trace(NCCL))
     assert resolve_rank(with_rank, "x.json", TREE) == "0"  # distributedInfo wins

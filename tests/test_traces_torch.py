@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import WORKLOADS
-from profagent.agent.analysis.report import analyze, findings
-from profagent.agent.traceio import read_trace
+from profagent.analysis.trace.report import analyze, findings
+from profagent.sources.traces.reader import read_trace
 
 
 @pytest.fixture(scope="session")

@@ -14,9 +14,9 @@ import pytest
 
 import watchkit
 from conftest import wait_for
-from profagent.agent.discovery import Limits, NodeTarget, Rules
 from profagent.config import WatchConfig, load_config
 from profagent.errors import UserError
+from profagent.target.node import Limits, NodeTarget, Rules
 from watchkit import FAKE_TORCHRUN, job_env, token
 
 SLEEPER = "import time\nwhile True:\n    time.sleep(0.05)\n"
@@ -129,7 +129,7 @@ def test_max_jobs_logs_once_and_admits_later(children, caplog) -> None:
     target = _target(tok, max_jobs=1)
     wait_for(lambda: _jobs(target.refresh()) == {"m-1": True}, what="first job")
     children.python(SLEEPER, env=job_env(tok, SLURM_JOB_ID="m-2", RANK="0"))
-    with caplog.at_level(logging.WARNING, logger="profagent.agent.discovery"):
+    with caplog.at_level(logging.WARNING, logger="profagent.target.node"):
         for _ in range(10):
             target.refresh()
             target._last_scan = None  # scan on every call
@@ -145,7 +145,7 @@ def test_max_processes_per_job_keeps_launcher_and_ranks(children, caplog) -> Non
     tok = token()
     children.python(FAKE_TORCHRUN, env=job_env(tok, SLURM_JOB_ID="p-1", NRANKS="4"))
     target = _target(tok, max_processes_per_job=3)
-    with caplog.at_level(logging.WARNING, logger="profagent.agent.discovery"):
+    with caplog.at_level(logging.WARNING, logger="profagent.target.node"):
         wait_for(lambda: target.refresh() and any("max_processes_per_job" in r.getMessage() for r in caplog.records), what="limit hit")
         tree = target.refresh()
     assert len(tree.processes) == 3
@@ -225,7 +225,7 @@ def test_a_shell_with_the_marker_is_not_a_job_but_its_python_is() -> None:
 
 
 def test_is_python() -> None:
-    from profagent.agent.discovery import _is_python
+    from profagent.target.node import _is_python
 
     assert _is_python("/opt/conda/bin/python3.11 -u train.py")
     assert _is_python("python train.py")

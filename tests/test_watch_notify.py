@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port, wait_for
-from profagent.agent.sdnotify import Notifier
+from profagent.system.sdnotify import Notifier
 from watchkit import token, watch_config
 
 
@@ -128,12 +128,12 @@ def test_watchdog_pings_only_while_discovery_refreshes(tmp_path) -> None:
 
     from rich.console import Console
 
-    from profagent.agent.watch import Watcher
     from profagent.config import load_config
+    from profagent.engine.node import NodeDaemon
 
     cfg = load_config(watch_config(tmp_path, token()), overrides={"listen": "127.0.0.1:0"})
     notifier = RecordingNotifier()
-    watcher = Watcher(cfg, lambda: cfg, notifier, Console(file=io.StringIO()))
+    watcher = NodeDaemon(cfg, lambda: cfg, notifier, Console(file=io.StringIO()))
     loop = threading.Thread(target=watcher._loop, daemon=True)
     loop.start()  # the runtime is not started: discovery never refreshes
     try:

@@ -1,4 +1,8 @@
-"""Errors that end a command with one line for the user (exit status 2, no traceback)."""
+"""The project's error vocabulary.
+
+- ``UserError``: bad input or environment; ends a command with one line (exit 2).
+- ``SourceError`` and its kinds: what a source may raise from a tick.
+"""
 
 from __future__ import annotations
 
@@ -12,3 +16,27 @@ class UserError(Exception):
         self.problem = problem
         self.fix = fix
         super().__init__(f"{problem}: {fix}" if fix else problem)
+
+
+class SourceError(Exception):
+    """A failed tick. ``reason`` is a short, bounded label for collector_errors_total."""
+
+    reason = "error"
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason:
+            self.reason = reason
+
+
+class SourceUnavailable(SourceError):
+    """The source cannot run here (no driver, ptrace denied...). The message is one line
+    naming the problem and the fix; the source is turned off and the others go on."""
+
+    reason = "unavailable"
+
+
+class TargetGone(SourceError):
+    """The process being observed exited during the tick. Not an error worth logging."""
+
+    reason = "target_gone"

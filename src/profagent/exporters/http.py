@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from profagent.errors import UserError
-from profagent.exporters.prometheus import Exposition
+from profagent.exporters.exposition import Exposition
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from profagent import __version__
-from profagent.agent.state import StateView
 from profagent.exporters.families import Families
+from profagent.state import StateView
 
 JOB = ("job_id",)
 

@@ -7,8 +7,8 @@ trace, launch delay without correlation...) are absent, never 0.
 
 from __future__ import annotations
 
-from profagent.agent.sources.traces import TracesSnapshot
 from profagent.exporters.families import Families
+from profagent.sources.traces.source import TracesSnapshot
 
 RANK = ("job_id", "rank")
 NAME_MAX = 120

@@ -1,1 +1,0 @@
-"""The agent: the target (what we watch), the runtime, the sources and their state."""

@@ -1,0 +1,173 @@
+"""What each Kineto event is: the closed vocabulary every analyzer shares.
+
+Kineto categories used: ``kernel``, ``gpu_memcpy``, ``gpu_memset`` (GPU activity, on
+the GPU's pid/``device``), ``cuda_runtime``/``cuda_driver``/``cuda_sync`` (CPU side of
+CUDA or HIP calls, carrying ``correlation``), ``cpu_op`` (ATen ops), ``user_annotation``
+(``record_function`` ranges, including ``ProfilerStep#N``). AMD/ROCm traces use the same
+categories (HIP calls appear as ``cuda_runtime``).
+
+``classify`` computes, once per trace, the index sets and unions every analyzer reads;
+``Frame`` puts them on one shared grid restricted to the steps (see intervals.Timeline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from profagent.analysis.trace.intervals import Merged, Timeline, merge
+from profagent.analysis.trace.model import (
+    ANNOTATION,
+    CPU_OP,
+    KERNEL,
+    MEMCPY,
+    MEMSET,
+    RUNTIME,
+    Trace,
+)
+
+STEP_PREFIX = "ProfilerStep#"
+DATALOADER_PREFIX = "enumerate(DataLoader)"
+COMM_CPU_PREFIXES = ("nccl:", "gloo:", "c10d::", "record_param_comms", "mpi:")
+GPU_KINDS = {KERNEL: "kernel", MEMCPY: "memcpy", MEMSET: "memset"}
+US = 1e-6  # trace times are microseconds
+
+
+def is_comm_kernel(name: str) -> bool:
+    low = name.lower()
+    return "nccl" in low or "rccl" in low
+
+
+def _name_flags(names: list[str], pred) -> np.ndarray:  # type: ignore[no-untyped-def]
+    return np.array([bool(pred(n)) for n in names] or [False], dtype=bool)
+
+
+@dataclass(frozen=True)
+class Classified:
+    """Index sets (into the trace's columns) and unions, computed once per trace."""
+
+    trace: Trace
+    gpu: np.ndarray  # GPU ops, sorted by start
+    gpu_launch: np.ndarray  # start of each GPU op's runtime call (NaN: unmatched)
+    gpu_comm: np.ndarray  # bool: communication kernel
+    runtime: np.ndarray
+    cpu_ops: np.ndarray  # ATen ops, ProfilerStep excluded
+    annotations: np.ndarray  # user_annotation, ProfilerStep excluded
+    steps: np.ndarray  # ProfilerStep ranges (annotation or op)
+    unions: dict[str, Merged] = field(default_factory=dict)
+
+    @property
+    def devices(self) -> list[int]:
+        return sorted({int(d) for d in np.unique(self.trace.device[self.gpu])})
+
+    def span(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.trace.ts[idx], self.trace.end[idx]
+
+
+def classify(trace: Trace) -> Classified:
+    """Split the kept events by kind and build the unions. Pure: ``trace`` is not modified."""
+    t = trace
+    step_name = _name_flags(t.names, lambda n: n.startswith(STEP_PREFIX))
+    loader_name = _name_flags(t.names, lambda n: n.startswith(DATALOADER_PREFIX))
+    comm_cpu_name = _name_flags(t.names, lambda n: n.startswith(COMM_CPU_PREFIXES))
+    comm_kernel_name = _name_flags(t.names, is_comm_kernel)
+
+    kind = t.kind
+    is_step = step_name[t.name] if len(t) else np.zeros(0, dtype=bool)
+    gpu = np.flatnonzero(kind <= MEMSET)
+    gpu = gpu[np.argsort(t.ts[gpu], kind="stable")]
+    runtime = np.flatnonzero(kind == RUNTIME)
+    cpu_like = (kind == CPU_OP) | (kind == ANNOTATION)
+    steps = np.flatnonzero(cpu_like & is_step)
+    cpu_ops = np.flatnonzero((kind == CPU_OP) & ~is_step)
+    annotations = np.flatnonzero((kind == ANNOTATION) & ~is_step)
+    gpu_comm = (kind[gpu] == KERNEL) & comm_kernel_name[t.name[gpu]]
+
+    # launch time of each GPU op, through the correlation id of its runtime call
+    rc = t.corr[runtime]
+    valid = rc >= 0
+    rc, rts = rc[valid], t.ts[runtime][valid]
+    order = np.argsort(rc, kind="stable")
+    rc, rts = rc[order], rts[order]
+    gc = t.corr[gpu]
+    pos = np.minimum(np.searchsorted(rc, gc), max(len(rc) - 1, 0))
+    launch = np.full(len(gpu), np.nan)
+    if len(rc):
+        hit = (gc >= 0) & (rc[pos] == gc)
+        launch[hit] = rts[pos[hit]]
+
+    c = Classified(t, gpu, launch, gpu_comm, runtime, cpu_ops, annotations, steps)
+    u = c.unions
+    gkind, gdev = kind[gpu], t.device[gpu]
+    gs, ge = t.ts[gpu], t.end[gpu]
+    for code, label in GPU_KINDS.items():
+        sel = gkind == code
+        if code == KERNEL:
+            u["comm"] = merge(gs[sel & gpu_comm], ge[sel & gpu_comm])
+            sel &= ~gpu_comm
+        u[label] = merge(gs[sel], ge[sel])
+    devices = c.devices
+    for dev in devices:
+        if len(devices) == 1:  # the same unions: share them (Frame masks each union once)
+            for label in ("comm", *GPU_KINDS.values()):
+                u[f"{label}@{dev}"] = u[label]
+            continue
+        on = gdev == dev
+        for code, label in GPU_KINDS.items():
+            sel = on & (gkind == code)
+            if code == KERNEL:
+                u[f"comm@{dev}"] = merge(gs[sel & gpu_comm], ge[sel & gpu_comm])
+                sel &= ~gpu_comm
+            u[f"{label}@{dev}"] = merge(gs[sel], ge[sel])
+    u["runtime"] = merge(*c.span(runtime))
+    ops_loader = loader_name[t.name[cpu_ops]]
+    ops_comm = comm_cpu_name[t.name[cpu_ops]] & ~ops_loader
+    ann_loader = loader_name[t.name[annotations]]
+    ann_comm = comm_cpu_name[t.name[annotations]] & ~ann_loader
+    loader = np.concatenate([cpu_ops[ops_loader], annotations[ann_loader]])
+    comm_cpu = np.concatenate([cpu_ops[ops_comm], annotations[ann_comm]])
+    u["dataloader"] = merge(*c.span(loader))
+    u["comm_cpu"] = merge(*c.span(comm_cpu))
+    u["cpu_exec"] = merge(*c.span(cpu_ops[~ops_loader & ~ops_comm]))
+    u["cpu_all"] = merge(*c.span(np.concatenate([cpu_ops, runtime])))
+    return c
+
+
+class Frame:
+    """The unions of a trace on one grid, with the window (the steps) and step indexes."""
+
+    def __init__(self, c: Classified, windows: list[tuple[float, float]]) -> None:
+        ws = np.array([w[0] for w in windows], dtype=np.float64)
+        we = np.array([w[1] for w in windows], dtype=np.float64)
+        self.window_union = merge(ws, we)
+        self.timeline = Timeline([*c.unions.values(), self.window_union])
+        left = self.timeline.left
+        self.window = self.timeline.mask(self.window_union)
+        # which step each segment belongs to (steps tile: sorted, non-overlapping)
+        i = np.searchsorted(ws, left, side="right") - 1
+        inside = i >= 0
+        inside[inside] = left[inside] < we[i[inside]]
+        self.step_of = np.where(inside, i, -1)
+        self.steps = len(windows)
+        self._c = c
+        self._masks: dict[int, np.ndarray] = {}  # id of a union in c.unions -> its mask
+
+    def mask(self, key: str) -> np.ndarray:
+        """The union ``key`` as a segment mask (all False if the trace has none)."""
+        union = self._c.unions.get(key)
+        if union is None:
+            return np.zeros(len(self.timeline.left), dtype=bool)
+        m = self._masks.get(id(union))
+        if m is None:
+            m = self._masks[id(union)] = self.timeline.mask(union)
+        return m
+
+    def time(self, mask: np.ndarray) -> float:
+        """µs of ``mask`` inside the window."""
+        return self.timeline.time(mask & self.window)
+
+    def per_step(self, mask: np.ndarray) -> np.ndarray:
+        """µs of ``mask`` in each step."""
+        sel = mask & (self.step_of >= 0)
+        return np.bincount(self.step_of[sel], weights=self.timeline.length[sel], minlength=self.steps)

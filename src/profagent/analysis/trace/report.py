@@ -1,0 +1,184 @@
+"""The facade: one parsed trace in, every figure out (parse once, analyze many).
+
+``analyze()`` runs each analyzer on the same classified events and returns an immutable
+``TraceReport`` in seconds and ratios. ``findings()`` turns it into plain-language advice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from profagent.analysis.trace.annotations import Annotation, annotations
+from profagent.analysis.trace.breakdown import CATEGORIES, step_breakdown
+from profagent.analysis.trace.cputime import cpu_gpu_time
+from profagent.analysis.trace.devices import DeviceTime, device_times
+from profagent.analysis.trace.kinds import US, Frame, classify
+from profagent.analysis.trace.launch import LaunchDelay, launch_delay
+from profagent.analysis.trace.memory import peak_allocated
+from profagent.analysis.trace.model import Trace
+from profagent.analysis.trace.steps import find_steps
+from profagent.analysis.trace.tops import Top, top_kernels, top_ops
+
+
+@dataclass(frozen=True)
+class StepTime:
+    name: str
+    seconds: float
+    breakdown: dict[str, float]  # category -> seconds
+
+
+@dataclass(frozen=True)
+class GpuSummary:
+    """Averages over the devices with GPU activity (ratios of the step window)."""
+
+    devices: int
+    utilization: float
+    idle_ratio: float
+    compute_ratio: float
+    non_compute_ratio: float
+    host_wait_ratio: float
+    kernel_wait_ratio: float
+    idle_other_ratio: float
+    overlap_ratio: float | None
+    memcpy_share: float  # of GPU busy time
+
+
+@dataclass(frozen=True)
+class TraceReport:
+    path: str
+    rank: str | None  # from distributedInfo only; the source may resolve it otherwise
+    bytes: int
+    steps: tuple[StepTime, ...]
+    steps_inferred: bool
+    step_mean: float | None
+    step_max: float | None
+    breakdown: dict[str, float]  # category -> ratio of step time
+    gpu: GpuSummary | None
+    devices: tuple[dict[str, Any], ...]
+    launch_delay: dict[str, float] | None  # seconds: mean, p50, p99, max
+    cpu_seconds: float
+    gpu_seconds: float
+    cpu_gpu_ratio: float | None
+    top_ops: tuple[tuple[str, float, int], ...]  # (name, self CPU seconds, calls)
+    top_kernels: tuple[tuple[str, float, int], ...]  # (name, GPU seconds, launches)
+    annotations: tuple[tuple[str, float, int], ...]  # (name, total seconds, count)
+    memory_peak: dict[str, int]  # device -> bytes
+    cpu_pids: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _gpu_summary(devices: tuple[DeviceTime, ...]) -> GpuSummary | None:
+    if not devices:
+        return None
+    n = len(devices)
+
+    def mean(fn: Any) -> float:
+        return sum(fn(d) for d in devices) / n
+
+    def ratio(d: DeviceTime, value: float) -> float:
+        return value / d.window if d.window > 0 else 0.0
+
+    overlaps = [d.overlap for d in devices if d.overlap is not None]
+    busy = sum(d.busy for d in devices)
+    return GpuSummary(
+        devices=n,
+        utilization=mean(lambda d: d.utilization),
+        idle_ratio=mean(lambda d: d.idle_ratio),
+        compute_ratio=mean(lambda d: ratio(d, d.compute)),
+        non_compute_ratio=mean(lambda d: ratio(d, d.non_compute)),
+        host_wait_ratio=mean(lambda d: ratio(d, d.host_wait)),
+        kernel_wait_ratio=mean(lambda d: ratio(d, d.kernel_wait)),
+        idle_other_ratio=mean(lambda d: ratio(d, d.idle_other)),
+        overlap_ratio=sum(overlaps) / len(overlaps) if overlaps else None,
+        memcpy_share=sum(d.memcpy for d in devices) / busy if busy > 0 else 0.0,
+    )
+
+
+def _tops(tops: tuple[Top, ...] | tuple[Annotation, ...]) -> tuple[tuple[str, float, int], ...]:
+    return tuple((t.name, t.time * US if isinstance(t, Top) else t.total * US, t.count) for t in tops)
+
+
+def analyze(trace: Trace, top_k: int = 10) -> TraceReport:
+    """Every figure of one trace. Pure: reads ``trace``, returns a new report."""
+    c = classify(trace)
+    steps = find_steps(c)
+    frame = Frame(c, steps.spans)
+    bd = step_breakdown(frame)
+    devices = device_times(c, frame)
+    delay: LaunchDelay | None = launch_delay(c)
+    cpu_us, gpu_us = cpu_gpu_time(frame)
+    durations = [s.duration * US for s in steps.steps]
+    return TraceReport(
+        path=trace.path,
+        rank=trace.rank,
+        bytes=trace.bytes_read,
+        steps=tuple(
+            StepTime(s.name, s.duration * US, {k: v * US for k, v in row.items()})
+            for s, row in zip(steps.steps, bd.per_step, strict=True)
+        ),
+        steps_inferred=steps.inferred,
+        step_mean=sum(durations) / len(durations) if durations else None,
+        step_max=max(durations) if durations else None,
+        breakdown={k: bd.ratios[k] for k in CATEGORIES} if durations else {},
+        gpu=_gpu_summary(devices),
+        devices=tuple({k: (v * US if isinstance(v, float) and k != "overlap" else v)
+                       for k, v in asdict(d).items()} for d in devices),
+        launch_delay=None if delay is None else {
+            "mean": delay.mean * US, "p50": delay.p50 * US, "p99": delay.p99 * US, "max": delay.max * US,
+        },
+        cpu_seconds=cpu_us * US,
+        gpu_seconds=gpu_us * US,
+        cpu_gpu_ratio=cpu_us / gpu_us if gpu_us > 0 else None,
+        top_ops=_tops(top_ops(c, top_k)),
+        top_kernels=_tops(top_kernels(c, top_k)),
+        annotations=_tops(annotations(c)),
+        memory_peak=peak_allocated(trace.memory),
+        cpu_pids=_cpu_pids(trace),
+    )
+
+
+def _cpu_pids(trace: Trace) -> tuple[int, ...]:
+    pids = set(trace.cpu_pids)
+    for pid, _ in trace.threads:
+        if isinstance(pid, int) and pid not in trace.gpu_devices and pid > 64:
+            pids.add(pid)  # GPU "pids" are device indexes (0, 1...), not processes
+    return tuple(sorted(pids))
+
+
+def findings(r: TraceReport) -> list[str]:
+    """Plain-language readings of the figures, most important first."""
+    out: list[str] = []
+    if r.steps_inferred and r.steps:
+        out.append("no ProfilerStep in this trace: the whole window is treated as one step "
+                   "(use torch.profiler.schedule and call prof.step() each iteration)")
+    g = r.gpu
+    if g is not None:
+        if g.idle_ratio >= 0.3:
+            why = "the CPU launched work late (host wait)" if g.host_wait_ratio >= g.kernel_wait_ratio \
+                else "queued work waited (launch latency, syncs, dependencies)"
+            out.append(f"the GPU is idle {g.idle_ratio:.0%} of step time, mostly because {why}")
+        if g.memcpy_share >= 0.1:
+            out.append(f"memcpy is {g.memcpy_share:.0%} of GPU time: look at host-device transfers, "
+                       "pin memory (pin_memory=True) and use non_blocking copies")
+        if g.overlap_ratio is not None and g.overlap_ratio < 0.5:
+            out.append(f"only {g.overlap_ratio:.0%} of communication overlaps computation: "
+                       "check bucket sizes and that collectives are issued early (DDP/FSDP overlap)")
+    elif r.steps:
+        out.append("no GPU activity in this trace (CPU-only, or GPU tracing was off)")
+    if r.cpu_gpu_ratio is not None and r.cpu_gpu_ratio >= 1.5:
+        out.append(f"CPU time is {r.cpu_gpu_ratio:.1f}x GPU time: the GPU is starved by the CPU "
+                   "(Python overhead, small kernels: try larger batches, CUDA graphs, torch.compile)")
+    dl = r.breakdown.get("dataloader", 0.0)
+    if dl >= 0.1:
+        out.append(f"the DataLoader takes {dl:.0%} of step time: raise num_workers, use "
+                   "persistent_workers and prefetching")
+    if r.launch_delay is not None and r.launch_delay["p50"] >= 1e-3:
+        out.append(f"kernels start {r.launch_delay['p50'] * 1e3:.1f} ms (median) after their launch: "
+                   "the launch queue is deep; the CPU runs far ahead, which is fine unless it syncs")
+    if r.step_mean and r.step_max and len(r.steps) > 2 and r.step_max > 1.5 * r.step_mean:
+        out.append(f"the slowest step takes {r.step_max / r.step_mean:.1f}x the mean: "
+                   "look for periodic work (checkpointing, logging, evaluation) or stragglers")
+    return out

@@ -1,0 +1,97 @@
+"""Top-K: ops by self CPU time, kernels by GPU time. Everything else folds into "other".
+
+Self CPU time of an op = its duration minus the durations of the ops directly nested in
+it on the same thread (as torch.profiler's "Self CPU"). Kernel time = the sum of the
+kernel's durations (not a union: two streams running the same kernel count twice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from profagent.analysis.trace.kinds import Classified
+from profagent.analysis.trace.model import KERNEL
+
+OTHER = "other"
+
+
+@dataclass(frozen=True)
+class Top:
+    name: str
+    time: float  # µs
+    count: int
+
+
+def _rank(names: list[str], times: np.ndarray, counts: np.ndarray, k: int) -> tuple[Top, ...]:
+    present = np.flatnonzero(counts > 0)
+    order = present[np.lexsort((present, -times[present]))]
+    out = [Top(names[i], float(times[i]), int(counts[i])) for i in order[:k]]
+    rest = order[k:]
+    if len(rest):
+        out.append(Top(OTHER, float(times[rest].sum()), int(counts[rest].sum())))
+    return tuple(out)
+
+
+def top_ops(c: Classified, k: int) -> tuple[Top, ...]:
+    """Ops by self CPU time (µs), K largest then "other"."""
+    t = c.trace
+    ops = c.cpu_ops
+    start, end, thread = t.ts[ops], t.end[ops], t.thread[ops]
+    # nesting per thread: sort by (thread, start, longest first); an op's parent is the
+    # last earlier op of its thread still running at its start
+    order = np.lexsort((start - end, start, thread))
+    starts, ends, thread = start[order], end[order], thread[order]
+    parent = _parents(starts, ends, thread)
+    child = np.flatnonzero(parent >= 0)
+    p = parent[child]
+    self_time = ends - starts
+    # ufunc.at subtracts in index order: the same rounding as walking the ops one by one
+    np.subtract.at(self_time, p, np.minimum(ends[child], ends[p]) - starts[child])
+    names = t.name[ops][order]
+    n = len(t.names)
+    times = np.bincount(names, weights=np.maximum(self_time, 0.0), minlength=n)
+    counts = np.bincount(names, minlength=n)
+    return _rank(t.names, times, counts, k)
+
+
+_JUMP_ROUNDS = 64  # vectorized rounds before finishing the (rare) deep chains in Python
+
+
+def _parents(starts: np.ndarray, ends: np.ndarray, thread: np.ndarray) -> np.ndarray:
+    """For ops sorted by (thread, start), the index of the last earlier op of the same
+    thread with ``end > start`` (-1: none), i.e. the top of a walk's nesting stack.
+
+    Pointer jumping: ``cand[j]`` starts at ``j - 1`` and every op between ``cand[j]`` and
+    ``j`` ends by ``starts[j]``; while ``cand[j]`` ended too, jump to ``cand[cand[j]]``
+    (whose skipped ops end by its start, which is no later)."""
+    n = len(starts)
+    cand = np.arange(-1, n - 1)
+    if n:
+        cand[np.flatnonzero(np.diff(thread)) + 1] = -1  # the first op of each thread
+    todo = np.flatnonzero(cand >= 0)
+    for _ in range(_JUMP_ROUNDS):
+        todo = todo[ends[cand[todo]] <= starts[todo]]
+        if not len(todo):
+            return cand
+        nxt = cand[cand[todo]]
+        cand[todo] = nxt
+        todo = todo[nxt >= 0]
+    cand_l, ends_l, starts_l = cand.tolist(), ends.tolist(), starts.tolist()
+    for j in todo.tolist():  # increasing: the candidates of earlier ops are final
+        p, s = cand_l[j], starts_l[j]
+        while p >= 0 and ends_l[p] <= s:
+            p = cand_l[p]
+        cand_l[j] = p
+    return np.array(cand_l, dtype=np.int64)
+
+
+def top_kernels(c: Classified, k: int) -> tuple[Top, ...]:
+    """Kernels by summed GPU time (µs), K largest then "other"."""
+    t = c.trace
+    kernels = c.gpu[t.kind[c.gpu] == KERNEL]
+    n = len(t.names)
+    times = np.bincount(t.name[kernels], weights=t.end[kernels] - t.ts[kernels], minlength=n)
+    counts = np.bincount(t.name[kernels], minlength=n)
+    return _rank(t.names, times, counts, k)

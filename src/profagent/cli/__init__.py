@@ -1,0 +1,286 @@
+"""The command line: a thin layer that parses flags into config and calls the agent.
+
+Every failure the user can fix ends in one line naming the problem and the fix, exit
+status 2, and no traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from profagent import __version__
+from profagent.cli.dashboards import dashboards_app
+from profagent.config import load_config
+from profagent.errors import UserError
+
+app = typer.Typer(
+    name="profagent",
+    help="Observe PyTorch training jobs from the outside: GPU, Python stacks, profiler traces -> Prometheus.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.add_typer(dashboards_app, name="dashboards")
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file (flags > PROFAGENT_* env > file > defaults)")]
+LogLevelOpt = Annotated[str | None, typer.Option("--log-level", help="debug, info, warning or error")]
+GpuBackendOpt = Annotated[str | None, typer.Option("--gpu-backend", help="nvml (default), off, or simulated, simulated:PROFILE or simulated:PROFILExN with PROFILE a100, h100 or h100-mig (e.g. simulated:h100x8)")]
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="profagent %(levelname)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"profagent {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")] = False,
+) -> None:
+    """profagent: why is my training job slow, idle, leaking or hung?"""
+
+
+@app.command()
+def attach(
+    pid: Annotated[int, typer.Option("--pid", help="PID of the launcher (torchrun) or of a single rank")],
+    listen: Annotated[str | None, typer.Option("--listen", help="HOST:PORT to serve /metrics on [default :19400]")] = None,
+    interval: Annotated[float | None, typer.Option("--interval", help="default seconds between samples (>= 0.1) [default 1]")] = None,
+    config: ConfigOpt = None,
+    web_config: Annotated[Path | None, typer.Option("--web-config", help="web-config.yml with TLS and basic auth (exporter-toolkit format)")] = None,
+    log_level: LogLevelOpt = None,
+    exit_grace: Annotated[float | None, typer.Option("--exit-grace", help="seconds to keep serving after the target is gone [default 3]")] = None,
+    stacks: Annotated[bool | None, typer.Option("--stacks/--no-stacks", help="sample Python stacks with py-spy [default on]")] = None,
+    stack_rate: Annotated[int | None, typer.Option("--stack-rate", help="py-spy samples per second per process [default 20]")] = None,
+    stack_dataloader: Annotated[bool | None, typer.Option("--stack-dataloader/--no-stack-dataloader", help="also sample DataLoader workers [default off]")] = None,
+    trace_dir: Annotated[list[Path] | None, typer.Option("--trace-dir", help="folder watched for torch profiler traces (repeatable)")] = None,
+    gpu_backend: GpuBackendOpt = None,
+    gpus: Annotated[str | None, typer.Option("--gpus", help="comma-separated GPU indices to report, e.g. 0,1 (default: all)")] = None,
+) -> None:
+    """Attach to a running training job and export its metrics until it ends."""
+    from profagent.engine.agent import attach as run_attach
+
+    cfg = load_config(
+        config,
+        os.environ,
+        {
+            "listen": listen,
+            "interval": interval,
+            "web_config": str(web_config) if web_config else None,
+            "log_level": log_level,
+            "exit_grace": exit_grace,
+            "stacks.enabled": stacks,
+            "stacks.rate": stack_rate,
+            "stacks.dataloader": stack_dataloader,
+            "traces.dirs": [str(d) for d in trace_dir] if trace_dir else None,
+            "gpu.backend": gpu_backend,
+            "gpu.gpus": gpus,
+        },
+    )
+    _setup_logging(cfg.agent.log_level)
+    raise typer.Exit(run_attach(cfg, pid, Console(stderr=True)))
+
+
+@app.command()
+def watch(
+    config: ConfigOpt = None,
+    listen: Annotated[str | None, typer.Option("--listen", help="HOST:PORT to serve /metrics on (default :19400)")] = None,
+    interval: Annotated[float | None, typer.Option("--interval", help="default seconds between samples (>= 0.1) (default 1)")] = None,
+    web_config: Annotated[Path | None, typer.Option("--web-config", help="web-config.yml with TLS and basic auth (exporter-toolkit format)")] = None,
+    log_level: LogLevelOpt = None,
+    cmdline_regex: Annotated[str | None, typer.Option("--cmdline-regex", help="watch processes whose command line matches (empty = rule off) [default: python running torchrun or a *train* script]")] = None,
+    env_marker: Annotated[list[str] | None, typer.Option("--env-marker", help="watch processes with this NAME or NAME=VALUE in their environment (repeatable) (default PROFAGENT=1, KINETO_USE_DAEMON)")] = None,
+    grace: Annotated[float | None, typer.Option("--grace", help="seconds an ended job's series stay (default 30)")] = None,
+    max_jobs: Annotated[int | None, typer.Option("--max-jobs", help="jobs watched at once (default 16)")] = None,
+    max_processes: Annotated[int | None, typer.Option("--max-processes-per-job", help="processes exported per job (default 256)")] = None,
+    scan_interval: Annotated[float | None, typer.Option("--scan-interval", help="seconds between scans for new jobs (default 2)")] = None,
+    stacks: Annotated[bool | None, typer.Option("--stacks/--no-stacks", help="sample Python stacks with py-spy (default on)")] = None,
+    trace_dir: Annotated[list[Path] | None, typer.Option("--trace-dir", help="folder watched for torch profiler traces (repeatable)")] = None,
+    gpu_backend: GpuBackendOpt = None,
+) -> None:
+    """Node daemon: find training jobs on this node, export all of them on one endpoint.
+
+    SIGHUP reloads the config (the watch section and log_level) without dropping metrics.
+    Under systemd (Type=notify) it sends READY, WATCHDOG, RELOADING and STOPPING.
+    """
+    from profagent.engine.node import set_log_level
+    from profagent.engine.node import watch as run_watch
+
+    overrides = {
+        "listen": listen,
+        "interval": interval,
+        "web_config": str(web_config) if web_config else None,
+        "log_level": log_level,
+        "watch.cmdline_regex": cmdline_regex,
+        "watch.env_markers": env_marker,
+        "watch.grace_seconds": grace,
+        "watch.max_jobs": max_jobs,
+        "watch.max_processes_per_job": max_processes,
+        "watch.scan_interval": scan_interval,
+        "stacks.enabled": stacks,
+        "traces.dirs": [str(d) for d in trace_dir] if trace_dir else None,
+        "gpu.backend": gpu_backend,
+    }
+    cfg = load_config(config, os.environ, overrides)
+    _setup_logging(cfg.agent.log_level)
+    set_log_level(cfg.agent.log_level)
+    raise typer.Exit(run_watch(cfg, lambda: load_config(config, os.environ, overrides), Console(stderr=True)))
+
+
+@app.command("install-service")
+def install_service(
+    prefix: Annotated[Path, typer.Option("--prefix", help="install under this root (units in PREFIX/etc/systemd/system, config in PREFIX/etc/profagent)")] = Path("/"),
+    executable: Annotated[str | None, typer.Option("--executable", help="absolute path of profagent for ExecStart [default: the installed one]")] = None,
+) -> None:
+    """Install profagent.service, profagent-attach@.service and a commented default config."""
+    from profagent.system.service import install
+
+    done = install(prefix, executable)
+    for unit in done.units:
+        typer.echo(f"installed {unit}")
+    state = "written" if done.config_written else "kept (already there)"
+    typer.echo(f"config {done.config} {state}")
+    typer.echo(f"ExecStart uses {done.executable}")
+    if Path(prefix).resolve() == Path("/"):
+        typer.echo("next: systemctl daemon-reload && systemctl enable --now profagent")
+
+
+@app.command("stacks")
+def stacks_cmd(
+    pid: Annotated[int, typer.Option("--pid", help="PID of a running Python process")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="file to write")],
+    seconds: Annotated[int, typer.Option("--seconds", min=1, help="how long to sample")] = 10,
+    fmt: Annotated[str, typer.Option("--format", help="flamegraph (SVG), speedscope (JSON) or folded (text)")] = "flamegraph",
+    rate: Annotated[int, typer.Option("--rate", min=1, help="samples per second")] = 100,
+    blocking: Annotated[bool, typer.Option("--blocking", help="pause the target for each sample (exact, slower)")] = False,
+    log_level: LogLevelOpt = None,
+) -> None:
+    """Record a flamegraph of one process with py-spy, without a running agent."""
+    from profagent.cli.stacks import record_to_file
+
+    _setup_logging(log_level or "info")
+    samples = record_to_file(pid, seconds, fmt, output, rate=rate, nonblocking=not blocking)
+    typer.echo(f"wrote {output} ({fmt}, {samples} samples)")
+
+
+@app.command("config")
+def show_config(
+    defaults: Annotated[bool, typer.Option("--defaults", help="print every key at its default as commented TOML")] = False,
+    reference: Annotated[bool, typer.Option("--reference", help="print the Markdown table of every key")] = False,
+    config: ConfigOpt = None,
+) -> None:
+    """Print the effective configuration (or a commented default file, or the key reference)."""
+    from profagent.config import all_keys, default_toml, reference_markdown
+
+    if defaults:
+        typer.echo(default_toml(), nl=False)
+        return
+    if reference:
+        typer.echo(reference_markdown(), nl=False)
+        return
+    cfg = load_config(config, os.environ)
+    for key in all_keys():
+        typer.echo(f"{key.dotted} = {getattr(cfg.section(key.section), key.name)!r}")
+
+
+@app.command()
+def doctor(config: ConfigOpt = None, log_level: LogLevelOpt = None, gpu_backend: GpuBackendOpt = None) -> None:
+    """Check what works here (NVML, ptrace, py-spy, Kineto endpoint) and how to fix the rest."""
+    from rich.table import Table
+
+    from profagent.doctor import FAIL, OK, run_checks
+
+    cfg = load_config(config, os.environ, {"log_level": log_level, "gpu.backend": gpu_backend})
+    _setup_logging(cfg.agent.log_level)
+    table = Table(title="profagent doctor")
+    for col in ("area", "check", "status", "detail", "fix"):
+        table.add_column(col)
+    rows = run_checks(cfg)
+    colors = {OK: "green", FAIL: "red"}
+    for r in rows:
+        color = colors.get(r.status, "yellow")
+        table.add_row(r.area, r.name, f"[{color}]{r.status}[/{color}]", r.detail, r.fix)
+    Console().print(table)
+    raise typer.Exit(1 if any(r.status == FAIL for r in rows) else 0)
+
+
+@app.command()
+def analyze(
+    files: Annotated[list[Path], typer.Argument(help="Kineto traces (.json or .json.gz)", show_default=False)],
+    json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON instead of tables")] = False,
+    top_k: Annotated[int, typer.Option("--top", help="kernels and ops listed per trace")] = 10,
+) -> None:
+    """Analyse torch profiler traces offline: steps, breakdown, GPU idle, tops, findings."""
+    from profagent.cli.analyze import analyze_files
+
+    raise typer.Exit(analyze_files(files, json_out, top_k, Console()))
+
+
+@app.command()
+def trace(
+    pid: Annotated[int | None, typer.Option("--pid", help="trace this process, or the ranks under this launcher PID")] = None,
+    job: Annotated[str | None, typer.Option("--job", help="trace every polling process of this job_id")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="trace every process polling the agent")] = False,
+    duration_ms: Annotated[int, typer.Option("--duration-ms", help="length of the trace window")] = 500,
+    iterations: Annotated[int, typer.Option("--iterations", help="trace N optimizer steps instead of a duration")] = 0,
+    record_shapes: Annotated[bool, typer.Option("--record-shapes", help="record operator input shapes")] = False,
+    profile_memory: Annotated[bool, typer.Option("--profile-memory", help="record memory allocations")] = False,
+    with_stack: Annotated[bool, typer.Option("--with-stack", help="record Python stacks of ops")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait for the traces")] = 60.0,
+    json_out: Annotated[bool, typer.Option("--json", help="print the reports as JSON")] = False,
+    config: ConfigOpt = None,
+    log_level: LogLevelOpt = None,
+) -> None:
+    """Take a torch profiler trace of a running job, no code change (KINETO_USE_DAEMON=1)."""
+    from profagent.cli.analyze import analyze_files
+    from profagent.cli.trace import TraceRequestArgs, request_trace
+    from profagent.engine.control import default_control_socket
+
+    cfg = load_config(config, os.environ, {"log_level": log_level})
+    _setup_logging(cfg.agent.log_level)
+    console = Console(stderr=True)
+    out = Console()
+    args = TraceRequestArgs(pid, job, all_, duration_ms, iterations, record_shapes, profile_memory, with_stack, timeout)
+    request_trace(
+        cfg.ondemand.control_socket or default_control_socket(), args, console,
+        report=lambda path: analyze_files([path], json_out, cfg.traces.top_k, out),
+    )
+
+
+def main() -> None:
+    """Console-script entry point: user errors and usage errors end in one line, exit 2."""
+    err = Console(stderr=True)
+    try:
+        app(standalone_mode=False)
+    except UserError as exc:
+        err.print(f"[red]error[/red]: {exc}", highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        sys.exit(130)
+    except typer.TyperException as exc:  # bad flags or arguments (typer's vendored click)
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        if message.strip():  # empty when the help was shown instead
+            err.print(f"[red]error[/red]: {message} (see `profagent --help`)", highlight=False, soft_wrap=True)
+        sys.exit(getattr(exc, "exit_code", 2))
+
+
+if __name__ == "__main__":
+    main()

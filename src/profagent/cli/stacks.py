@@ -1,0 +1,70 @@
+"""`profagent stacks`: record one process with py-spy into a file, no agent needed."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import psutil
+
+from profagent.errors import UserError
+from profagent.sources.stacks.pyspy import (
+    PTRACE_FIX,
+    PySpyProblem,
+    compatibility,
+    die_with_parent,
+    failure_reason,
+    find_pyspy,
+    first_line,
+    pyspy_version,
+    record_args,
+    resume_if_stopped,
+    stop_all,
+    target_python,
+)
+
+FORMATS = {"flamegraph": "flamegraph", "speedscope": "speedscope", "folded": "raw"}
+
+
+def record_to_file(
+    pid: int, seconds: int, fmt: str, output: Path, rate: int = 100, nonblocking: bool = True
+) -> int:
+    """``profagent stacks``: record one process for ``seconds`` into ``output``; returns the
+    sample count. Raises UserError (one line: problem and fix) on anything the user can fix."""
+    if fmt not in FORMATS:
+        raise UserError(f"unknown format {fmt!r}", f"use one of {', '.join(FORMATS)}")
+    if not psutil.pid_exists(pid):
+        raise UserError(f"no process with PID {pid}", "check the PID with `ps -ef` or `pgrep -f train`")
+    output = Path(output)
+    if not output.parent.is_dir():
+        raise UserError(f"folder {output.parent} does not exist", "create it or choose another --output")
+    try:
+        binary = find_pyspy()
+        problem = compatibility(pyspy_version(binary), target_python(pid))
+    except PySpyProblem as exc:
+        raise UserError(exc.problem, exc.fix) from None
+    if problem:
+        raise UserError(problem)
+    args = record_args(binary, pid, seconds, rate, FORMATS[fmt], output, nonblocking)
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, preexec_fn=die_with_parent(),
+                            env={**os.environ, "RUST_BACKTRACE": "0"})
+    try:
+        out, err = proc.communicate()
+    except KeyboardInterrupt:  # let py-spy write what it has, then stop
+        stop_all([proc], grace=2.0)
+        out, err = "", ""
+    finally:
+        if not nonblocking:
+            resume_if_stopped(pid)
+    if proc.returncode != 0 or not output.exists():
+        reason = failure_reason(err, pid)
+        if reason == "permission":
+            raise UserError(f"ptrace denied on PID {pid}", PTRACE_FIX)
+        if reason == "target_gone":
+            raise UserError(f"PID {pid} exited before py-spy could read it", "attach to a running process")
+        raise UserError(f"py-spy failed on PID {pid} ({first_line(err)})", "check that it is a Python process")
+    m = re.search(r"Samples: (\d+)", out)
+    return int(m.group(1)) if m else 0

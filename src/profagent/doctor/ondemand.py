@@ -1,0 +1,40 @@
+"""`profagent doctor` rows for on-demand tracing: who holds the Kineto endpoint, who polls."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from profagent.config import Config
+from profagent.doctor.check import OK, WARN, Check
+from profagent.engine.control import call, default_control_socket
+from profagent.errors import SourceUnavailable
+from profagent.sources.ondemand.endpoint import Endpoint
+
+
+def check_ondemand(config: Config) -> Iterator[Check]:
+    """Is the Kineto endpoint free, held by a profagent agent (and who polls it), or by another daemon?"""
+    endpoint = Endpoint(config.ondemand.socket_dir)
+    where = endpoint.describe()
+    try:
+        endpoint.bind()
+    except SourceUnavailable:
+        pass
+    else:
+        endpoint.close()
+        yield Check("ondemand", "Kineto endpoint", OK, f"{where} is free: an agent started now will host it")
+        return
+    control = config.ondemand.control_socket or default_control_socket()
+    try:
+        reply = call(control, {"op": "registry"}, timeout=2)
+    except (OSError, ValueError):
+        yield Check("ondemand", "Kineto endpoint", WARN, f"{where} is held by another daemon (dynolog?)",
+                    "stop it, or trace through that daemon; profagent's on-demand source stays off")
+        return
+    pollers = reply.get("pollers", [])
+    yield Check("ondemand", "Kineto endpoint", OK, f"{where} is hosted by a running profagent agent ({control})")
+    if pollers:
+        names = ", ".join(f"{p['pid']}" + (f" (rank {p['rank']})" if p.get("rank") else "") for p in pollers[:8])
+        yield Check("ondemand", "polling processes", OK, f"{len(pollers)}: {names}")
+    else:
+        yield Check("ondemand", "polling processes", WARN, "none",
+                    "start training scripts with KINETO_USE_DAEMON=1 to trace them with `profagent trace`")

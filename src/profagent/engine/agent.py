@@ -1,0 +1,191 @@
+"""The composition root: config -> target, sources, state, runtime, exporter.
+
+``attach()`` is what ``profagent attach`` runs. Everything is built here and passed
+down; nothing is created at import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rich.console import Console
+
+from profagent.config import Config, parse_listen
+from profagent.engine.control import ControlledOndemand, default_control_socket
+from profagent.engine.runtime import Runtime
+from profagent.exporters.exposition import Exposition
+from profagent.exporters.http import AgentHTTPServer, load_web_config
+from profagent.sources import Source
+from profagent.sources.gpu.source import build_gpu_source
+from profagent.sources.host import HostSource
+from profagent.sources.ondemand.kineto import TraceOptions
+from profagent.sources.ondemand.source import OndemandSource
+from profagent.sources.stacks.source import StacksSource, stacks_route
+from profagent.sources.traces.source import traces_source
+from profagent.state import State
+from profagent.target import PidTarget, check_attachable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Disabled:
+    """A source switched off by configuration, shown in the banner."""
+
+    name: str
+    why: str
+
+
+def build_sources(config: Config) -> tuple[list[Source], list[Disabled]]:
+    """Every source the configuration turns on, and why the others are off."""
+    sources: list[Source] = []
+    disabled: list[Disabled] = []
+    if config.host.enabled:
+        sources.append(HostSource(interval=config.interval_of("host")))
+    else:
+        disabled.append(Disabled("host", "host.enabled = false"))
+    gpu = build_gpu_source(config)  # raises UserError for a malformed gpu.backend / gpu.gpus
+    if gpu is not None:
+        sources.append(gpu)
+    else:
+        disabled.append(Disabled("gpu", "gpu.backend = off"))
+    if config.stacks.enabled:
+        sources.append(StacksSource(config.stacks, interval=config.interval_of("stacks")))
+    else:
+        disabled.append(Disabled("stacks", "stacks.enabled = false (--no-stacks)"))
+    if config.ondemand.enabled:
+        ondemand = OndemandSource(
+            interval=config.interval_of("ondemand"),
+            trace_dir=config.ondemand.trace_dir,
+            socket_dir=config.ondemand.socket_dir,
+            periodic_minutes=config.ondemand.periodic_minutes,
+            keep=config.ondemand.keep,
+            periodic_options=TraceOptions(duration_ms=config.ondemand.periodic_duration_ms),
+        )
+        sources.append(ControlledOndemand(ondemand, config.ondemand.control_socket or default_control_socket()))
+    else:
+        disabled.append(Disabled("ondemand", "ondemand.enabled = false"))
+    # On-demand traces land in their own folder, which the trace watcher also ingests.
+    trace_dirs = list(config.traces.dirs)
+    if config.ondemand.enabled and config.ondemand.trace_dir not in trace_dirs:
+        trace_dirs.append(config.ondemand.trace_dir)
+    if trace_dirs:
+        sources.append(traces_source(dataclasses.replace(
+            config, traces=dataclasses.replace(config.traces, dirs=trace_dirs))))
+    else:
+        disabled.append(Disabled("traces", "no --trace-dir given"))
+    return sources, disabled
+
+
+class Job:
+    """One observed job: its target, sources, state and runtime."""
+
+    def __init__(self, config: Config, pid: int, target: PidTarget | None = None) -> None:
+        """``target`` replaces ``PidTarget(pid)`` (watch mode passes a NodeTarget)."""
+        self.pid = pid
+        self.state = State()
+        self.target = target if target is not None else PidTarget(pid)
+        self.sources, self.disabled = build_sources(config)
+        for source in self.sources:
+            if isinstance(source, StacksSource):
+                source.gpu_busy = self.gpu_busy  # a stall needs the rank's GPUs idle too
+        self.runtime = Runtime(self.target, self.sources, self.state, interval=config.agent.interval)
+
+    def gpu_busy(self, rank: str, job_id: str | None = None) -> bool | None:
+        """Whether the rank's GPUs work, from the GPU source's latest snapshot (None: unknown)."""
+        snapshot = self.state.snapshot("gpu")
+        return snapshot.rank_busy(rank, job_id=job_id or None) if snapshot is not None else None
+
+    def start(self) -> None:
+        self.runtime.start()
+
+    def stop(self) -> None:
+        self.runtime.stop()
+
+
+class Agent:
+    """The HTTP endpoint and the jobs it serves (one for attach, many for watch)."""
+
+    def __init__(self, config: Config, jobs: list[Job] | None = None) -> None:
+        self.config = config
+        self.jobs: list[Job] = list(jobs or [])
+        web = load_web_config(config.agent.web_config) if config.agent.web_config else None
+        host, port = parse_listen(config.agent.listen)
+        self.exposition = Exposition(self.views)
+        for job in self.jobs:  # encode each new snapshot in its source's thread, not on scrape
+            job.state.subscribe(self.exposition.prerender)
+        self.server = AgentHTTPServer(host, port, self.exposition, web)
+        self.server.add_route("/api/stacks", stacks_route(
+            lambda: [s for job in list(self.jobs) for s in job.sources if isinstance(s, StacksSource)]
+        ))
+
+    def views(self) -> list:
+        return [job.state.view() for job in list(self.jobs)]
+
+    def start(self) -> None:
+        """Bind first (a taken port fails before anything runs), then start the jobs."""
+        self.server.start()
+        try:
+            for job in self.jobs:
+                job.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for job in self.jobs:
+            job.stop()
+        self.server.shutdown()
+
+
+def print_banner(agent: Agent, job: Job, console: Console) -> None:
+    view = job.state.view()
+    tree = view.tree
+    console.print(f"[bold]profagent[/bold] attached to PID {job.pid}")
+    if tree is not None:
+        ranks = tree.ranks()
+        roles: dict[str, int] = {}
+        for p in tree.processes:
+            roles[p.role] = roles.get(p.role, 0) + 1
+        parts = ", ".join(f"{n} {role}" for role, n in sorted(roles.items()))
+        console.print(f"  job {tree.job_id}: ranks {', '.join(ranks) or '-'} ({parts})")
+    for name, health in sorted(view.health.items()):
+        state = "[green]on[/green]" if health.up else f"[yellow]off[/yellow]: {health.detail}"
+        note = next((getattr(s, "note", "") for s in job.sources if s.name == name), "") if health.up else ""
+        console.print(f"  source {name}: {state}{f' ({note})' if note else ''}", highlight=False, soft_wrap=True)
+    for d in job.disabled:
+        console.print(f"  source {d.name}: [yellow]off[/yellow]: {d.why}", highlight=False)
+    console.print(f"  metrics: {agent.server.url}", highlight=False)
+
+
+def install_stop_signals(stop: threading.Event) -> Callable[[], None]:
+    """SIGINT/SIGTERM set ``stop``; returns a function restoring the old handlers."""
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in old:
+        signal.signal(sig, lambda *_: stop.set())
+    return lambda: [signal.signal(sig, handler) for sig, handler in old.items()]  # type: ignore[func-returns-value]
+
+
+def attach(config: Config, pid: int, console: Console) -> int:
+    """Run until a signal, or until the target tree has been gone for ``exit_grace``."""
+    check_attachable(pid)
+    job = Job(config, pid)
+    agent = Agent(config, [job])
+    stop = threading.Event()
+    restore = install_stop_signals(stop)
+    try:
+        agent.start()
+        print_banner(agent, job, console)
+        while not stop.wait(0.2):
+            if job.runtime.target_gone_for() > config.agent.exit_grace:
+                log.info("target PID %d and its whole tree are gone: exiting", pid)
+                break
+    finally:
+        agent.stop()
+        restore()
+    return 0

@@ -1,0 +1,209 @@
+"""The local control channel of a running agent, used by `profagent trace` and `doctor`.
+
+A Unix stream socket with 0600 permissions (only the agent's user, usually root, can
+ask for traces); one JSON request line in, one JSON reply line out. It is never
+exposed on the network.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from profagent.errors import SourceUnavailable
+from profagent.sources.ondemand import kineto
+from profagent.sources.ondemand.endpoint import NoPollers, Poller, match_pid
+from profagent.system.unixsock import close_unix_socket
+
+if TYPE_CHECKING:
+    from profagent.sources.ondemand.source import OndemandSnapshot, OndemandSource
+    from profagent.target import ProcessTree
+
+log = logging.getLogger(__name__)
+MAX_LINE = 64 * 1024
+
+
+def default_control_socket() -> str:
+    """/run/profagent/control.sock as root (systemd RuntimeDirectory), else per user."""
+    if os.geteuid() == 0:
+        return "/run/profagent/control.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "profagent" if runtime else Path(f"/tmp/profagent-{os.geteuid()}")
+    return str(base / "control.sock")
+
+
+def call(path: str, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+    """Send one request to the agent at ``path``. Raises OSError if nobody listens."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return json.loads(data or b"{}")
+
+
+class ControlServer:
+    def __init__(self, path: str, source: OndemandSource) -> None:
+        self.path = path
+        self.source = source
+        self._sock: socket.socket | None = None
+
+    def bind(self) -> None:
+        """Raises SourceUnavailable when another live agent already holds the socket."""
+        path = Path(self.path)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if path.exists():
+            try:
+                call(self.path, {"op": "ping"}, timeout=1)
+                raise SourceUnavailable(
+                    f"another profagent already serves on-demand traces here ({self.path}): "
+                    "on-demand tracing off for this agent; stop the other one or set ondemand.control_socket"
+                )
+            except (OSError, ValueError):
+                path.unlink()  # our own stale socket from a crash
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # created 0600, no window where others could connect
+        try:
+            sock.bind(self.path)
+        finally:
+            os.umask(old)
+        sock.listen(8)
+        sock.settimeout(0.2)
+        self._sock = sock
+
+    def close(self) -> None:
+        close_unix_socket(self._sock, self.path)
+        self._sock = None
+
+    def serve(self, stop: threading.Event) -> None:
+        while not stop.is_set() and self._sock is not None:
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2)
+                try:
+                    line = conn.makefile("rb").readline(MAX_LINE)
+                    reply = self.handle(json.loads(line))
+                except (OSError, ValueError) as exc:
+                    reply = {"ok": False, "error": f"bad request: {exc}"}
+                try:
+                    conn.sendall(json.dumps(reply).encode() + b"\n")
+                except OSError:
+                    pass
+
+    # -- requests -----------------------------------------------------------------------
+    def _describe(self, poller: Poller) -> dict[str, Any]:
+        tree = self.source.tree
+        info = tree.by_pid().get(poller.pid) if tree else None
+        return {
+            "pid": poller.pid,
+            "pids": list(poller.pids),
+            "jobid": poller.jobid,
+            "can_trace": poller.can_trace,
+            "job_id": info.job_id if info else "",
+            "rank": info.rank if info else "",
+            "role": info.role if info else "",
+        }
+
+    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        if op == "ping":
+            return {"ok": True}
+        if op == "registry":
+            return {"ok": True, "pollers": [self._describe(p) for p in self.source.endpoint.pollers()],
+                    "trace_dir": self.source.trace_dir}
+        if op == "status":
+            request = self.source.endpoint.get(str(req.get("id")))
+            if request is None:
+                return {"ok": False, "error": "unknown request id"}
+            return {"ok": True, "targets": [
+                {"pid": t.pid, "file": t.file, "sent": t.sent_at is not None} for t in request.targets.values()
+            ]}
+        if op == "trace":
+            try:
+                options = kineto.TraceOptions(
+                    duration_ms=int(req.get("duration_ms") or 500),
+                    iterations=int(req.get("iterations") or 0),
+                    record_shapes=bool(req.get("record_shapes")),
+                    profile_memory=bool(req.get("profile_memory")),
+                    with_stack=bool(req.get("with_stack")),
+                )
+                timeout = float(req.get("timeout") or 60)
+            except (TypeError, ValueError) as exc:
+                return {"ok": False, "error": f"bad trace options: {exc}"}
+            if req.get("pid") is not None:
+                match = match_pid(int(req["pid"]))
+            elif req.get("job") is not None:
+                job = str(req["job"])
+                tree = self.source.tree
+                in_job = {p.pid for p in tree.processes if p.job_id == job} if tree else set()
+                match = lambda p: p.pid in in_job  # noqa: E731
+            else:
+                match = lambda p: True  # noqa: E731
+            try:
+                request = self.source.request(match, options, timeout)
+            except NoPollers:
+                return {"ok": False, "error": "no_pollers",
+                        "pollers": [self._describe(p) for p in self.source.endpoint.pollers()]}
+            return {"ok": True, "id": request.id, "targets": [
+                {**self._describe_pid(t.pid), "file": t.file} for t in request.targets.values()
+            ]}
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def _describe_pid(self, pid: int) -> dict[str, Any]:
+        tree = self.source.tree
+        info = tree.by_pid().get(pid) if tree else None
+        return {"pid": pid, "job_id": info.job_id if info else "", "rank": info.rank if info else ""}
+
+
+class ControlledOndemand:
+    """The on-demand source with the agent's control server beside it.
+
+    The source hosts the Kineto endpoint; the engine adds the control socket through
+    which `profagent trace` reaches it. Both start and stop together: when another live
+    agent holds the control socket, the source is turned off with that reason.
+    """
+
+    def __init__(self, source: OndemandSource, control_socket: str) -> None:
+        self.source = source
+        self.name = source.name
+        self.interval = source.interval
+        self.control = ControlServer(control_socket, source)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.source.start()
+        try:
+            self.control.bind()
+        except SourceUnavailable:
+            self.source.stop()
+            raise
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.control.serve, args=(self._stop,),
+                                        name="profagent-control", daemon=True)
+        self._thread.start()
+
+    def collect(self, tree: ProcessTree) -> OndemandSnapshot:
+        return self.source.collect(tree)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(1.0)
+        self.control.close()
+        self.source.stop()

@@ -1,0 +1,152 @@
+"""Runtime: runs the target refresh and every source on its own interval, in isolation.
+
+Each source gets a thread. A tick that raises is counted in
+``profagent_collector_errors_total{collector,reason}`` and each distinct error is logged
+once; the other sources go on. ``stop()`` returns within about two seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from profagent.errors import SourceError, SourceUnavailable, TargetGone
+from profagent.sources import Source
+from profagent.state import State
+from profagent.target import PidTarget, ProcessTree
+
+log = logging.getLogger(__name__)
+
+
+class LogOnce:
+    """Log each distinct message once per key, so a failing tick doesn't flood the log."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+        self._seen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, level: int, key: str, message: str) -> None:
+        with self._lock:
+            if (key, message) in self._seen:
+                return
+            self._seen.add((key, message))
+        self._logger.log(level, message)
+
+
+class Runtime:
+    def __init__(
+        self,
+        target: PidTarget,
+        sources: Sequence[Source],
+        state: State,
+        interval: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.target = target
+        self.sources = list(sources)
+        self.state = state
+        self.interval = interval
+        self._clock = clock
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._log_once = LogOnce(log)
+        self._gone_since: float | None = None
+
+    # -- lifecycle --------------------------------------------------------------
+    def start(self) -> ProcessTree:
+        """Resolve the tree once (so sources never see None), start every source (those
+        that cannot run are turned off with their reason), then start every loop."""
+        tree = self.target.refresh()
+        self.state.set_tree(tree)
+        self._spawn("target", self._target_loop)
+        for source in self.sources:
+            self.state.register(source.name)
+            try:
+                source.start()
+            except SourceUnavailable as exc:
+                self._off(source, str(exc), at_start=True)
+                continue
+            except Exception as exc:
+                self._off(source, f"{source.name} source failed to start: {exc}", at_start=True)
+                continue
+            self._spawn(source.name, lambda s=source: self._source_loop(s))
+        return tree
+
+    def stop(self, timeout: float = 1.5) -> None:
+        self._stop.set()
+        for source in self.sources:
+            try:
+                source.stop()
+            except Exception as exc:  # stopping must go on for the others
+                log.warning("stopping %s failed: %s", source.name, exc)
+        deadline = self._clock() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - self._clock()))
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep until stopped or ``seconds`` pass; True if stopped."""
+        return self._stop.wait(seconds)
+
+    def target_gone_for(self) -> float:
+        """Seconds since the whole tree vanished (0 while it is alive)."""
+        return 0.0 if self._gone_since is None else self._clock() - self._gone_since
+
+    # -- loops -------------------------------------------------------------------
+    def _spawn(self, name: str, fn: Callable[[], None]) -> None:
+        thread = threading.Thread(target=fn, name=f"profagent-{name}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _target_loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                tree = self.target.refresh()
+            except Exception as exc:  # psutil races; keep the last tree
+                self._log_once(logging.WARNING, "target", f"refreshing the process tree failed: {exc}")
+                continue
+            self.state.set_tree(tree)
+            if tree.alive:
+                self._gone_since = None
+            elif self._gone_since is None:
+                self._gone_since = self._clock()
+
+    def _source_loop(self, source: Source) -> None:
+        name = source.name
+        while not self._stop.is_set():
+            began = self._clock()
+            tree = self.state.tree
+            try:
+                if tree is not None and tree.alive:
+                    snapshot = source.collect(tree)
+                    self.state.publish(name, snapshot, self._clock() - began)
+            except TargetGone:
+                self.state.record_error(name, TargetGone.reason, self._clock() - began)
+            except SourceUnavailable as exc:
+                self._off(source, str(exc))
+                return
+            except SourceError as exc:
+                self.state.record_error(name, exc.reason, self._clock() - began)
+                self._log_once(logging.WARNING, name, f"{name}: {exc}")
+            except Exception as exc:
+                reason = type(exc).__name__
+                self.state.record_error(name, reason, self._clock() - began)
+                self._log_once(logging.WARNING, name, f"{name}: unexpected {reason}: {exc}")
+                log.debug("%s tick failed", name, exc_info=True)
+            self._stop.wait(max(0.0, source.interval - (self._clock() - began)))
+
+    def _off(self, source: Source, detail: str, at_start: bool = False) -> None:
+        self.state.set_down(source.name, detail)
+        self.state.record_error(source.name, SourceUnavailable.reason)
+        # At start the banner shows the reason; a source lost later is worth a warning.
+        self._log_once(logging.DEBUG if at_start else logging.WARNING, source.name, detail)
+        try:
+            source.stop()
+        except Exception:
+            log.debug("stop after failure of %s", source.name, exc_info=True)

@@ -1,0 +1,278 @@
+"""The one entry point into NVML.
+
+Every NVML call in profagent goes through ``Nvml``. It owns the library's lifecycle (init
+on ``open``, shutdown on ``close``) and turns NVML's failures into three outcomes:
+
+- ``read()`` returns ``None`` for a value the device or driver does not have
+  (NotSupported, FunctionNotFound, NoPermission, a function missing from pynvml). That
+  (device, field) is remembered and never asked again; absent is never turned into 0.
+- ``DeviceLost`` for GpuIsLost, Unknown and ResetRequired: that device is down, the
+  others go on.
+- ``SourceUnavailable`` (one line naming problem and fix) when the library or driver is
+  missing, unloaded or mismatched.
+
+Any other NVML error leaves the value absent for this tick only.
+
+The library itself is injected: the real ``pynvml`` module, or a ``SimulatedNvml`` that
+has the same functions (``--gpu-backend simulated[:PROFILE[xN]]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pynvml
+
+from profagent.errors import SourceUnavailable, UserError
+
+log = logging.getLogger(__name__)
+
+# No square brackets: the CLI prints errors through rich, which would read them as markup.
+BACKENDS_HELP = "nvml, off, simulated, simulated:PROFILE or simulated:PROFILExN (PROFILE a100, h100 or h100-mig; e.g. simulated:h100x8)"
+
+_ABSENT_ERRORS: tuple[type[Exception], ...] = (
+    pynvml.NVMLError_NotSupported,
+    pynvml.NVMLError_FunctionNotFound,
+    pynvml.NVMLError_NoPermission,
+    pynvml.NVMLError_ArgumentVersionMismatch,  # a versioned struct the driver doesn't know
+    pynvml.NVMLLibraryMismatchError,  # unversioned wrapper on an older driver
+)
+_LOST_ERRORS: tuple[type[Exception], ...] = (
+    pynvml.NVMLError_GpuIsLost,
+    pynvml.NVMLError_Unknown,
+    pynvml.NVMLError_ResetRequired,
+)
+
+
+class DeviceLost(Exception):
+    """The device stopped answering (GPU is lost, unknown error, reset required)."""
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    kind: str  # "nvml", "off" or "simulated"
+    profile: str = ""
+    count: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.kind != "simulated":
+            return self.kind
+        from profagent.sources.gpu.profiles import PROFILES
+
+        return f"simulated {PROFILES[self.profile].name} x{self.count}"
+
+
+def parse_backend(text: str) -> BackendSpec:
+    """Parse ``gpu.backend``. Raises UserError naming the accepted forms."""
+    from profagent.sources.gpu.profiles import DEFAULT_PROFILE, PROFILES
+
+    value = text.strip().lower()
+    if value in ("nvml", "off"):
+        return BackendSpec(value)
+    m = re.fullmatch(r"simulated(?::(?P<profile>[a-z0-9-]*?)(?:x(?P<count>\d+))?)?", value)
+    if m:
+        profile = m.group("profile") or DEFAULT_PROFILE
+        count = int(m.group("count") or 1)
+        if profile in PROFILES and 1 <= count <= 64:
+            return BackendSpec("simulated", profile, count)
+    raise UserError(f"invalid GPU backend {text!r}", f"use {BACKENDS_HELP}")
+
+
+def parse_gpus(text: str) -> frozenset[int] | None:
+    """Parse ``gpu.gpus`` ("0,1"); None = every device. Raises UserError."""
+    if not text.strip():
+        return None
+    try:
+        indices = frozenset(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise UserError(f"invalid GPU list {text!r}", "use comma-separated device indices, e.g. --gpus 0,1") from None
+    if not indices or min(indices) < 0:
+        raise UserError(f"invalid GPU list {text!r}", "use comma-separated device indices, e.g. --gpus 0,1")
+    return indices
+
+
+def open_backend(spec: BackendSpec, clock: Callable[[], float] | None = None) -> Nvml:
+    """An (unopened) Nvml on the real library or on a fresh simulated node."""
+    if spec.kind == "simulated":
+        from profagent.sources.gpu.profiles import PROFILES
+        from profagent.sources.gpu.simulated import SimulatedNvml
+
+        sim = SimulatedNvml(PROFILES[spec.profile], spec.count, **({"clock": clock} if clock else {}))
+        return Nvml(sim, simulated=True)
+    return Nvml(pynvml, simulated=False)
+
+
+def text(value: Any) -> str:
+    """NVML strings arrive as str or, inside structures, as bytes."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _unavailable(exc: Exception) -> SourceUnavailable:
+    """The one line for a library or driver that cannot be used."""
+    off = "GPU metrics off"
+    if isinstance(exc, pynvml.NVMLError_LibraryNotFound):
+        return SourceUnavailable(
+            f"no NVIDIA driver found (libnvidia-ml.so.1): {off}; install the NVIDIA driver, "
+            "or set --gpu-backend off to silence this"
+        )
+    if isinstance(exc, pynvml.NVMLError_DriverNotLoaded):
+        return SourceUnavailable(f"NVIDIA driver not loaded (NVML: {exc}): {off}; load it (`nvidia-smi` should work)")
+    if isinstance(exc, pynvml.NVMLError_LibRmVersionMismatch):
+        return SourceUnavailable(f"NVML and kernel driver versions differ: {off}; reboot or reload the nvidia module")
+    if isinstance(exc, pynvml.NVMLError_NoPermission):
+        return SourceUnavailable(f"no permission to open the NVIDIA devices: {off}; run as a user that can open /dev/nvidia*")
+    if isinstance(exc, pynvml.NVMLError_Uninitialized):
+        return SourceUnavailable(f"NVML was shut down: {off}")
+    return SourceUnavailable(f"NVML failed ({exc}): {off}; check `nvidia-smi`")
+
+
+_FATAL_ERRORS: tuple[type[Exception], ...] = (
+    pynvml.NVMLError_LibraryNotFound,
+    pynvml.NVMLError_DriverNotLoaded,
+    pynvml.NVMLError_LibRmVersionMismatch,
+    pynvml.NVMLError_Uninitialized,
+)
+
+
+class Nvml:
+    """Lazy init, shutdown on close, per-field reads with remembered NotSupported."""
+
+    def __init__(self, lib: Any, simulated: bool = False) -> None:
+        self.lib = lib
+        self.simulated = simulated
+        self._opened = False
+        self._lock = threading.Lock()
+        self._unsupported: set[tuple[str, str]] = set()
+        self._logged: set[str] = set()
+
+    # -- lifecycle ------------------------------------------------------------------
+    def open(self) -> None:
+        """nvmlInit once. Raises SourceUnavailable with one line naming problem and fix."""
+        with self._lock:
+            if self._opened:
+                return
+            try:
+                self.lib.nvmlInit()
+            except pynvml.NVMLError as exc:
+                raise _unavailable(exc) from None
+            except OSError as exc:  # a broken library file
+                raise SourceUnavailable(f"cannot load libnvidia-ml.so.1 ({exc}): GPU metrics off; reinstall the NVIDIA driver") from None
+            self._opened = True
+
+    def close(self) -> None:
+        """nvmlShutdown if opened; never raises."""
+        with self._lock:
+            if not self._opened:
+                return
+            self._opened = False
+            try:
+                self.lib.nvmlShutdown()
+            except pynvml.NVMLError as exc:
+                log.debug("nvmlShutdown: %s", exc)
+
+    @property
+    def opened(self) -> bool:
+        return self._opened
+
+    # -- calls ------------------------------------------------------------------------
+    def call(self, function: str, *args: Any) -> Any:
+        """Call one NVML function; NVML errors propagate except the fatal ones
+        (SourceUnavailable) and the lost-device ones (DeviceLost)."""
+        fn = getattr(self.lib, function, None)
+        if fn is None:
+            self._once(f"missing:{function}", f"{function} is not in this pynvml (nvidia-ml-py too old?): its values stay absent")
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        try:
+            return fn(*args)
+        except _FATAL_ERRORS as exc:
+            raise _unavailable(exc) from None
+        except _LOST_ERRORS as exc:
+            raise DeviceLost(str(exc)) from None
+
+    def read(self, device: str, field: str, function: str, *args: Any, not_found: Any = None) -> Any:
+        """One field of one device (``device`` is its key, e.g. the UUID): the value, or
+        None when absent. NotFound returns ``not_found`` (e.g. [] for "no samples")."""
+        key = (device, field)
+        if key in self._unsupported:
+            return None
+        try:
+            return self.call(function, *args)
+        except _ABSENT_ERRORS as exc:
+            self._unsupported.add(key)
+            log.debug("GPU %s: %s not available (%s); not asked again", device, field, exc)
+            return None
+        except pynvml.NVMLError_NotFound:
+            return not_found
+        except pynvml.NVMLError as exc:
+            self._once(f"{field}:{exc.value}", f"GPU {device}: reading {field} failed ({exc}); left absent for this tick (logged once)")
+            return None
+
+    def supported(self, device: str, field: str) -> bool:
+        return (device, field) not in self._unsupported
+
+    def fields(self, device: str, handle: Any, wanted: dict[str, tuple[int, int]]) -> dict[str, float]:
+        """Several nvmlDeviceGetFieldValues fields in one call, each judged on its own
+        return code. Absent fields are left out of the result."""
+        ask = {name: fid for name, fid in wanted.items() if self.supported(device, name)}
+        if not ask:
+            return {}
+        names = list(ask)
+        values = self.read(device, "field_values", "nvmlDeviceGetFieldValues", handle, [ask[n] for n in names])
+        if values is None:
+            if not self.supported(device, "field_values"):
+                self._unsupported.update((device, n) for n in names)
+            return {}
+        out: dict[str, float] = {}
+        for name, v in zip(names, values, strict=False):
+            if v.nvmlReturn == pynvml.NVML_SUCCESS:
+                out[name] = field_value(v)
+            elif v.nvmlReturn in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+                self._unsupported.add((device, name))
+        return out
+
+    def hint_processes(self, procs: Iterable[tuple[int, int]]) -> None:
+        """Simulated backend only: which (pid, local_rank) use the GPUs. A no-op on NVML."""
+        if self.simulated:
+            self.lib.simulatedSetTargetProcesses(procs)
+
+    def _once(self, key: str, message: str) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.info(message)
+
+
+def field_value(v: Any) -> float:
+    """The number inside a c_nvmlFieldValue_t, by its valueType."""
+    member = {
+        pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+        pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+        pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
+    }.get(v.valueType, "ullVal")
+    return float(getattr(v.value, member))
+
+
+def cuda_version_text(version: int | None) -> str:
+    """12040 -> "12.4"."""
+    if not version:
+        return ""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+__all__: Sequence[str] = (
+    "BackendSpec",
+    "DeviceLost",
+    "Nvml",
+    "open_backend",
+    "parse_backend",
+    "parse_gpus",
+)

@@ -1,0 +1,424 @@
+"""GPU source (NVML): device metrics, MIG, XID events, and GPU use per rank and role.
+
+All NVML access goes through ``profagent.sources.gpu.nvml.Nvml``, so the same code runs on a
+real driver and on the simulated backend. Per tick, every selected device is read field
+by field; a lost device is reported down and the others go on.
+
+Per-process attribution: NVML lists the processes on each device (compute and graphics
+contexts) with host PIDs. Each process of the target tree is known under every PID it
+has in the nested PID namespaces (``NSpid`` in /proc/PID/status), so the match works when
+the agent sees the host's PID namespace (on the host, ``docker --pid=host``,
+``hostPID: true``). Memory comes from the process lists; SM and memory utilisation from
+``nvmlDeviceGetProcessUtilization``, asking each tick only for samples newer than the
+last one seen. Processes are aggregated by (job, rank, role, gpu[, mig]); PIDs never become
+labels.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import pynvml
+
+from profagent.config import Config
+from profagent.errors import SourceError, SourceUnavailable
+from profagent.sources.gpu.device import (
+    NOT_AVAILABLE_UINT,
+    DeviceHandle,
+    MigDevice,
+    identify,
+    read_clock_event_reasons,
+    read_mig,
+    read_values,
+)
+from profagent.sources.gpu.nvml import (
+    DeviceLost,
+    Nvml,
+    cuda_version_text,
+    open_backend,
+    parse_backend,
+    parse_gpus,
+    text,
+)
+from profagent.target import ProcessInfo, ProcessTree
+
+log = logging.getLogger(__name__)
+
+BUSY_THRESHOLD = 0.05  # utilisation above this counts as "busy" for rank_busy()
+_XID_DRAIN_MAX = 256
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    """One physical GPU in one tick. ``values``: see the renderer; absent = not there."""
+
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    mig_mode: str
+    up: bool
+    values: MappingProxyType[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    clock_event_reasons: MappingProxyType[str, bool] = field(default_factory=lambda: MappingProxyType({}))
+    xid_errors: MappingProxyType[int, int] = field(default_factory=lambda: MappingProxyType({}))
+    mig_devices: tuple[MigDevice, ...] = ()
+    other_processes: int | None = None
+
+
+@dataclass(frozen=True)
+class ProcessGpuUsage:
+    """The processes of one (job, rank, role) on one GPU (or MIG instance)."""
+
+    job_id: str
+    rank: str
+    role: str
+    gpu: int
+    uuid: str
+    mig: str  # GPU instance id, "" outside MIG
+    processes: int
+    memory_bytes: int | None
+    sm_ratio: float | None
+    memory_ratio: float | None
+
+
+@dataclass(frozen=True)
+class GpuSnapshot:
+    job_id: str  # the attached job ("" in watch mode: see ProcessGpuUsage.job_id)
+    simulated: bool
+    driver_version: str
+    nvml_version: str
+    cuda_version: str
+    devices: tuple[GpuDevice, ...]
+    processes: tuple[ProcessGpuUsage, ...]
+
+    def rank_busy(self, rank: str, threshold: float = BUSY_THRESHOLD, job_id: str | None = None) -> bool | None:
+        """True if a GPU this rank uses shows utilisation above ``threshold``, False if
+        all its GPUs are idle, None if unknown (no GPU attributed, or no utilisation).
+        ``job_id`` narrows it to one job (watch mode); None = any job."""
+        devices = {d.index: d for d in self.devices}
+        verdicts: list[bool | None] = []
+        for p in self.processes:
+            if p.rank != rank or (job_id is not None and p.job_id != job_id):
+                continue
+            if p.sm_ratio is not None:
+                verdicts.append(p.sm_ratio > threshold)
+                continue
+            dev = devices.get(p.gpu)
+            util = dev.values.get("utilization_ratio") if dev is not None and dev.up else None
+            verdicts.append(None if util is None else util > threshold)
+        if any(v is True for v in verdicts):
+            return True
+        if verdicts and all(v is False for v in verdicts):
+            return False
+        return None
+
+
+def read_nspid(proc_root: Path, pid: int) -> tuple[int, ...]:
+    """Every PID the process has, outermost namespace first (/proc/PID/status NSpid)."""
+    try:
+        with open(proc_root / str(pid) / "status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("NSpid:"):
+                    return tuple(int(x) for x in line.split()[1:] if x.isdigit())
+    except OSError:
+        pass  # exited or unreadable: its own PID is all we know
+    return (pid,)
+
+
+@dataclass
+class _Group:
+    processes: int = 0
+    memory: int | None = None
+    sm: float | None = None
+    mem_util: float | None = None
+
+
+class GpuSource:
+    name = "gpu"
+
+    def __init__(
+        self,
+        nvml: Nvml,
+        interval: float = 1.0,
+        gpus: frozenset[int] | None = None,
+        proc_root: str | Path = "/proc",
+        note: str = "",
+    ) -> None:
+        self.nvml = nvml
+        self.interval = interval
+        self.note = note  # shown next to "on" in the banner
+        self._gpus = gpus
+        self._proc_root = Path(proc_root)
+        self._lock = threading.Lock()
+        self._devices: list[DeviceHandle] = []
+        self._xids: dict[int, Counter[int]] = {}
+        self._event_set: Any = None
+        self._system = ("", "", "")
+        self._nspid: dict[tuple[int, float], tuple[int, ...]] = {}
+        self._last_seen: dict[int, int] = {}  # device index -> newest process-util sample (µs)
+        self._last_util: dict[int, dict[int, tuple[float, float]]] = {}
+        self._namespace_hinted = False
+        self._gpu_pids: frozenset[int] = frozenset()
+        self._last: GpuSnapshot | None = None
+        self._job_id = ""  # the tree's, for processes without their own job_id
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        """Init NVML and find the devices. Raises SourceUnavailable (one line) if it can't."""
+        self.nvml.open()
+        try:
+            self._start()
+        except SourceUnavailable:
+            self.nvml.close()
+            raise
+        except pynvml.NVMLError as exc:
+            self.nvml.close()
+            raise SourceUnavailable(f"NVML failed while listing GPUs ({exc}): GPU metrics off; check `nvidia-smi`") from None
+
+    def _start(self) -> None:
+        r = self.nvml.read
+        driver = text(r("system", "driver_version", "nvmlSystemGetDriverVersion") or "")
+        nvml_version = text(r("system", "nvml_version", "nvmlSystemGetNVMLVersion") or "")
+        cuda = cuda_version_text(r("system", "cuda_version", "nvmlSystemGetCudaDriverVersion"))
+        self._system = (driver, nvml_version, cuda)
+        count = self.nvml.call("nvmlDeviceGetCount")
+        if count == 0:
+            raise SourceUnavailable("NVIDIA driver loaded but no GPU found: GPU metrics off; check `nvidia-smi`")
+        indices = [i for i in range(count) if self._gpus is None or i in self._gpus]
+        if not indices:
+            wanted = ",".join(str(i) for i in sorted(self._gpus or ()))
+            raise SourceUnavailable(
+                f"--gpus {wanted}: no such GPU (this node has {count}, 0-{count - 1}): GPU metrics off; fix --gpus"
+            )
+        missing = sorted(set(self._gpus or ()) - set(indices))
+        if missing:
+            log.warning("--gpus: no GPU %s on this node (it has %d); reporting the others", missing, count)
+        self._devices = [DeviceHandle(i) for i in indices]
+        for dev in self._devices:
+            try:
+                identify(self.nvml, dev)
+            except (DeviceLost, pynvml.NVMLError) as exc:  # e.g. NoPermission under cgroups
+                log.warning("GPU %d does not answer (%s): reported down", dev.index, exc)
+                dev.handle = None
+        self._setup_events()
+        if not self.note:
+            self.note = f"{len(self._devices)} GPU(s), driver {driver}" if driver else f"{len(self._devices)} GPU(s)"
+
+    def _setup_events(self) -> None:
+        try:
+            self._event_set = self.nvml.call("nvmlEventSetCreate")
+        except (pynvml.NVMLError, DeviceLost) as exc:
+            log.info("XID events not available (%s)", exc)
+            return
+        for dev in self._devices:
+            if dev.handle is None:
+                continue
+            try:
+                self.nvml.read(dev.key, "xid_events", "nvmlDeviceRegisterEvents", dev.handle,
+                               pynvml.nvmlEventTypeXidCriticalError, self._event_set)
+            except DeviceLost:
+                continue
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._event_set is not None and self.nvml.opened:
+                try:
+                    self.nvml.call("nvmlEventSetFree", self._event_set)
+                except (pynvml.NVMLError, DeviceLost, SourceUnavailable):
+                    pass  # shutting down anyway
+            self._event_set = None
+            self.nvml.close()
+
+    # -- one tick -----------------------------------------------------------------------
+    def collect(self, tree: ProcessTree) -> GpuSnapshot:
+        with self._lock:
+            if not self.nvml.opened:  # a tick racing stop(): repeat the last picture
+                if self._last is None:
+                    raise SourceError("NVML is shut down", reason="stopped")
+                return self._last
+            self._job_id = tree.job_id
+            self.nvml.hint_processes(_rank_gpu_hints(tree))
+            aliases = self._aliases(tree)
+            self._drain_xids()
+            groups: dict[tuple[str, str, str, int, str, str], _Group] = {}
+            pids: set[int] = set()
+            devices = tuple(self._read_device(dev, aliases, groups, pids) for dev in self._devices)
+            self._gpu_pids = frozenset(pids)
+        processes = tuple(
+            ProcessGpuUsage(job, rank, role, gpu, uuid, mig, g.processes, g.memory,
+                            None if g.sm is None else min(1.0, g.sm),
+                            None if g.mem_util is None else min(1.0, g.mem_util))
+            for (job, rank, role, gpu, uuid, mig), g in sorted(groups.items())
+        )
+        driver, nvml_version, cuda = self._system
+        self._last = GpuSnapshot(tree.job_id, self.nvml.simulated, driver, nvml_version, cuda, devices, processes)
+        return self._last
+
+    def gpu_pids(self) -> frozenset[int]:
+        """PIDs that held a GPU context at the last tick (NVML's, plus our own PID for each
+        tree process matched through NSpid). No NVML call: for ``profagent watch``."""
+        return self._gpu_pids
+
+    def _read_device(self, dev: DeviceHandle, aliases: dict[int, ProcessInfo], groups: dict, pids: set[int]) -> GpuDevice:
+        xids = MappingProxyType(dict(self._xids.get(dev.index, {})))
+        try:
+            if dev.handle is None:
+                try:
+                    identify(self.nvml, dev)
+                except pynvml.NVMLError as exc:
+                    dev.handle = None
+                    raise DeviceLost(str(exc)) from None
+            values = read_values(self.nvml, dev)
+            reasons = read_clock_event_reasons(self.nvml, dev)
+            mig = read_mig(self.nvml, dev)
+            mine: dict = {}
+            others = self._attribute(dev, aliases, mine, pids)
+        except DeviceLost:
+            return GpuDevice(dev.index, dev.uuid, dev.name, dev.pci_bus_id, dev.mig_mode, up=False, xid_errors=xids)
+        for key, g in mine.items():
+            groups[key] = g
+        return GpuDevice(
+            dev.index, dev.uuid, dev.name, dev.pci_bus_id, dev.mig_mode, up=True,
+            values=MappingProxyType(values), clock_event_reasons=MappingProxyType(reasons),
+            xid_errors=xids, mig_devices=mig, other_processes=others,
+        )
+
+    def _attribute(self, dev: DeviceHandle, aliases: dict[int, ProcessInfo], groups: dict, pids: set[int]) -> int | None:
+        """Add this device's target processes to ``groups``; return how many other
+        processes use it (None if NVML lists no processes here)."""
+        k, h = dev.key, dev.handle
+        listed: dict[int, tuple[int | None, int]] = {}  # pid -> (memory, gpu instance)
+        answered = False
+        for field_name, function in (
+            ("compute_processes", "nvmlDeviceGetComputeRunningProcesses"),
+            ("graphics_processes", "nvmlDeviceGetGraphicsRunningProcesses"),
+        ):
+            procs = self.nvml.read(k, field_name, function, h, not_found=[])
+            if procs is None:
+                continue
+            answered = True
+            for p in procs:
+                memory = getattr(p, "usedGpuMemory", None)
+                gi = getattr(p, "gpuInstanceId", NOT_AVAILABLE_UINT)
+                old = listed.get(p.pid)
+                if old is not None and old[0] is not None and (memory is None or memory < old[0]):
+                    memory = old[0]
+                listed[p.pid] = (memory, gi)
+        if not answered:
+            return None
+        util = self._process_util(dev, set(listed)) if listed else {}
+
+        others = 0
+        for pid, (memory, gi) in listed.items():
+            info = aliases.get(pid)
+            pids.add(pid if info is None else info.pid)
+            if info is None:
+                others += 1
+                self._hint_namespace(pid)
+                continue
+            mig = str(gi) if dev.mig_mode == "enabled" and gi != NOT_AVAILABLE_UINT else ""
+            job = info.job_id or self._job_id
+            g = groups.setdefault((job, info.rank, info.role, dev.index, dev.uuid, mig), _Group())
+            g.processes += 1
+            if memory is not None:
+                g.memory = (g.memory or 0) + memory
+            if util is not None:
+                sm, mm = util.get(pid, (0.0, 0.0))
+                g.sm = (g.sm or 0.0) + sm
+                g.mem_util = (g.mem_util or 0.0) + mm
+        return others
+
+    def _process_util(self, dev: DeviceHandle, pids: set[int]) -> dict[int, tuple[float, float]] | None:
+        """pid -> (sm, memory) ratios from the samples newer than the last seen; the
+        previous values are kept while no new sample arrives. None when unsupported."""
+        last_seen = self._last_seen.get(dev.index, 0)
+        samples = self.nvml.read(dev.key, "process_utilization", "nvmlDeviceGetProcessUtilization",
+                                 dev.handle, last_seen, not_found=[])
+        if samples is None:
+            return None if not self.nvml.supported(dev.key, "process_utilization") else self._last_util.get(dev.index, {})
+        fresh: dict[int, list[tuple[float, float]]] = {}
+        newest = last_seen
+        for s in samples:
+            if s.timeStamp <= last_seen:
+                continue
+            newest = max(newest, s.timeStamp)
+            fresh.setdefault(s.pid, []).append((s.smUtil / 100.0, s.memUtil / 100.0))
+        if fresh:
+            self._last_seen[dev.index] = newest
+            self._last_util[dev.index] = {
+                pid: (sum(a for a, _ in vals) / len(vals), sum(b for _, b in vals) / len(vals))
+                for pid, vals in fresh.items()
+            }
+        current = self._last_util.get(dev.index, {})
+        self._last_util[dev.index] = {pid: v for pid, v in current.items() if pid in pids}
+        return self._last_util[dev.index]
+
+    def _drain_xids(self) -> None:
+        if self._event_set is None:
+            return
+        by_uuid = {d.uuid: d.index for d in self._devices if d.uuid}
+        for _ in range(_XID_DRAIN_MAX):
+            try:
+                data = self.nvml.call("nvmlEventSetWait_v2", self._event_set, 0)
+                if not data.eventType & pynvml.nvmlEventTypeXidCriticalError:
+                    continue
+                uuid = text(self.nvml.call("nvmlDeviceGetUUID", data.device))
+            except pynvml.NVMLError_Timeout:
+                return
+            except (pynvml.NVMLError, DeviceLost) as exc:
+                log.debug("reading XID events: %s", exc)
+                return
+            index = by_uuid.get(uuid)
+            if index is not None:
+                self._xids.setdefault(index, Counter())[int(data.eventData)] += 1
+
+    def _aliases(self, tree: ProcessTree) -> dict[int, ProcessInfo]:
+        """Every PID (in any nested namespace) of every tree process -> the process."""
+        out: dict[int, ProcessInfo] = {}
+        seen: dict[tuple[int, float], tuple[int, ...]] = {}
+        for p in tree.processes:
+            key = (p.pid, p.create_time)
+            ids = self._nspid.get(key) or read_nspid(self._proc_root, p.pid)
+            seen[key] = ids
+            for pid in ids:
+                out.setdefault(pid, p)
+        for p in tree.processes:
+            out[p.pid] = p  # the PID in our own namespace wins
+        self._nspid = seen
+        return out
+
+    def _hint_namespace(self, pid: int) -> None:
+        if self._namespace_hinted or (self._proc_root / str(pid)).exists():
+            return
+        self._namespace_hinted = True
+        log.warning(
+            "NVML lists GPU process %d, which this agent cannot see (another PID namespace): "
+            "per-process GPU metrics need the host's PIDs; run the agent with --pid=host "
+            "(Kubernetes: hostPID: true)", pid,
+        )
+
+
+def _rank_gpu_hints(tree: ProcessTree) -> list[tuple[int, int]]:
+    """(pid, local rank) of every rank process: where the simulated backend puts them."""
+    out = []
+    for n, p in enumerate(tree.mains()):
+        lr = p.local_rank if p.local_rank.isdigit() else p.rank
+        out.append((p.pid, int(lr) if lr.isdigit() else n))
+    return out
+
+
+def build_gpu_source(config: Config) -> GpuSource | None:
+    """The gpu source the configuration asks for; None when ``gpu.backend = off``.
+    Raises UserError for a malformed backend or GPU list."""
+    spec = parse_backend(config.gpu.backend)
+    gpus = parse_gpus(config.gpu.gpus)
+    if spec.kind == "off":
+        return None
+    note = f"SIMULATED: {spec.label.removeprefix('simulated ')}, not real hardware" if spec.kind == "simulated" else ""
+    return GpuSource(open_backend(spec), interval=config.interval_of("gpu"), gpus=gpus, note=note)

@@ -1,0 +1,176 @@
+"""Host source (psutil): CPU, memory, threads, fds, IO and context switches per rank and role.
+
+Processes are aggregated by (rank, role), so DataLoader worker churn doesn't churn
+series. Counters stay monotonic across churn: when a process exits, its last values
+move into a "retired" total for its group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import psutil
+
+from profagent.target import ProcessInfo, ProcessTree
+
+Group = tuple[str, str, str]  # (job_id, rank, role)
+
+COUNTER_FIELDS = (
+    "cpu_user",
+    "cpu_system",
+    "cpu_iowait",
+    "read_bytes",
+    "write_bytes",
+    "ctx_voluntary",
+    "ctx_involuntary",
+)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One process' (or one group's) readings. None = not readable here (absent, never 0)."""
+
+    cpu_user: float = 0.0
+    cpu_system: float = 0.0
+    cpu_iowait: float | None = None
+    rss: int = 0
+    threads: int = 0
+    fds: int | None = None
+    read_bytes: int | None = None
+    write_bytes: int | None = None
+    ctx_voluntary: int = 0
+    ctx_involuntary: int = 0
+
+
+def _add(a: Usage, b: Usage) -> Usage:
+    values = {}
+    for f in fields(Usage):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        values[f.name] = None if x is None and y is None else (x or 0) + (y or 0)
+    return Usage(**values)
+
+
+@dataclass(frozen=True)
+class GroupUsage:
+    job_id: str
+    rank: str
+    role: str
+    processes: int
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class NodeUsage:
+    cpu_ratio: float
+    memory_total: int
+    memory_available: int
+    cpu_count: int
+
+
+@dataclass(frozen=True)
+class HostSnapshot:
+    groups: tuple[GroupUsage, ...]
+    node: NodeUsage
+
+
+def read_usage(proc: psutil.Process) -> Usage:
+    """Read one process. Raises psutil.NoSuchProcess if it exited meanwhile."""
+    with proc.oneshot():
+        cpu = proc.cpu_times()
+        mem = proc.memory_info()
+        ctx = proc.num_ctx_switches()
+        threads = proc.num_threads()
+        try:
+            fds: int | None = proc.num_fds()
+        except psutil.AccessDenied:
+            fds = None
+        try:
+            io = proc.io_counters()
+            read_bytes, write_bytes = io.read_bytes, io.write_bytes
+        except (psutil.AccessDenied, AttributeError):
+            read_bytes = write_bytes = None
+    return Usage(
+        cpu_user=cpu.user,
+        cpu_system=cpu.system,
+        cpu_iowait=getattr(cpu, "iowait", None),
+        rss=mem.rss,
+        threads=threads,
+        fds=fds,
+        read_bytes=read_bytes,
+        write_bytes=write_bytes,
+        ctx_voluntary=ctx.voluntary,
+        ctx_involuntary=ctx.involuntary,
+    )
+
+
+class HostSource:
+    name = "host"
+
+    def __init__(
+        self,
+        interval: float = 1.0,
+        reader: Callable[[psutil.Process], Usage] = read_usage,
+        process_factory: Callable[[int], psutil.Process] = psutil.Process,
+    ) -> None:
+        """``reader`` and ``process_factory`` are injectable so tests can feed readings."""
+        self.interval = interval
+        self._read = reader
+        self._new_process = process_factory
+        self._procs: dict[tuple[int, float], psutil.Process] = {}
+        self._last: dict[tuple[int, float], tuple[Group, Usage]] = {}
+        self._retired: dict[Group, Usage] = {}
+
+    def start(self) -> None:
+        psutil.cpu_percent(None)  # prime: the first call has no interval to measure
+
+    def stop(self) -> None:
+        self._procs.clear()
+
+    def _process(self, info: ProcessInfo) -> psutil.Process:
+        key = (info.pid, info.create_time)
+        proc = self._procs.get(key)
+        if proc is None:
+            proc = self._procs[key] = self._new_process(info.pid)
+        return proc
+
+    def collect(self, tree: ProcessTree) -> HostSnapshot:
+        current: dict[tuple[int, float], tuple[Group, Usage]] = {}
+        counts: dict[Group, int] = {}
+        # Jobs still listed (watch mode keeps an ended job for its grace period) keep
+        # their retired counters; a job no longer listed takes its groups with it.
+        live_jobs = {p.job_id for p in tree.processes} | set(tree.job_status())
+        for info in tree.processes:
+            key = (info.pid, info.create_time)
+            group = (info.job_id, info.rank, info.role)
+            try:
+                usage = self._read(self._process(info))
+            except psutil.Error:
+                continue  # exited between the tree refresh and now: retired below
+            current[key] = (group, usage)
+            counts[group] = counts.get(group, 0) + 1
+
+        # Processes that left keep contributing their last counters to their group.
+        for key, (group, usage) in self._last.items():
+            if key not in current:
+                counter_part = Usage(**{f: getattr(usage, f) for f in COUNTER_FIELDS})
+                self._retired[group] = _add(self._retired.get(group, Usage()), counter_part)
+                self._procs.pop(key, None)
+        self._last = current
+        self._retired = {g: u for g, u in self._retired.items() if g[0] in live_jobs}
+
+        totals: dict[Group, Usage] = dict(self._retired)
+        for group, usage in current.values():
+            totals[group] = _add(totals.get(group, Usage()), usage)
+        groups = tuple(
+            GroupUsage(job_id, rank, role, counts.get((job_id, rank, role), 0), usage)
+            for (job_id, rank, role), usage in sorted(totals.items())
+        )
+        vm = psutil.virtual_memory()
+        node = NodeUsage(
+            cpu_ratio=psutil.cpu_percent(None) / 100.0,
+            memory_total=vm.total,
+            memory_available=vm.available,
+            cpu_count=psutil.cpu_count() or 1,
+        )
+        return HostSnapshot(groups, node)

@@ -1,0 +1,220 @@
+"""The Kineto daemon endpoint: the datagram socket libkineto polls, the registry of polling
+processes, and the trace requests handed to them on their next poll."""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from profagent.errors import SourceUnavailable
+from profagent.sources.ondemand import kineto
+from profagent.system.unixsock import close_unix_socket
+
+log = logging.getLogger(__name__)
+
+POLLER_TTL = 60.0  # libkineto polls every ~5 s; silent this long means gone
+MALFORMED_LOG_EVERY = 100
+
+
+@dataclass(frozen=True)
+class Poller:
+    pid: int
+    pids: tuple[int, ...]  # itself, then ancestors
+    jobid: int
+    can_trace: bool
+    last_seen: float
+
+
+@dataclass
+class TraceTarget:
+    pid: int
+    file: str
+    sent_at: float | None = None
+
+
+@dataclass
+class TraceRequest:
+    id: str
+    options: kineto.TraceOptions
+    log_file: str
+    created: float
+    deadline: float
+    targets: dict[int, TraceTarget] = field(default_factory=dict)
+    periodic: bool = False
+
+
+class NoPollers(Exception):
+    """No registered process matches; the message tells the user how to make one poll."""
+
+
+class Endpoint:
+    """The Kineto daemon socket, the registry of polling processes and pending requests."""
+
+    def __init__(self, socket_dir: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+        self.socket_dir = socket_dir
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pollers: dict[int, Poller] = {}
+        self._requests: dict[str, TraceRequest] = {}
+        self._counts: dict[str, int] = {}
+        self._sock: socket.socket | None = None
+        self._ids = itertools.count(1)
+
+    @property
+    def address(self) -> str | bytes:
+        if self.socket_dir:
+            return os.path.join(self.socket_dir, kineto.DAEMON_NAME)
+        return b"\0" + kineto.DAEMON_NAME.encode() + b"\0"  # the trailing NUL is part of the name
+
+    def describe(self) -> str:
+        return self.address if isinstance(self.address, str) else "@" + kineto.DAEMON_NAME
+
+    def bind(self) -> None:
+        """Raises SourceUnavailable when another daemon holds the name."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        address = self.address
+        if isinstance(address, str):
+            os.makedirs(self.socket_dir, exist_ok=True)
+            if os.path.exists(address) and _stale_dgram(address):
+                os.unlink(address)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise SourceUnavailable(
+                    f"the Kineto daemon endpoint {self.describe()} is held by another daemon (dynolog?): "
+                    "on-demand tracing off; stop it or use `profagent trace` through that daemon"
+                ) from None
+            raise SourceUnavailable(f"cannot bind the Kineto endpoint {self.describe()} ({exc.strerror}): on-demand tracing off") from None
+        sock.settimeout(0.2)
+        self._sock = sock
+
+    def close(self) -> None:
+        close_unix_socket(self._sock, self.address if isinstance(self.address, str) else None)
+        self._sock = None
+
+    def serve(self, stop: threading.Event) -> None:
+        """Answer datagrams until ``stop`` is set (run in a thread)."""
+        while not stop.is_set() and self._sock is not None:
+            try:
+                data, addr = self._sock.recvfrom(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                if stop.is_set():
+                    return
+                continue
+            reply = self.handle(data)
+            if reply is not None and addr:
+                try:
+                    self._sock.sendto(reply, addr)
+                except OSError:
+                    self._count("reply_failed")
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self._counts[kind] = self._counts.get(kind, 0) + 1
+
+    def handle(self, datagram: bytes) -> bytes | None:
+        """One datagram in, the reply out (None = no reply). Never raises."""
+        try:
+            message = kineto.decode(datagram)
+        except kineto.MalformedDatagram as exc:
+            self._count("malformed")
+            with self._lock:
+                n = self._counts["malformed"]
+            if n % MALFORMED_LOG_EVERY == 1:
+                log.warning("dropped a malformed Kineto datagram (%s); %d so far", exc, n)
+            return None
+        if isinstance(message, kineto.Context):
+            self._count("ctxt")
+            return kineto.reply_context(1)
+        self._count("poll")
+        now = self._clock()
+        with self._lock:
+            self._pollers[message.pid] = Poller(message.pid, message.pids, message.jobid, message.can_trace, now)
+            if not message.can_trace:
+                return kineto.reply_config("")  # a trace is already running there
+            for request in self._requests.values():
+                target = request.targets.get(message.pid)
+                if target is not None and target.sent_at is None and now < request.deadline:
+                    target.sent_at = now
+                    self._counts["sent"] = self._counts.get("sent", 0) + 1
+                    return kineto.reply_config(kineto.config_text(request.log_file, request.options, request.id))
+        return kineto.reply_config("")
+
+    def pollers(self) -> list[Poller]:
+        now = self._clock()
+        with self._lock:
+            self._pollers = {p: v for p, v in self._pollers.items() if now - v.last_seen < POLLER_TTL}
+            return sorted(self._pollers.values(), key=lambda p: p.pid)
+
+    def request(
+        self,
+        match: Callable[[Poller], bool],
+        options: kineto.TraceOptions,
+        trace_dir: str,
+        timeout: float,
+        periodic: bool = False,
+    ) -> TraceRequest:
+        """Queue a trace for every registered process ``match`` accepts. Raises NoPollers."""
+        chosen = [p for p in self.pollers() if match(p)]
+        if not chosen:
+            raise NoPollers("no registered process matches")
+        rid = f"{time.strftime('%Y%m%d-%H%M%S')}-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
+        log_file = os.path.join(trace_dir, f"profagent_{rid}.json")
+        now = self._clock()
+        request = TraceRequest(rid, options, log_file, now, now + timeout, periodic=periodic)
+        for p in chosen:
+            request.targets[p.pid] = TraceTarget(p.pid, kineto.output_path(log_file, p.pid))
+        with self._lock:
+            self._requests[rid] = request
+            self._counts["requested"] = self._counts.get("requested", 0) + 1
+        return request
+
+    def get(self, rid: str) -> TraceRequest | None:
+        with self._lock:
+            return self._requests.get(rid)
+
+    def expire(self, keep_seconds: float = 600.0) -> list[TraceRequest]:
+        """Forget requests long past their deadline; returns them."""
+        now = self._clock()
+        with self._lock:
+            old = [r for r in self._requests.values() if now > r.deadline + keep_seconds]
+            for r in old:
+                del self._requests[r.id]
+                if any(t.sent_at is None for t in r.targets.values()):
+                    self._counts["expired"] = self._counts.get("expired", 0) + 1
+            return old
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+def _stale_dgram(path: str) -> bool:
+    """True if a socket file at ``path`` has nobody bound behind it (left by a crash)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        probe.connect(path)
+        return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def match_pid(pid: int) -> Callable[[Poller], bool]:
+    """A process matches a PID when it is that process or a descendant of it."""
+    return lambda p: pid in p.pids

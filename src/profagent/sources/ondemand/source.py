@@ -1,0 +1,142 @@
+"""The `ondemand` source: host Kineto's daemon endpoint so traces need no code change.
+
+Processes started with ``KINETO_USE_DAEMON=1`` poll the endpoint every ~5 s; each poll
+registers them (a process silent for 60 s is gone). ``profagent trace`` asks, over the
+agent's control socket (``engine/control.py``), for a trace of matching processes; the
+next poll of each gets the config, and libkineto writes
+``<trace_dir>/profagent_<id>_<pid>.json``, which the traces source ingests like any other.
+In periodic mode the source itself asks one rank at a time for a short trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from profagent.errors import SourceUnavailable
+from profagent.sources.ondemand import kineto
+from profagent.sources.ondemand.endpoint import Endpoint, NoPollers, Poller, TraceRequest
+from profagent.target import ProcessTree
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OndemandSnapshot:
+    processes: tuple[tuple[str, str, str, int], ...]  # (job_id, rank, role, count) of pollers in the tree
+    unmatched: int  # pollers outside the target tree
+    datagrams: tuple[tuple[str, int], ...]  # kind -> count (poll, ctxt, malformed)
+    requests: tuple[tuple[str, int], ...]  # status -> count (requested, sent, written, expired)
+
+
+class OndemandSource:
+    name = "ondemand"
+
+    def __init__(
+        self,
+        interval: float,
+        trace_dir: str,
+        socket_dir: str = "",
+        periodic_minutes: float = 0.0,
+        keep: int = 10,
+        periodic_options: kineto.TraceOptions | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.interval = interval
+        self.trace_dir = trace_dir
+        self.endpoint = Endpoint(socket_dir, clock)
+        self.periodic_seconds = periodic_minutes * 60
+        self.keep = keep
+        self.periodic_options = periodic_options or kineto.TraceOptions(duration_ms=500)
+        self._clock = clock
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._tree: ProcessTree | None = None
+        self._last_periodic = clock()
+        self._rotation = 0
+        self._own_files: list[str] = []  # files the agent itself requested (periodic mode)
+
+    # -- lifecycle ----------------------------------------------------------------
+    def start(self) -> None:
+        try:
+            os.makedirs(self.trace_dir, exist_ok=True)
+            os.chmod(self.trace_dir, 0o1777)  # the job may run as another user; sticky like /tmp
+        except OSError as exc:
+            raise SourceUnavailable(f"cannot create the on-demand trace folder {self.trace_dir} ({exc.strerror}): set ondemand.trace_dir") from None
+        self.endpoint.bind()
+        self._spawn(lambda: self.endpoint.serve(self._stop), "kineto")
+
+    def _spawn(self, fn: Callable[[], None], name: str) -> None:
+        t = threading.Thread(target=fn, name=f"profagent-ondemand-{name}", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(1.0)
+        self.endpoint.close()
+
+    # -- requests (called by the control server) -------------------------------------
+    @property
+    def tree(self) -> ProcessTree | None:
+        return self._tree
+
+    def request(self, match: Callable[[Poller], bool], options: kineto.TraceOptions, timeout: float) -> TraceRequest:
+        return self.endpoint.request(match, options, self.trace_dir, timeout)
+
+    # -- tick --------------------------------------------------------------------------
+    def collect(self, tree: ProcessTree) -> OndemandSnapshot:
+        self._tree = tree
+        if self.periodic_seconds > 0 and self._clock() - self._last_periodic >= self.periodic_seconds:
+            self._last_periodic = self._clock()
+            self._periodic(tree)
+        self.endpoint.expire()
+        by_pid = tree.by_pid()
+        groups: dict[tuple[str, str, str], int] = {}
+        unmatched = 0
+        for poller in self.endpoint.pollers():
+            info = by_pid.get(poller.pid)
+            if info is None:
+                unmatched += 1
+                continue
+            key = (info.job_id, info.rank, info.role)
+            groups[key] = groups.get(key, 0) + 1
+        counts = self.endpoint.counts()
+        datagrams = tuple((k, counts.get(k, 0)) for k in ("poll", "ctxt", "malformed"))
+        requests = tuple((k, counts.get(k, 0)) for k in ("requested", "sent", "expired"))
+        return OndemandSnapshot(
+            tuple((*k, n) for k, n in sorted(groups.items())), unmatched, datagrams, requests
+        )
+
+    def _periodic(self, tree: ProcessTree) -> None:
+        """Continuous profiling at a bounded cost: one rank per period, in turn."""
+        polling = {p.pid for p in self.endpoint.pollers() if p.can_trace}
+        mains = [m for m in tree.mains() if m.pid in polling]
+        if not mains:
+            return
+        chosen = mains[self._rotation % len(mains)]
+        self._rotation += 1
+        try:
+            request = self.endpoint.request(lambda p: p.pid == chosen.pid, self.periodic_options,
+                                            self.trace_dir, timeout=60.0, periodic=True)
+        except NoPollers:
+            return
+        self._own_files.extend(t.file for t in request.targets.values())
+        self._prune_own_files()
+
+    def _prune_own_files(self) -> None:
+        """Keep the last ``keep`` traces the agent requested; never touch any other file."""
+        while len(self._own_files) > self.keep:
+            path = self._own_files.pop(0)
+            try:
+                Path(path).unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("could not remove old periodic trace %s: %s", path, exc)

@@ -1,0 +1,253 @@
+"""Running py-spy: find the binary, check it fits the target, run windows, stop them.
+
+py-spy writes its output only when a ``record`` ends, and ends cleanly only on SIGINT
+or when its ``--duration`` is over. Every child started here:
+
+- runs in its own session (a Ctrl-C on the agent's terminal is ours to forward);
+- gets ``PR_SET_PDEATHSIG`` = SIGKILL, so it dies with the agent even on SIGKILL;
+- is bounded anyway: a ``record`` window ends by itself after ``--duration``.
+
+With ``--nonblocking`` py-spy never stops the target. In blocking mode a killed py-spy
+can leave the target stopped (py-spy issues #390, #416), so ``resume_if_stopped`` sends
+SIGCONT to a target found in state T after a blocking window.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+PTRACE_FIX = (
+    "run profagent as root or with CAP_SYS_PTRACE, or set kernel.yama.ptrace_scope=0 "
+    "(containers: docker --cap-add SYS_PTRACE, Kubernetes securityContext.capabilities.add: [SYS_PTRACE])"
+)
+PR_SET_PDEATHSIG = 1
+
+# The oldest py-spy release that reads each Python minor version.
+MIN_PYSPY_FOR = {(3, 12): (0, 4, 0), (3, 13): (0, 4, 0), (3, 14): (0, 4, 2)}
+NEWEST_KNOWN_MINOR = (3, 14)
+
+
+class PySpyProblem(Exception):
+    """py-spy cannot run here. ``problem`` and ``fix`` make the one line for the user."""
+
+    def __init__(self, problem: str, fix: str, reason: str) -> None:
+        super().__init__(f"{problem}: {fix}")
+        self.problem, self.fix, self.reason = problem, fix, reason
+
+
+def find_pyspy() -> str:
+    """The py-spy binary of the installed ``py-spy`` package (else next to our Python, else
+    on PATH). Raises PySpyProblem if there is none."""
+    try:
+        for f in importlib.metadata.distribution("py-spy").files or ():
+            if f.name == "py-spy" and f.parent.name == "bin":
+                path = Path(str(f.locate())).resolve()
+                if os.access(path, os.X_OK):
+                    return str(path)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for candidate in (Path(sys.executable).parent / "py-spy", shutil.which("py-spy")):
+        if candidate and os.access(candidate, os.X_OK):
+            return str(candidate)
+    raise PySpyProblem("py-spy is not installed", "pip install 'py-spy>=0.4.0'", "pyspy_missing")
+
+
+def pyspy_version(binary: str) -> tuple[int, ...]:
+    """py-spy's version as a tuple, from the package metadata or ``--version``; () if unknown."""
+    text = ""
+    try:
+        text = importlib.metadata.version("py-spy")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            text = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=5).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ()
+    m = re.search(r"(\d+)\.(\d+)\.(\d+)", text)
+    return tuple(int(x) for x in m.groups()) if m else ()
+
+
+@dataclass(frozen=True)
+class PythonBuild:
+    major: int
+    minor: int
+    free_threaded: bool
+
+    def __str__(self) -> str:
+        return f"{self.major}.{self.minor}{'t' if self.free_threaded else ''}"
+
+
+_PY_NAME = re.compile(r"(?:^|/)(?:lib)?python(\d)\.(\d+)(t?)(?:\b|\.so|$)")
+
+
+def target_python(pid: int, proc_root: str | Path = "/proc") -> PythonBuild | None:
+    """The target's Python from its executable name and mapped libpython (no ptrace needed).
+    None when it cannot be told (unreadable /proc, an unusual binary name)."""
+    root = Path(proc_root) / str(pid)
+    names: list[str] = []
+    try:
+        names.append(os.readlink(root / "exe"))
+    except OSError:
+        pass
+    try:
+        with open(root / "maps", errors="replace") as fh:
+            names.extend(line.rsplit(" ", 1)[-1].strip() for line in fh if "python" in line)
+    except OSError:
+        pass
+    for name in names:
+        m = _PY_NAME.search(name)
+        if m:
+            return PythonBuild(int(m.group(1)), int(m.group(2)), m.group(3) == "t")
+    return None
+
+
+def compatibility(pyspy: tuple[int, ...], target: PythonBuild | None) -> str | None:
+    """None if this py-spy can read that Python, else one line naming the problem and the fix."""
+    if target is None or not pyspy:
+        return None
+    found = ".".join(map(str, pyspy))
+    if target.free_threaded:
+        return (f"the target runs a free-threaded Python {target}, which py-spy {found} cannot read: "
+                "sample a build with the GIL, or turn stacks off with --no-stacks")
+    need = MIN_PYSPY_FOR.get((target.major, target.minor))
+    if need and pyspy < need:
+        want = ".".join(map(str, need))
+        return f"py-spy {found} cannot read Python {target}: pip install 'py-spy>={want}'"
+    if (target.major, target.minor) > NEWEST_KNOWN_MINOR:
+        log.warning("Python %s is newer than py-spy %s is known to read; stacks may fail", target, found)
+    return None
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A preexec function that makes the child die with us (Linux), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def spawn(args: Sequence[str], stderr_path: Path | None = None, stdout_path: Path | None = None) -> subprocess.Popen:
+    """Start py-spy in its own session, bound to our lifetime. Output goes to the given
+    files (else is discarded). Raises OSError if it cannot be started."""
+    err = open(stderr_path, "wb") if stderr_path else subprocess.DEVNULL  # noqa: SIM115
+    out = open(stdout_path, "wb") if stdout_path else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        return subprocess.Popen(
+            list(args),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),  # a single prctl call: takes no lock in the child
+            env={**os.environ, "RUST_BACKTRACE": "0"},
+        )
+    finally:
+        for fh in (err, out):
+            if fh is not subprocess.DEVNULL:
+                fh.close()  # type: ignore[union-attr]
+
+
+def record_args(
+    binary: str, pid: int, seconds: float, rate: int, fmt: str, output: Path, nonblocking: bool
+) -> list[str]:
+    args = [binary, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))),
+            "--rate", str(rate), "--format", fmt, "--output", str(output), "--idle", "--threads"]
+    if nonblocking:
+        args.append("--nonblocking")
+    return args
+
+
+def dump_args(binary: str, pid: int, nonblocking: bool) -> list[str]:
+    args = [binary, "dump", "--pid", str(pid), "--json"]
+    if nonblocking:
+        args.append("--nonblocking")
+    return args
+
+
+def failure_reason(stderr: str, pid: int) -> str:
+    """Map a failed py-spy run to a bounded reason: permission, target_gone or pyspy_failed."""
+    if not psutil.pid_exists(pid):
+        return "target_gone"
+    if "Permission Denied" in stderr or "Operation not permitted" in stderr:
+        return "permission"
+    if "Check that the process is running" in stderr or "No such process" in stderr:
+        return "target_gone"
+    return "pyspy_failed"
+
+
+def first_line(stderr: str) -> str:
+    for line in stderr.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("py-spy>", "Stack backtrace")):
+            return line[:200]
+    return "no output"
+
+
+def stop_all(procs: Sequence[subprocess.Popen], grace: float = 0.4) -> None:
+    """SIGINT every live child (py-spy resumes a blocked target on SIGINT), SIGKILL whoever
+    is still there after ``grace`` seconds, and reap them all. Returns within grace + ~0.1 s."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        _signal(p, signal.SIGINT)
+    deadline = time.monotonic() + grace
+    while live and time.monotonic() < deadline:
+        live = [p for p in live if p.poll() is None]
+        if live:
+            time.sleep(0.02)
+    for p in live:
+        _signal(p, signal.SIGKILL)
+    for p in procs:
+        try:
+            p.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            log.warning("py-spy PID %d did not exit after SIGKILL", p.pid)
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def resume_if_stopped(pid: int) -> bool:
+    """SIGCONT the target if it is left stopped (state T). True if it was."""
+    try:
+        if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
+            os.kill(pid, signal.SIGCONT)
+            return True
+    except (psutil.Error, ProcessLookupError):
+        pass
+    return False
+
+
+def read_text_or_empty(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+def has_cap_sys_ptrace() -> bool:
+    for line in read_text_or_empty("/proc/self/status").splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) & (1 << 19))
+    return False

@@ -1,0 +1,213 @@
+"""The py-spy sampler thread: back-to-back record windows and periodic dumps per process.
+
+One thread for all the sampled processes: every POLL seconds it reaps finished py-spy
+children, parses their output into ``Result``s, and starts what is due: the next
+``record`` window at once, a ``dump --json`` every STATE_EVERY seconds. A py-spy that
+fails on a process is retried after RETRY_AFTER seconds, doubling up to RETRY_MAX.
+The owner sets the processes with ``set_targets`` and takes results with ``drain``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from profagent.analysis.stacks import Sample, parse_folded, thread_states
+from profagent.config import StacksConfig
+from profagent.sources.stacks import pyspy
+
+log = logging.getLogger(__name__)
+
+POLL = 0.05  # seconds between checks of the py-spy children
+RETRY_AFTER = 5.0  # seconds before sampling a process again after py-spy failed on it,
+RETRY_MAX = 300.0  # doubling on each consecutive failure up to this
+MAX_PENDING = 1000  # results kept until drained
+STATE_EVERY = 15.0  # seconds between thread-state dumps per process (a dump costs ~10 ms CPU)
+
+
+@dataclass
+class PySpyChild:
+    """A running py-spy child (a record window or a dump) and where its output goes."""
+
+    kind: str  # "record" or "dump"
+    pid: int
+    rank: str
+    role: str
+    proc: subprocess.Popen
+    out: Path
+    err: Path
+    start: float
+    wall_start: float
+
+
+@dataclass(frozen=True)
+class Result:
+    """One finished py-spy run: samples (record), thread states (dump) or an error."""
+
+    kind: str
+    pid: int
+    rank: str
+    role: str
+    start: float
+    end: float
+    wall_end: float
+    samples: tuple[Sample, ...] = ()
+    states: dict[tuple[str, str], int] = field(default_factory=dict)  # (state, gil) -> threads
+    error: str = ""  # bounded reason, "" when fine
+    detail: str = ""
+
+
+class Sampler:
+    def __init__(
+        self,
+        binary: str,
+        config: StacksConfig,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._binary = binary
+        self.config = config
+        self._clock, self._wall = clock, wall
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._tmp: Path | None = None
+        self._wanted: dict[int, tuple[str, str]] = {}  # pid -> (rank, role)
+        self._children: dict[tuple[str, int], PySpyChild] = {}  # (kind, pid) -> running child
+        self._next: dict[tuple[str, int], float] = {}  # (kind, pid) -> earliest next start
+        self._fails: dict[tuple[str, int], int] = {}  # (kind, pid) -> consecutive failures
+        self._results: list[Result] = []
+        self._seq = 0
+
+    def start(self) -> None:
+        self._tmp = Path(tempfile.mkdtemp(prefix="profagent-stacks-"))
+        self._thread = threading.Thread(target=self._run, name="profagent-pyspy", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Every py-spy child is gone when this returns (< 1 s)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(1.0)
+        with self._lock:
+            children = list(self._children.values())
+            self._children.clear()
+        pyspy.stop_all([j.proc for j in children])  # the thread normally did it already
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def set_targets(self, wanted: dict[int, tuple[str, str]]) -> None:
+        """The processes to sample: pid -> (rank, role)."""
+        with self._lock:
+            self._wanted = dict(wanted)
+
+    def drain(self) -> list[Result]:
+        """Results finished since the last call, oldest first."""
+        with self._lock:
+            results, self._results = self._results, []
+        return results
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(POLL):
+                try:
+                    self._step()
+                except Exception as exc:  # keep sampling; the error is counted and logged once
+                    with self._lock:
+                        self._results.append(Result("record", 0, "", "", 0.0, 0.0, 0.0, error=type(exc).__name__, detail=str(exc)))
+                    log.debug("stacks sampler step failed", exc_info=True)
+        finally:
+            with self._lock:
+                children = list(self._children.values())
+                self._children.clear()
+            pyspy.stop_all([j.proc for j in children])
+            if not self.config.nonblocking:
+                for j in children:
+                    pyspy.resume_if_stopped(j.pid)
+
+    def _step(self) -> None:
+        with self._lock:
+            wanted = dict(self._wanted)
+            children = dict(self._children)
+        now = self._clock()
+        done = []
+        for key, child in list(children.items()):
+            if child.proc.poll() is not None:
+                done.extend(self._harvest(child, now))
+                del children[key]
+        for pid, (rank, role) in wanted.items():
+            for kind in ("record", "dump"):
+                key = (kind, pid)
+                # a process gone since the last tree: nothing to sample, nothing to report
+                if key not in children and now >= self._next.get(key, 0.0) and psutil.pid_exists(pid):
+                    child = self._launch(kind, pid, rank, role, now)
+                    if child is not None:
+                        children[key] = child
+        for key in [k for k in self._next if k[1] not in wanted]:
+            del self._next[key]
+            self._fails.pop(key, None)
+        with self._lock:
+            self._children = children
+            self._results.extend(done)
+            del self._results[:-MAX_PENDING]  # nobody drains while the target is gone
+
+    def _launch(self, kind: str, pid: int, rank: str, role: str, now: float) -> PySpyChild | None:
+        assert self._tmp is not None and self._binary is not None
+        self._seq += 1
+        out = self._tmp / f"{kind}-{pid}-{self._seq}.out"
+        err = self._tmp / f"{kind}-{pid}-{self._seq}.err"
+        window = max(1, round(self.config.window))
+        if kind == "record":
+            args = pyspy.record_args(self._binary, pid, window, self.config.rate, "raw", out, self.config.nonblocking)
+        else:
+            args = pyspy.dump_args(self._binary, pid, True)  # states need no consistent stack
+            self._next[(kind, pid)] = now + max(window, STATE_EVERY)
+        try:
+            proc = pyspy.spawn(args, err, stdout_path=out if kind == "dump" else None)
+        except OSError as exc:
+            self._next[(kind, pid)] = now + RETRY_AFTER
+            with self._lock:
+                self._results.append(Result(kind, pid, rank, role, now, now, self._wall(), error="spawn", detail=str(exc)))
+            return None
+        return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall())
+
+    def _harvest(self, child: PySpyChild, now: float) -> list[Result]:
+        text = _read(child.out)
+        stderr = _read(child.err)
+        for path in (child.out, child.err):
+            path.unlink(missing_ok=True)
+        base = dict(kind=child.kind, pid=child.pid, rank=child.rank, role=child.role, start=child.start, end=now, wall_end=self._wall())
+        extra = []
+        if not self.config.nonblocking and pyspy.resume_if_stopped(child.pid):
+            detail = f"PID {child.pid} was left stopped after a blocking py-spy sample: resumed it with SIGCONT"
+            extra.append(Result(**base, error="target_resumed", detail=detail))
+        key = (child.kind, child.pid)
+        if child.proc.returncode != 0 and not text.strip():
+            reason = pyspy.failure_reason(stderr, child.pid)
+            fails = self._fails[key] = self._fails.get(key, 0) + 1
+            self._next[key] = now + min(RETRY_AFTER * 2 ** (fails - 1), RETRY_MAX)
+            return [*extra, Result(**base, error=reason, detail=pyspy.first_line(stderr))]
+        self._fails.pop(key, None)
+        if child.kind == "dump":
+            try:
+                return [*extra, Result(**base, states=thread_states(json.loads(text)))]
+            except ValueError:
+                return [*extra, Result(**base, error="parse", detail="py-spy dump printed invalid JSON")]
+        return [*extra, Result(**base, samples=tuple(parse_folded(text, child.pid)))]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""

@@ -1,0 +1,420 @@
+"""Reading Kineto (Chrome trace JSON) files, fast and memory-bounded.
+
+Only what the analyzers use is decoded: msgspec decodes events into typed Structs
+(unknown fields skipped), and the kept events become numpy columns (about 40 bytes per
+event). The ``traceEvents`` array is decoded piece by piece, cut at event boundaries
+(``}`` , ``{``; a cut inside a string or a nested object fails to decode and an earlier
+one is tried), so peak memory is one piece of text (about ``CHUNK``) plus the columns,
+never the whole text plus a dict per event. Gzip is inflated in bounded chunks too.
+
+Raises ``TraceError`` (with a short bounded ``reason``) and nothing else for bad input.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from profagent.analysis.trace.model import KINDS, Trace  # noqa: F401  (KINDS: the categories kept)
+
+# Small pieces: inflated text is decoded while still in the CPU cache (a reader thread
+# was slower: it waits for the GIL while msgspec decodes, and it evicts the pieces).
+CHUNK = 512 * 1024
+RAW_CHUNK = 1024 * 1024  # compressed bytes read at a time
+MAX_PIECE = 512 * 1024 * 1024  # an event boundary must appear within this many bytes
+HEAD_LIMIT = 64 * 1024 * 1024  # metadata before traceEvents
+
+class TraceError(Exception):
+    """A trace that cannot be read. ``reason``: truncated, corrupt, not_a_trace, unreadable."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Args(msgspec.Struct, gc=False):
+    correlation: int | str | None = -1  # absent: -1 (an explicit null stays None)
+    device: int | str | None = -1
+    stream: int | str | None = None
+    total_allocated: int | None = msgspec.field(default=None, name="Total Allocated")
+    device_id: int | None = msgspec.field(default=None, name="Device Id")
+    device_type: int | None = msgspec.field(default=None, name="Device Type")
+    name: str | None = None  # process_name / thread_name metadata
+    labels: str | None = None  # process_labels metadata ("CPU", "GPU 0")
+
+
+class Event(msgspec.Struct, gc=False):
+    ph: str = ""
+    cat: str = ""
+    name: str = ""
+    ts: float = 0.0
+    dur: float = 0.0
+    pid: int | str = 0
+    tid: int | str = 0
+    args: Args | None = None
+
+
+class XArgs(msgspec.Struct, gc=False):
+    """The args complete events need: fewer fields, faster decoding than ``Args``."""
+
+    correlation: int | str | None = -1  # absent: -1 (an explicit null stays None)
+    device: int | str | None = -1
+
+
+# The fast path: a union tagged by "ph", where only the kinds used have fields, so flow
+# events and the like are skipped without building strings and floats. A piece with a
+# "ph" outside this set is decoded again with the plain ``Event``.
+class XEvent(msgspec.Struct, tag_field="ph", tag="X", gc=False):
+    cat: str = ""
+    name: str = ""
+    ts: float = 0.0
+    dur: float = 0.0
+    pid: int | str = 0
+    tid: int | str = 0
+    args: XArgs | None = None
+
+
+class InstantEvent(msgspec.Struct, tag_field="ph", tag="i", gc=False):
+    name: str = ""
+    args: Args | None = None
+
+
+class MetaEvent(msgspec.Struct, tag_field="ph", tag="M", gc=False):
+    name: str = ""
+    pid: int | str = 0
+    args: Args | None = None
+
+
+_SKIPPED = tuple(
+    msgspec.defstruct(f"Skipped_{ord(ph)}", [], tag_field="ph", tag=ph, gc=False)
+    for ph in ("s", "f", "t", "C", "b", "e", "n", "I", "B", "E", "P", "O", "N", "D", "R")
+)
+Tagged = typing.Union[(XEvent, InstantEvent, MetaEvent, *_SKIPPED)]  # noqa: UP007
+
+
+class DistributedInfo(msgspec.Struct):
+    rank: int | str | None = None
+    world_size: int | None = None
+    backend: str | None = None
+
+
+class Meta(msgspec.Struct):
+    schemaVersion: int | None = None
+    distributedInfo: DistributedInfo | None = None
+    deviceProperties: list[msgspec.Raw] | None = None
+    baseTimeNanoseconds: int | None = None
+    traceName: str | None = None
+
+
+class Whole(Meta):
+    traceEvents: list[Event] = msgspec.field(default_factory=list)
+
+
+class WholeTagged(Meta):
+    traceEvents: list[Tagged] = msgspec.field(default_factory=list)  # type: ignore[valid-type]
+
+
+_BOUNDARY = re.compile(rb"\}\s*,\s*\{")
+_EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
+_piece_decoder = msgspec.json.Decoder(list[Event])
+_whole_decoder = msgspec.json.Decoder(Whole)
+_fast_piece_decoder = msgspec.json.Decoder(list[Tagged])  # type: ignore[valid-type]
+_fast_whole_decoder = msgspec.json.Decoder(WholeTagged)
+
+
+def _decode(fast: msgspec.json.Decoder, plain: msgspec.json.Decoder, data):  # type: ignore[no-untyped-def]
+    """Decode with the tagged union; if some event has another "ph", with ``Event``."""
+    try:
+        return fast.decode(data)
+    except msgspec.ValidationError:
+        return plain.decode(data)
+_meta_decoder = msgspec.json.Decoder(Meta)
+
+
+def _chunks(path: Path) -> Iterator[bytes]:
+    """Uncompressed text in chunks of about CHUNK bytes (gzip detected by its magic)."""
+    with open(path, "rb") as fh:
+        first = fh.read(RAW_CHUNK)
+        if first[:2] != b"\x1f\x8b":
+            data = first
+            while data:
+                yield data
+                data = fh.read(CHUNK)
+            return
+        d = zlib.decompressobj(31)
+        raw = first
+        while True:
+            try:
+                while raw:  # at most CHUNK of text at a time, whatever the ratio
+                    out = d.decompress(raw, CHUNK)
+                    raw = d.unconsumed_tail
+                    if d.eof and d.unused_data:  # concatenated gzip members
+                        raw = d.unused_data
+                        d = zlib.decompressobj(31)
+                    if out:
+                        yield out
+            except zlib.error as exc:
+                raise TraceError(f"corrupt gzip data ({exc})", "corrupt") from None
+            raw = fh.read(RAW_CHUNK)
+            if not raw:
+                break
+        if not d.eof:
+            raise TraceError("the gzip stream ends early (file still being written?)", "truncated")
+
+
+def _int_column(values: list, default: int = -1) -> np.ndarray:
+    """int64 column; strings ("0x1f", "7") are parsed, anything unusable becomes ``default``."""
+    try:
+        return np.array(values, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        out = []
+        for v in values:
+            if isinstance(v, str):
+                try:
+                    v = int(v, 0)
+                except ValueError:
+                    v = default
+            out.append(v if isinstance(v, int) and -(2**63) <= v < 2**63 else default)
+        return np.array(out, dtype=np.int64)
+
+
+_THREAD_BASE = 1 << 31  # thread code = provisional pid id * base + provisional tid id
+
+
+def _dense(ids: np.ndarray, first_seen: dict) -> tuple[np.ndarray, list]:  # type: ignore[type-arg]
+    """Provisional ids (position of first occurrence) -> 0..n-1, with the values in order."""
+    keys = list(first_seen)
+    provisional = np.fromiter(first_seen.values(), dtype=np.int64, count=len(keys))
+    order = np.argsort(provisional)
+    dense = np.searchsorted(provisional[order], ids).astype(np.int32)
+    return dense, [keys[i] for i in order]
+
+
+class _Builder:
+    """Turns decoded pieces into columns, keeping only what the analyzers use."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+        self._names: dict[str, int] = {}
+        self._pids: dict[int | str, int] = {}
+        self._tids: dict[int | str, int] = {}
+        self._pieces: list[tuple[np.ndarray, ...]] = []
+        self._seen = 0
+
+    def add(self, events: list) -> None:  # type: ignore[type-arg]
+        """Keep what the analyzers use from decoded ``Event`` or tagged events."""
+        kinds = KINDS
+        if events and type(events[0]).__name__ != "Event":
+            kept = [e for e in events if type(e) is XEvent and e.cat in kinds]
+            instant, meta = InstantEvent, MetaEvent
+            if len(kept) != len(events):
+                for e in events:
+                    t = type(e)
+                    if t is instant:
+                        self._instant(e)
+                    elif t is meta:
+                        self._metadata(e)
+        else:
+            kept = [e for e in events if e.ph == "X" and e.cat in kinds]
+            if len(kept) != len(events):
+                for e in events:
+                    if e.ph == "i":
+                        self._instant(e)
+                    elif e.ph == "M":
+                        self._metadata(e)
+        n = len(kept)
+        if not n:
+            return
+        ts = [e.ts for e in kept]
+        dur = [e.dur for e in kept]
+        cat = [e.cat for e in kept]
+        name = [e.name for e in kept]
+        pid = [e.pid for e in kept]
+        tid = [e.tid for e in kept]
+        args = [e.args for e in kept]
+        # provisional ids: the position of a name's first occurrence (made dense in finish)
+        ids = range(self._seen, self._seen + n)
+        self._seen += n
+        start = np.array(ts, dtype=np.float64)
+        self._pieces.append((
+            start,
+            start + np.array(dur, dtype=np.float64),
+            np.fromiter(map(kinds.__getitem__, cat), dtype=np.int8, count=n),
+            np.fromiter(map(self._names.setdefault, name, ids), dtype=np.int64, count=n),
+            np.fromiter(map(self._pids.setdefault, pid, ids), dtype=np.int64, count=n) * _THREAD_BASE
+            + np.fromiter(map(self._tids.setdefault, tid, ids), dtype=np.int64, count=n),
+            # (an explicit null makes _int_column take its slow path, which maps it to -1)
+            _int_column([-1 if a is None else a.correlation for a in args]),
+            _int_column([-1 if a is None else a.device for a in args]),
+        ))
+
+    def _instant(self, e: Event | InstantEvent) -> None:
+        a = e.args
+        if e.name == "[memory]" and a is not None and a.total_allocated is not None:
+            self.trace.memory.append((a.device_type, a.device_id, a.total_allocated))
+
+    def _metadata(self, e: Event | MetaEvent) -> None:
+        if e.name != "process_labels" or e.args is None or not isinstance(e.pid, int):
+            return
+        label = e.args.labels or ""
+        if label == "CPU":
+            self.trace.cpu_pids.add(e.pid)
+        elif label.startswith("GPU "):
+            try:
+                self.trace.gpu_devices[e.pid] = int(label.split()[1])
+            except (IndexError, ValueError):
+                pass
+
+    def finish(self) -> None:
+        t = self.trace
+        if self._pieces:
+            cols = [np.concatenate(c) for c in zip(*self._pieces, strict=True)]
+            t.ts, t.end, t.kind, t.name, t.thread, t.corr, t.device = cols
+        self._pieces.clear()
+        t.name, t.names = _dense(t.name, self._names)
+        codes, t.thread = np.unique(t.thread, return_inverse=True)
+        t.thread = t.thread.astype(np.int32)
+        pids = {v: k for k, v in self._pids.items()}
+        tids = {v: k for k, v in self._tids.items()}
+        t.threads = [(pids[c // _THREAD_BASE], tids[c % _THREAD_BASE]) for c in codes.tolist()]
+        gpu_missing = (t.kind <= KINDS["gpu_memset"]) & (t.device < 0)
+        if gpu_missing.any():  # no args.device: the GPU's pid ("GPU N" label), else the pid
+            per_thread = np.array([t.gpu_devices.get(p, p) if isinstance(p, int) else 0 for p, _ in t.threads],
+                                  dtype=np.int64)
+            t.device[gpu_missing] = per_thread[t.thread[gpu_missing]]
+
+
+def _meta_into(trace: Trace, meta: Meta) -> None:
+    info = meta.distributedInfo
+    if info is not None and info.rank is not None:
+        trace.rank = str(info.rank)
+        trace.world_size = info.world_size
+    if meta.baseTimeNanoseconds is not None:
+        trace.base_time_ns = meta.baseTimeNanoseconds
+    if meta.deviceProperties is not None:
+        trace.device_count = len(meta.deviceProperties)
+
+
+def _decode_error(exc: Exception) -> TraceError:
+    text = str(exc)
+    if "truncated" in text:
+        return TraceError("the JSON ends early (file still being written?)", "truncated")
+    return TraceError(f"malformed trace JSON ({text})", "corrupt")
+
+
+def read_trace(path: str | Path) -> Trace:
+    """Parse a Kineto trace (.json or .json.gz, detected by content).
+
+    Raises TraceError: ``truncated`` (incomplete gzip or JSON), ``corrupt`` (bad gzip or
+    JSON), ``not_a_trace`` (no traceEvents array), ``unreadable`` (OS error).
+    """
+    path = Path(path)
+    trace = Trace(str(path))
+    builder = _Builder(trace)
+    chunks = _chunks(path)
+    try:
+        _stream_into(chunks, trace, builder)
+    except OSError as exc:
+        raise TraceError(f"cannot read {path} ({exc.strerror or exc})", "unreadable") from None
+    finally:
+        chunks.close()  # closes the file at once, also on errors
+    builder.finish()
+    return trace
+
+
+def _stream_into(chunks: Iterator[bytes], trace: Trace, builder: _Builder) -> None:
+    buf = b""
+    # 1. the metadata before the events array
+    match = None
+    for data in chunks:
+        trace.bytes_read += len(data)
+        buf += data
+        match = _EVENTS_KEY.search(buf)
+        if match or len(buf) > HEAD_LIMIT:
+            break
+    if match is None:
+        _not_events(buf)
+        return
+    head = buf[: match.start()]
+    if head.strip() == b"{" or head.rstrip().endswith(b","):
+        try:
+            _meta_into(trace, _meta_decoder.decode(head + b'"traceEvents": []}'))
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            pass  # odd metadata is not fatal; the tail or events may still be fine
+    # 2. complete events, piece by piece. ``pending`` always starts with "[" and then the
+    # text of the next undecoded event.
+    pending = bytearray(b"[")
+    pending += memoryview(buf)[match.end():]
+    del buf
+    due = CHUNK  # drain when pending is this long
+    for data in chunks:
+        trace.bytes_read += len(data)
+        pending += data
+        if len(pending) >= due:
+            _drain(pending, builder)
+            # nothing decodable yet (a huge event): wait for twice as much text before
+            # trying again, so a long event is not re-parsed once per small chunk
+            due = CHUNK if len(pending) < CHUNK else 2 * len(pending)
+    # 3. the last events and the metadata after the array
+    try:
+        whole = _decode(_fast_whole_decoder, _whole_decoder, b'{"traceEvents": ' + pending)
+    except msgspec.ValidationError as exc:
+        raise TraceError(f"unexpected trace content ({exc})", "corrupt") from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise _decode_error(exc) from None
+    builder.add(whole.traceEvents)
+    _meta_into(trace, whole)
+
+
+def _not_events(buf: bytes) -> None:
+    """No traceEvents key: say whether the text is incomplete, broken, or another JSON."""
+    if not buf.strip():
+        raise TraceError("the file is empty (still being written?)", "truncated")
+    try:
+        msgspec.json.decode(buf)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise _decode_error(exc) from None
+    raise TraceError("no traceEvents array: not a torch profiler trace", "not_a_trace")
+
+
+def _drain(pending: bytearray, builder: _Builder) -> None:
+    """Decode the complete events at the front of ``pending`` ("[" + events) in place."""
+    end = len(pending)
+    for _ in range(8):  # a candidate inside a string or nested object fails to decode
+        cut = _last_boundary(pending, end)
+        if cut is None:
+            break
+        saved = pending[cut + 1]
+        pending[cut + 1] = 0x5D  # "]" over the "," or blank after the event's "}"
+        try:
+            with memoryview(pending) as view:
+                events = _decode(_fast_piece_decoder, _piece_decoder, view[: cut + 2])
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            pending[cut + 1] = saved
+            end = cut
+            continue
+        builder.add(events)
+        nxt = pending.index(b"{", cut + 1)
+        pending[nxt - 1] = 0x5B  # "["
+        del pending[: nxt - 1]
+        return
+    if len(pending) > MAX_PIECE:
+        raise TraceError("no event boundary found in a very large region", "corrupt")
+
+
+def _last_boundary(buf: bytes | bytearray, end: int) -> int | None:
+    """Position of the '}' of the last '},{' before ``end`` (searched backwards)."""
+    pos = end
+    while True:
+        pos = buf.rfind(b"}", 0, pos)
+        if pos < 0:
+            return None
+        m = _BOUNDARY.match(buf, pos)
+        if m is not None and m.end() <= end:
+            return pos

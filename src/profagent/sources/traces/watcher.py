@@ -1,0 +1,286 @@
+"""Watching trace folders: which files are traces, when they are complete, what was done.
+
+- Candidates: ``*.json`` and ``*.json.gz`` (``*.pt.trace.json[.gz]`` from
+  ``tensorboard_trace_handler``, on-demand ``*.json``), recursively; ``*.tmp`` and hidden
+  files are ignored (Kineto writes ``.json`` to a ``.tmp`` file and renames it).
+- Completeness: a ``.json.gz`` is streamed into its final path, so it is read only once
+  its size and mtime have been stable for ``settle_seconds``; reading then checks that the
+  gzip stream and the JSON are complete. A ``.json`` must end with ``}``.
+- A file that is still incomplete is retried whenever it changes, and counted ``invalid``
+  (with its reason) once it has been incomplete for ``invalid_after`` seconds.
+- Files are only ever opened for reading. What was done with each (path, size, mtime) is
+  kept in a small JSON state file, so a restart does not count a file twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+from watchdog.observers.polling import PollingObserver
+
+log = logging.getLogger(__name__)
+
+STATE_LIMIT = 10000  # processed entries kept in the state file
+Signature = tuple[int, int]  # (size, mtime_ns)
+
+
+def is_candidate(path: str) -> bool:
+    name = os.path.basename(path)
+    if name.startswith(".") or name.endswith(".tmp"):
+        return False
+    return name.endswith(".json") or name.endswith(".json.gz")
+
+
+def signature(st: os.stat_result) -> Signature:
+    return (st.st_size, st.st_mtime_ns)
+
+
+class Processed:
+    """(path -> size, mtime_ns, status) of files already counted, persisted as JSON."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._entries: dict[str, tuple[int, int, str]] = {}
+        if path is not None:
+            self._load(path)
+
+    def _load(self, path: Path) -> None:
+        try:
+            data = json.loads(path.read_text())
+            self._entries = {k: (int(v[0]), int(v[1]), str(v[2])) for k, v in data.get("files", {}).items()}
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, TypeError, AttributeError, IndexError) as exc:
+            log.warning("ignoring unreadable trace state file %s (%s)", path, exc)
+
+    def done(self, path: str, sig: Signature) -> bool:
+        entry = self._entries.get(path)
+        return entry is not None and (entry[0], entry[1]) == sig
+
+    def add(self, path: str, sig: Signature, status: str) -> None:
+        self._entries[path] = (sig[0], sig[1], status)
+        if len(self._entries) > STATE_LIMIT:
+            for old in list(self._entries)[: len(self._entries) - STATE_LIMIT]:
+                del self._entries[old]
+        self._save()
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps({"version": 1, "files": self._entries}))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("cannot write trace state file %s (%s): a restart may count traces again", self.path, exc)
+
+
+@dataclass
+class Pending:
+    first_seen: float
+    sig: Signature | None = None
+    stable_since: float = 0.0
+    failed_sig: Signature | None = None
+    reason: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What to do with a file now: ``attempt`` it, or count it with ``status``/``reason``."""
+
+    path: str
+    sig: Signature
+    action: str  # attempt, skipped, invalid
+    reason: str = ""
+    message: str = ""
+
+
+class _Handler(FileSystemEventHandler):
+    def __init__(self, notify: Callable[[str], None]) -> None:
+        self._notify = notify
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        if event.is_directory:
+            return
+        for path in (event.src_path, getattr(event, "dest_path", "")):
+            if path:
+                self._notify(os.fsdecode(path))
+
+
+class FolderWatcher:
+    """Collects candidate paths from watchdog (inotify or polling) and decides when each
+    is ready. Thread-safe: watchdog threads call ``notify``; one worker calls ``due``."""
+
+    def __init__(
+        self,
+        dirs: list[Path],
+        processed: Processed,
+        settle_seconds: float,
+        invalid_after: float,
+        max_file_bytes: int,
+        polling: bool = False,
+    ) -> None:
+        self.dirs = dirs
+        self.processed = processed
+        self.settle = settle_seconds
+        self.invalid_after = invalid_after
+        self.max_bytes = max_file_bytes
+        self.polling = polling
+        self.wake = threading.Event()
+        self._lock = threading.Lock()
+        self._dirty: set[str] = set()
+        self._pending: dict[str, Pending] = {}
+        self._observer: Observer | PollingObserver | None = None  # type: ignore[valid-type]
+        self._handler = _Handler(self.notify)
+        self._missing: list[Path] = []
+        self._missing_checked = 0.0
+
+    def start(self) -> None:
+        """Watch every existing folder (falls back to polling if inotify fails) and scan
+        what they hold; folders that do not exist yet are picked up when they appear."""
+        self._handler = _Handler(self.notify)
+        present = [d for d in self.dirs if d.is_dir()]
+        self._missing = [d for d in self.dirs if not d.is_dir()]
+        for d in self._missing:
+            log.warning("trace folder %s does not exist yet: it will be watched once created", d)
+        try:
+            self._observer = self._schedule(PollingObserver(timeout=0.5) if self.polling else Observer(), present)
+        except OSError as exc:  # inotify watch limit, unsupported filesystem...
+            log.warning("inotify unavailable (%s): polling the trace folders instead", exc)
+            self._observer = self._schedule(PollingObserver(timeout=0.5), present)
+        for d in present:
+            self._scan(d)
+
+    def _schedule(self, observer, dirs):  # type: ignore[no-untyped-def]
+        for d in dirs:
+            observer.schedule(self._handler, str(d), recursive=True)
+        observer.daemon = True
+        observer.start()
+        return observer
+
+    def _scan(self, folder: Path) -> None:
+        for root, _, files in os.walk(folder):
+            for name in files:
+                self.notify(os.path.join(root, name))
+
+    def _appeared(self, now: float) -> None:
+        if not self._missing or now - self._missing_checked < 1.0:
+            return
+        self._missing_checked = now
+        for d in list(self._missing):
+            if d.is_dir() and self._observer is not None:
+                try:
+                    self._observer.schedule(self._handler, str(d), recursive=True)
+                except OSError as exc:
+                    log.warning("cannot watch %s (%s)", d, exc)
+                    continue
+                self._missing.remove(d)
+                self._scan(d)
+
+    def stop(self) -> None:
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join(1.0)
+        self.wake.set()
+
+    def notify(self, path: str) -> None:
+        if is_candidate(path):
+            with self._lock:
+                self._dirty.add(path)
+            self.wake.set()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
+    def due(self, now: float) -> list[Verdict]:
+        """Files to attempt or to count now. Call ``failed`` after a failed attempt."""
+        self._appeared(now)
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+        for path in dirty:
+            self._pending.setdefault(path, Pending(first_seen=now))
+        out: list[Verdict] = []
+        for path, p in list(self._pending.items()):
+            verdict = self._check(path, p, now)
+            if verdict is not None:
+                out.append(verdict)
+        return out
+
+    def _check(self, path: str, p: Pending, now: float) -> Verdict | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            del self._pending[path]  # gone (renamed or deleted by its writer)
+            return None
+        sig = signature(st)
+        if self.processed.done(path, sig):
+            del self._pending[path]
+            return None
+        if sig != p.sig:
+            p.sig, p.stable_since = sig, now
+        if st.st_size > self.max_bytes:
+            return self._final(path, sig, "skipped", "too_large",
+                               f"{st.st_size} bytes is over traces.max_file_bytes ({self.max_bytes})")
+        if p.failed_sig == sig or not self._complete_enough(path, p, now):
+            if now - p.first_seen >= self.invalid_after:
+                return self._final(path, sig, "invalid", p.reason or "truncated",
+                                   p.message or f"still incomplete after {self.invalid_after:g}s")
+            return None
+        return Verdict(path, sig, "attempt")
+
+    def _complete_enough(self, path: str, p: Pending, now: float) -> bool:
+        if path.endswith(".gz"):
+            return now - p.stable_since >= self.settle
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(max(0, (p.sig or (0, 0))[0] - 64))
+                tail = fh.read().rstrip()
+        except OSError:
+            return False
+        return tail.endswith(b"}") or now - p.stable_since >= self.settle
+
+    def _final(self, path: str, sig: Signature, status: str, reason: str, message: str) -> Verdict:
+        del self._pending[path]
+        return Verdict(path, sig, status, reason, message)
+
+    def failed(self, verdict: Verdict, reason: str, message: str) -> None:
+        """An attempt found the file incomplete: wait for it to change (or time out)."""
+        p = self._pending.get(verdict.path)
+        if p is not None:
+            p.failed_sig, p.reason, p.message = verdict.sig, reason, message
+
+    def finished(self, verdict: Verdict, status: str) -> None:
+        """The file is counted: remember it and stop watching it."""
+        self._pending.pop(verdict.path, None)
+        self.processed.add(verdict.path, verdict.sig, status)
+
+
+def default_state_dir(configured: str, environ: dict[str, str] | None = None) -> Path:
+    """agent.state_dir, else $XDG_STATE_HOME/profagent (~/.local/state), /var/lib as root."""
+    if configured:
+        return Path(configured)
+    env = os.environ if environ is None else environ
+    if os.geteuid() == 0:
+        return Path("/var/lib/profagent")
+    base = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "profagent"
+
+
+def resolve_dirs(dirs: list[str]) -> list[Path]:
+    out = []
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            out.append(Path(d).expanduser().resolve())
+    return out

@@ -1,0 +1,114 @@
+"""State: the latest immutable snapshot of every source, and each source's health.
+
+Sources publish; exporters read a consistent copy (``view()``) and never wait on a
+source: the lock is held only to swap references.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+from profagent.target import ProcessTree
+
+
+@dataclass(frozen=True)
+class SourceHealth:
+    """What the agent knows about one source. ``detail`` says why it is off."""
+
+    up: bool = True
+    detail: str = ""
+    errors: Mapping[str, int] = field(default_factory=dict)
+    last_duration: float | None = None
+    last_success: float | None = None
+
+
+@dataclass(frozen=True)
+class StateView:
+    """A consistent copy taken under the lock; safe to read without it."""
+
+    tree: ProcessTree | None
+    snapshots: Mapping[str, Any]
+    health: Mapping[str, SourceHealth]
+    version: int
+
+
+# Versions are unique across every State, so (version, ...) keys never collide between jobs.
+_VERSIONS = itertools.count(1)
+
+
+class State:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._tree: ProcessTree | None = None
+        self._snapshots: dict[str, Any] = {}
+        self._health: dict[str, SourceHealth] = {}
+        self._listeners: list[Callable[[str, Any], None]] = []
+        self._version = 0
+
+    def register(self, name: str) -> None:
+        with self._lock:
+            self._health.setdefault(name, SourceHealth())
+            self._version = next(_VERSIONS)
+
+    def set_tree(self, tree: ProcessTree) -> None:
+        with self._lock:
+            self._tree = tree
+            self._version = next(_VERSIONS)
+
+    @property
+    def tree(self) -> ProcessTree | None:
+        return self._tree
+
+    def publish(self, name: str, snapshot: Any, duration: float) -> None:
+        with self._lock:
+            self._snapshots[name] = snapshot
+            old = self._health.get(name, SourceHealth())
+            self._health[name] = replace(
+                old, up=True, detail="", last_duration=duration, last_success=self._clock()
+            )
+            self._version = next(_VERSIONS)
+            listeners = list(self._listeners)
+        for listener in listeners:  # outside the lock: e.g. the exporter encoding the snapshot
+            listener(name, snapshot)
+
+    def subscribe(self, listener: Callable[[str, Any], None]) -> None:
+        """Call ``listener(name, snapshot)`` in the publishing thread after each publish."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def record_error(self, name: str, reason: str, duration: float | None = None) -> None:
+        with self._lock:
+            old = self._health.get(name, SourceHealth())
+            errors = dict(old.errors)
+            errors[reason] = errors.get(reason, 0) + 1
+            self._health[name] = replace(
+                old, errors=errors, last_duration=duration if duration is not None else old.last_duration
+            )
+            self._version = next(_VERSIONS)
+
+    def set_down(self, name: str, detail: str) -> None:
+        """The source is off (unavailable or stopped for good); its last snapshot is dropped."""
+        with self._lock:
+            old = self._health.get(name, SourceHealth())
+            self._health[name] = replace(old, up=False, detail=detail)
+            self._snapshots.pop(name, None)
+            self._version = next(_VERSIONS)
+
+    def snapshot(self, name: str) -> Any:
+        return self._snapshots.get(name)
+
+    def view(self) -> StateView:
+        with self._lock:
+            return StateView(
+                tree=self._tree,
+                snapshots=MappingProxyType(dict(self._snapshots)),
+                health=MappingProxyType(dict(self._health)),
+                version=self._version,
+            )

@@ -1,0 +1,350 @@
+"""Watch mode's target: every training job of the node, found by rules, in one tree.
+
+``NodeTarget.refresh()`` has the same contract as ``Target.refresh()``, so the one
+runtime and the one set of sources serve every job of the node:
+
+1. **Discovery** (every ``scan_interval``): a process is a candidate when its command
+   line matches the regex, it is a Python process whose environment carries a marker,
+   or it holds a GPU context.
+   The agent itself and its children (py-spy) are never candidates.
+2. **Roots**: a candidate's root is its topmost candidate ancestor. Sibling roots that
+   carry a rank (RANK/SLURM_PROCID) but no job id variable and share a parent are
+   grouped under that parent (a custom launcher). Each root gets a ``PidTarget``, which assigns roles and ranks and
+   resolves the job id (SLURM_JOB_ID, else TORCHELASTIC_RUN_ID, else the root PID);
+   roots with the same job id (``srun`` tasks) form one job.
+3. **Jobs**: every tick, each root's tree is refreshed. A job whose processes are all
+   gone stays in ``ProcessTree.jobs`` with alive=False for ``grace_seconds``, then
+   disappears; sources drop a job's series once it is no longer listed.
+4. **Limits**: ``max_jobs`` alive jobs and ``max_processes_per_job`` processes per job
+   (launcher and ranks first), each announced by one log line when hit.
+
+A new root is admitted at once when its job id comes from SLURM_JOB_ID or
+TORCHELASTIC_RUN_ID, else once it is ``settle_seconds`` old, so that a torchrun
+launcher seen before its ranks does not get a PID job id that changes a moment later.
+
+Changing the rules (SIGHUP) affects discovery only: jobs already watched stay until
+they end, so a reload never drops series.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from profagent.config import WatchConfig
+from profagent.target.pid import (
+    ROLE_DATALOADER,
+    ROLE_LAUNCHER,
+    PidTarget,
+    ProcessInfo,
+    ProcessTree,
+    read_environ,
+)
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, float]  # (pid, create_time): a PID alone can be reused
+RANK_VARS = ("RANK", "SLURM_PROCID")
+JOB_VARS = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+# A new root whose job id is still its own PID (no SLURM_JOB_ID / TORCHELASTIC_RUN_ID yet)
+# is admitted only once it is this old: torchrun sets TORCHELASTIC_RUN_ID in the ranks it
+# starts a moment later, and the job id must not change under a running job.
+SETTLE_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What makes a process a training process. An empty regex turns that rule off."""
+
+    cmdline: re.Pattern[str] | None
+    env_markers: tuple[tuple[str, str | None], ...]
+    gpu_processes: bool
+
+    @classmethod
+    def from_config(cls, w: WatchConfig) -> Rules:
+        markers = []
+        for m in w.env_markers:
+            name, sep, value = m.partition("=")
+            markers.append((name.strip(), value if sep else None))
+        return cls(re.compile(w.cmdline_regex) if w.cmdline_regex else None, tuple(markers), w.gpu_processes)
+
+    def match_cmdline(self, cmdline: str) -> bool:
+        return self.cmdline is not None and self.cmdline.search(cmdline) is not None
+
+    def match_env(self, env: dict[str, str]) -> bool:
+        for name, value in self.env_markers:
+            found = env.get(name)
+            if found and (value is None or found == value):
+                return True
+        return False
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_jobs: int = 16
+    max_processes_per_job: int = 256
+    grace_seconds: float = 30.0
+    scan_interval: float = 2.0
+
+    @classmethod
+    def from_config(cls, w: WatchConfig) -> Limits:
+        return cls(w.max_jobs, w.max_processes_per_job, w.grace_seconds, w.scan_interval)
+
+
+@dataclass
+class _Root:
+    target: PidTarget
+    tree: ProcessTree | None = None
+
+
+class NodeTarget:
+    """Discovers the node's training jobs and merges them into one ``ProcessTree``.
+
+    ``gpu_pids`` returns the PIDs holding a GPU context (from the gpu source's last tick;
+    no NVML call happens here); None when the gpu source is off. Everything read from
+    the OS is injectable: ``proc_root``, ``environ_reader``, ``clock``, ``self_pid``.
+    """
+
+    def __init__(
+        self,
+        rules: Rules,
+        limits: Limits,
+        *,
+        gpu_pids: Callable[[], Iterable[int]] | None = None,
+        proc_root: str | Path = "/proc",
+        environ_reader: Callable[[int, Path], dict[str, str]] = read_environ,
+        clock: Callable[[], float] = time.monotonic,
+        self_pid: int | None = None,
+        settle_seconds: float = SETTLE_SECONDS,
+    ) -> None:
+        self.proc_root = Path(proc_root)
+        self._read_environ = environ_reader
+        self._clock = clock
+        self._self_pid = os.getpid() if self_pid is None else self_pid
+        self._gpu_pids = gpu_pids
+        self._settle = settle_seconds
+        self._lock = threading.Lock()
+        self._rules, self._limits = rules, limits
+        self._roots: dict[Key, _Root] = {}
+        self._ignored: dict[Key, str] = {}  # roots left out by max_jobs -> their job id
+        self._env_match: dict[tuple[int, float, str], bool] = {}
+        self._ended: dict[str, float] = {}  # job id -> when its last process went
+        self._alive_jobs: set[str] = set()
+        self._capped: set[str] = set()  # jobs whose max_processes_per_job line was logged
+        self._last_scan: float | None = None
+        self._reconfigured = False
+        self.last_refresh: float | None = None  # clock() of the last complete refresh
+
+    # -- configuration ---------------------------------------------------------------
+    def reconfigure(self, rules: Rules, limits: Limits) -> None:
+        """New rules and limits, used from the next refresh on (thread-safe)."""
+        with self._lock:
+            self._rules, self._limits = rules, limits
+            self._reconfigured = True  # applied by the next refresh, on the runtime's thread
+
+    def set_gpu_pids(self, gpu_pids: Callable[[], Iterable[int]] | None) -> None:
+        """Where the gpu_processes rule gets its PIDs (the gpu source, once built)."""
+        self._gpu_pids = gpu_pids
+
+    @property
+    def gpu_rule_active(self) -> bool:
+        return self._gpu_pids is not None
+
+    @property
+    def jobs_watched(self) -> int:
+        return len(self._alive_jobs)
+
+    # -- the tick --------------------------------------------------------------------
+    def refresh(self) -> ProcessTree:
+        with self._lock:
+            rules, limits, reconfigured = self._rules, self._limits, self._reconfigured
+            self._reconfigured = False
+        if reconfigured:
+            self._last_scan = None  # scan again at once with the new rules
+            self._ignored.clear()  # a larger max_jobs may admit them now
+            self._env_match.clear()  # the markers may have changed
+        now = self._clock()
+        if self._last_scan is None or now - self._last_scan >= limits.scan_interval:
+            self._last_scan = now
+            self._discover(rules, limits)
+        by_job: dict[str, list[ProcessTree]] = {}
+        for key, root in list(self._roots.items()):
+            tree = root.target.refresh()
+            if not tree.alive:
+                del self._roots[key]
+                continue
+            root.tree = tree
+            by_job.setdefault(tree.job_id, []).append(tree)
+
+        for job_id in self._alive_jobs - set(by_job):
+            self._ended[job_id] = now
+            log.info("job %s ended; its series go in %.0fs", job_id, limits.grace_seconds)
+        for job_id in by_job:
+            self._ended.pop(job_id, None)
+        self._ended = {j: t for j, t in self._ended.items() if now - t < limits.grace_seconds}
+        self._alive_jobs = set(by_job)
+        self._capped &= self._alive_jobs
+
+        processes: list[ProcessInfo] = []
+        for job_id in sorted(by_job):
+            processes += self._cap(job_id, _merge(by_job[job_id]), limits.max_processes_per_job)
+        jobs = [(j, True) for j in sorted(by_job)] + [(j, False) for j in sorted(self._ended)]
+        self.last_refresh = self._clock()
+        return ProcessTree("", 0, tuple(processes), alive=True, jobs=tuple(jobs))
+
+    def _cap(self, job_id: str, procs: list[ProcessInfo], limit: int) -> list[ProcessInfo]:
+        if len(procs) <= limit:
+            return procs
+        if job_id not in self._capped:
+            self._capped.add(job_id)
+            log.warning(
+                "job %s has %d processes, over watch.max_processes_per_job = %d: exporting "
+                "the first %d (launcher and ranks first); raise watch.max_processes_per_job",
+                job_id, len(procs), limit, limit,
+            )
+        order = {ROLE_LAUNCHER: 0, ROLE_DATALOADER: 2}
+        return sorted(procs, key=lambda p: (order.get(p.role, 1), p.pid))[:limit]
+
+    # -- discovery -------------------------------------------------------------------
+    def _discover(self, rules: Rules, limits: Limits) -> None:
+        table = _process_table()
+        claimed = {p.pid for r in self._roots.values() if r.tree for p in r.tree.processes}
+        claimed |= {k[0] for k in self._roots}
+        gpu = set(self._gpu_pids() or ()) if rules.gpu_processes and self._gpu_pids else set()
+        mine = _descendants(self._self_pid, table)
+
+        live_env_keys = set()
+        candidates: set[int] = set()
+        for pid, (_, ct, cmdline) in table.items():
+            if pid in mine or not cmdline:
+                continue
+            if rules.match_cmdline(cmdline) or pid in gpu:
+                candidates.add(pid)
+                continue
+            if rules.env_markers and _is_python(cmdline):
+                env_key = (pid, ct, cmdline)
+                live_env_keys.add(env_key)
+                if env_key not in self._env_match:
+                    self._env_match[env_key] = rules.match_env(self._environ(pid))
+                if self._env_match[env_key]:
+                    candidates.add(pid)
+        self._env_match = {k: v for k, v in self._env_match.items() if k in live_env_keys}
+        self._ignored = {k: j for k, j in self._ignored.items() if table.get(k[0], (0, -1.0))[1] == k[1]}
+
+        roots = set()
+        for pid in candidates - claimed:
+            top = _topmost(pid, candidates, table)
+            if top not in claimed:
+                roots.add(top)
+        for top in self._group_siblings(roots, table):
+            key = (top, table[top][1])
+            if top in claimed or (key in self._ignored and len(self._alive_jobs) >= limits.max_jobs):
+                continue
+            self._admit(key, limits)
+
+    def _group_siblings(self, roots: set[int], table: dict[int, tuple[int, float, str]]) -> set[int]:
+        """Roots with a rank but no job id variable (SLURM_JOB_ID, TORCHELASTIC_RUN_ID: those
+        group by id) that share a parent other than PID 1 become one root: the parent."""
+        by_parent: dict[int, list[int]] = {}
+        for pid in roots:
+            ppid = table[pid][0]
+            env = self._environ(pid) if ppid > 1 and ppid in table and ppid != self._self_pid else {}
+            if any(v in env for v in RANK_VARS) and not any(env.get(v) for v in JOB_VARS):
+                by_parent.setdefault(ppid, []).append(pid)
+        out = set(roots)
+        for parent, kids in by_parent.items():
+            if len(kids) >= 2:
+                out.difference_update(kids)
+                out.add(parent)
+        return out
+
+    def _admit(self, key: Key, limits: Limits) -> None:
+        target = PidTarget(key[0], self.proc_root, self._read_environ)
+        tree = target.refresh()
+        if not tree.alive:
+            return
+        age = time.time() - key[1]
+        if tree.job_id == str(key[0]) and age < self._settle:
+            return  # a launcher whose ranks (and their TORCHELASTIC_RUN_ID) may still come
+        known = {r.tree.job_id for r in self._roots.values() if r.tree}
+        if tree.job_id not in known and len(known) >= limits.max_jobs:
+            if tree.job_id not in self._ignored.values():
+                log.warning(
+                    "already watching %d jobs (watch.max_jobs = %d): ignoring job %s (PID %d) "
+                    "until one ends; raise watch.max_jobs",
+                    len(known), limits.max_jobs, tree.job_id, key[0],
+                )
+            self._ignored[key] = tree.job_id
+            return
+        self._ignored.pop(key, None)
+        if tree.job_id not in known:
+            log.info("attached to job %s (PID %d, %d processes)", tree.job_id, key[0], len(tree.processes))
+        self._roots[key] = _Root(target, tree)
+
+    def _environ(self, pid: int) -> dict[str, str]:
+        try:
+            return self._read_environ(pid, self.proc_root)
+        except OSError:  # gone, or another user's without CAP_SYS_PTRACE/DAC_READ_SEARCH
+            return {}
+
+
+def _process_table() -> dict[int, tuple[int, float, str]]:
+    """pid -> (ppid, create_time, full command line) of every live, non-zombie process."""
+    table: dict[int, tuple[int, float, str]] = {}
+    for proc in psutil.process_iter(["ppid", "create_time", "cmdline", "status"]):
+        info = proc.info
+        if info["status"] == psutil.STATUS_ZOMBIE or info["create_time"] is None:
+            continue
+        table[proc.pid] = (info["ppid"] or 0, info["create_time"], " ".join(info["cmdline"] or ()))
+    return table
+
+
+def _is_python(cmdline: str) -> bool:
+    """Whether argv[0] is a Python interpreter (python, python3.11, /opt/conda/bin/python...).
+
+    The environment rule applies to Python processes only: a shell that exports
+    PROFAGENT=1 (a batch script, srun) must not become a job of its own."""
+    argv0 = cmdline.split(" ", 1)[0]
+    return "python" in argv0.rsplit("/", 1)[-1]
+
+
+def _descendants(pid: int, table: dict[int, tuple[int, float, str]]) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for p, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(p)
+    out, stack = {pid}, [pid]
+    while stack:
+        for c in children.get(stack.pop(), ()):
+            if c not in out:
+                out.add(c)
+                stack.append(c)
+    return out
+
+
+def _topmost(pid: int, candidates: set[int], table: dict[int, tuple[int, float, str]]) -> int:
+    """The highest candidate among ``pid`` and its ancestors."""
+    top, seen = pid, {pid}
+    cur = table[pid][0]
+    while cur in table and cur not in seen:
+        seen.add(cur)
+        if cur in candidates:
+            top = cur
+        cur = table[cur][0]
+    return top
+
+
+def _merge(trees: list[ProcessTree]) -> list[ProcessInfo]:
+    """The processes of one job's trees, each PID once."""
+    seen: dict[int, ProcessInfo] = {}
+    for tree in trees:
+        for p in tree.processes:
+            seen.setdefault(p.pid, p)
+    return list(seen.values())

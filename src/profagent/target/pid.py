@@ -1,0 +1,235 @@
+"""The target: a PID resolved, on every refresh, to the training job's process tree.
+
+The tree is found again each time because torchrun restarts workers and DataLoader
+workers come and go. Each process gets a role and a rank from its environment:
+
+- ``main``: a process with its own rank (RANK, else SLURM_PROCID), or the root of a
+  tree that has no rank anywhere (a single-process job: rank "0");
+- ``dataloader``: any descendant of a main process, attributed to that rank (in a
+  PyTorch job these are DataLoader workers; they inherit the rank's environment);
+- ``launcher``: a process above the ranks (torchrun, srun's task launcher...), rank "".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import psutil
+
+from profagent.errors import UserError
+from profagent.target.tree import (
+    CMDLINE_MAX,
+    ROLE_DATALOADER,
+    ROLE_LAUNCHER,
+    ROLE_MAIN,
+    ProcessInfo,
+    ProcessTree,
+)
+
+log = logging.getLogger(__name__)
+
+
+def read_environ(pid: int, proc_root: Path) -> dict[str, str]:
+    """Read /proc/PID/environ. Raises OSError (PermissionError, FileNotFoundError...)."""
+    raw = (proc_root / str(pid) / "environ").read_bytes()
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def _rank_env(env: dict[str, str]) -> tuple[str, str, str] | None:
+    """(rank, local_rank, world_size) from torch's or Slurm's variables, else None."""
+    if "RANK" in env:
+        return env["RANK"], env.get("LOCAL_RANK", ""), env.get("WORLD_SIZE", "")
+    if "SLURM_PROCID" in env:
+        return env["SLURM_PROCID"], env.get("SLURM_LOCALID", ""), env.get("SLURM_NTASKS", "")
+    return None
+
+
+def check_attachable(pid: int) -> psutil.Process:
+    """Return the process, or raise UserError naming the problem and the fix."""
+    try:
+        proc = psutil.Process(pid)
+        proc.cpu_times()
+        proc.cmdline()
+        return proc
+    except psutil.NoSuchProcess:
+        raise UserError(f"no process with PID {pid}", "check the PID with `ps -ef` or `pgrep -f train`") from None
+    except psutil.ZombieProcess:
+        raise UserError(f"PID {pid} is a zombie (it has exited)", "attach to a running process") from None
+    except psutil.AccessDenied:
+        try:
+            owner = psutil.Process(pid).username()
+        except psutil.Error:
+            owner = "another user"
+        raise UserError(
+            f"not permitted to read PID {pid} (owned by {owner})",
+            "run profagent as that user or as root (or with CAP_SYS_PTRACE)",
+        ) from None
+
+
+class PidTarget:
+    """Resolves a PID to its process tree. ``refresh()`` is called once per tick."""
+
+    def __init__(
+        self,
+        pid: int,
+        proc_root: str | Path = "/proc",
+        environ_reader: Callable[[int, Path], dict[str, str]] = read_environ,
+    ) -> None:
+        self.pid = pid
+        self.proc_root = Path(proc_root)
+        self._read_environ = environ_reader
+        self._env_cache: dict[tuple[int, float], dict[str, str] | None] = {}
+        self._known: dict[int, float] = {}  # pid -> create_time seen in the last tree
+        self._job_id: str | None = None
+        self._environ_warned = False
+
+    # -- discovery ---------------------------------------------------------------
+    def _alive(self, pid: int, create_time: float | None) -> psutil.Process | None:
+        try:
+            proc = psutil.Process(pid)
+            if create_time is not None and abs(proc.create_time() - create_time) > 0.01:
+                return None  # PID reused by an unrelated process
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return proc
+        except psutil.Error:
+            return None
+
+    def _collect(self) -> list[psutil.Process]:
+        """The root and its descendants; if the root died, whatever we knew that lives on."""
+        roots = []
+        root = self._alive(self.pid, self._known.get(self.pid))
+        if root is not None:
+            roots.append(root)
+        else:
+            roots = [p for pid, ct in self._known.items() if (p := self._alive(pid, ct))]
+        seen: dict[int, psutil.Process] = {}
+        for proc in roots:
+            seen[proc.pid] = proc
+            try:
+                for child in proc.children(recursive=True):
+                    seen.setdefault(child.pid, child)
+            except psutil.Error:
+                continue
+        return list(seen.values())
+
+    def _environ(self, pid: int, create_time: float) -> dict[str, str] | None:
+        key = (pid, create_time)
+        if key not in self._env_cache:
+            try:
+                self._env_cache[key] = self._read_environ(pid, self.proc_root)
+            except PermissionError:
+                if not self._environ_warned:
+                    self._environ_warned = True
+                    log.warning(
+                        "cannot read /proc/%d/environ (permission denied): ranks and job id "
+                        "fall back to rank 0 / the launcher PID; run as the job's user or root",
+                        pid,
+                    )
+                self._env_cache[key] = None
+            except OSError:
+                self._env_cache[key] = None
+        return self._env_cache[key]
+
+    # -- classification ------------------------------------------------------------
+    def refresh(self) -> ProcessTree:
+        procs = self._collect()
+        info: dict[int, tuple[int, float, str]] = {}
+        for proc in procs:
+            try:
+                with proc.oneshot():
+                    if proc.status() == psutil.STATUS_ZOMBIE:
+                        continue  # exited, not yet reaped by its parent
+                    info[proc.pid] = (proc.ppid(), proc.create_time(), _short_cmdline(proc))
+            except psutil.Error:
+                continue
+        if not info:
+            self._known = {}
+            self._env_cache.clear()
+            return ProcessTree(self._job_id or str(self.pid), self.pid, (), alive=False)
+
+        envs = {pid: self._environ(pid, ct) or {} for pid, (_, ct, _) in info.items()}
+        self._env_cache = {k: v for k, v in self._env_cache.items() if k[0] in info}
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _, _) in info.items():
+            children.setdefault(ppid, []).append(pid)
+        tops = sorted(pid for pid, (ppid, _, _) in info.items() if ppid not in info)
+        ranked_below = _ranked_subtrees(tops, children, envs)
+        any_rank = any(ranked_below.get(t, False) for t in tops)
+
+        out: list[ProcessInfo] = []
+
+        def visit(pid: int, main: ProcessInfo | None) -> None:
+            ppid, ct, cmd = info[pid]
+            own = _rank_env(envs[pid])
+            if main is not None:
+                me = ProcessInfo(pid, ppid, ct, ROLE_DATALOADER, main.rank, main.local_rank, main.world_size, cmd)
+            elif own is not None:
+                me = ProcessInfo(pid, ppid, ct, ROLE_MAIN, own[0], own[1], own[2], cmd)
+            elif not any_rank and pid in tops:
+                me = ProcessInfo(pid, ppid, ct, ROLE_MAIN, "0", "0", "1", cmd)
+            else:
+                me = ProcessInfo(pid, ppid, ct, ROLE_LAUNCHER, "", "", "", cmd)
+            out.append(me)
+            next_main = me if me.role == ROLE_MAIN else main
+            for child in sorted(children.get(pid, [])):
+                visit(child, next_main)
+
+        for top in tops:
+            visit(top, None)
+        self._known = {p.pid: p.create_time for p in out}
+        job_id = self._resolve_job_id(out, envs)
+        processes = tuple(dataclasses.replace(p, job_id=job_id) for p in out)
+        return ProcessTree(job_id, self.pid, processes, alive=True)
+
+    def _resolve_job_id(self, procs: Iterable[ProcessInfo], envs: dict[int, dict[str, str]]) -> str:
+        if self._job_id is not None:
+            return self._job_id
+        ordered = sorted(procs, key=lambda p: (p.role != ROLE_LAUNCHER, p.pid))
+        for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+            for proc in ordered:
+                value = envs.get(proc.pid, {}).get(var)
+                # torchrun's non-standalone default run id is "none": not an identity.
+                if value and value != "none":
+                    self._job_id = value  # stable from now on
+                    return value
+        return str(self.pid)
+
+
+def _ranked_subtrees(
+    tops: list[int], children: dict[int, list[int]], envs: dict[int, dict[str, str]]
+) -> dict[int, bool]:
+    """For each pid, whether it or a descendant carries a rank (iterative post-order)."""
+    result: dict[int, bool] = {}
+    stack: list[tuple[int, bool]] = [(t, False) for t in tops]
+    while stack:
+        pid, expanded = stack.pop()
+        if expanded:
+            result[pid] = _rank_env(envs[pid]) is not None or any(
+                result.get(c, False) for c in children.get(pid, [])
+            )
+        else:
+            stack.append((pid, True))
+            stack.extend((c, False) for c in children.get(pid, []))
+    return result
+
+
+def _short_cmdline(proc: psutil.Process) -> str:
+    try:
+        parts = proc.cmdline()
+    except psutil.Error:
+        parts = []
+    if parts:
+        text = " ".join([os.path.basename(parts[0]), *parts[1:]])
+    else:
+        text = proc.name()
+    return text if len(text) <= CMDLINE_MAX else text[: CMDLINE_MAX - 1] + "…"

@@ -1,0 +1,77 @@
+"""Job-level recording rules (deploy/prometheus/recording.yml), checked and unit-tested with promtool."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+PROM = ROOT / "deploy" / "prometheus"
+# level:metric:operations, the metric being one of ours
+NAME = re.compile(r"^[a-z_]+:profagent_[a-z0-9_]+:[a-z0-9_]+$")
+REQUIRED = {
+    "job_id:profagent_trace_step_seconds:median",
+    "job_id:profagent_trace_step_seconds:max",
+    "instance_job_id_rank:profagent_trace_step_seconds:ratio_to_job_median",
+    "job_id:profagent_process_gpu_sm_utilization_ratio:avg",
+    "job_id:profagent_gpu_utilization_ratio:avg",
+    "job_id:profagent_rank_stalled:sum",
+    "job_id_severity:profagent_finding:sum",
+}
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess:
+    binary = shutil.which("promtool")
+    if binary is None:
+        pytest.fail("promtool is not installed: `make test` installs Debian's prometheus package")
+    return subprocess.run([binary, *args], cwd=PROM, capture_output=True, text=True, timeout=120)
+
+
+def _rules() -> list[dict]:
+    return [r for g in yaml.safe_load((PROM / "recording.yml").read_text())["groups"] for r in g["rules"]]
+
+
+def test_recording_rules_pass_promtool_check() -> None:
+    res = _promtool("check", "rules", "recording.yml")
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_recording_rule_unit_tests_pass() -> None:
+    res = _promtool("test", "rules", "recording_test.yml")
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_names_follow_the_convention_and_every_rule_is_tested() -> None:
+    rules = _rules()
+    names = {r["record"] for r in rules}
+    assert names >= REQUIRED
+    assert all("alert" not in r for r in rules)
+    for name in names:
+        assert NAME.match(name), name
+    tests = yaml.safe_load((PROM / "recording_test.yml").read_text())["tests"]
+    tested = " ".join(check["expr"] for case in tests for check in case.get("promql_expr_test", []))
+    untested = {n for n in names if n not in tested}
+    assert not untested, f"no promql_expr_test for {untested}"
+
+
+def test_job_aggregations_keep_cluster_and_never_merge_nodes_per_rank() -> None:
+    for rule in _rules():
+        expr = rule["expr"]
+        for by in re.findall(r"by \(([^)]*)\)", expr):
+            labels = {x.strip() for x in by.split(",")}
+            assert "cluster" in labels, (rule["record"], by)
+            # Per-rank aggregations must keep instance: rank "0" exists on many nodes.
+            if "rank" in labels:
+                assert "instance" in labels, (rule["record"], by)
+
+
+def test_prometheus_loads_the_recording_rules() -> None:
+    cfg = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    assert "recording.yml" in cfg["rule_files"]
+    res = _promtool("check", "config", "prometheus.yml")
+    assert res.returncode == 0, res.stdout + res.stderr

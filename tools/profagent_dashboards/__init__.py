@@ -1,0 +1,1 @@
+"""Generator of the committed Grafana dashboards (development only; needs grafana-foundation-sdk)."""
