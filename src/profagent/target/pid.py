@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from profagent.errors import UserError
+from profagent.target.placement import Placement, placement_of
 from profagent.target.tree import (
     CMDLINE_MAX,
     ROLE_DATALOADER,
@@ -91,6 +92,7 @@ class PidTarget:
         self._known: dict[int, float] = {}  # pid -> create_time seen in the last tree
         self._job_id: str | None = None
         self._environ_warned = False
+        self._placements: dict[tuple[int, float], Placement] = {}  # (pid, create_time) -> placement
 
     # -- discovery ---------------------------------------------------------------
     def _alive(self, pid: int, create_time: float | None) -> psutil.Process | None:
@@ -187,9 +189,19 @@ class PidTarget:
         for top in tops:
             visit(top, None)
         self._known = {p.pid: p.create_time for p in out}
+        self._placements = {k: v for k, v in self._placements.items() if k[0] in self._known}
         job_id = self._resolve_job_id(out, envs)
-        processes = tuple(dataclasses.replace(p, job_id=job_id) for p in out)
+        processes = tuple(
+            dataclasses.replace(p, job_id=job_id, placement=self._placement(p, envs.get(p.pid, {}))) for p in out
+        )
         return ProcessTree(job_id, self.pid, processes, alive=True)
+
+    def _placement(self, proc: ProcessInfo, environ: dict[str, str]) -> Placement:
+        key = (proc.pid, proc.create_time)
+        found = self._placements.get(key)
+        if found is None:
+            found = self._placements[key] = placement_of(self.proc_root, proc.pid, environ)
+        return found
 
     def _resolve_job_id(self, procs: Iterable[ProcessInfo], envs: dict[int, dict[str, str]]) -> str:
         if self._job_id is not None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from profagent.target.placement import NOWHERE, Placement
+
 ROLE_MAIN = "main"
 ROLE_DATALOADER = "dataloader"
 ROLE_LAUNCHER = "launcher"
@@ -25,6 +27,7 @@ class ProcessInfo:
     world_size: str
     cmdline: str
     job_id: str = ""
+    placement: Placement = NOWHERE  # pod, Slurm step and user: labels of target_info only
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from profagent import __version__
 from profagent.exporters.families import Families
 from profagent.state import StateView
+from profagent.target.placement import LABELS as PLACEMENT_LABELS
 
 JOB = ("job_id",)
 
@@ -25,10 +26,12 @@ def render_target(view: StateView, out: Families) -> None:
     info = out.gauge(
         "profagent_target_info",
         "one series per process of the target tree; value is 1 (PIDs appear only here)",
-        ("job_id", "rank", "local_rank", "world_size", "role", "pid", "cmdline"),
+        ("job_id", "rank", "local_rank", "world_size", "role", "pid", "cmdline", *PLACEMENT_LABELS),
     )
     for p in tree.processes:
-        info.add_metric([p.job_id, p.rank, p.local_rank, p.world_size, p.role, str(p.pid), p.cmdline], 1)
+        info.add_metric(
+            [p.job_id, p.rank, p.local_rank, p.world_size, p.role, str(p.pid), p.cmdline, *p.placement.labels()], 1
+        )
 
 
 def render_health(view: StateView, out: Families) -> None:

@@ -1,0 +1,105 @@
+"""Pod and Slurm identity on profagent_target_info, from fixture /proc trees.
+
+The process tree is a real child process (psutil finds it); what the target reads from
+/proc (cgroup, environ, the container's service-account namespace) comes from a fixture
+tree written for each container runtime's cgroup format.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from profagent.exporters.families import Families
+from profagent.exporters.families.agent import render_target
+from profagent.state import State
+from profagent.target import PidTarget
+from profagent.target.placement import SERVICE_ACCOUNT_NAMESPACE, read_small_text
+
+UID = "8f3c5f2a-1b2c-4d5e-9f60-718293a4b5c6"
+SYSTEMD_UID = UID.replace("-", "_")
+CID = "4b8e2f1c" * 8
+
+RUNTIMES = {
+    "containerd-systemd-v2": f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{SYSTEMD_UID}.slice/cri-containerd-{CID}.scope\n",
+    "containerd-cgroupfs-v2": f"0::/kubepods/besteffort/pod{UID}/{CID}\n",
+    "cri-o-systemd-v2": f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{SYSTEMD_UID}.slice/crio-{CID}.scope\n",
+    "docker-systemd-v1": (
+        f"12:memory:/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{SYSTEMD_UID}.slice/docker-{CID}.scope\n"
+        f"11:cpu,cpuacct:/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{SYSTEMD_UID}.slice/docker-{CID}.scope\n"
+        "1:name=systemd:/system.slice/containerd.service\n"
+    ),
+    "containerd-cgroupfs-v1": f"4:pids:/kubepods/burstable/pod{UID}/{CID}\n3:cpuset:/kubepods/burstable/pod{UID}/{CID}\n",
+}
+
+
+@pytest.fixture
+def child() -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _fixture_proc(root: Path, pid: int, cgroup: str, environ: dict[str, str], namespace: str | None) -> None:
+    d = root / str(pid)
+    d.mkdir(parents=True)
+    (d / "cgroup").write_text(cgroup)
+    (d / "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in environ.items()) + b"\0")
+    if namespace is not None:
+        ns = d / "root" / SERVICE_ACCOUNT_NAMESPACE
+        ns.parent.mkdir(parents=True)
+        ns.write_text(namespace)
+
+
+def _info(tree) -> list[dict[str, str]]:
+    out = Families()
+    state = State()
+    state.set_tree(tree)
+    render_target(state.view(), out)
+    fam = next(f for f in out if f.name == "profagent_target_info")
+    return [dict(s.labels) for s in fam.samples]
+
+
+@pytest.mark.parametrize("runtime", sorted(RUNTIMES))
+def test_target_info_carries_the_pod_of_each_runtime(tmp_path: Path, child: subprocess.Popen, runtime: str) -> None:
+    env = {"HOSTNAME": "trainer-7f9c-0", "RANK": "0", "WORLD_SIZE": "1"}
+    _fixture_proc(tmp_path, child.pid, RUNTIMES[runtime], env, "ml-team\n")
+    tree = PidTarget(child.pid, proc_root=tmp_path).refresh()
+    [labels] = _info(tree)
+    assert (labels["namespace"], labels["pod"], labels["container"]) == ("ml-team", "trainer-7f9c-0", "")
+    assert labels["rank"] == "0"
+
+
+def test_a_process_outside_any_pod_has_no_pod_labels(tmp_path: Path, child: subprocess.Popen) -> None:
+    _fixture_proc(tmp_path, child.pid, "0::/user.slice/user-0.slice/session-1.scope\n", {"HOSTNAME": "node7"}, None)
+    [labels] = _info(PidTarget(child.pid, proc_root=tmp_path).refresh())
+    assert (labels["namespace"], labels["pod"], labels["container"]) == ("", "", "")
+    assert labels["user"]  # the owner of /proc/PID in the fixture tree
+
+
+def test_slurm_identity_and_user_on_target_info(tmp_path: Path, child: subprocess.Popen) -> None:
+    env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURMD_NODENAME": "gpu-node-17",
+           "SLURM_JOB_NAME": "llama-pretrain", "SLURM_JOB_USER": "alice", "SLURM_LOCALID": "3", "SLURM_NTASKS": "8"}
+    _fixture_proc(tmp_path, child.pid, "0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_3\n", env, None)
+    [labels] = _info(PidTarget(child.pid, proc_root=tmp_path).refresh())
+    assert labels["job_id"] == "4242"
+    assert (labels["slurm_job_name"], labels["slurm_step"], labels["slurm_task"], labels["slurm_node"], labels["user"]) == (
+        "llama-pretrain", "0", "3", "gpu-node-17", "alice")
+
+
+def test_the_namespace_file_is_read_only_when_small_and_regular(tmp_path: Path) -> None:
+    regular = tmp_path / "ns"
+    regular.write_text("team-a\n")
+    assert read_small_text(regular) == "team-a"
+    huge = tmp_path / "huge"
+    huge.write_text("x" * 10_000)
+    assert read_small_text(huge) == ""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # a planted FIFO must not block the target's refresh
+    assert read_small_text(fifo) == ""
+    assert read_small_text(tmp_path / "missing") == ""
