@@ -16,13 +16,18 @@ from profagent.exporters.grafana.provisioning import (
     FOLDER,
     PROVIDER_FILE,
 )
-from profagent_dashboards.coverage import NOT_ON_A_DASHBOARD, ONLY_AFTER_A_FAILURE
+from profagent_dashboards.coverage import NOT_ON_A_DASHBOARD, ONLY_AFTER_A_FAILURE, recorded_names
 from profagent_dashboards.model import iter_panels, iter_targets, metric_names
 
 DASHBOARDS = ROOT / "dashboards"
 VARIABLES = ["datasource", "instance", "job_id", "rank", "gpu"]
+# Boards built on the job-level recording rules span every node: no instance, rank or gpu.
+VARIABLES_OF = {"profagent-cluster": ["datasource", "job_id"]}
 BUILTIN = {"__rate_interval", "__interval", "__range", "__all"}
-UIDS = {"profagent-overview", "profagent-gpus", "profagent-stacks", "profagent-traces", "profagent-agent"}
+UIDS = {"profagent-overview", "profagent-gpus", "profagent-stacks", "profagent-traces", "profagent-agent",
+        "profagent-cluster"}
+# Series that Prometheus itself or the client library (the agent's own process) exports.
+NOT_OURS = re.compile(r"up|scrape_[a-z_]+|process_[a-z_]+|python_[a-z_]+")
 
 
 def _models() -> dict[str, dict]:
@@ -43,7 +48,7 @@ def test_regenerating_gives_exactly_the_committed_files(tmp_path: Path) -> None:
         assert committed[rel] == text, f"{rel} is stale: run make dashboards"
 
 
-def test_five_dashboards_with_stable_uids_and_current_schema() -> None:
+def test_six_dashboards_with_stable_uids_and_current_schema() -> None:
     models = _models()
     assert {m["uid"] for m in models.values()} == UIDS
     for name, m in models.items():
@@ -88,11 +93,12 @@ def test_panels_do_not_overlap() -> None:
 def test_variables_are_defined_in_order_and_none_dangles() -> None:
     for name, m in _models().items():
         variables = m["templating"]["list"]
-        assert [v["name"] for v in variables] == VARIABLES, name
+        expected = VARIABLES_OF.get(m["uid"], VARIABLES)
+        assert [v["name"] for v in variables] == expected, name
         ds = variables[0]
         assert ds["type"] == "datasource" and ds["query"] == "prometheus"
         assert ds["current"]["value"] == DATASOURCE_UID
-        defined = set(VARIABLES) | BUILTIN
+        defined = set(expected) | BUILTIN
         text = json.dumps(m)
         used = set(re.findall(r"\$\{?([a-zA-Z_]+)", text))
         assert used <= defined, f"{name}: undefined variables {used - defined}"
@@ -101,7 +107,7 @@ def test_variables_are_defined_in_order_and_none_dangles() -> None:
             assert v["multi"] and v["includeAll"]
             query = v["query"]["query"]
             for ref in re.findall(r"\$([a-zA-Z_]+)", query):  # only earlier variables
-                assert VARIABLES.index(ref) < VARIABLES.index(v["name"]), (name, v["name"], ref)
+                assert expected.index(ref) < expected.index(v["name"]), (name, v["name"], ref)
         for panel in iter_panels(m):
             if panel.get("repeat"):
                 assert panel["repeat"] in defined
@@ -189,3 +195,49 @@ def test_allowlists_name_families_that_renderers_declare() -> None:
     for name in [*NOT_ON_A_DASHBOARD, *ONLY_AFTER_A_FAILURE]:
         if name.startswith("profagent_"):  # the others are the client library's process_* / python_*
             assert any(name == d or name.startswith(d + "_") for d in declared), f"{name}: no renderer declares it"
+
+
+def _declared() -> set[str]:
+    source = "\n".join(p.read_text() for p in (ROOT / "src/profagent/exporters/families").glob("*.py"))
+    return set(re.findall(r'"(profagent_[a-z0-9_]+)"', source))
+
+
+def test_every_query_names_a_declared_family_or_a_recorded_series() -> None:
+    """A typo in a metric name gives an empty panel, not an error: catch it here. Known
+    names are the renderers' families (with the client library's suffixes), the series the
+    recording rules in deploy/prometheus/recording.yml define, and Prometheus' own."""
+    declared = _declared()
+    recorded = recorded_names()
+    unknown = set()
+    for m in _models().values():
+        for t in iter_targets(m):
+            for name in metric_names(t.expr):
+                known = (name in recorded or NOT_OURS.fullmatch(name)
+                         or any(name == d or name.startswith(d + "_") for d in declared))
+                if not known:
+                    unknown.add(f"{t.dashboard} / {t.panel}: {name}")
+    assert not unknown, "\n".join(sorted(unknown))
+
+
+def test_the_cluster_board_reads_only_recorded_series_and_shows_every_job_rule() -> None:
+    """Its queries span every node, so each must read what the rules aggregated once, and
+    every per-job rule deserves a panel (the per-rank ratio is the straggler table)."""
+    recorded = recorded_names()
+    (cluster,) = [m for m in _models().values() if m["uid"] == "profagent-cluster"]
+    used = {name for t in iter_targets(cluster) for name in metric_names(t.expr)}
+    # the straggler table shows each rank's raw step time next to its recorded ratio
+    assert used - set(recorded) == {"profagent_trace_step_seconds"}
+    assert set(recorded) <= used, f"recorded but on no panel: {sorted(set(recorded) - used)}"
+    variable = cluster["templating"]["list"][1]["query"]["query"]
+    series = re.fullmatch(r"label_values\(([^,{]+)(?:\{[^}]*\})?, job_id\)", variable)
+    assert series and series.group(1) in recorded, variable
+
+
+def test_recorded_names_come_from_the_rules_file(tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yml"
+    rules.write_text(
+        "groups:\n  - name: g\n    rules:\n"
+        "      - record: job_id:x:sum\n        expr: sum by (job_id) (x)\n"
+        "      - alert: A\n        expr: up == 0\n"
+    )
+    assert recorded_names(rules) == {"job_id:x:sum": "sum by (job_id) (x)"}

@@ -48,6 +48,7 @@ BOARDS: tuple[Board, ...] = (
     Board("stacks", "profagent-stacks", "profagent / Python stacks"),
     Board("traces", "profagent-traces", "profagent / Torch traces"),
     Board("agent", "profagent-agent", "profagent / Agent health"),
+    Board("cluster", "profagent-cluster", "profagent / Job across nodes"),
 )
 BY_KEY = {b.key: b for b in BOARDS}
 
@@ -116,6 +117,16 @@ def variables() -> list[gd.QueryVariable | gd.DatasourceVariable]:
     ]
 
 
+def job_variables(query: str) -> list[gd.QueryVariable | gd.DatasourceVariable]:
+    """datasource and job_id only, job ids from ``query`` (a label_values() over recorded
+    series): for dashboards built on the job-level recording rules, which span every node."""
+    datasource, *_ = variables()
+    return [
+        datasource,
+        _query_var("job_id", "Job", query, "SLURM_JOB_ID, else TORCHELASTIC_RUN_ID, else the launcher PID"),
+    ]
+
+
 def links(current: Board) -> list[gd.DashboardLink]:
     """A link to every other profagent dashboard, carrying the variables and time range."""
     out = []
@@ -134,7 +145,11 @@ def links(current: Board) -> list[gd.DashboardLink]:
     return out
 
 
-def dashboard(board: Board, description: str) -> gd.Dashboard:
+def dashboard(
+    board: Board, description: str, board_variables: Sequence[gd.QueryVariable | gd.DatasourceVariable] = ()
+) -> gd.Dashboard:
+    """A dashboard with the shared settings and links; ``board_variables`` default to
+    :func:`variables`."""
     b = (
         gd.Dashboard(board.title)
         .uid(board.uid)
@@ -145,7 +160,7 @@ def dashboard(board: Board, description: str) -> gd.Dashboard:
         .time("now-1h", "now")
         .refresh("30s")
         .tooltip(dm.DashboardCursorSync.CROSSHAIR)
-        .variables(variables())
+        .variables(list(board_variables) or variables())
         .links(links(board))
     )
     return b
@@ -270,17 +285,26 @@ def table_panel(
     sort_by: str = "",
     merge: bool = False,
     overrides: dict[str, str] | None = None,
+    coloured: dict[str, Sequence[tuple[float | None, str]]] | None = None,
 ) -> table.Panel:
     """An instant table: one row per series, the value column renamed and sorted.
 
     ``merge`` joins several queries' value columns into one row per label set;
-    ``overrides`` gives a column (by its displayed name) its own unit.
+    ``overrides`` gives a column (by its displayed name) its own unit; ``coloured`` gives
+    a column a cell background from thresholds (value -> colour, first one is the base).
     """
     p = table.Panel().title(title).description(description).datasource(DS).unit(unit).span(width).height(height)
     if merge:
         p = p.with_transformation(dm.DataTransformerConfig(id_val="merge", options={}))
     for column, column_unit in (overrides or {}).items():
         p = p.override_by_name(column, [dm.DynamicConfigValue(id_val="unit", value=column_unit)])
+    for column, steps in (coloured or {}).items():
+        p = p.override_by_name(column, [
+            dm.DynamicConfigValue(id_val="custom.cellOptions", value={"type": "color-background", "mode": "basic"}),
+            dm.DynamicConfigValue(id_val="thresholds", value={
+                "mode": "absolute", "steps": [{"value": v, "color": c} for v, c in steps],
+            }),
+        ])
     p = (
         p.with_transformation(
             dm.DataTransformerConfig(

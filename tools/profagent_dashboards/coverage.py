@@ -6,6 +6,20 @@ reason. The tests hold both lists against the renderers and a live exposition.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import yaml
+
+# The job-level recording rules; the series they record are known names to the dashboards
+# although no agent exports them.
+RECORDING_RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "recording.yml"
+
+
+def recorded_names(path: Path = RECORDING_RULES) -> dict[str, str]:
+    """Series name -> expression, for every recording rule in ``path``."""
+    groups = yaml.safe_load(path.read_text(encoding="utf-8"))["groups"]
+    return {rule["record"]: rule["expr"] for group in groups for rule in group["rules"] if "record" in rule}
+
 # Families that no panel shows.
 NOT_ON_A_DASHBOARD: dict[str, str] = {
     "profagent_traces_dir_configured": "keys the ProfagentNoTraces alert; always 1 while present",
@@ -36,9 +50,11 @@ NOT_ON_A_DASHBOARD: dict[str, str] = {
 }
 
 # Series that exist only after something went wrong, so a healthy job leaves their panels
-# (and alerts) empty.
+# (and alerts) empty. Recorded series (recording.yml) count too.
 ONLY_AFTER_A_FAILURE: dict[str, str] = {
     "profagent_collector_errors_total": "a collector tick failed",
     "profagent_gpu_xid_errors_total": "the driver reported an XID",
     "profagent_stack_sampler_errors_total": "a py-spy run failed",
+    "job_id_severity:profagent_finding:sum": "a finding is active on a rank (profagent_finding == 1; no agent exports that family yet)",
+    "job_id_severity:profagent_finding:distinct": "a finding is active on a rank (profagent_finding == 1; no agent exports that family yet)",
 }

@@ -16,7 +16,7 @@ from profagent.exporters.grafana.provisioning import (
     datasource_yaml,
     provider_yaml,
 )
-from profagent_dashboards import agent, gpus, overview, stacks, traces
+from profagent_dashboards import agent, cluster, gpus, overview, stacks, traces
 from profagent_dashboards.common import BOARDS, dumps, finish
 
 BUILDERS = {
@@ -25,6 +25,7 @@ BUILDERS = {
     "stacks": stacks.build,
     "traces": traces.build,
     "agent": agent.build,
+    "cluster": cluster.build,
 }
 
 

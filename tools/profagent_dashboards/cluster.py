@@ -1,0 +1,128 @@
+"""Job across nodes: one training job seen whole, from the job-level recording rules.
+
+Every query reads a series recorded by deploy/prometheus/recording.yml (evaluated by
+Prometheus, or by Thanos/Mimir above it), never an agent's raw series: no single agent
+sees every node, and the rules already did the cross-node aggregation once.
+"""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders.dashboard import Dashboard
+
+from profagent_dashboards.common import (
+    BY_KEY,
+    NONE,
+    PERCENT,
+    SECONDS,
+    dashboard,
+    job_variables,
+    q,
+    row,
+    stat_panel,
+    table_panel,
+    ts,
+)
+
+BOARD = BY_KEY["cluster"]
+
+JOB = 'job_id=~"$job_id"'
+STEP = "job_id:profagent_trace_step_seconds"
+RATIO = "instance_job_id_rank:profagent_trace_step_seconds:ratio_to_job_median"
+
+# A rank 10 % slower than the job's median is worth a look; 25 % slower costs every other
+# rank a quarter of its step in each collective.
+STRAGGLER_STEPS: tuple[tuple[float | None, str], ...] = ((None, "green"), (1.1, "orange"), (1.25, "red"))
+
+
+def build() -> Dashboard:
+    d = dashboard(
+        BOARD,
+        "One training job across all its nodes, from the job-level recording rules "
+        "(deploy/prometheus/recording.yml): step time median and max, stragglers, GPU utilisation, "
+        "stalled ranks and findings. See docs/cluster.md.",
+        job_variables("label_values(job_id:profagent_target_up:nodes, job_id)"),
+    )
+    d = (
+        d.with_row(row("Job"))
+        .with_panel(stat_panel(
+            "Nodes", NONE, [q(f"job_id:profagent_target_up:nodes{{{JOB}}}", "{{job_id}}", instant=True)],
+            "nodes where the job has live processes (job_id:profagent_target_up:nodes)",
+        ))
+        .with_panel(stat_panel(
+            "Ranks with a step time", NONE, [q(f"{STEP}:count{{{JOB}}}", "{{job_id}}", instant=True)],
+            "ranks whose last profiler trace gave a step time, on every node; compare with the job's world size",
+        ))
+        .with_panel(stat_panel(
+            "Slowest rank over the median", NONE,
+            [q(f"{STEP}:max_ratio_to_median{{{JOB}}}", "{{job_id}}", instant=True)],
+            "the worst rank's step time over the job's median step time: 1 = no straggler, 1.5 = one rank "
+            "50 % slower than most (the others wait for it in every collective)",
+            thresholds=STRAGGLER_STEPS,
+        ))
+        .with_panel(stat_panel(
+            "Stalled ranks", NONE, [q(f"job_id:profagent_rank_stalled:sum{{{JOB}}}", "{{job_id}}", instant=True)],
+            "ranks on any node whose main-thread stack is frozen while their GPUs are idle (hung collective, deadlock)",
+            thresholds=((None, "green"), (1, "red")),
+        ))
+        .with_row(row("Step time across ranks"))
+        .with_panel(ts(
+            "Median and max step time", SECONDS,
+            [q(f"{STEP}:median{{{JOB}}}", "{{job_id}} median"), q(f"{STEP}:max{{{JOB}}}", "{{job_id}} max")],
+            "median and slowest mean step time over every rank of every node (each rank's last trace); "
+            "a max far above the median is a straggler",
+        ))
+        .with_panel(ts(
+            "Slowest rank over the median", NONE,
+            [q(f"{STEP}:max_ratio_to_median{{{JOB}}}", "{{job_id}}")],
+            "the worst rank's step time over the job's median, over time (1 = every rank alike)",
+        ))
+        .with_panel(table_panel(
+            "Stragglers: each rank over the job's median", NONE,
+            [q(f"{RATIO}{{{JOB}}}", instant=True, table_format=True),
+             q(f"profagent_trace_step_seconds{{{JOB}}}", instant=True, table_format=True)],
+            "every rank of every node, slowest first: its mean step time over the job's median "
+            "(orange from 1.1, red from 1.25) and the step time itself",
+            width=24, height=10, merge=True, hide=("Time", "job"),
+            rename={"Value #A": "ratio to median", "Value #B": "step time"},
+            overrides={"step time": SECONDS}, coloured={"ratio to median": STRAGGLER_STEPS},
+            sort_by="ratio to median",
+        ))
+        .with_row(row("GPUs and ranks"))
+        .with_panel(ts(
+            "Job-wide GPU utilisation", PERCENT,
+            [q(f"job_id:profagent_gpu_utilization_ratio:avg{{{JOB}}}", "{{job_id}} device"),
+             q(f"job_id:profagent_process_gpu_sm_utilization_ratio:avg{{{JOB}}}", "{{job_id}} job's processes (SM)")],
+            "device: utilisation of every GPU the job holds memory on, averaged (a GPU shared with another job "
+            "counts for both); SM: the job's own per-process SM utilisation, averaged over its GPUs "
+            "(absent under MIG and without per-process accounting)",
+            max_value=1,
+        ))
+        .with_panel(ts(
+            "Stalled ranks", NONE, [q(f"job_id:profagent_rank_stalled:sum{{{JOB}}}", "{{job_id}}")],
+            "ranks of the job stalled at each moment, over every node",
+            width=6,
+        ))
+        .with_panel(ts(
+            "Nodes and ranks", NONE,
+            [q(f"job_id:profagent_target_up:nodes{{{JOB}}}", "{{job_id}} nodes"),
+             q(f"{STEP}:count{{{JOB}}}", "{{job_id}} ranks with a step time")],
+            "nodes with live processes and ranks reporting a step time; a drop is a node or rank gone",
+            width=6,
+        ))
+        .with_row(row("Findings"))
+        .with_panel(ts(
+            "Active findings by severity", NONE,
+            [q(f"job_id_severity:profagent_finding:sum{{{JOB}}}", "{{job_id}} {{severity}}")],
+            "rank x finding pairs active on any node, by severity (one finding on eight ranks counts eight)",
+            stacked=True,
+        ))
+        .with_panel(table_panel(
+            "Findings now", NONE,
+            [q(f"job_id_severity:profagent_finding:distinct{{{JOB}}}", instant=True, table_format=True),
+             q(f"job_id_severity:profagent_finding:sum{{{JOB}}}", instant=True, table_format=True)],
+            "active findings by severity: how many different findings, and on how many ranks in all",
+            merge=True, rename={"Value #A": "findings", "Value #B": "rank x finding"},
+            sort_by="findings",
+        ))
+    )
+    return d
