@@ -12,14 +12,18 @@ import tempfile
 import textwrap
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_TRACES = ROOT.parent / "shared" / "traces" / "gpu"
+# The shared fixtures sit next to the checkout, or further up for a git worktree.
+SHARED_TRACES = next(
+    (d / "shared" / "traces" / "gpu" for d in ROOT.parents if (d / "shared" / "traces" / "gpu").is_dir()),
+    ROOT.parent / "shared" / "traces" / "gpu",
+)
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
 
 
@@ -152,7 +156,8 @@ def run_agent(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
 class Prometheus:
     """A real Prometheus server on 127.0.0.1 scraping the given targets every second."""
 
-    def __init__(self, targets: list[str], tmp: Path, scheme: str = "http") -> None:
+    def __init__(self, targets: list[str], tmp: Path, scheme: str = "http", rule_files: Sequence[Path] = ()) -> None:
+        """``rule_files`` are loaded too, evaluated every second like the scrape."""
         binary = shutil.which("prometheus")
         if binary is None:
             pytest.fail("prometheus is not installed: `make test` installs Debian's package")
@@ -160,9 +165,11 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = tmp / "prometheus.yml"
         targets_yaml = ", ".join(f"'{t}'" for t in targets)
+        rules = "".join(f"  - '{path}'\n" for path in rule_files)
         cfg.write_text(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-            "scrape_configs:\n  - job_name: profagent\n"
+            + (f"rule_files:\n{rules}" if rules else "")
+            + "scrape_configs:\n  - job_name: profagent\n"
             f"    scheme: {scheme}\n    static_configs:\n      - targets: [{targets_yaml}]\n"
         )
         data = Path(tempfile.mkdtemp(dir=tmp, prefix="prom-data-"))

@@ -8,6 +8,10 @@ so its traces have no GPU side: a real GPU trace from ../shared/traces/gpu is dr
 into the same folder as rank 9 (its distributedInfo rank rewritten), and a file that is
 not a trace is dropped there too, so the rejected-files panel has something to show.
 
+Prometheus also evaluates the job-level recording rules (deploy/prometheus/recording.yml)
+every second, so the "Job across nodes" dashboard, built on the recorded series, is run
+for real too, and the recorded figures are checked against the raw series.
+
 Then every target of every committed dashboard, variables substituted, must parse and
 return data through Prometheus' HTTP API.
 """
@@ -18,6 +22,7 @@ import gzip
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -42,7 +47,7 @@ from conftest import (
     promtool_check_metrics,
     wait_for,
 )
-from profagent_dashboards.coverage import NOT_ON_A_DASHBOARD, ONLY_AFTER_A_FAILURE
+from profagent_dashboards.coverage import NOT_ON_A_DASHBOARD, ONLY_AFTER_A_FAILURE, RECORDING_RULES, recorded_names
 from profagent_dashboards.model import PanelQuery, iter_targets, metric_names
 
 pytestmark = pytest.mark.slow
@@ -107,7 +112,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                       "PROFAGENT_ONDEMAND_TRACE_DIR": str(tmp / "ondemand")},
         )
         agent.wait_healthy(url, timeout=60)
-        prom = Prometheus([f"127.0.0.1:{port}"], tmp)
+        prom = Prometheus([f"127.0.0.1:{port}"], tmp, rule_files=[RECORDING_RULES])
         _gpu_trace_as_rank(traces / f"gpu-rank{GPU_TRACE_RANK}.pt.trace.json.gz")
         (traces / "notes.json").write_text('{"hello": "not a trace"}')
         wait_for(lambda: _everything_flows(url), timeout=120, interval=0.5,
@@ -220,7 +225,7 @@ def test_every_panel_target_returns_data(stack: Stack) -> None:
     targets = _targets()
     assert len(targets) > 60
     exposition = exposition_names(http_get(stack.agent_url + "/metrics"))
-    failure_only = {name for name in ONLY_AFTER_A_FAILURE if name not in exposition}
+    failure_only = {name for name in ONLY_AFTER_A_FAILURE if name not in exposition and not stack.prom.query(name)}
     pending = {(t.dashboard, t.panel, t.ref_id): t for t in targets}
     problems: dict[tuple[str, str, str], str] = {}
     deadline = time.monotonic() + 90
@@ -245,6 +250,7 @@ def test_every_panel_target_returns_data(stack: Stack) -> None:
 
 def test_every_referenced_metric_exists(stack: Stack) -> None:
     exposition = exposition_names(http_get(stack.agent_url + "/metrics")) | SCRAPE_SERIES
+    recorded = recorded_names()
     used: dict[str, str] = {}
     for target in _targets():
         for name in metric_names(target.expr):
@@ -254,9 +260,15 @@ def test_every_referenced_metric_exists(stack: Stack) -> None:
             used.setdefault(name, f"alert {alert}")
     missing = {
         name: where for name, where in used.items()
-        if name not in exposition and not (name in ONLY_AFTER_A_FAILURE and declared_in_renderers(name))
+        if name not in exposition and name not in recorded
+        and not (name in ONLY_AFTER_A_FAILURE and declared_in_renderers(name))
     }
     assert not missing, f"referenced but not exported: {missing}"
+    unrecorded = {
+        name: where for name, where in used.items()
+        if name in recorded and name not in ONLY_AFTER_A_FAILURE and not stack.prom.query(name)
+    }
+    assert not unrecorded, f"recording rules that Prometheus does not record: {unrecorded}"
 
 
 def test_label_matchers_name_labels_the_metric_has(stack: Stack) -> None:
@@ -279,6 +291,58 @@ def test_label_matchers_name_labels_the_metric_has(stack: Stack) -> None:
                 if label not in labels[metric] | target_labels:
                     wrong.append(f"{where}: {metric} has no label {label!r}")
     assert not wrong, "\n".join(wrong)
+
+
+def _at(prom: Prometheus, expr: str, when: float) -> dict[str, float]:
+    """rank -> value of ``expr`` evaluated at ``when``."""
+    body = _api(prom, "query", {"query": expr, "time": f"{when:.3f}"})
+    assert body.get("status") == "success", body
+    return {r["metric"].get("rank", ""): float(r["value"][1]) for r in body["data"]["result"]}
+
+
+def test_recorded_step_figures_match_the_raw_series(stack: Stack) -> None:
+    """Median, max, count and each rank's ratio to the median, recomputed here from the
+    step times Prometheus held when the rule was evaluated (ranks 0 and 1 on CPU, rank 9
+    from a GPU trace, so the ratios are far from 1)."""
+    job = f'job_id="{JOB_ID}"'
+    stamped = wait_for(lambda: stack.prom.query(f"timestamp(job_id:profagent_trace_step_seconds:count{{{job}}}) "
+                                                f"and job_id:profagent_trace_step_seconds:count{{{job}}} == 3"),
+                       timeout=60, what="a rule evaluation that saw the step times of ranks 0, 1 and 9")
+    when = float(stamped[0]["value"][1])
+    raw = _at(stack.prom, f"profagent_trace_step_seconds{{{job}}}", when)
+    assert set(raw) == {"0", "1", GPU_TRACE_RANK}
+    median = statistics.median(raw.values())
+
+    def one(name: str) -> float:
+        (value,) = _at(stack.prom, f"job_id:profagent_trace_step_seconds:{name}{{{job}}}", when).values()
+        return value
+
+    assert one("median") == pytest.approx(median)
+    assert one("max") == pytest.approx(max(raw.values()))
+    assert one("count") == 3
+    ratios = _at(stack.prom, f"instance_job_id_rank:profagent_trace_step_seconds:ratio_to_job_median{{{job}}}", when)
+    assert ratios == pytest.approx({rank: step / median for rank, step in raw.items()})
+    assert one("max_ratio_to_median") == pytest.approx(max(raw.values()) / median)
+    assert one("max_ratio_to_median") != pytest.approx(1.0)
+
+
+def test_recorded_job_wide_figures_match_the_raw_series(stack: Stack) -> None:
+    """Nodes, stalled ranks and device utilisation of the job's GPUs, from the raw series."""
+    job = f'job_id="{JOB_ID}"'
+    stamped = wait_for(lambda: stack.prom.query(f"timestamp(job_id:profagent_gpu_utilization_ratio:avg{{{job}}})"),
+                       timeout=60, what="the job-wide GPU utilisation rule")
+    when = float(stamped[0]["value"][1])
+    nodes = _at(stack.prom, f"job_id:profagent_target_up:nodes{{{job}}}", when)
+    assert list(nodes.values()) == [1.0]  # one agent, one node
+    stalled = sum(_at(stack.prom, f"profagent_rank_stalled{{{job}}}", when).values())
+    assert list(_at(stack.prom, f"job_id:profagent_rank_stalled:sum{{{job}}}", when).values()) == [stalled]
+    body = _api(stack.prom, "query", {"query": f"profagent_process_gpu_memory_used_bytes{{{job}}}", "time": f"{when:.3f}"})
+    job_gpus = {r["metric"]["gpu"] for r in body["data"]["result"]}
+    body = _api(stack.prom, "query", {"query": "profagent_gpu_utilization_ratio", "time": f"{when:.3f}"})
+    util = {r["metric"]["gpu"]: float(r["value"][1]) for r in body["data"]["result"]}
+    assert job_gpus and job_gpus <= set(util)
+    (recorded,) = _at(stack.prom, f"job_id:profagent_gpu_utilization_ratio:avg{{{job}}}", when).values()
+    assert recorded == pytest.approx(statistics.mean(util[g] for g in job_gpus))
 
 
 def test_every_exported_family_is_on_a_dashboard_or_allowlisted(stack: Stack) -> None:
