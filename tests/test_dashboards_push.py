@@ -25,7 +25,8 @@ from profagent.errors import UserError
 from profagent.exporters.grafana.publish import export, folder_uid, parse_credential, push
 
 DASHBOARDS = ROOT / "dashboards"
-UIDS = {"profagent-overview", "profagent-gpus", "profagent-stacks", "profagent-traces", "profagent-agent"}
+UIDS = {"profagent-overview", "profagent-gpus", "profagent-stacks", "profagent-traces", "profagent-agent",
+        "profagent-cluster"}
 
 
 class FakeGrafana:
@@ -142,7 +143,7 @@ def test_push_creates_the_folder_and_saves_every_dashboard(grafana: FakeGrafana)
     (create,) = grafana.calls("POST", "/api/folders")
     assert create[3] == {"title": "profagent", "uid": "profagent"}
     saves = grafana.calls("POST", "/api/dashboards/db")
-    assert len(saves) == 5
+    assert len(saves) == len(UIDS)
     for _, _, headers, body in saves:
         assert headers["Authorization"] == "Bearer s3cret"
         assert isinstance(body, dict)
@@ -176,7 +177,7 @@ def test_push_cli_with_basic_auth_and_a_new_folder(grafana: FakeGrafana) -> None
     res = _cli("push", "--url", grafana.url + "/", "--basic-auth", "admin:pw", "--folder", "Team A / GPUs")
     assert res.returncode == 0, res.stderr
     assert grafana.folders == {"team-a-gpus": "Team A / GPUs"}
-    assert len(res.stdout.splitlines()) == 5 and "profagent / Job overview: http" in res.stdout
+    assert len(res.stdout.splitlines()) == len(UIDS) and "profagent / Job overview: http" in res.stdout
 
 
 def test_push_cli_auth_failure_is_one_line(grafana: FakeGrafana) -> None:
@@ -226,7 +227,7 @@ def test_export_writes_provisioning_ready_files(tmp_path: Path) -> None:
 def test_export_cli(tmp_path: Path) -> None:
     res = _cli("export", str(tmp_path), "--grafana-path", "/srv/dash")
     assert res.returncode == 0, res.stderr
-    assert len(res.stdout.splitlines()) == 7
+    assert len(res.stdout.splitlines()) == len(UIDS) + 2  # and the two provisioning files
     provider = yaml.safe_load((tmp_path / "provisioning/dashboards/profagent.yaml").read_text())
     assert provider["providers"][0]["options"]["path"] == "/srv/dash"
 
@@ -246,4 +247,4 @@ def test_export_and_push_do_not_need_the_sdk(tmp_path: Path) -> None:
     )
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    assert len(list(tmp_path.glob("*.json"))) == 5
+    assert len(list(tmp_path.glob("*.json"))) == len(UIDS)
