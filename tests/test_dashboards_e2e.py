@@ -47,7 +47,12 @@ from conftest import (
     promtool_check_metrics,
     wait_for,
 )
-from profagent_dashboards.coverage import NOT_ON_A_DASHBOARD, ONLY_AFTER_A_FAILURE, RECORDING_RULES, recorded_names
+from profagent_dashboards.coverage import (
+    NOT_ON_A_DASHBOARD,
+    ONLY_AFTER_A_FAILURE,
+    RECORDING_RULES,
+    recorded_names,
+)
 from profagent_dashboards.model import PanelQuery, iter_targets, metric_names
 
 pytestmark = pytest.mark.slow
