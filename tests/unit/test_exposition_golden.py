@@ -156,9 +156,11 @@ def golden_state():  # -> profagent.state.State
 
 
 def render(content_type: str) -> str:
-    exposition = _module("profagent.exporters.exposition").Exposition
+    module = _module("profagent.exporters.exposition")
     state = golden_state()
-    body, _ = exposition(lambda: [state.view()]).render(content_type)
+    # 2202f00's Exposition took a function returning a list of views (one per job).
+    view = (lambda: [state.view()]) if module.__name__.endswith(".prometheus") else state.view
+    body, _ = module.Exposition(view).render(content_type)
     lines = body.decode().splitlines(keepends=True)
     return "".join(line for line in lines if "profagent_" in line or line == "# EOF\n")
 
