@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from profagent.config import Config, parse_listen
-from profagent.engine.control import ControlledOndemand, default_control_socket
+from profagent.engine.control import ControlledOndemand
 from profagent.engine.runtime import Runtime
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.http import AgentHTTPServer, load_web_config
@@ -28,6 +28,7 @@ from profagent.sources.ondemand.source import OndemandSource
 from profagent.sources.stacks.source import StacksSource, stacks_route
 from profagent.sources.traces.source import traces_source
 from profagent.state import State
+from profagent.system.unixsock import default_control_socket
 from profagent.target import PidTarget, check_attachable
 
 log = logging.getLogger(__name__)
