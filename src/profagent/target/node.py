@@ -37,23 +37,21 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 from profagent.config import WatchConfig
-from profagent.target.pid import (
+from profagent.system.procfs import PROC, process_table, read_environ
+from profagent.target.pid import PidTarget
+from profagent.target.tree import (
+    JOB_VARS,
+    RANK_VARS,
     ROLE_DATALOADER,
     ROLE_LAUNCHER,
-    PidTarget,
     ProcessInfo,
     ProcessTree,
-    read_environ,
 )
 
 log = logging.getLogger(__name__)
 
 Key = tuple[int, float]  # (pid, create_time): a PID alone can be reused
-RANK_VARS = ("RANK", "SLURM_PROCID")
-JOB_VARS = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
 # A new root whose job id is still its own PID (no SLURM_JOB_ID / TORCHELASTIC_RUN_ID yet)
 # is admitted only once it is this old: torchrun sets TORCHELASTIC_RUN_ID in the ranks it
 # starts a moment later, and the job id must not change under a running job.
@@ -119,8 +117,8 @@ class NodeTarget:
         limits: Limits,
         *,
         gpu_pids: Callable[[], Iterable[int]] | None = None,
-        proc_root: str | Path = "/proc",
-        environ_reader: Callable[[int, Path], dict[str, str]] = read_environ,
+        proc_root: str | Path = PROC,
+        environ_reader: Callable[[Path, int], dict[str, str]] = read_environ,
         clock: Callable[[], float] = time.monotonic,
         self_pid: int | None = None,
         settle_seconds: float = SETTLE_SECONDS,
@@ -215,7 +213,7 @@ class NodeTarget:
 
     # -- discovery -------------------------------------------------------------------
     def _discover(self, rules: Rules, limits: Limits) -> None:
-        table = _process_table()
+        table = process_table(self.proc_root)
         claimed = {p.pid for r in self._roots.values() if r.tree for p in r.tree.processes}
         claimed |= {k[0] for k in self._roots}
         gpu = set(self._gpu_pids() or ()) if rules.gpu_processes and self._gpu_pids else set()
@@ -257,7 +255,7 @@ class NodeTarget:
         for pid in roots:
             ppid = table[pid][0]
             env = self._environ(pid) if ppid > 1 and ppid in table and ppid != self._self_pid else {}
-            if any(v in env for v in RANK_VARS) and not any(env.get(v) for v in JOB_VARS):
+            if any(rank in env for rank, _, _ in RANK_VARS) and not any(env.get(v) for v in JOB_VARS):
                 by_parent.setdefault(ppid, []).append(pid)
         out = set(roots)
         for parent, kids in by_parent.items():
@@ -291,20 +289,9 @@ class NodeTarget:
 
     def _environ(self, pid: int) -> dict[str, str]:
         try:
-            return self._read_environ(pid, self.proc_root)
+            return self._read_environ(self.proc_root, pid)
         except OSError:  # gone, or another user's without CAP_SYS_PTRACE/DAC_READ_SEARCH
             return {}
-
-
-def _process_table() -> dict[int, tuple[int, float, str]]:
-    """pid -> (ppid, create_time, full command line) of every live, non-zombie process."""
-    table: dict[int, tuple[int, float, str]] = {}
-    for proc in psutil.process_iter(["ppid", "create_time", "cmdline", "status"]):
-        info = proc.info
-        if info["status"] == psutil.STATUS_ZOMBIE or info["create_time"] is None:
-            continue
-        table[proc.pid] = (info["ppid"] or 0, info["create_time"], " ".join(info["cmdline"] or ()))
-    return table
 
 
 def _is_python(cmdline: str) -> bool:

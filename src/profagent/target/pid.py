@@ -21,36 +21,19 @@ from pathlib import Path
 import psutil
 
 from profagent.errors import UserError
+from profagent.system.procfs import PROC, read_environ
 from profagent.target.tree import (
     CMDLINE_MAX,
+    JOB_VARS,
     ROLE_DATALOADER,
     ROLE_LAUNCHER,
     ROLE_MAIN,
     ProcessInfo,
     ProcessTree,
+    rank_from_env,
 )
 
 log = logging.getLogger(__name__)
-
-
-def read_environ(pid: int, proc_root: Path) -> dict[str, str]:
-    """Read /proc/PID/environ. Raises OSError (PermissionError, FileNotFoundError...)."""
-    raw = (proc_root / str(pid) / "environ").read_bytes()
-    env = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            env[key.decode(errors="replace")] = value.decode(errors="replace")
-    return env
-
-
-def _rank_env(env: dict[str, str]) -> tuple[str, str, str] | None:
-    """(rank, local_rank, world_size) from torch's or Slurm's variables, else None."""
-    if "RANK" in env:
-        return env["RANK"], env.get("LOCAL_RANK", ""), env.get("WORLD_SIZE", "")
-    if "SLURM_PROCID" in env:
-        return env["SLURM_PROCID"], env.get("SLURM_LOCALID", ""), env.get("SLURM_NTASKS", "")
-    return None
 
 
 def check_attachable(pid: int) -> psutil.Process:
@@ -81,8 +64,8 @@ class PidTarget:
     def __init__(
         self,
         pid: int,
-        proc_root: str | Path = "/proc",
-        environ_reader: Callable[[int, Path], dict[str, str]] = read_environ,
+        proc_root: str | Path = PROC,
+        environ_reader: Callable[[Path, int], dict[str, str]] = read_environ,
     ) -> None:
         self.pid = pid
         self.proc_root = Path(proc_root)
@@ -126,7 +109,7 @@ class PidTarget:
         key = (pid, create_time)
         if key not in self._env_cache:
             try:
-                self._env_cache[key] = self._read_environ(pid, self.proc_root)
+                self._env_cache[key] = self._read_environ(self.proc_root, pid)
             except PermissionError:
                 if not self._environ_warned:
                     self._environ_warned = True
@@ -170,7 +153,7 @@ class PidTarget:
 
         def visit(pid: int, main: ProcessInfo | None) -> None:
             ppid, ct, cmd = info[pid]
-            own = _rank_env(envs[pid])
+            own = rank_from_env(envs[pid])
             if main is not None:
                 me = ProcessInfo(pid, ppid, ct, ROLE_DATALOADER, main.rank, main.local_rank, main.world_size, cmd)
             elif own is not None:
@@ -195,7 +178,7 @@ class PidTarget:
         if self._job_id is not None:
             return self._job_id
         ordered = sorted(procs, key=lambda p: (p.role != ROLE_LAUNCHER, p.pid))
-        for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        for var in JOB_VARS:
             for proc in ordered:
                 value = envs.get(proc.pid, {}).get(var)
                 # torchrun's non-standalone default run id is "none": not an identity.
@@ -214,7 +197,7 @@ def _ranked_subtrees(
     while stack:
         pid, expanded = stack.pop()
         if expanded:
-            result[pid] = _rank_env(envs[pid]) is not None or any(
+            result[pid] = rank_from_env(envs[pid]) is not None or any(
                 result.get(c, False) for c in children.get(pid, [])
             )
         else:

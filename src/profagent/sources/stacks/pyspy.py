@@ -30,6 +30,8 @@ from pathlib import Path
 
 import psutil
 
+from profagent.system.procfs import python_paths, read_text_or_empty
+
 log = logging.getLogger(__name__)
 
 PTRACE_FIX = (
@@ -98,18 +100,7 @@ _PY_NAME = re.compile(r"(?:^|/)(?:lib)?python(\d)\.(\d+)(t?)(?:\b|\.so|$)")
 def target_python(pid: int, proc_root: str | Path = "/proc") -> PythonBuild | None:
     """The target's Python from its executable name and mapped libpython (no ptrace needed).
     None when it cannot be told (unreadable /proc, an unusual binary name)."""
-    root = Path(proc_root) / str(pid)
-    names: list[str] = []
-    try:
-        names.append(os.readlink(root / "exe"))
-    except OSError:
-        pass
-    try:
-        with open(root / "maps", errors="replace") as fh:
-            names.extend(line.rsplit(" ", 1)[-1].strip() for line in fh if "python" in line)
-    except OSError:
-        pass
-    for name in names:
+    for name in python_paths(Path(proc_root), pid):
         m = _PY_NAME.search(name)
         if m:
             return PythonBuild(int(m.group(1)), int(m.group(2)), m.group(3) == "t")
@@ -237,13 +228,6 @@ def resume_if_stopped(pid: int) -> bool:
     except (psutil.Error, ProcessLookupError):
         pass
     return False
-
-
-def read_text_or_empty(path: str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return ""
 
 
 def has_cap_sys_ptrace() -> bool:
