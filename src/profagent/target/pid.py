@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 
+from profagent.analysis.labels import shorten
 from profagent.errors import UserError
 from profagent.system.procfs import PROC, read_environ
 from profagent.target.tree import (
@@ -215,4 +216,4 @@ def _short_cmdline(proc: psutil.Process) -> str:
         text = " ".join([os.path.basename(parts[0]), *parts[1:]])
     else:
         text = proc.name()
-    return text if len(text) <= CMDLINE_MAX else text[: CMDLINE_MAX - 1] + "…"
+    return shorten(text, CMDLINE_MAX)
