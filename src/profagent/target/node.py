@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from profagent.config import WatchConfig
+from profagent.logs import LogOnce
 from profagent.system.procfs import PROC, process_table, read_environ
 from profagent.target.pid import PidTarget
 from profagent.target.tree import (
@@ -136,7 +137,7 @@ class NodeTarget:
         self._env_match: dict[tuple[int, float, str], bool] = {}
         self._ended: dict[str, float] = {}  # job id -> when its last process went
         self._alive_jobs: set[str] = set()
-        self._capped: set[str] = set()  # jobs whose max_processes_per_job line was logged
+        self._capped = LogOnce(log)  # one max_processes_per_job line per job
         self._last_scan: float | None = None
         self._reconfigured = False
         self.last_refresh: float | None = None  # clock() of the last complete refresh
@@ -189,7 +190,7 @@ class NodeTarget:
             self._ended.pop(job_id, None)
         self._ended = {j: t for j, t in self._ended.items() if now - t < limits.grace_seconds}
         self._alive_jobs = set(by_job)
-        self._capped &= self._alive_jobs
+        self._capped.forget(lambda job_id: job_id in self._alive_jobs)
 
         processes: list[ProcessInfo] = []
         for job_id in sorted(by_job):
@@ -201,13 +202,12 @@ class NodeTarget:
     def _cap(self, job_id: str, procs: list[ProcessInfo], limit: int) -> list[ProcessInfo]:
         if len(procs) <= limit:
             return procs
-        if job_id not in self._capped:
-            self._capped.add(job_id)
-            log.warning(
-                "job %s has %d processes, over watch.max_processes_per_job = %d: exporting "
-                "the first %d (launcher and ranks first); raise watch.max_processes_per_job",
-                job_id, len(procs), limit, limit,
-            )
+        self._capped(
+            logging.WARNING, job_id,
+            "job %s has %d processes, over watch.max_processes_per_job = %d: exporting "
+            "the first %d (launcher and ranks first); raise watch.max_processes_per_job",
+            job_id, len(procs), limit, limit,
+        )
         order = {ROLE_LAUNCHER: 0, ROLE_DATALOADER: 2}
         return sorted(procs, key=lambda p: (order.get(p.role, 1), p.pid))[:limit]
 

@@ -22,6 +22,7 @@ import psutil
 
 from profagent.analysis.labels import shorten
 from profagent.errors import UserError
+from profagent.logs import LogOnce
 from profagent.system.procfs import PROC, read_environ
 from profagent.target.tree import (
     CMDLINE_MAX,
@@ -74,7 +75,7 @@ class PidTarget:
         self._env_cache: dict[tuple[int, float], dict[str, str] | None] = {}
         self._known: dict[int, float] = {}  # pid -> create_time seen in the last tree
         self._job_id: str | None = None
-        self._environ_warned = False
+        self._log_once = LogOnce(log)
 
     # -- discovery ---------------------------------------------------------------
     def _alive(self, pid: int, create_time: float | None) -> psutil.Process | None:
@@ -112,13 +113,12 @@ class PidTarget:
             try:
                 self._env_cache[key] = self._read_environ(self.proc_root, pid)
             except PermissionError:
-                if not self._environ_warned:
-                    self._environ_warned = True
-                    log.warning(
-                        "cannot read /proc/%d/environ (permission denied): ranks and job id "
-                        "fall back to rank 0 / the launcher PID; run as the job's user or root",
-                        pid,
-                    )
+                self._log_once(
+                    logging.WARNING, "environ",
+                    "cannot read /proc/%d/environ (permission denied): ranks and job id "
+                    "fall back to rank 0 / the launcher PID; run as the job's user or root",
+                    pid,
+                )
                 self._env_cache[key] = None
             except OSError:
                 self._env_cache[key] = None

@@ -28,6 +28,7 @@ from profagent.analysis.stacks import (
 )
 from profagent.config import StacksConfig
 from profagent.errors import SourceUnavailable
+from profagent.logs import LogOnce
 from profagent.sources.stacks import pyspy
 from profagent.sources.stacks.sampler import Result, Sampler
 from profagent.target import ROLE_DATALOADER, ROLE_MAIN, ProcessTree
@@ -103,7 +104,7 @@ class StacksSource:
         self._stalls: dict[tuple[str, str], StallTracker] = {}
         self._stall_state: dict[tuple[str, str], tuple[bool, float]] = {}
         self._errors: dict[str, int] = {}
-        self._logged: set[str] = set()
+        self._log_once = LogOnce(log)
         # ring: (job_id, rank) -> deque of (wall_end, {folded line: count}, bytes)
         self._ring: dict[tuple[str, str], deque] = {}
         self._ring_bytes: dict[tuple[str, str], int] = {}
@@ -203,10 +204,8 @@ class StacksSource:
             self._fatal = f"ptrace denied on PID {r.pid}, so py-spy cannot read its stacks: {pyspy.PTRACE_FIX}"
             return  # (once read, a denial is transient: e.g. another tracer attached for a moment)
         self._errors[r.error] = self._errors.get(r.error, 0) + 1
-        key = f"{r.error}:{r.detail}"
-        if key not in self._logged:
-            self._logged.add(key)
-            log.warning("stacks: py-spy on PID %d (rank %s): %s", r.pid, r.rank, r.detail or r.error)
+        self._log_once(logging.WARNING, (r.error, r.detail),
+                       "stacks: py-spy on PID %d (rank %s): %s", r.pid, r.rank, r.detail or r.error)
 
     def _check_stall(self, r: Result, main: list[Sample]) -> None:
         job = self._job(r.pid)
