@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from profagent.errors import SourceUnavailable
+from profagent.errors import SourceUnavailable, UserError
 from profagent.sources.ondemand import kineto
 from profagent.system.unixsock import (
     abstract_address,
@@ -56,8 +56,8 @@ class TraceRequest:
     periodic: bool = False
 
 
-class NoPollers(Exception):
-    """No registered process matches; the message tells the user how to make one poll."""
+class NoPollers(UserError):
+    """No registered process matches the request."""
 
 
 class Endpoint:

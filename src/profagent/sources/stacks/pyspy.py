@@ -30,6 +30,7 @@ from pathlib import Path
 
 import psutil
 
+from profagent.errors import Unavailable
 from profagent.system.procfs import python_paths, read_text_or_empty
 
 log = logging.getLogger(__name__)
@@ -45,12 +46,8 @@ MIN_PYSPY_FOR = {(3, 12): (0, 4, 0), (3, 13): (0, 4, 0), (3, 14): (0, 4, 2)}
 NEWEST_KNOWN_MINOR = (3, 14)
 
 
-class PySpyProblem(Exception):
-    """py-spy cannot run here. ``problem`` and ``fix`` make the one line for the user."""
-
-    def __init__(self, problem: str, fix: str, reason: str) -> None:
-        super().__init__(f"{problem}: {fix}")
-        self.problem, self.fix, self.reason = problem, fix, reason
+class PySpyProblem(Unavailable):
+    """py-spy cannot run here (``problem: fix``, and a ``reason`` label)."""
 
 
 def find_pyspy() -> str:

@@ -112,10 +112,7 @@ class StacksSource:
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         """Find py-spy and start the sampler thread. Raises SourceUnavailable."""
-        try:
-            self._binary = self._binary or pyspy.find_pyspy()
-        except pyspy.PySpyProblem as exc:
-            raise SourceUnavailable(str(exc), exc.reason) from None
+        self._binary = self._binary or pyspy.find_pyspy()  # raises PySpyProblem, an Unavailable
         self._version = pyspy.pyspy_version(self._binary)
         self._sampler = Sampler(self._binary, self.config, self._clock, self._wall)
         self._sampler.start()
@@ -130,13 +127,13 @@ class StacksSource:
         """Fold finished windows into the counters. Raises SourceUnavailable when py-spy
         cannot read the target (ptrace denied, unsupported Python)."""
         if self._fatal:
-            raise SourceUnavailable(self._fatal, "unavailable")
+            raise SourceUnavailable(self._fatal)
         assert self._sampler is not None, "start() first"
         self._sampler.set_targets(self._targets(tree))
         for r in self._sampler.drain():
             self._fold(r)
         if self._fatal:
-            raise SourceUnavailable(self._fatal, "unavailable")
+            raise SourceUnavailable(self._fatal)
         self._forget_ended_jobs(tree)
         return self._snapshot(tree.job_id)
 
@@ -163,7 +160,7 @@ class StacksSource:
             problem = pyspy.compatibility(self._version, pyspy.target_python(pid, self._proc_root))
             if problem:
                 self._fatal = problem
-                raise SourceUnavailable(problem, "unsupported_python")
+                raise SourceUnavailable(problem, reason="unsupported_python")
         self._checked &= set(wanted)
         self._readable &= set(wanted)
         # A window of a process that just left may still be in flight: remember jobs a while.
