@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
 
     state, republish, description = synthetic_state()
-    exposition = Exposition(lambda: [state.view()])
+    exposition = Exposition(state.view)
     server = AgentHTTPServer("127.0.0.1", 0, exposition)
     server.start()
     try:

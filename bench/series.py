@@ -123,7 +123,7 @@ def count(trace: Path) -> tuple[Counter, str]:
     for name, snap in (("host", host()), ("gpu", gpu_snap), ("stacks", stacks()),
                        ("traces", traces(trace)), ("ondemand", ondemand())):
         state.publish(name, snap, 0.001)
-    body, _ = Exposition(lambda: [state.view()]).render("text/plain")
+    body, _ = Exposition(state.view).render("text/plain")
     text = body.decode()
     per_family: Counter = Counter()
     for fam in text_string_to_metric_families(text):

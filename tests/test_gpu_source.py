@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.exposition import generate_latest
 
 from conftest import parse_metrics, promtool_check_metrics, wait_for
-from profagent.exporters.exposition import build_registry
+from profagent.exporters.exposition import Exposition
 from profagent.exporters.families import Families
 from profagent.exporters.families.gpu import render
 from profagent.sources.gpu.nvml import Nvml
@@ -378,7 +378,7 @@ def test_promtool_clean_with_8_simulated_gpus(children) -> None:
         src.stop()
     state.register("stacks")
     state.set_down("stacks", "off for this test")
-    text = generate_latest(build_registry(lambda: [state.view()])).decode()
+    text = Exposition(state.view).render("")[0].decode()
     assert promtool_check_metrics(text) == ""
     m = parse_metrics(text)
     assert len(m["profagent_gpu_up"]) == 8

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import free_port
 from profagent.errors import UserError
-from profagent.exporters.exposition import build_registry
+from profagent.exporters.exposition import Exposition
 from profagent.exporters.http import AgentHTTPServer, load_web_config
 from profagent.state import State
 
@@ -35,7 +35,7 @@ def cert(tmp_path_factory) -> tuple[Path, Path]:
 
 def _server(web_config=None) -> AgentHTTPServer:
     state = State()
-    server = AgentHTTPServer("127.0.0.1", 0, build_registry(lambda: [state.view()]), web_config)
+    server = AgentHTTPServer("127.0.0.1", 0, Exposition(state.view), web_config)
     server.start()
     return server
 
@@ -112,7 +112,7 @@ def test_missing_cert_files_fail_cleanly(tmp_path: Path) -> None:
     cfg = tmp_path / "web.yml"
     cfg.write_text("tls_server_config:\n  cert_file: nope.pem\n  key_file: nope.key\n")
     state = State()
-    server = AgentHTTPServer("127.0.0.1", 0, build_registry(lambda: [state.view()]), load_web_config(cfg))
+    server = AgentHTTPServer("127.0.0.1", 0, Exposition(state.view), load_web_config(cfg))
     with pytest.raises(UserError, match="cannot load TLS certificate"):
         server.start()
     server.shutdown()
@@ -125,7 +125,7 @@ def test_port_in_use() -> None:
         s.bind(("127.0.0.1", port))
         s.listen()
         state = State()
-        server = AgentHTTPServer("127.0.0.1", port, build_registry(lambda: [state.view()]))
+        server = AgentHTTPServer("127.0.0.1", port, Exposition(state.view))
         with pytest.raises(UserError, match=f"port {port} on 127.0.0.1 is already in use"):
             server.start()
 
@@ -149,7 +149,7 @@ def test_exposition_is_cached_per_state_version_and_openmetrics_ends_once() -> N
     state = State()
     tree = ProcessTree("j", 1, (ProcessInfo(1, 0, 0.0, "main", "0", "0", "1", "x", "j"),), True)
     state.set_tree(tree)
-    exposition = Exposition(lambda: [state.view()])
+    exposition = Exposition(state.view)
     first, ctype = exposition.render("")
     assert b'profagent_target_up{job_id="j"} 1.0' in first and ctype.startswith("text/plain")
     assert exposition.render("")[0].split(b"profagent_build_info")[1] == first.split(b"profagent_build_info")[1]
@@ -162,18 +162,16 @@ def test_exposition_is_cached_per_state_version_and_openmetrics_ends_once() -> N
 
 
 def test_block_cache_matches_a_full_render_and_follows_new_snapshots() -> None:
-    """The per-source block cache must give exactly what rendering everything gives."""
+    """The per-source block cache must give exactly what a fresh exposition renders."""
     import sys
 
-    from prometheus_client import generate_latest
-
-    from profagent.exporters.exposition import Exposition, build_registry
+    from profagent.exporters.exposition import Exposition
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from synthetic import synthetic_state
 
     state, republish, _ = synthetic_state()
-    exposition = Exposition(lambda: [state.view()])
+    exposition = Exposition(state.view)
     state.subscribe(exposition.prerender)
 
     def ours(text: str) -> dict:
@@ -183,7 +181,7 @@ def test_block_cache_matches_a_full_render_and_follows_new_snapshots() -> None:
                 if name.startswith("profagent_")}
 
     for _ in range(3):
-        full = ours(generate_latest(build_registry(lambda: [state.view()])).decode())
+        full = ours(Exposition(state.view).render("")[0].decode())  # a fresh one: no cache
         cached = ours(exposition.render("")[0].decode())
         assert cached == full and len(full) > 50
         republish()  # new snapshots: the blocks must follow

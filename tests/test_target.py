@@ -111,7 +111,7 @@ def test_environ_unreadable_degrades_with_one_warning(children, caplog) -> None:
         env={"RANK": "5"},
     )
 
-    def denied(pid: int, root: Path) -> dict[str, str]:
+    def denied(root: Path, pid: int) -> dict[str, str]:
         raise PermissionError(13, "Permission denied")
 
     target = PidTarget(proc.pid, environ_reader=denied)

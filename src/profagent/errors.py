@@ -1,7 +1,16 @@
-"""The project's error vocabulary.
+"""The project's error vocabulary. The short, bounded label is always ``.reason``; the
+one line for people is always a ``problem`` and a ``fix``, kept as fields.
 
-- ``UserError``: bad input or environment; ends a command with one line (exit 2).
-- ``SourceError`` and its kinds: what a source may raise from a tick.
+- ``UserError(problem, fix)``: bad input or environment; ends a command with one line
+  (exit 2).
+- ``SourceError(message, reason)``: a failed source tick, counted by ``reason`` in
+  profagent_collector_errors_total. Its kinds:
+  - ``Unavailable(problem, fix, reason)`` (also named ``SourceUnavailable``): the source
+    cannot run here (no driver, ptrace denied...); it is turned off, the others go on.
+  - ``TargetGone``: the observed process exited during the tick; not worth logging.
+
+Errors of one part map onto these: TraceError and MalformedDatagram are SourceErrors
+(``reason`` names what was wrong), PySpyProblem is an Unavailable, NoPollers a UserError.
 """
 
 from __future__ import annotations
@@ -29,11 +38,19 @@ class SourceError(Exception):
             self.reason = reason
 
 
-class SourceUnavailable(SourceError):
-    """The source cannot run here (no driver, ptrace denied...). The message is one line
-    naming the problem and the fix; the source is turned off and the others go on."""
+class Unavailable(SourceError):
+    """The source cannot run here. ``problem`` and ``fix`` make the one line for the user
+    (``problem: fix``); the source is turned off and the others go on."""
 
     reason = "unavailable"
+
+    def __init__(self, problem: str, fix: str = "", reason: str | None = None) -> None:
+        super().__init__(f"{problem}: {fix}" if fix else problem, reason)
+        self.problem = problem
+        self.fix = fix
+
+
+SourceUnavailable = Unavailable
 
 
 class TargetGone(SourceError):

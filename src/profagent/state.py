@@ -6,7 +6,6 @@ source: the lock is held only to swap references.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -35,11 +34,6 @@ class StateView:
     tree: ProcessTree | None
     snapshots: Mapping[str, Any]
     health: Mapping[str, SourceHealth]
-    version: int
-
-
-# Versions are unique across every State, so (version, ...) keys never collide between jobs.
-_VERSIONS = itertools.count(1)
 
 
 class State:
@@ -50,17 +44,14 @@ class State:
         self._snapshots: dict[str, Any] = {}
         self._health: dict[str, SourceHealth] = {}
         self._listeners: list[Callable[[str, Any], None]] = []
-        self._version = 0
 
     def register(self, name: str) -> None:
         with self._lock:
             self._health.setdefault(name, SourceHealth())
-            self._version = next(_VERSIONS)
 
     def set_tree(self, tree: ProcessTree) -> None:
         with self._lock:
             self._tree = tree
-            self._version = next(_VERSIONS)
 
     @property
     def tree(self) -> ProcessTree | None:
@@ -73,7 +64,6 @@ class State:
             self._health[name] = replace(
                 old, up=True, detail="", last_duration=duration, last_success=self._clock()
             )
-            self._version = next(_VERSIONS)
             listeners = list(self._listeners)
         for listener in listeners:  # outside the lock: e.g. the exporter encoding the snapshot
             listener(name, snapshot)
@@ -91,7 +81,6 @@ class State:
             self._health[name] = replace(
                 old, errors=errors, last_duration=duration if duration is not None else old.last_duration
             )
-            self._version = next(_VERSIONS)
 
     def set_down(self, name: str, detail: str) -> None:
         """The source is off (unavailable or stopped for good); its last snapshot is dropped."""
@@ -99,7 +88,6 @@ class State:
             old = self._health.get(name, SourceHealth())
             self._health[name] = replace(old, up=False, detail=detail)
             self._snapshots.pop(name, None)
-            self._version = next(_VERSIONS)
 
     def snapshot(self, name: str) -> Any:
         return self._snapshots.get(name)
@@ -110,5 +98,4 @@ class State:
                 tree=self._tree,
                 snapshots=MappingProxyType(dict(self._snapshots)),
                 health=MappingProxyType(dict(self._health)),
-                version=self._version,
             )

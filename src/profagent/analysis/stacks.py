@@ -22,12 +22,12 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from profagent.analysis.labels import OTHER, shorten
+
 CATEGORIES = (
     "dataloader", "host_sync", "optimizer", "backward", "forward",
     "collective", "checkpoint_io", "compile", "idle", "other",
 )
-OTHER = "other"
-LABEL_MAX = 120
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,9 @@ class Frame:
 
     @property
     def function(self) -> str:
-        """The top-K label: ``function (file.py)``, at most LABEL_MAX characters."""
+        """The top-K label: ``function (file.py)``, shortened by labels.shorten."""
         label = f"{self.name} ({self.file.rsplit('/', 1)[-1]})"
-        return label if len(label) <= LABEL_MAX else label[: LABEL_MAX - 1] + "…"
+        return shorten(label)
 
     def __str__(self) -> str:
         return f"{self.name} ({self.file}:{self.line})"

@@ -250,7 +250,7 @@ def trace(
     """Take a torch profiler trace of a running job, no code change (KINETO_USE_DAEMON=1)."""
     from profagent.cli.analyze import analyze_files
     from profagent.cli.trace import TraceRequestArgs, request_trace
-    from profagent.engine.control import default_control_socket
+    from profagent.system.unixsock import default_control_socket
 
     cfg = load_config(config, os.environ, {"log_level": log_level})
     _setup_logging(cfg.agent.log_level)

@@ -11,6 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from profagent.analysis.labels import shorten
 from profagent.analysis.trace.report import TraceReport, analyze, findings
 from profagent.errors import UserError
 from profagent.sources.traces.reader import TraceError, read_trace
@@ -84,7 +85,7 @@ def render_report(r: TraceReport, console: Console) -> None:
         t.add_column("ms", justify="right")
         t.add_column(unit, justify="right")
         for name, seconds, count in rows:
-            t.add_row(name if len(name) <= 100 else name[:99] + "…", _ms(seconds), str(count))
+            t.add_row(shorten(name, 100), _ms(seconds), str(count))
         console.print(t)
     if r.memory_peak:
         console.print("peak allocated: " + ", ".join(f"{d} {b / 2**20:.1f} MiB" for d, b in r.memory_peak.items()),

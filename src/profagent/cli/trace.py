@@ -10,8 +10,8 @@ from typing import Any
 
 from rich.console import Console
 
-from profagent.engine.control import call
 from profagent.errors import UserError
+from profagent.system.unixsock import call
 
 HOW_TO_POLL = (
     "start the training script with KINETO_USE_DAEMON=1 in its environment "

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 from profagent.config import Config
 from profagent.doctor.check import OK, WARN, Check
-from profagent.engine.control import call, default_control_socket
 from profagent.errors import SourceUnavailable
 from profagent.sources.ondemand.endpoint import Endpoint
+from profagent.system.unixsock import call, default_control_socket
 
 
 def check_ondemand(config: Config) -> Iterator[Check]:

@@ -18,8 +18,8 @@ from profagent.sources.stacks.pyspy import (
     first_line,
     has_cap_sys_ptrace,
     pyspy_version,
-    read_text_or_empty,
 )
+from profagent.system.procfs import read_text_or_empty
 
 
 def check_pyspy(config: Config) -> Iterator[Check]:

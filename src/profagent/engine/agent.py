@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from profagent.config import Config, parse_listen
-from profagent.engine.control import ControlledOndemand, default_control_socket
+from profagent.engine.control import ControlledOndemand
 from profagent.engine.runtime import Runtime
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.http import AgentHTTPServer, load_web_config
@@ -28,6 +28,7 @@ from profagent.sources.ondemand.source import OndemandSource
 from profagent.sources.stacks.source import StacksSource, stacks_route
 from profagent.sources.traces.source import traces_source
 from profagent.state import State
+from profagent.system.unixsock import default_control_socket
 from profagent.target import PidTarget, check_attachable
 
 log = logging.getLogger(__name__)
@@ -109,37 +110,31 @@ class Job:
 
 
 class Agent:
-    """The HTTP endpoint and the jobs it serves (one for attach, many for watch)."""
+    """The HTTP endpoint and the one job it serves (a PID's tree, or the node's jobs in watch)."""
 
-    def __init__(self, config: Config, jobs: list[Job] | None = None) -> None:
+    def __init__(self, config: Config, job: Job) -> None:
         self.config = config
-        self.jobs: list[Job] = list(jobs or [])
+        self.job = job
         web = load_web_config(config.agent.web_config) if config.agent.web_config else None
         host, port = parse_listen(config.agent.listen)
-        self.exposition = Exposition(self.views)
-        for job in self.jobs:  # encode each new snapshot in its source's thread, not on scrape
-            job.state.subscribe(self.exposition.prerender)
+        self.exposition = Exposition(job.state.view)
+        job.state.subscribe(self.exposition.prerender)  # encode in the source's thread, not on scrape
         self.server = AgentHTTPServer(host, port, self.exposition, web)
         self.server.add_route("/api/stacks", stacks_route(
-            lambda: [s for job in list(self.jobs) for s in job.sources if isinstance(s, StacksSource)]
+            lambda: [s for s in job.sources if isinstance(s, StacksSource)]
         ))
 
-    def views(self) -> list:
-        return [job.state.view() for job in list(self.jobs)]
-
     def start(self) -> None:
-        """Bind first (a taken port fails before anything runs), then start the jobs."""
+        """Bind first (a taken port fails before anything runs), then start the job."""
         self.server.start()
         try:
-            for job in self.jobs:
-                job.start()
+            self.job.start()
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
-        for job in self.jobs:
-            job.stop()
+        self.job.stop()
         self.server.shutdown()
 
 
@@ -175,7 +170,7 @@ def attach(config: Config, pid: int, console: Console) -> int:
     """Run until a signal, or until the target tree has been gone for ``exit_grace``."""
     check_attachable(pid)
     job = Job(config, pid)
-    agent = Agent(config, [job])
+    agent = Agent(config, job)
     stop = threading.Event()
     restore = install_stop_signals(stop)
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import threading
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from profagent.errors import SourceUnavailable
 from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.endpoint import NoPollers, Poller, match_pid
-from profagent.system.unixsock import close_unix_socket
+from profagent.system.unixsock import bind_private, call, close_unix_socket
 
 if TYPE_CHECKING:
     from profagent.sources.ondemand.source import OndemandSnapshot, OndemandSource
@@ -26,30 +25,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_LINE = 64 * 1024
-
-
-def default_control_socket() -> str:
-    """/run/profagent/control.sock as root (systemd RuntimeDirectory), else per user."""
-    if os.geteuid() == 0:
-        return "/run/profagent/control.sock"
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) / "profagent" if runtime else Path(f"/tmp/profagent-{os.geteuid()}")
-    return str(base / "control.sock")
-
-
-def call(path: str, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
-    """Send one request to the agent at ``path``. Raises OSError if nobody listens."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(path)
-        sock.sendall(json.dumps(request).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    return json.loads(data or b"{}")
 
 
 class ControlServer:
@@ -61,7 +36,6 @@ class ControlServer:
     def bind(self) -> None:
         """Raises SourceUnavailable when another live agent already holds the socket."""
         path = Path(self.path)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         if path.exists():
             try:
                 call(self.path, {"op": "ping"}, timeout=1)
@@ -71,12 +45,7 @@ class ControlServer:
                 )
             except (OSError, ValueError):
                 path.unlink()  # our own stale socket from a crash
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # created 0600, no window where others could connect
-        try:
-            sock.bind(self.path)
-        finally:
-            os.umask(old)
+        sock = bind_private(self.path)
         sock.listen(8)
         sock.settimeout(0.2)
         self._sock = sock

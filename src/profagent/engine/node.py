@@ -56,7 +56,7 @@ def build(config: Config) -> tuple[Agent, Job, NodeTarget]:
     target = NodeTarget(Rules.from_config(config.watch), Limits.from_config(config.watch))
     job = Job(config, 0, target=target)  # type: ignore[arg-type]  # NodeTarget is Target-like
     target.set_gpu_pids(_gpu_pids(job) if config.watch.gpu_processes else None)
-    return Agent(config, [job]), job, target
+    return Agent(config, job), job, target
 
 
 def set_log_level(level: str) -> None:

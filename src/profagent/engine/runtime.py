@@ -13,27 +13,12 @@ import time
 from collections.abc import Callable, Sequence
 
 from profagent.errors import SourceError, SourceUnavailable, TargetGone
+from profagent.logs import LogOnce
 from profagent.sources import Source
 from profagent.state import State
 from profagent.target import PidTarget, ProcessTree
 
 log = logging.getLogger(__name__)
-
-
-class LogOnce:
-    """Log each distinct message once per key, so a failing tick doesn't flood the log."""
-
-    def __init__(self, logger: logging.Logger) -> None:
-        self._logger = logger
-        self._seen: set[tuple[str, str]] = set()
-        self._lock = threading.Lock()
-
-    def __call__(self, level: int, key: str, message: str) -> None:
-        with self._lock:
-            if (key, message) in self._seen:
-                return
-            self._seen.add((key, message))
-        self._logger.log(level, message)
 
 
 class Runtime:
@@ -109,7 +94,8 @@ class Runtime:
             try:
                 tree = self.target.refresh()
             except Exception as exc:  # psutil races; keep the last tree
-                self._log_once(logging.WARNING, "target", f"refreshing the process tree failed: {exc}")
+                message = f"refreshing the process tree failed: {exc}"
+                self._log_once(logging.WARNING, ("target", message), message)
                 continue
             self.state.set_tree(tree)
             if tree.alive:
@@ -133,11 +119,13 @@ class Runtime:
                 return
             except SourceError as exc:
                 self.state.record_error(name, exc.reason, self._clock() - began)
-                self._log_once(logging.WARNING, name, f"{name}: {exc}")
+                message = f"{name}: {exc}"
+                self._log_once(logging.WARNING, (name, message), message)
             except Exception as exc:
                 reason = type(exc).__name__
                 self.state.record_error(name, reason, self._clock() - began)
-                self._log_once(logging.WARNING, name, f"{name}: unexpected {reason}: {exc}")
+                message = f"{name}: unexpected {reason}: {exc}"
+                self._log_once(logging.WARNING, (name, message), message)
                 log.debug("%s tick failed", name, exc_info=True)
             self._stop.wait(max(0.0, source.interval - (self._clock() - began)))
 
@@ -145,7 +133,7 @@ class Runtime:
         self.state.set_down(source.name, detail)
         self.state.record_error(source.name, SourceUnavailable.reason)
         # At start the banner shows the reason; a source lost later is worth a warning.
-        self._log_once(logging.DEBUG if at_start else logging.WARNING, source.name, detail)
+        self._log_once(logging.DEBUG if at_start else logging.WARNING, (source.name, detail), detail)
         try:
             source.stop()
         except Exception:

@@ -1,14 +1,14 @@
-"""Prometheus exporter: a client_python ``Collector`` that renders the latest state.
+"""The /metrics body: the one render path from the latest state to the exposition.
 
-``collect()`` only reads snapshots the sources already published: no /proc read, NVML
-call or py-spy run happens on a scrape. The rendered families are cached per state
-version, so scrapes between two source ticks cost one dictionary lookup.
+A scrape only reads snapshots the sources already published: no /proc read, NVML call
+or py-spy run happens on a scrape. Each source's families are encoded once per
+snapshot, so scrapes between two source ticks cost a few dictionary lookups.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
@@ -31,44 +31,11 @@ RENDERERS: dict[str, Renderer] = {
 }
 
 
-def render_view(view: StateView, out: Families) -> None:
-    agent.render_target(view, out)
-    agent.render_health(view, out)
-    for name, snapshot in view.snapshots.items():
-        renderer = RENDERERS.get(name)
-        if renderer is not None and snapshot is not None:
-            renderer(snapshot, out)
-
-
-class ProfagentCollector:
-    """Renders every job's state view. ``views`` returns one StateView per attached job."""
-
-    def __init__(self, views: Callable[[], Iterable[StateView]]) -> None:
-        self._views = views
-
-    def collect(self) -> Iterator[Metric]:
-        out = Families()
-        agent.render_build(out)
-        for view in self._views():
-            render_view(view, out)
-        return iter(out)
-
-    def describe(self) -> list[Metric]:
-        return []  # unchecked collector: families vary with what sources are on
-
-
 def _own_collectors(registry: CollectorRegistry) -> CollectorRegistry:
     """The agent's own process_*, python_* families (they describe the agent itself)."""
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
-    return registry
-
-
-def build_registry(views: Callable[[], Iterable[StateView]]) -> CollectorRegistry:
-    """A fresh registry (never the global one) with profagent and the agent's own process_*."""
-    registry = _own_collectors(CollectorRegistry(auto_describe=False))
-    registry.register(ProfagentCollector(views))
     return registry
 
 
@@ -103,8 +70,8 @@ class Exposition:
     and the agent's own process_* families.
     """
 
-    def __init__(self, views: Callable[[], Iterable[StateView]]) -> None:
-        self._views = views
+    def __init__(self, view: Callable[[], StateView]) -> None:
+        self._view = view
         self._own = _own_collectors(CollectorRegistry(auto_describe=False))
         self._lock = threading.Lock()
         self._formats: dict[str, Callable[[Any], bytes]] = {}  # content type -> encoder
@@ -136,20 +103,15 @@ class Exposition:
         encoder, content_type = choose_encoder(accept)
         with self._lock:
             self._formats[content_type] = encoder
-        views = list(self._views())
-        if len(views) > 1:  # several states could emit one family twice: merge them instead
-            parts = [_encode(encoder, ProfagentCollector(lambda: views))]
-        else:
-            head = Families()
-            agent.render_build(head)
-            for view in views:
-                agent.render_target(view, head)
-                agent.render_health(view, head)
-            parts = [_encode(encoder, _Families(head))]
-            for view in views:
-                for name, snapshot in sorted(view.snapshots.items()):
-                    if name in RENDERERS and snapshot is not None:
-                        parts.append(self._block(name, snapshot, encoder, content_type))
+        view = self._view()
+        head = Families()
+        agent.render_build(head)
+        agent.render_target(view, head)
+        agent.render_health(view, head)
+        parts = [_encode(encoder, _Families(head))]
+        for name, snapshot in sorted(view.snapshots.items()):
+            if name in RENDERERS and snapshot is not None:
+                parts.append(self._block(name, snapshot, encoder, content_type))
         own = encoder(self._own)
         own = own[: -len(_EOF)] if own.endswith(_EOF) else own
         body = own + b"".join(parts)

@@ -24,8 +24,6 @@ from urllib.parse import parse_qs, urlsplit
 
 import bcrypt
 import yaml
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
 
 from profagent.errors import UserError
 from profagent.exporters.exposition import Exposition
@@ -173,12 +171,11 @@ class AgentHTTPServer:
         self,
         host: str,
         port: int,
-        metrics: CollectorRegistry | Exposition,
+        metrics: Exposition,
         web_config: WebConfig | None = None,
     ) -> None:
-        """``metrics`` is an Exposition (cached, what the agent uses) or a plain registry."""
         self.host, self.port = host, port
-        self.render_metrics = metrics.render if isinstance(metrics, Exposition) else _encode_with(metrics)
+        self.render_metrics = metrics.render
         self.web_config = web_config or WebConfig()
         self.routes: dict[str, Route] = {"/healthz": lambda q: (200, "text/plain", b"ok\n")}
         self._httpd: _Server | None = None
@@ -224,14 +221,6 @@ class AgentHTTPServer:
             self._httpd.shutdown()
             self._httpd.server_close()
             self._httpd = None
-
-
-def _encode_with(registry: CollectorRegistry) -> Callable[[str], tuple[bytes, str]]:
-    def render(accept: str) -> tuple[bytes, str]:
-        encoder, content_type = choose_encoder(accept)
-        return encoder(registry), content_type
-
-    return render
 
 
 def _make_handler(server: AgentHTTPServer) -> type[BaseHTTPRequestHandler]:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections.abc import Mapping
+
+from profagent.system.unixsock import parse_address, send_datagram
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +24,7 @@ class Notifier:
     """Sends notifications to systemd; every method is a no-op outside a notify unit."""
 
     def __init__(self, address: str | None, watchdog_usec: int | None = None) -> None:
-        if address and address.startswith("@"):
-            address = "\0" + address[1:]
-        self.address = address if address and address[0] in "/\0" else None
+        self.address = parse_address(address)
         self.watchdog_interval = watchdog_usec / 2e6 if watchdog_usec else None
 
     @classmethod
@@ -40,8 +39,7 @@ class Notifier:
         if self.address is None:
             return False
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-                sock.sendto("\n".join(fields).encode(), self.address)
+            send_datagram(self.address, "\n".join(fields).encode())
             return True
         except OSError as exc:
             log.debug("sd_notify to %r failed: %s", self.address, exc)

@@ -1,9 +1,77 @@
-"""Unix sockets we own: close them and remove their file (never a file we did not bind)."""
+"""Every Unix socket of profagent: addresses (files and the abstract namespace), binding,
+stale files, the control channel's JSON-line client, and closing what we bound.
+
+An abstract address is written ``@name`` for people (systemd's NOTIFY_SOCKET does the same)
+and ``\\0name`` for the kernel; a file address is a path.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+from pathlib import Path
+from typing import Any
+
+Address = str | bytes  # a path, or b"\0name" in the abstract namespace
+
+
+def abstract_address(name: str) -> bytes:
+    """The kernel address of abstract socket ``name`` (every byte counts, trailing NULs too)."""
+    return b"\0" + name.encode()
+
+
+def parse_address(spec: str | None) -> Address | None:
+    """``@name`` -> abstract, ``/path`` -> path; None for anything else (e.g. vsock:...)."""
+    if not spec:
+        return None
+    if spec.startswith("@"):
+        return abstract_address(spec[1:])
+    if spec.startswith("\0"):
+        return spec.encode()
+    return spec if spec.startswith("/") else None
+
+
+def describe_address(address: Address) -> str:
+    """How people write ``address``: the path, or ``@name`` (trailing NULs dropped)."""
+    if isinstance(address, bytes):
+        return "@" + address[1:].rstrip(b"\0").decode(errors="replace")
+    return address
+
+
+def is_stale(path: str, kind: socket.SocketKind = socket.SOCK_STREAM) -> bool:
+    """True if the socket file at ``path`` has nobody behind it (left by a crash)."""
+    probe = socket.socket(socket.AF_UNIX, kind)
+    try:
+        probe.connect(path)
+        return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def bind_private(path: str, kind: socket.SocketKind = socket.SOCK_STREAM) -> socket.socket:
+    """Bind a socket file only our user can connect to (0600 from the start: no window)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    sock = socket.socket(socket.AF_UNIX, kind)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(old)
+    return sock
+
+
+def send_datagram(address: Address, payload: bytes) -> None:
+    """One datagram to ``address``. Raises OSError."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        sock.sendto(payload, address)
 
 
 def close_unix_socket(sock: socket.socket | None, path: str | None) -> None:
@@ -16,3 +84,29 @@ def close_unix_socket(sock: socket.socket | None, path: str | None) -> None:
             os.unlink(path)
         except OSError:
             pass
+
+
+def default_control_socket() -> str:
+    """The agent's control socket: /run/profagent/control.sock as root (systemd
+    RuntimeDirectory), else per user."""
+    if os.geteuid() == 0:
+        return "/run/profagent/control.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "profagent" if runtime else Path(f"/tmp/profagent-{os.geteuid()}")
+    return str(base / "control.sock")
+
+
+def call(path: str, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+    """One JSON request line to the agent's control socket at ``path``, one JSON reply line
+    back. Raises OSError if nobody listens, ValueError on a reply that is not JSON."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return json.loads(data or b"{}")

@@ -37,23 +37,22 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 from profagent.config import WatchConfig
-from profagent.target.pid import (
+from profagent.logs import LogOnce
+from profagent.system.procfs import PROC, process_table, read_environ
+from profagent.target.pid import PidTarget
+from profagent.target.tree import (
+    JOB_VARS,
+    RANK_VARS,
     ROLE_DATALOADER,
     ROLE_LAUNCHER,
-    PidTarget,
     ProcessInfo,
     ProcessTree,
-    read_environ,
 )
 
 log = logging.getLogger(__name__)
 
 Key = tuple[int, float]  # (pid, create_time): a PID alone can be reused
-RANK_VARS = ("RANK", "SLURM_PROCID")
-JOB_VARS = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
 # A new root whose job id is still its own PID (no SLURM_JOB_ID / TORCHELASTIC_RUN_ID yet)
 # is admitted only once it is this old: torchrun sets TORCHELASTIC_RUN_ID in the ranks it
 # starts a moment later, and the job id must not change under a running job.
@@ -119,8 +118,8 @@ class NodeTarget:
         limits: Limits,
         *,
         gpu_pids: Callable[[], Iterable[int]] | None = None,
-        proc_root: str | Path = "/proc",
-        environ_reader: Callable[[int, Path], dict[str, str]] = read_environ,
+        proc_root: str | Path = PROC,
+        environ_reader: Callable[[Path, int], dict[str, str]] = read_environ,
         clock: Callable[[], float] = time.monotonic,
         self_pid: int | None = None,
         settle_seconds: float = SETTLE_SECONDS,
@@ -138,7 +137,7 @@ class NodeTarget:
         self._env_match: dict[tuple[int, float, str], bool] = {}
         self._ended: dict[str, float] = {}  # job id -> when its last process went
         self._alive_jobs: set[str] = set()
-        self._capped: set[str] = set()  # jobs whose max_processes_per_job line was logged
+        self._capped = LogOnce(log)  # one max_processes_per_job line per job
         self._last_scan: float | None = None
         self._reconfigured = False
         self.last_refresh: float | None = None  # clock() of the last complete refresh
@@ -191,7 +190,7 @@ class NodeTarget:
             self._ended.pop(job_id, None)
         self._ended = {j: t for j, t in self._ended.items() if now - t < limits.grace_seconds}
         self._alive_jobs = set(by_job)
-        self._capped &= self._alive_jobs
+        self._capped.forget(lambda job_id: job_id in self._alive_jobs)
 
         processes: list[ProcessInfo] = []
         for job_id in sorted(by_job):
@@ -203,19 +202,18 @@ class NodeTarget:
     def _cap(self, job_id: str, procs: list[ProcessInfo], limit: int) -> list[ProcessInfo]:
         if len(procs) <= limit:
             return procs
-        if job_id not in self._capped:
-            self._capped.add(job_id)
-            log.warning(
-                "job %s has %d processes, over watch.max_processes_per_job = %d: exporting "
-                "the first %d (launcher and ranks first); raise watch.max_processes_per_job",
-                job_id, len(procs), limit, limit,
-            )
+        self._capped(
+            logging.WARNING, job_id,
+            "job %s has %d processes, over watch.max_processes_per_job = %d: exporting "
+            "the first %d (launcher and ranks first); raise watch.max_processes_per_job",
+            job_id, len(procs), limit, limit,
+        )
         order = {ROLE_LAUNCHER: 0, ROLE_DATALOADER: 2}
         return sorted(procs, key=lambda p: (order.get(p.role, 1), p.pid))[:limit]
 
     # -- discovery -------------------------------------------------------------------
     def _discover(self, rules: Rules, limits: Limits) -> None:
-        table = _process_table()
+        table = process_table(self.proc_root)
         claimed = {p.pid for r in self._roots.values() if r.tree for p in r.tree.processes}
         claimed |= {k[0] for k in self._roots}
         gpu = set(self._gpu_pids() or ()) if rules.gpu_processes and self._gpu_pids else set()
@@ -257,7 +255,7 @@ class NodeTarget:
         for pid in roots:
             ppid = table[pid][0]
             env = self._environ(pid) if ppid > 1 and ppid in table and ppid != self._self_pid else {}
-            if any(v in env for v in RANK_VARS) and not any(env.get(v) for v in JOB_VARS):
+            if any(rank in env for rank, _, _ in RANK_VARS) and not any(env.get(v) for v in JOB_VARS):
                 by_parent.setdefault(ppid, []).append(pid)
         out = set(roots)
         for parent, kids in by_parent.items():
@@ -291,20 +289,9 @@ class NodeTarget:
 
     def _environ(self, pid: int) -> dict[str, str]:
         try:
-            return self._read_environ(pid, self.proc_root)
+            return self._read_environ(self.proc_root, pid)
         except OSError:  # gone, or another user's without CAP_SYS_PTRACE/DAC_READ_SEARCH
             return {}
-
-
-def _process_table() -> dict[int, tuple[int, float, str]]:
-    """pid -> (ppid, create_time, full command line) of every live, non-zombie process."""
-    table: dict[int, tuple[int, float, str]] = {}
-    for proc in psutil.process_iter(["ppid", "create_time", "cmdline", "status"]):
-        info = proc.info
-        if info["status"] == psutil.STATUS_ZOMBIE or info["create_time"] is None:
-            continue
-        table[proc.pid] = (info["ppid"] or 0, info["create_time"], " ".join(info["cmdline"] or ()))
-    return table
 
 
 def _is_python(cmdline: str) -> bool:

@@ -20,38 +20,23 @@ from pathlib import Path
 
 import psutil
 
+from profagent.analysis.labels import shorten
 from profagent.errors import UserError
+from profagent.logs import LogOnce
+from profagent.system.procfs import PROC, read_environ
 from profagent.target.placement import Placement, placement_of
 from profagent.target.tree import (
     CMDLINE_MAX,
+    JOB_VARS,
     ROLE_DATALOADER,
     ROLE_LAUNCHER,
     ROLE_MAIN,
     ProcessInfo,
     ProcessTree,
+    rank_from_env,
 )
 
 log = logging.getLogger(__name__)
-
-
-def read_environ(pid: int, proc_root: Path) -> dict[str, str]:
-    """Read /proc/PID/environ. Raises OSError (PermissionError, FileNotFoundError...)."""
-    raw = (proc_root / str(pid) / "environ").read_bytes()
-    env = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            env[key.decode(errors="replace")] = value.decode(errors="replace")
-    return env
-
-
-def _rank_env(env: dict[str, str]) -> tuple[str, str, str] | None:
-    """(rank, local_rank, world_size) from torch's or Slurm's variables, else None."""
-    if "RANK" in env:
-        return env["RANK"], env.get("LOCAL_RANK", ""), env.get("WORLD_SIZE", "")
-    if "SLURM_PROCID" in env:
-        return env["SLURM_PROCID"], env.get("SLURM_LOCALID", ""), env.get("SLURM_NTASKS", "")
-    return None
 
 
 def check_attachable(pid: int) -> psutil.Process:
@@ -82,8 +67,8 @@ class PidTarget:
     def __init__(
         self,
         pid: int,
-        proc_root: str | Path = "/proc",
-        environ_reader: Callable[[int, Path], dict[str, str]] = read_environ,
+        proc_root: str | Path = PROC,
+        environ_reader: Callable[[Path, int], dict[str, str]] = read_environ,
     ) -> None:
         self.pid = pid
         self.proc_root = Path(proc_root)
@@ -91,7 +76,7 @@ class PidTarget:
         self._env_cache: dict[tuple[int, float], dict[str, str] | None] = {}
         self._known: dict[int, float] = {}  # pid -> create_time seen in the last tree
         self._job_id: str | None = None
-        self._environ_warned = False
+        self._log_once = LogOnce(log)
         self._placements: dict[tuple[int, float], Placement] = {}  # (pid, create_time) -> placement
 
     # -- discovery ---------------------------------------------------------------
@@ -128,15 +113,14 @@ class PidTarget:
         key = (pid, create_time)
         if key not in self._env_cache:
             try:
-                self._env_cache[key] = self._read_environ(pid, self.proc_root)
+                self._env_cache[key] = self._read_environ(self.proc_root, pid)
             except PermissionError:
-                if not self._environ_warned:
-                    self._environ_warned = True
-                    log.warning(
-                        "cannot read /proc/%d/environ (permission denied): ranks and job id "
-                        "fall back to rank 0 / the launcher PID; run as the job's user or root",
-                        pid,
-                    )
+                self._log_once(
+                    logging.WARNING, "environ",
+                    "cannot read /proc/%d/environ (permission denied): ranks and job id "
+                    "fall back to rank 0 / the launcher PID; run as the job's user or root",
+                    pid,
+                )
                 self._env_cache[key] = None
             except OSError:
                 self._env_cache[key] = None
@@ -172,7 +156,7 @@ class PidTarget:
 
         def visit(pid: int, main: ProcessInfo | None) -> None:
             ppid, ct, cmd = info[pid]
-            own = _rank_env(envs[pid])
+            own = rank_from_env(envs[pid])
             if main is not None:
                 me = ProcessInfo(pid, ppid, ct, ROLE_DATALOADER, main.rank, main.local_rank, main.world_size, cmd)
             elif own is not None:
@@ -207,7 +191,7 @@ class PidTarget:
         if self._job_id is not None:
             return self._job_id
         ordered = sorted(procs, key=lambda p: (p.role != ROLE_LAUNCHER, p.pid))
-        for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        for var in JOB_VARS:
             for proc in ordered:
                 value = envs.get(proc.pid, {}).get(var)
                 # torchrun's non-standalone default run id is "none": not an identity.
@@ -226,7 +210,7 @@ def _ranked_subtrees(
     while stack:
         pid, expanded = stack.pop()
         if expanded:
-            result[pid] = _rank_env(envs[pid]) is not None or any(
+            result[pid] = rank_from_env(envs[pid]) is not None or any(
                 result.get(c, False) for c in children.get(pid, [])
             )
         else:
@@ -244,4 +228,4 @@ def _short_cmdline(proc: psutil.Process) -> str:
         text = " ".join([os.path.basename(parts[0]), *parts[1:]])
     else:
         text = proc.name()
-    return text if len(text) <= CMDLINE_MAX else text[: CMDLINE_MAX - 1] + "…"
+    return shorten(text, CMDLINE_MAX)

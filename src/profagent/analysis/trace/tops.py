@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from profagent.analysis.labels import OTHER
 from profagent.analysis.trace.kinds import Classified
 from profagent.analysis.trace.model import KERNEL
-
-OTHER = "other"
 
 
 @dataclass(frozen=True)

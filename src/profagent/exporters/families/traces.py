@@ -7,21 +7,12 @@ trace, launch delay without correlation...) are absent, never 0.
 
 from __future__ import annotations
 
+from profagent.analysis.labels import fold_top_k
 from profagent.exporters.families import Families
 from profagent.sources.traces.source import TracesSnapshot
 
 RANK = ("job_id", "rank")
-NAME_MAX = 120
 STATUSES = ("ingested", "invalid", "skipped")
-
-
-def _bounded(rows: tuple[tuple[str, float, int], ...], k: int) -> dict[str, float]:
-    """Name -> seconds, K names at most plus "other"; long names are shortened (and merged)."""
-    out: dict[str, float] = {}
-    for i, (name, seconds, _) in enumerate(rows):
-        key = "other" if i >= k else (name if len(name) <= NAME_MAX else name[: NAME_MAX - 1] + "…")
-        out[key] = out.get(key, 0.0) + seconds
-    return out
 
 
 def render(snap: TracesSnapshot, out: Families) -> None:
@@ -89,7 +80,7 @@ def render(snap: TracesSnapshot, out: Families) -> None:
             for stat, value in r.launch_delay.items():
                 delay.add_metric([*labels, stat], value)
         for family, rows in ((kernels, r.top_kernels), (ops, r.top_ops), (ann, r.annotations)):
-            for name, seconds in _bounded(rows, snap.top_k).items():
+            for name, seconds in fold_top_k(((n, s) for n, s, _ in rows), snap.top_k).items():
                 family.add_metric([*labels, name], seconds)
         for device, peak in r.memory_peak.items():
             mem.add_metric([*labels, device], peak)

@@ -14,9 +14,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from profagent.errors import SourceUnavailable
+from profagent.errors import SourceUnavailable, UserError
 from profagent.sources.ondemand import kineto
-from profagent.system.unixsock import close_unix_socket
+from profagent.system.unixsock import (
+    abstract_address,
+    close_unix_socket,
+    describe_address,
+    is_stale,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +56,8 @@ class TraceRequest:
     periodic: bool = False
 
 
-class NoPollers(Exception):
-    """No registered process matches; the message tells the user how to make one poll."""
+class NoPollers(UserError):
+    """No registered process matches the request."""
 
 
 class Endpoint:
@@ -72,10 +77,10 @@ class Endpoint:
     def address(self) -> str | bytes:
         if self.socket_dir:
             return os.path.join(self.socket_dir, kineto.DAEMON_NAME)
-        return b"\0" + kineto.DAEMON_NAME.encode() + b"\0"  # the trailing NUL is part of the name
+        return abstract_address(kineto.DAEMON_NAME + "\0")  # the trailing NUL is part of the name
 
     def describe(self) -> str:
-        return self.address if isinstance(self.address, str) else "@" + kineto.DAEMON_NAME
+        return describe_address(self.address)
 
     def bind(self) -> None:
         """Raises SourceUnavailable when another daemon holds the name."""
@@ -83,7 +88,7 @@ class Endpoint:
         address = self.address
         if isinstance(address, str):
             os.makedirs(self.socket_dir, exist_ok=True)
-            if os.path.exists(address) and _stale_dgram(address):
+            if os.path.exists(address) and is_stale(address, socket.SOCK_DGRAM):
                 os.unlink(address)
         try:
             sock.bind(address)
@@ -199,20 +204,6 @@ class Endpoint:
     def counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
-
-
-def _stale_dgram(path: str) -> bool:
-    """True if a socket file at ``path`` has nobody bound behind it (left by a crash)."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    try:
-        probe.connect(path)
-        return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
 
 
 def match_pid(pid: int) -> Callable[[Poller], bool]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from profagent.errors import SourceError
+
 HEADER = struct.Struct("<Q32s")  # 40 bytes on x86-64, as libkineto lays it out
 REQ_HEAD = struct.Struct("<iiq")
 CTXT = struct.Struct("<iiq")
@@ -22,12 +24,11 @@ DAEMON_NAME = "dynolog"
 ACTIVITIES = 2  # bit in the request type: the process can start an activity trace
 
 
-class MalformedDatagram(ValueError):
-    """A datagram that does not follow the protocol; ``kind`` is a bounded label."""
+class MalformedDatagram(SourceError, ValueError):
+    """A datagram that does not follow the protocol; ``reason`` is a bounded label."""
 
-    def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}", reason)
 
 
 @dataclass(frozen=True)

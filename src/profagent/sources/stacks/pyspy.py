@@ -30,6 +30,9 @@ from pathlib import Path
 
 import psutil
 
+from profagent.errors import Unavailable
+from profagent.system.procfs import python_paths, read_text_or_empty
+
 log = logging.getLogger(__name__)
 
 PTRACE_FIX = (
@@ -43,12 +46,8 @@ MIN_PYSPY_FOR = {(3, 12): (0, 4, 0), (3, 13): (0, 4, 0), (3, 14): (0, 4, 2)}
 NEWEST_KNOWN_MINOR = (3, 14)
 
 
-class PySpyProblem(Exception):
-    """py-spy cannot run here. ``problem`` and ``fix`` make the one line for the user."""
-
-    def __init__(self, problem: str, fix: str, reason: str) -> None:
-        super().__init__(f"{problem}: {fix}")
-        self.problem, self.fix, self.reason = problem, fix, reason
+class PySpyProblem(Unavailable):
+    """py-spy cannot run here (``problem: fix``, and a ``reason`` label)."""
 
 
 def find_pyspy() -> str:
@@ -98,18 +97,7 @@ _PY_NAME = re.compile(r"(?:^|/)(?:lib)?python(\d)\.(\d+)(t?)(?:\b|\.so|$)")
 def target_python(pid: int, proc_root: str | Path = "/proc") -> PythonBuild | None:
     """The target's Python from its executable name and mapped libpython (no ptrace needed).
     None when it cannot be told (unreadable /proc, an unusual binary name)."""
-    root = Path(proc_root) / str(pid)
-    names: list[str] = []
-    try:
-        names.append(os.readlink(root / "exe"))
-    except OSError:
-        pass
-    try:
-        with open(root / "maps", errors="replace") as fh:
-            names.extend(line.rsplit(" ", 1)[-1].strip() for line in fh if "python" in line)
-    except OSError:
-        pass
-    for name in names:
+    for name in python_paths(Path(proc_root), pid):
         m = _PY_NAME.search(name)
         if m:
             return PythonBuild(int(m.group(1)), int(m.group(2)), m.group(3) == "t")
@@ -237,13 +225,6 @@ def resume_if_stopped(pid: int) -> bool:
     except (psutil.Error, ProcessLookupError):
         pass
     return False
-
-
-def read_text_or_empty(path: str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return ""
 
 
 def has_cap_sys_ptrace() -> bool:

@@ -28,6 +28,7 @@ from profagent.analysis.stacks import (
 )
 from profagent.config import StacksConfig
 from profagent.errors import SourceUnavailable
+from profagent.logs import LogOnce
 from profagent.sources.stacks import pyspy
 from profagent.sources.stacks.sampler import Result, Sampler
 from profagent.target import ROLE_DATALOADER, ROLE_MAIN, ProcessTree
@@ -103,7 +104,7 @@ class StacksSource:
         self._stalls: dict[tuple[str, str], StallTracker] = {}
         self._stall_state: dict[tuple[str, str], tuple[bool, float]] = {}
         self._errors: dict[str, int] = {}
-        self._logged: set[str] = set()
+        self._log_once = LogOnce(log)
         # ring: (job_id, rank) -> deque of (wall_end, {folded line: count}, bytes)
         self._ring: dict[tuple[str, str], deque] = {}
         self._ring_bytes: dict[tuple[str, str], int] = {}
@@ -111,10 +112,7 @@ class StacksSource:
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         """Find py-spy and start the sampler thread. Raises SourceUnavailable."""
-        try:
-            self._binary = self._binary or pyspy.find_pyspy()
-        except pyspy.PySpyProblem as exc:
-            raise SourceUnavailable(str(exc), exc.reason) from None
+        self._binary = self._binary or pyspy.find_pyspy()  # raises PySpyProblem, an Unavailable
         self._version = pyspy.pyspy_version(self._binary)
         self._sampler = Sampler(self._binary, self.config, self._clock, self._wall)
         self._sampler.start()
@@ -129,13 +127,13 @@ class StacksSource:
         """Fold finished windows into the counters. Raises SourceUnavailable when py-spy
         cannot read the target (ptrace denied, unsupported Python)."""
         if self._fatal:
-            raise SourceUnavailable(self._fatal, "unavailable")
+            raise SourceUnavailable(self._fatal)
         assert self._sampler is not None, "start() first"
         self._sampler.set_targets(self._targets(tree))
         for r in self._sampler.drain():
             self._fold(r)
         if self._fatal:
-            raise SourceUnavailable(self._fatal, "unavailable")
+            raise SourceUnavailable(self._fatal)
         self._forget_ended_jobs(tree)
         return self._snapshot(tree.job_id)
 
@@ -162,7 +160,7 @@ class StacksSource:
             problem = pyspy.compatibility(self._version, pyspy.target_python(pid, self._proc_root))
             if problem:
                 self._fatal = problem
-                raise SourceUnavailable(problem, "unsupported_python")
+                raise SourceUnavailable(problem, reason="unsupported_python")
         self._checked &= set(wanted)
         self._readable &= set(wanted)
         # A window of a process that just left may still be in flight: remember jobs a while.
@@ -203,10 +201,8 @@ class StacksSource:
             self._fatal = f"ptrace denied on PID {r.pid}, so py-spy cannot read its stacks: {pyspy.PTRACE_FIX}"
             return  # (once read, a denial is transient: e.g. another tracer attached for a moment)
         self._errors[r.error] = self._errors.get(r.error, 0) + 1
-        key = f"{r.error}:{r.detail}"
-        if key not in self._logged:
-            self._logged.add(key)
-            log.warning("stacks: py-spy on PID %d (rank %s): %s", r.pid, r.rank, r.detail or r.error)
+        self._log_once(logging.WARNING, (r.error, r.detail),
+                       "stacks: py-spy on PID %d (rank %s): %s", r.pid, r.rank, r.detail or r.error)
 
     def _check_stall(self, r: Result, main: list[Sample]) -> None:
         job = self._job(r.pid)

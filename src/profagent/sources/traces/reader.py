@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 
 from profagent.analysis.trace.model import KINDS, Trace  # noqa: F401  (KINDS: the categories kept)
+from profagent.errors import SourceError
 
 # Small pieces: inflated text is decoded while still in the CPU cache (a reader thread
 # was slower: it waits for the GIL while msgspec decodes, and it evicts the pieces).
@@ -30,12 +31,8 @@ RAW_CHUNK = 1024 * 1024  # compressed bytes read at a time
 MAX_PIECE = 512 * 1024 * 1024  # an event boundary must appear within this many bytes
 HEAD_LIMIT = 64 * 1024 * 1024  # metadata before traceEvents
 
-class TraceError(Exception):
+class TraceError(SourceError):
     """A trace that cannot be read. ``reason``: truncated, corrupt, not_a_trace, unreadable."""
-
-    def __init__(self, message: str, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 class Args(msgspec.Struct, gc=False):

@@ -1,0 +1,44 @@
+"""The one /proc module: ``(proc_root, pid)`` everywhere, and a process table that agrees
+with psutil on the live /proc and reads another root when given one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import psutil
+
+from profagent.system.procfs import PROC, process_table, read_environ, read_nspid
+
+
+def fake_proc(root: Path) -> Path:
+    (root / "stat").write_text("cpu  1 2 3\nbtime 1700000000\n")
+    for pid, ppid, state, argv in ((10, 1, "S", b"python\0train.py\0"), (11, 10, "Z", b""), (12, 10, "R", b"")):
+        d = root / str(pid)
+        d.mkdir()
+        # the name holds a space and a parenthesis, as comm may
+        (d / "stat").write_text(f"{pid} (py thon) x) {state} {ppid} " + " ".join(["0"] * 17) + " 250 0 0\n")
+        (d / "cmdline").write_bytes(argv)
+        (d / "environ").write_bytes(b"RANK=3\0WORLD_SIZE=4\0junk\0")
+        (d / "status").write_text(f"Name:\tpython\nNSpid:\t{pid}\t7\n")
+    (root / "self").mkdir()
+    return root
+
+
+def test_readers_take_the_root_then_the_pid(tmp_path: Path) -> None:
+    root = fake_proc(tmp_path)
+    assert read_environ(root, 10) == {"RANK": "3", "WORLD_SIZE": "4"}
+    assert read_nspid(root, 10) == (10, 7)
+    assert read_nspid(root, 99) == (99,)
+
+
+def test_process_table_reads_the_given_root(tmp_path: Path) -> None:
+    table = process_table(fake_proc(tmp_path))
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert table == {10: (1, 250 / ticks + 1_700_000_000, "python train.py"), 12: (10, 250 / ticks + 1_700_000_000, "")}
+
+
+def test_process_table_agrees_with_psutil() -> None:
+    me = psutil.Process()
+    ppid, created, cmdline = process_table(PROC)[me.pid]
+    assert (ppid, created, cmdline) == (me.ppid(), me.create_time(), " ".join(me.cmdline()))
