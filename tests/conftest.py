@@ -19,7 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_TRACES = ROOT.parent / "shared" / "traces" / "gpu"
+SHARED_TRACES = next((p for p in (ROOT.parent / "shared" / "traces" / "gpu", ROOT.parents[1] / "shared" / "traces" / "gpu")
+                      if p.is_dir()), ROOT.parent / "shared" / "traces" / "gpu")  # main checkout or a worktree
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
 
 

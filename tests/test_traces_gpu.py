@@ -34,33 +34,29 @@ class Reference:
     def __init__(self, path: Path) -> None:
         events = [e for e in _raw(path)["traceEvents"] if e.get("ph") == "X"]
         gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-        runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver", "cuda_sync")]
-        launch = {e["args"]["correlation"]: e["ts"] for e in runtime if "correlation" in e.get("args", {})}
+        device_pids = {e["pid"] for e in gpu}
+        # cuda_sync on a GPU stream row is a wait on the device, not a CPU runtime call
+        runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                   or (e.get("cat") == "cuda_sync" and e["pid"] not in device_pids)]
         step_events = sorted((e for e in events if e.get("cat") in ("user_annotation", "cpu_op")
-                              and str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
-        seen, steps = set(), []
-        for e in step_events:
-            if e["name"] not in seen:
-                seen.add(e["name"])
-                steps.append([e["ts"], e["ts"] + e["dur"]])
+                              and str(e.get("name", "")).startswith("ProfilerStep#")),
+                             key=lambda e: (e["ts"], -e["dur"]))
+        steps: list[tuple[float, float]] = []
+        for e in step_events:  # CPU ranges; one inside a kept one is a duplicate or nested
+            s, end = e["ts"], e["ts"] + e["dur"]
+            if end <= s or (steps and end <= steps[-1][1]):
+                continue
+            steps.append((max(s, steps[-1][1]) if steps else s, end))
+        self.incomplete = []
+        if len(steps) >= 2:
+            durations = sorted(e - s for s, e in steps[:-1])
+            mid = len(durations) // 2
+            median = durations[mid] if len(durations) % 2 else (durations[mid - 1] + durations[mid]) / 2
+            if steps[-1][1] - steps[-1][0] < median / 2:
+                self.incomplete.append(steps.pop())
         self.inferred = not steps
         if steps:
-            ends = [s[1] for s in steps]
-            starts = [s[0] for s in steps]
-            for k in gpu:
-                t = launch.get(k.get("args", {}).get("correlation"))
-                if t is None:
-                    continue
-                i = bisect_right(starts, t) - 1
-                if i >= 0 and t < steps[i][1]:
-                    ends[i] = max(ends[i], k["ts"] + k["dur"])
-            prev = -np.inf
-            self.steps = []
-            for (s, _), e in zip(steps, ends, strict=True):
-                s = max(s, prev)
-                e = max(e, s)
-                self.steps.append((s, e))
-                prev = e
+            self.steps = steps
         else:
             kept = [e for e in events if e.get("cat") in
                     ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver", "cuda_sync",
