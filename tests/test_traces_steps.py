@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import statistics
 from pathlib import Path
 
 import pytest
@@ -30,18 +29,27 @@ def _write(tmp_path: Path, data: dict, name: str = "t.pt.trace.json") -> Path:
 
 def brute_steps(data: dict) -> tuple[list[float], list[float]]:
     """(complete step durations, incomplete) in µs: ProfilerStep CPU ranges by start, an
-    exact or nested repeat skipped, a last step under half the others' median incomplete."""
-    ranges = sorted(((e["ts"], e["ts"] + e["dur"]) for e in data["traceEvents"]
-                     if e.get("ph") == "X" and e.get("cat") in ("user_annotation", "cpu_op")
+    exact or nested repeat skipped; the last one incomplete when every earlier step holds
+    an ``Optimizer.step#`` range and it does not, or (no such ranges) when shorter than
+    half the shortest earlier step."""
+    xs = [e for e in data["traceEvents"] if e.get("ph") == "X"]
+    ranges = sorted(((e["ts"], e["ts"] + e["dur"]) for e in xs if e.get("cat") in ("user_annotation", "cpu_op")
                      and e.get("name", "").startswith("ProfilerStep#")), key=lambda r: (r[0], -r[1]))
     kept: list[tuple[float, float]] = []
     for s, e in ranges:
         if e > s and not (kept and e <= kept[-1][1]):
             kept.append((max(s, kept[-1][1]) if kept else s, e))
     durations = [e - s for s, e in kept]
-    if len(durations) >= 2 and durations[-1] < statistics.median(durations[:-1]) / 2:
-        return durations[:-1], durations[-1:]
-    return durations, []
+    if len(kept) < 2:
+        return durations, []
+    marks = [e["ts"] for e in xs if e.get("cat") in ("user_annotation", "cpu_op")
+             and e.get("name", "").startswith("Optimizer.step#")]
+    has = [any(s <= m < e for m in marks) for s, e in kept]
+    if all(has[:-1]):
+        stub = not has[-1]
+    else:
+        stub = durations[-1] < min(durations[:-1]) / 2
+    return (durations[:-1], durations[-1:]) if stub else (durations, [])
 
 
 def brute_union(spans: list[tuple[float, float]], windows: list[tuple[float, float]]) -> float:

@@ -14,9 +14,12 @@ Kept and dropped ranges:
   ``user_annotation`` and ``cpu_op``, or a nested ``ProfilerStep``) is not a step;
 - a range that overlaps the previous step starts where that step ends;
 - a range of zero or negative length is dropped (``dropped``);
-- the last range is ``incomplete`` when it is shorter than half the median of the
-  steps before it: the profiler stopped right after ``prof.step()`` opened it (e.g. a
-  49 µs ``ProfilerStep#2`` after a 9.29 ms ``ProfilerStep#1``). It is excluded.
+- the last range is ``incomplete`` (the profiler stopped right after ``prof.step()``
+  opened it) and excluded when every step before it contains an optimizer step (an
+  ``Optimizer.step#...`` range, recorded by torch for every optimizer) and it does not;
+  in a trace without optimizer ranges, when it is shorter than half the shortest step
+  before it. E.g. ``mi250-rocm``: a 49 µs ``ProfilerStep#2`` with no ``Optimizer.step``
+  after a 9.29 ms ``ProfilerStep#1`` that has one.
 
 Without ``ProfilerStep`` events the whole traced window (first to last kept event) is
 one span, and ``inferred`` is True.
@@ -30,7 +33,8 @@ import numpy as np
 
 from profagent.analysis.trace.kinds import Classified
 
-INCOMPLETE_SHARE = 0.5  # a last step shorter than this share of the median is incomplete
+INCOMPLETE_SHARE = 0.5  # without optimizer ranges: shorter than this share of the shortest
+OPTIMIZER_PREFIX = "Optimizer.step#"
 
 
 @dataclass(frozen=True)
@@ -77,11 +81,21 @@ def find_steps(c: Classified) -> Steps:
         whole = _whole_window(c)
         return Steps(whole.steps, whole.inferred, dropped=dropped)
     incomplete: tuple[Step, ...] = ()
-    if len(kept) >= 2:
-        median = float(np.median([s.duration for s in kept[:-1]]))
-        if kept[-1].duration < INCOMPLETE_SHARE * median:
-            incomplete = (kept.pop(),)
+    if len(kept) >= 2 and _is_incomplete(c, kept):
+        incomplete = (kept.pop(),)
     return Steps(tuple(kept), False, incomplete, dropped, _gpu_lag(c, kept[-1]))
+
+
+def _is_incomplete(c: Classified, steps: list[Step]) -> bool:
+    """Whether the last step is a stub the profiler stopped in (see the module doc)."""
+    t = c.trace
+    idx = np.concatenate([c.annotations, c.cpu_ops])
+    opt = np.array([n.startswith(OPTIMIZER_PREFIX) for n in t.names] or [False], dtype=bool)
+    marks = t.ts[idx[opt[t.name[idx]]]] if len(idx) else np.empty(0)
+    has = [bool(((marks >= s.start) & (marks < s.end)).any()) for s in steps]
+    if all(has[:-1]):
+        return not has[-1]
+    return steps[-1].duration < INCOMPLETE_SHARE * min(s.duration for s in steps[:-1])
 
 
 def _gpu_lag(c: Classified, last: Step) -> float | None:
