@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,3 +196,80 @@ def test_cuda_sync_on_gpu_rows_is_not_cpu_runtime(tmp_path: Path) -> None:
     without = analyze(read_trace(_write(tmp_path, stripped)))
     assert with_sync.breakdown == pytest.approx(without.breakdown, abs=1e-12)
     assert with_sync.cpu_seconds == pytest.approx(without.cpu_seconds, abs=1e-12)
+
+
+def test_on_demand_trace_steps_come_from_optimizer_steps(tmp_path: Path) -> None:
+    """An on-demand (daemon) trace has no ProfilerStep; torch's Optimizer.step ranges mark
+    the iterations, so the step time is one iteration, not the whole window."""
+    data = _events(SHARED_TRACES / "a100-80gb-rank0.pt.trace.json.gz")
+    data["traceEvents"] = [e for e in data["traceEvents"] if not e.get("name", "").startswith("ProfilerStep#")]
+    marks = sorted({e["ts"] for e in data["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+                    and e["name"] == "Optimizer.step#FusedAdam.step"})
+    expected = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    report = analyze(read_trace(_write(tmp_path, data)))
+    assert report.step_source == "optimizer" and not report.steps_inferred
+    assert [s.seconds for s in report.steps] == pytest.approx([d * 1e-6 for d in expected], abs=1e-9)
+    assert len(report.steps) == 4 and report.step_mean == pytest.approx(0.2148, abs=2e-3)
+    # without optimizer ranges either, the window is no step time (flagged as inferred)
+    data["traceEvents"] = [e for e in data["traceEvents"] if not e.get("name", "").startswith("Optimizer.step#")]
+    bare = analyze(read_trace(_write(tmp_path, data, "bare.pt.trace.json")))
+    assert bare.steps_inferred and bare.step_source == "window"
+
+
+def test_step_seconds_only_from_real_steps(tmp_path: Path) -> None:
+    from profagent.exporters.families import Families
+    from profagent.exporters.families.traces import render
+    from profagent.sources.traces.source import RankTrace, TracesSnapshot
+
+    data = _events(SHARED_TRACES / "mi250-rocm.pt.trace.json.gz")
+    data["traceEvents"] = [e for e in data["traceEvents"]
+                           if not e.get("name", "").startswith(("ProfilerStep#", "Optimizer.step#"))]
+    window_only = analyze(read_trace(_write(tmp_path, data)))
+    stepped = analyze(read_trace(SHARED_TRACES / "mi250-rocm.pt.trace.json.gz"))
+    snap = TracesSnapshot("job", (RankTrace("0", window_only, 1.0, "job"), RankTrace("1", stepped, 1.0, "job")), (), 0)
+    out = Families()
+    render(snap, out)
+    samples = {f.name: [(s.labels, s.value) for s in f.samples] for f in out}
+    assert [(labels["rank"], v) for labels, v in samples["profagent_trace_step_seconds"]] == [
+        ("1", pytest.approx(9.288291e-3))]
+    assert ({"job_id": "job", "rank": "1", "accelerator": "rocm"}, 1) in samples["profagent_trace_info"]
+    assert ({"job_id": "job", "rank": "1"}, 1) in samples["profagent_trace_steps_incomplete"]
+
+
+def _run_analyze(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "profagent", "analyze", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_analyze_folder_ends_with_a_cross_rank_summary(tmp_path: Path) -> None:
+    data = _events(SHARED_TRACES / "mi250-rocm.pt.trace.json.gz")
+    folder = tmp_path / "job"
+    (folder / "node1").mkdir(parents=True)
+    expected = {}
+    for rank, scale in ((0, 1.0), (1, 1.0), (2, 1.5), (3, 1.1)):
+        copy = json.loads(json.dumps(data))
+        for e in copy["traceEvents"]:
+            if e.get("name") == "ProfilerStep#1" and e.get("cat") == "user_annotation":
+                e["dur"] *= scale
+        sub = folder / "node1" if rank >= 2 else folder
+        _write(sub, copy, f"trace_rank{rank}.json")
+        steps, _ = brute_steps(copy)
+        expected[str(rank)] = sum(steps) / len(steps) * 1e-6
+    (folder / "notes.txt").write_text("not a trace")
+    res = _run_analyze("--json", str(folder))
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert len(out["traces"]) == 4 and {t["rank"] for t in out["traces"]} == set(expected)
+    summary = out["summary"]
+    assert {k: v["step_seconds"] for k, v in summary["ranks"].items()} == pytest.approx(expected)
+    assert summary["straggler_rank"] == "2"
+    assert summary["spread"] == pytest.approx(max(expected.values()) / min(expected.values()) - 1)
+    # the text output: one row per trace (4 > 3) and the summary, not four full reports
+    text = _run_analyze(str(folder))
+    assert text.returncode == 0, text.stderr
+    assert "cross-rank summary" in text.stdout and "straggler: rank 2" in text.stdout
+    assert "step time breakdown" not in text.stdout and len(text.stdout.splitlines()) < 30
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = _run_analyze(str(empty))
+    assert res.returncode == 2 and "no trace" in res.stderr and "Traceback" not in res.stderr

@@ -69,7 +69,7 @@ def test_analyze_command_text_and_json(torch_traces: list[Path]) -> None:
     res = subprocess.run([sys.executable, "-m", "profagent", "analyze", "--json", *map(str, torch_traces)],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    data = json.loads(res.stdout)
+    data = json.loads(res.stdout)["traces"]
     assert len(data) == 3 and all(len(r["steps"]) == 3 for r in data) and "findings" in data[0]
 
 

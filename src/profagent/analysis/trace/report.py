@@ -52,6 +52,7 @@ class TraceReport:
     accelerator: str | None  # cuda, rocm, mtia, xpu, privateuse1; None: no device work
     steps: tuple[StepTime, ...]  # complete steps only
     steps_inferred: bool
+    step_source: str  # profiler_step (ProfilerStep#N), optimizer (Optimizer.step# markers), window
     steps_incomplete: tuple[tuple[str, float], ...]  # (name, seconds): excluded last step
     steps_dropped: int  # ProfilerStep ranges of zero or negative length
     gpu_lag: float | None  # seconds the device ran past the last step's end on its work
@@ -130,6 +131,7 @@ def analyze(trace: Trace, top_k: int = 10) -> TraceReport:
             for s, row in zip(steps.steps, bd.per_step, strict=True)
         ),
         steps_inferred=steps.inferred,
+        step_source=steps.source,
         step_mean=sum(durations) / len(durations) if durations else None,
         step_max=max(durations) if durations else None,
         breakdown={k: bd.ratios[k] for k in CATEGORIES} if durations else {},

@@ -21,8 +21,12 @@ Kept and dropped ranges:
   before it. E.g. ``mi250-rocm``: a 49 µs ``ProfilerStep#2`` with no ``Optimizer.step``
   after a 9.29 ms ``ProfilerStep#1`` that has one.
 
-Without ``ProfilerStep`` events the whole traced window (first to last kept event) is
-one span, and ``inferred`` is True.
+Without ``ProfilerStep`` (an on-demand trace taken through Kineto's daemon has none), the
+optimizer steps mark the iterations: torch records an ``Optimizer.step#<Class>.step``
+range for every optimizer step, so with N of them (of the most frequent such name) there
+are N-1 steps, each from one optimizer step's start to the next one's (``source`` is
+``optimizer``). Without either, the whole traced window (first to last kept event) is one
+span, and ``inferred`` is True: a window is not a step time.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class Steps:
     incomplete: tuple[Step, ...] = ()  # excluded: the profiler stopped inside them
     dropped: int = 0  # ranges of zero or negative length
     gpu_lag: float | None = None  # µs of device work launched in the last step, after its end
+    source: str = "profiler_step"  # profiler_step, optimizer, or window (inferred)
 
     @property
     def spans(self) -> list[tuple[float, float]]:
@@ -78,12 +83,33 @@ def find_steps(c: Classified) -> Steps:
             start = kept[-1].end
         kept.append(Step(t.names[t.name[i]], start, end))
     if not kept:
+        by_optimizer = _optimizer_steps(c)
+        if len(by_optimizer) >= 1:
+            return Steps(by_optimizer, False, dropped=dropped, gpu_lag=_gpu_lag(c, by_optimizer[-1]),
+                         source="optimizer")
         whole = _whole_window(c)
-        return Steps(whole.steps, whole.inferred, dropped=dropped)
+        return Steps(whole.steps, whole.inferred, dropped=dropped, source="window")
     incomplete: tuple[Step, ...] = ()
     if len(kept) >= 2 and _is_incomplete(c, kept):
         incomplete = (kept.pop(),)
     return Steps(tuple(kept), False, incomplete, dropped, _gpu_lag(c, kept[-1]))
+
+
+def _optimizer_steps(c: Classified) -> tuple[Step, ...]:
+    """Iterations between consecutive optimizer steps (the most frequent optimizer name)."""
+    t = c.trace
+    idx = np.concatenate([c.annotations, c.cpu_ops])
+    if len(idx) == 0:
+        return ()
+    opt = np.array([n.startswith(OPTIMIZER_PREFIX) for n in t.names] or [False], dtype=bool)
+    idx = idx[opt[t.name[idx]]]
+    if len(idx) < 2:
+        return ()
+    names, counts = np.unique(t.name[idx], return_counts=True)
+    top = names[np.argmax(counts)]
+    starts = np.unique(t.ts[idx[t.name[idx] == top]])  # sorted; a range recorded twice counts once
+    return tuple(Step(f"iteration {k + 1}", float(a), float(b))
+                 for k, (a, b) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)))
 
 
 def _is_incomplete(c: Classified, steps: list[Step]) -> bool:
