@@ -154,7 +154,7 @@ def cross_rank_summary(reports: Sequence[tuple[TraceReport, str | None]]) -> dic
              for k, v in per_rank.items()}
     for k in traces:
         ranks.setdefault(k, {"traces": traces[k], "steps": 0, "step_seconds": None})
-    timed = {k: v["step_seconds"] for k, v in ranks.items() if v["step_seconds"]}
+    timed = {k: v["step_seconds"] for k, v in ranks.items() if v["step_seconds"] and k != "unknown"}
     straggler = spread = None
     if len(timed) >= 2:
         straggler = max(timed, key=lambda k: timed[k])
@@ -203,7 +203,7 @@ def analyze_files(paths: Sequence[Path], as_json: bool, top_k: int, console: Con
         rows = Table(title=f"{len(files)} traces (--details for each full report)")
         for name in ("trace", "rank", "accelerator", "steps", "step ms", "GPU idle"):
             rows.add_column(name, overflow="fold")
-        rows.add_column("first finding", overflow="ellipsis", no_wrap=True, ratio=1)
+        rows.add_column("first finding", overflow="ellipsis", no_wrap=True, max_width=50)
     for path in files:
         try:
             report = analyze(read_trace(path), top_k)
