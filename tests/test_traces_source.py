@@ -256,3 +256,25 @@ def test_folder_created_later_is_watched(tmp_path: Path) -> None:
         wait_for(lambda: r.total("ingested") == 1, 10, what="trace in a folder created after start")
     finally:
         r.stop()
+
+
+def test_traces_of_other_processes_are_skipped(dirs, running, caplog) -> None:
+    """A shared folder (one agent per job): only the target's traces are ingested."""
+    folder, _ = dirs
+    text = gzip.decompress(SMALL.read_bytes()).decode()
+    (folder / "profagent_aa_4243.json").write_text(text)  # on-demand, from rank 2 of the job
+    (folder / "profagent_bb_999999.json").write_text(text)  # on-demand, from another job
+    # a trace taken from a live process outside the job (this test process)
+    (folder / "other.pt.trace.json").write_text(text.replace('"pid": 597913', f'"pid": {os.getpid()}'))
+    (folder / "old.pt.trace.json").write_text(text)  # pid 597913: no such process here; kept
+    import logging
+
+    caplog.set_level(logging.DEBUG, "profagent.sources.traces.source")
+    r = running()
+    wait_for(lambda: r.total("ingested") + r.total("skipped") == 4, 20, what="four traces handled")
+    assert r.counts() == {("ingested", "ok"): 2, ("skipped", "other_process"): 2}
+    ranks = {rt.rank for rt in r.snapshot.ranks}
+    assert ranks == {"2", "unknown"}  # pid 4243 is rank 2; the old trace has no rank
+    infos = [rec for rec in caplog.records if rec.levelno == logging.INFO and "ingested" in rec.getMessage()]
+    assert len(infos) == 1  # the first ingest at INFO, the next at DEBUG
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.WARNING]

@@ -222,14 +222,15 @@ def doctor(config: ConfigOpt = None, log_level: LogLevelOpt = None, gpu_backend:
 
 @app.command()
 def analyze(
-    files: Annotated[list[Path], typer.Argument(help="Kineto traces (.json or .json.gz)", show_default=False)],
+    files: Annotated[list[Path], typer.Argument(help="Kineto traces (.json or .json.gz) or folders of them", show_default=False)],
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON instead of tables")] = False,
     top_k: Annotated[int, typer.Option("--top", help="kernels and ops listed per trace")] = 10,
+    details: Annotated[bool, typer.Option("--details", help="full report of every trace, also with many traces")] = False,
 ) -> None:
-    """Analyse torch profiler traces offline: steps, breakdown, GPU idle, tops, findings."""
+    """Analyse torch profiler traces offline: steps, breakdown, GPU idle, tops, findings, cross-rank summary."""
     from profagent.cli.analyze import analyze_files
 
-    raise typer.Exit(analyze_files(files, json_out, top_k, Console()))
+    raise typer.Exit(analyze_files(files, json_out, top_k, Console(), details=details))
 
 
 @app.command()
@@ -259,7 +260,7 @@ def trace(
     args = TraceRequestArgs(pid, job, all_, duration_ms, iterations, record_shapes, profile_memory, with_stack, timeout)
     request_trace(
         cfg.ondemand.control_socket or default_control_socket(), args, console,
-        report=lambda path: analyze_files([path], json_out, cfg.traces.top_k, out),
+        report=lambda path, rank: analyze_files([path], json_out, cfg.traces.top_k, out, ranks={path: rank}),
     )
 
 

@@ -59,7 +59,7 @@ def request_trace(
     control_socket: str,
     args: TraceRequestArgs,
     console: Console,
-    report: Callable[[Path], None],
+    report: Callable[[Path, str | None], None],  # (trace file, its rank when known)
     clock: Callable[[], float] = time.monotonic,
 ) -> list[Path]:
     """Request, follow and report. Returns the trace files. Raises UserError on failure."""
@@ -116,7 +116,8 @@ def request_trace(
                     console.print(f"  {names[pid]}: {new}", highlight=False, soft_wrap=True)
                     status.update(f"{names[pid]}: {new}")
             time.sleep(0.2)
+    rank_of = {t["pid"]: (str(t["rank"]) if t.get("rank") else None) for t in targets}
     for pid, path in done.items():
         console.print(f"[bold]{names[pid]}[/bold]: {path}", highlight=False, soft_wrap=True)
-        report(path)
+        report(path, rank_of[pid])
     return list(done.values())

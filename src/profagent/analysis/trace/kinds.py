@@ -1,10 +1,12 @@
 """What each Kineto event is: the closed vocabulary every analyzer shares.
 
-Kineto categories used: ``kernel``, ``gpu_memcpy``, ``gpu_memset`` (GPU activity, on
-the GPU's pid/``device``), ``cuda_runtime``/``cuda_driver``/``cuda_sync`` (CPU side of
-CUDA or HIP calls, carrying ``correlation``), ``cpu_op`` (ATen ops), ``user_annotation``
-(``record_function`` ranges, including ``ProfilerStep#N``). AMD/ROCm traces use the same
-categories (HIP calls appear as ``cuda_runtime``).
+Kineto categories used (see ``model.KINDS``): device work ``kernel``, ``gpu_memcpy``,
+``gpu_memset`` (CUDA, ROCm/HIP, XPU) and ``mtia_ccp_events`` (MTIA), on the device's
+pid/``device``; runtime calls ``cuda_runtime``/``cuda_driver`` (CUDA, and HIP on ROCm),
+``mtia_runtime``, ``xpu_runtime``, ``privateuse1_runtime``/``_driver``, carrying
+``correlation``; ``cuda_sync`` counts as runtime only on a CPU thread (on a GPU stream row
+it is a stream/event wait, not a CPU call); ``cpu_op`` (ATen ops), ``user_annotation``
+(``record_function`` ranges, including ``ProfilerStep#N``).
 
 ``classify`` computes, once per trace, the index sets and unions every analyzer reads;
 ``Frame`` puts them on one shared grid restricted to the steps (see intervals.Timeline).
@@ -18,12 +20,14 @@ import numpy as np
 
 from profagent.analysis.trace.intervals import Merged, Timeline, merge
 from profagent.analysis.trace.model import (
+    ACCELERATOR_OF_CATEGORY,
     ANNOTATION,
     CPU_OP,
     KERNEL,
     MEMCPY,
     MEMSET,
     RUNTIME,
+    SYNC,
     Trace,
 )
 
@@ -77,7 +81,7 @@ def classify(trace: Trace) -> Classified:
     is_step = step_name[t.name] if len(t) else np.zeros(0, dtype=bool)
     gpu = np.flatnonzero(kind <= MEMSET)
     gpu = gpu[np.argsort(t.ts[gpu], kind="stable")]
-    runtime = np.flatnonzero(kind == RUNTIME)
+    runtime = np.flatnonzero((kind == RUNTIME) | ((kind == SYNC) & ~_on_device_rows(t, gpu)))
     cpu_like = (kind == CPU_OP) | (kind == ANNOTATION)
     steps = np.flatnonzero(cpu_like & is_step)
     cpu_ops = np.flatnonzero((kind == CPU_OP) & ~is_step)
@@ -132,6 +136,30 @@ def classify(trace: Trace) -> Classified:
     u["cpu_exec"] = merge(*c.span(cpu_ops[~ops_loader & ~ops_comm]))
     u["cpu_all"] = merge(*c.span(np.concatenate([cpu_ops, runtime])))
     return c
+
+
+def _on_device_rows(t: Trace, gpu: np.ndarray) -> np.ndarray:
+    """Per event: whether it is on a device row (a thread of a device pid)."""
+    device_pids = set(t.gpu_devices) | {t.threads[i][0] for i in np.unique(t.thread[gpu]).tolist()}
+    per_thread = np.array([p in device_pids for p, _ in t.threads] or [False], dtype=bool)
+    return per_thread[t.thread] if len(t) else np.zeros(0, dtype=bool)
+
+
+def accelerator(c: Classified) -> str | None:
+    """The accelerator kind that ran the device work: cuda, rocm, mtia, xpu, privateuse1;
+    None without device work (CPU-only trace)."""
+    t = c.trace
+    for cat in sorted(t.categories):
+        kind = ACCELERATOR_OF_CATEGORY.get(cat)
+        if kind is not None:
+            return kind
+    if len(c.gpu) == 0:
+        return None
+    runtime_names = {t.names[i] for i in np.unique(t.name[c.runtime]).tolist()}
+    if any(n.startswith(("hip", "roctx")) for n in runtime_names) or any(
+            "AMD" in d or "Radeon" in d or "Instinct" in d for d in t.device_names):
+        return "rocm"
+    return "cuda"
 
 
 class Frame:

@@ -10,15 +10,32 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # Event kinds the analyzers use (Kineto category -> kind code). Everything else (flows,
-# python_function, counters...) is dropped while decoding.
+# python_function, counters...) is dropped while decoding. The categories are Kineto's
+# (libkineto ActivityType names) that HolisticTraceAnalysis also reads:
+# - device work: ``kernel``, ``gpu_memcpy``, ``gpu_memset`` (CUDA, ROCm/HIP, XPU),
+#   ``mtia_ccp_events`` (MTIA device work: kernels and memory ops in one category);
+# - runtime (host side API calls, with ``correlation``): ``cuda_runtime``, ``cuda_driver``
+#   (also HIP calls on ROCm), ``mtia_runtime``, ``xpu_runtime``, ``privateuse1_runtime``,
+#   ``privateuse1_driver``;
+# - ``cuda_sync``: synchronisation, written on the CPU thread that waits (CPU runtime) or on
+#   a GPU stream row (stream/event waits: neither runtime nor device work);
+# - ``cpu_op`` (ATen ops), ``user_annotation`` (record_function, ProfilerStep#N).
 KINDS = {
-    "kernel": 0, "gpu_memcpy": 1, "gpu_memset": 2,
-    "cuda_runtime": 3, "cuda_driver": 3, "cuda_sync": 3,
+    "kernel": 0, "mtia_ccp_events": 0, "gpu_memcpy": 1, "gpu_memset": 2,
+    "cuda_runtime": 3, "cuda_driver": 3, "mtia_runtime": 3, "xpu_runtime": 3,
+    "privateuse1_runtime": 3, "privateuse1_driver": 3,
     "cpu_op": 4, "Operator": 4,
     "user_annotation": 5,
+    "cuda_sync": 6,
 }
-KERNEL, MEMCPY, MEMSET, RUNTIME, CPU_OP, ANNOTATION = range(6)
+KERNEL, MEMCPY, MEMSET, RUNTIME, CPU_OP, ANNOTATION, SYNC = range(7)
 
+# The accelerator a category belongs to when only one does (CUDA's names are shared
+# by ROCm and XPU: those are told apart by their runtime call names, see kinds.py).
+ACCELERATOR_OF_CATEGORY = {
+    "mtia_ccp_events": "mtia", "mtia_runtime": "mtia", "xpu_runtime": "xpu",
+    "privateuse1_runtime": "privateuse1", "privateuse1_driver": "privateuse1",
+}
 
 
 @dataclass
@@ -48,6 +65,8 @@ class Trace:
     memory: list[tuple[int | None, int | None, int]] = field(default_factory=list)  # type, id, allocated
     cpu_pids: set[int] = field(default_factory=set)  # pids labelled CPU
     gpu_devices: dict[int, int] = field(default_factory=dict)  # trace pid -> device index
+    categories: set[str] = field(default_factory=set)  # the kept events' Kineto categories
+    device_names: list[str] = field(default_factory=list)  # deviceProperties[].name
 
     def __len__(self) -> int:
         return len(self.ts)

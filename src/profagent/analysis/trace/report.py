@@ -13,7 +13,7 @@ from profagent.analysis.trace.annotations import Annotation, annotations
 from profagent.analysis.trace.breakdown import CATEGORIES, step_breakdown
 from profagent.analysis.trace.cputime import cpu_gpu_time
 from profagent.analysis.trace.devices import DeviceTime, device_times
-from profagent.analysis.trace.kinds import US, Frame, classify
+from profagent.analysis.trace.kinds import US, Frame, accelerator, classify
 from profagent.analysis.trace.launch import LaunchDelay, launch_delay
 from profagent.analysis.trace.memory import peak_allocated
 from profagent.analysis.trace.model import Trace
@@ -49,8 +49,14 @@ class TraceReport:
     path: str
     rank: str | None  # from distributedInfo only; the source may resolve it otherwise
     bytes: int
-    steps: tuple[StepTime, ...]
+    accelerator: str | None  # cuda, rocm, mtia, xpu, privateuse1; None: no device work
+    steps: tuple[StepTime, ...]  # complete steps only
     steps_inferred: bool
+    step_source: str  # profiler_step (ProfilerStep#N), optimizer (Optimizer.step# markers), window
+    steps_incomplete: tuple[tuple[str, float], ...]  # (name, seconds): excluded last step
+    steps_dropped: int  # ProfilerStep ranges of zero or negative length
+    gpu_lag: float | None  # seconds the device ran past the last step's end on its work
+    warnings: tuple[str, ...]
     step_mean: float | None
     step_max: float | None
     breakdown: dict[str, float]  # category -> ratio of step time
@@ -115,11 +121,17 @@ def analyze(trace: Trace, top_k: int = 10) -> TraceReport:
         path=trace.path,
         rank=trace.rank,
         bytes=trace.bytes_read,
+        accelerator=accelerator(c),
+        steps_incomplete=tuple((s.name, s.duration * US) for s in steps.incomplete),
+        steps_dropped=steps.dropped,
+        gpu_lag=None if steps.gpu_lag is None else steps.gpu_lag * US,
+        warnings=_warnings(trace, steps.dropped),
         steps=tuple(
             StepTime(s.name, s.duration * US, {k: v * US for k, v in row.items()})
             for s, row in zip(steps.steps, bd.per_step, strict=True)
         ),
         steps_inferred=steps.inferred,
+        step_source=steps.source,
         step_mean=sum(durations) / len(durations) if durations else None,
         step_max=max(durations) if durations else None,
         breakdown={k: bd.ratios[k] for k in CATEGORIES} if durations else {},
@@ -140,6 +152,21 @@ def analyze(trace: Trace, top_k: int = 10) -> TraceReport:
     )
 
 
+# float64 keeps 52 bits: from 2**52 µs on, timestamps are rounded to a microsecond or more
+PRECISION_LIMIT_US = float(2**52)
+
+
+def _warnings(trace: Trace, dropped: int) -> tuple[str, ...]:
+    out = []
+    if len(trace) and max(abs(float(trace.ts.min())), abs(float(trace.end.max()))) >= PRECISION_LIMIT_US:
+        out.append(f"timestamps reach {max(abs(float(trace.ts.min())), abs(float(trace.end.max()))):.3g} µs: "
+                   "at that magnitude durations are rounded to a microsecond or more (figures imprecise); "
+                   "re-export the trace with relative timestamps (baseTimeNanoseconds)")
+    if dropped:
+        out.append(f"{dropped} ProfilerStep range(s) of zero or negative length were ignored")
+    return tuple(out)
+
+
 def _cpu_pids(trace: Trace) -> tuple[int, ...]:
     pids = set(trace.cpu_pids)
     for pid, _ in trace.threads:
@@ -151,9 +178,13 @@ def _cpu_pids(trace: Trace) -> tuple[int, ...]:
 def findings(r: TraceReport) -> list[str]:
     """Plain-language readings of the figures, most important first."""
     out: list[str] = []
+    out.extend(r.warnings)
     if r.steps_inferred and r.steps:
         out.append("no ProfilerStep in this trace: the whole window is treated as one step "
-                   "(use torch.profiler.schedule and call prof.step() each iteration)")
+                   "(take the trace with `profagent trace --iterations N`, which records whole steps)")
+    for name, seconds in r.steps_incomplete:
+        out.append(f"{name} ({seconds * 1e3:.3f} ms) is incomplete (the profiler stopped inside it): "
+                   "excluded from the step figures")
     g = r.gpu
     if g is not None:
         if g.idle_ratio >= 0.3:
@@ -167,7 +198,7 @@ def findings(r: TraceReport) -> list[str]:
             out.append(f"only {g.overlap_ratio:.0%} of communication overlaps computation: "
                        "check bucket sizes and that collectives are issued early (DDP/FSDP overlap)")
     elif r.steps:
-        out.append("no GPU activity in this trace (CPU-only, or GPU tracing was off)")
+        out.append("no accelerator activity in this trace (CPU-only, or device tracing was off)")
     if r.cpu_gpu_ratio is not None and r.cpu_gpu_ratio >= 1.5:
         out.append(f"CPU time is {r.cpu_gpu_ratio:.1f}x GPU time: the GPU is starved by the CPU "
                    "(Python overhead, small kernels: try larger batches, CUDA graphs, torch.compile)")

@@ -48,6 +48,8 @@ def render(snap: TracesSnapshot, out: Families) -> None:
     mem = out.gauge("profagent_trace_memory_peak_allocated_bytes", "peak allocated memory from [memory] events", (*RANK, "device"))
     last = out.gauge("profagent_trace_last_ingested_timestamp_seconds", "when the rank's last trace was ingested (Unix time)", RANK)
     size = out.gauge("profagent_trace_last_size_bytes", "uncompressed JSON size of the rank's last trace", RANK)
+    info = out.gauge("profagent_trace_info", "1 per rank's last trace; accelerator: cuda, rocm, mtia, xpu, privateuse1 or none", (*RANK, "accelerator"))
+    incomplete = out.gauge("profagent_trace_steps_incomplete", "ProfilerSteps of the rank's last trace excluded as incomplete (profiler stopped inside)", RANK)
 
     for rt in snap.ranks:
         r = rt.report
@@ -55,8 +57,11 @@ def render(snap: TracesSnapshot, out: Families) -> None:
         last.add_metric(labels, rt.ingested_at)
         size.add_metric(labels, r.bytes)
         steps.add_metric(labels, len(r.steps))
+        info.add_metric([*labels, r.accelerator or "none"], 1)
+        incomplete.add_metric(labels, len(r.steps_incomplete))
         inferred.add_metric(labels, 1.0 if r.steps_inferred else 0.0)
-        if r.step_mean is not None and r.step_max is not None:
+        # a trace without ProfilerStep has no step time: its window is not one step
+        if r.step_mean is not None and r.step_max is not None and not r.steps_inferred:
             step.add_metric(labels, r.step_mean)
             step_max.add_metric(labels, r.step_max)
         for category, ratio in r.breakdown.items():

@@ -109,6 +109,13 @@ class Meta(msgspec.Struct):
     traceName: str | None = None
 
 
+class DeviceProperty(msgspec.Struct):
+    name: str | None = None
+
+
+_device_decoder = msgspec.json.Decoder(DeviceProperty)
+
+
 class Whole(Meta):
     traceEvents: list[Event] = msgspec.field(default_factory=list)
 
@@ -231,6 +238,7 @@ class _Builder:
         ts = [e.ts for e in kept]
         dur = [e.dur for e in kept]
         cat = [e.cat for e in kept]
+        self.trace.categories.update(cat)
         name = [e.name for e in kept]
         pid = [e.pid for e in kept]
         tid = [e.tid for e in kept]
@@ -296,6 +304,13 @@ def _meta_into(trace: Trace, meta: Meta) -> None:
         trace.base_time_ns = meta.baseTimeNanoseconds
     if meta.deviceProperties is not None:
         trace.device_count = len(meta.deviceProperties)
+        for raw in meta.deviceProperties:
+            try:
+                name = _device_decoder.decode(raw).name
+            except (msgspec.DecodeError, UnicodeDecodeError):
+                continue
+            if name:
+                trace.device_names.append(name[:200])
 
 
 def _decode_error(exc: Exception) -> TraceError:

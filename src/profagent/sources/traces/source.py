@@ -5,14 +5,28 @@ scrape path, and off the other sources' threads); ``collect()`` only hands over 
 latest immutable snapshot. The source ticks every 0.25 s by default, so a trace's
 metrics are visible well within two seconds of the file being complete.
 
+A trace belongs to exactly one job and rank: the process it was taken from. Its pid is
+in the file name of an on-demand trace (``profagent_<id>_<pid>.json``, as libkineto names
+it) or of ``tensorboard_trace_handler`` (``host_<pid>.<ts>.pt.trace.json``), and in the
+trace's process metadata (``pid`` of its CPU rows). A trace of a process outside the target
+is skipped (``profagent_traces_rejected_total{status="skipped",reason="other_process"}``):
+an on-demand trace whose pid is not a target process, or any trace whose pids are all live
+processes of this host outside the target (another job's trace in a shared folder). A
+trace whose pid is no live process (taken elsewhere, or earlier) is kept.
+
 The rank of a trace: ``distributedInfo.rank``, else the rank of the target process whose
 pid the trace records, else ``rank<N>`` or a pid in the file name, else the job's only
 rank, else ``unknown``.
+
+Logging stays readable on a busy folder: the first ingested trace is logged at INFO, the
+others at DEBUG, with an INFO summary at most every ``SUMMARY_SECONDS`` ("N traces
+ingested, M skipped in the last minute"); rejected files stay at WARNING.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -40,6 +54,8 @@ STATE_FILE = "traces-processed.json"
 PUBLISH_INTERVAL = 0.25  # default seconds between publishing (collect() never waits)
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 _PID_IN_NAME = re.compile(r"_(\d+)\.\d+\.pt\.trace\.json")  # tensorboard_trace_handler: host_PID.TS.pt.trace.json
+_ONDEMAND_NAME = re.compile(r"^profagent_[^/]*_(\d+)\.json$")  # libkineto: <log file stem>_<pid>.json
+SUMMARY_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -59,23 +75,64 @@ class TracesSnapshot:
     top_k: int = 10
 
 
-def resolve_job(report: TraceReport, tree: ProcessTree | None) -> str:
+def resolve_job(report: TraceReport, tree: ProcessTree | None, path: str = "") -> str:
     """The job of the traced process (by pid), else the tree's job (attach mode)."""
     if tree is None:
         return ""
     by_pid = tree.by_pid()
-    for pid in report.cpu_pids:
+    for pid in sorted(traced_pids(report, path)[0]):
         info = by_pid.get(pid)
         if info is not None:
             return info.job_id
     return tree.job_id
 
 
+def traced_pids(report: TraceReport, path: str) -> tuple[set[int], bool]:
+    """The pids the trace was taken from, and whether the file is an on-demand trace."""
+    name = Path(path).name
+    m = _ONDEMAND_NAME.match(name)
+    if m:
+        return {int(m.group(1))}, True
+    pids = set(report.cpu_pids)
+    m = _PID_IN_NAME.search(name)
+    if m:
+        pids.add(int(m.group(1)))
+    return pids, False
+
+
+def foreign(report: TraceReport, path: str, tree: ProcessTree | None,
+            alive: Callable[[int], bool]) -> bool:
+    """Whether the trace was taken from a process outside the target (see the module doc)."""
+    if tree is None or not tree.processes:
+        return False
+    pids, ondemand = traced_pids(report, path)
+    if not pids:
+        return False
+    ours = tree.by_pid()
+    if any(pid in ours for pid in pids):
+        return False
+    return ondemand or all(alive(pid) for pid in pids)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: existence check only
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by another user
+    except OverflowError:
+        return False
+    return True
+
+
 def resolve_rank(report: TraceReport, path: str, tree: ProcessTree | None) -> str:
     if report.rank is not None:
         return report.rank
     by_pid = tree.by_pid() if tree is not None else {}
-    for pid in report.cpu_pids:
+    for pid in sorted(traced_pids(report, path)[0]):
         info = by_pid.get(pid)
         if info is not None and info.rank:
             return info.rank
@@ -106,6 +163,7 @@ class TracesSource:
         reader: Callable[[str], Trace] = read_trace,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        alive: Callable[[int], bool] = _pid_alive,
     ) -> None:
         self.interval = interval
         self.top_k = top_k
@@ -113,6 +171,10 @@ class TracesSource:
         self._read = reader
         self._clock = clock
         self._wall = wall
+        self._alive = alive
+        self._logged_first = False
+        self._since_summary: dict[str, int] = {}
+        self._summary_at = clock()
         processed = Processed(state_dir / STATE_FILE if state_dir is not None else None)
         self._watcher = FolderWatcher(dirs, processed, settle_seconds, invalid_after, max_file_bytes, polling)
         self._tree: ProcessTree | None = None
@@ -157,6 +219,8 @@ class TracesSource:
         while not self._stop.is_set():
             self._watcher.wake.wait(0.1)
             self._watcher.wake.clear()
+            if self._tree is None:
+                continue  # whose trace a file is needs the target: wait for the first collect()
             for verdict in self._watcher.due(self._clock()):
                 if self._stop.is_set():
                     return
@@ -196,16 +260,36 @@ class TracesSource:
             self._count(verdict, "invalid", "analysis_failed", f"{type(exc).__name__}: {exc}")
             return
         del trace
-        rank = resolve_rank(report, verdict.path, self._tree)
-        job_id = resolve_job(report, self._tree)
+        tree = self._tree
+        if foreign(report, verdict.path, tree, self._alive):
+            pids = ", ".join(map(str, sorted(traced_pids(report, verdict.path)[0])))
+            self._count(verdict, "skipped", "other_process", f"taken from PID {pids}, not a process of this job")
+            return
+        rank = resolve_rank(report, verdict.path, tree)
+        job_id = resolve_job(report, tree, verdict.path)
         with self._lock:
             self._ranks[(job_id, rank)] = RankTrace(rank, report, self._wall(), job_id)
         self._count(verdict, "ingested", "ok", "")
-        log.info("trace %s ingested (rank %s)", verdict.path, rank)
+        if not self._logged_first:
+            self._logged_first = True
+            log.info("trace %s ingested (rank %s); further traces are logged at debug level, "
+                     "with a summary every %.0f s", verdict.path, rank, SUMMARY_SECONDS)
+        else:
+            log.debug("trace %s ingested (rank %s)", verdict.path, rank)
 
     def _count(self, verdict: Verdict, status: str, reason: str, message: str) -> None:
-        if status != "ingested":
+        if status == "skipped" and reason == "other_process":
+            log.debug("trace %s skipped: %s", verdict.path, message)  # routine with a shared folder
+        elif status != "ingested":
             log.warning("trace %s %s: %s", verdict.path, status, message or reason)
+        self._since_summary[status] = self._since_summary.get(status, 0) + 1
+        now = self._clock()
+        if now - self._summary_at >= SUMMARY_SECONDS:
+            if sum(self._since_summary.values()) > 1:
+                log.info("traces in the last %.0f s: %s", now - self._summary_at,
+                         ", ".join(f"{n} {k}" for k, n in sorted(self._since_summary.items())))
+            self._since_summary.clear()
+            self._summary_at = now
         self._watcher.finished(verdict, status)
         with self._lock:
             self._counts[(status, reason)] = self._counts.get((status, reason), 0) + 1
