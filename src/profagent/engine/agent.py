@@ -17,6 +17,7 @@ from rich.console import Console
 
 from profagent.config import Config, parse_listen
 from profagent.engine.control import ControlledOndemand, default_control_socket
+from profagent.engine.findings import FindingsEngine, findings_route
 from profagent.engine.runtime import Runtime
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.http import AgentHTTPServer, load_web_config
@@ -95,6 +96,10 @@ class Job:
             if isinstance(source, StacksSource):
                 source.gpu_busy = self.gpu_busy  # a stall needs the rank's GPUs idle too
         self.runtime = Runtime(self.target, self.sources, self.state, interval=config.agent.interval)
+        self.findings: FindingsEngine | None = None
+        if config.findings.enabled:
+            self.findings = FindingsEngine(config.findings, self.state)
+            self.runtime.add_hook("findings", self.findings.tick)
 
     def gpu_busy(self, rank: str, job_id: str | None = None) -> bool | None:
         """Whether the rank's GPUs work, from the GPU source's latest snapshot (None: unknown)."""
@@ -122,6 +127,9 @@ class Agent:
         self.server = AgentHTTPServer(host, port, self.exposition, web)
         self.server.add_route("/api/stacks", stacks_route(
             lambda: [s for job in list(self.jobs) for s in job.sources if isinstance(s, StacksSource)]
+        ))
+        self.server.add_route("/api/findings", findings_route(
+            lambda: [job.state.snapshot("findings") for job in list(self.jobs) if job.findings is not None]
         ))
 
     def views(self) -> list:

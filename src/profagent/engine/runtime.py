@@ -54,6 +54,11 @@ class Runtime:
         self._threads: list[threading.Thread] = []
         self._log_once = LogOnce(log)
         self._gone_since: float | None = None
+        self._hooks: list[tuple[str, Callable[[], None]]] = []
+
+    def add_hook(self, name: str, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` after every target refresh, in the target thread (before start())."""
+        self._hooks.append((name, hook))
 
     # -- lifecycle --------------------------------------------------------------
     def start(self) -> ProcessTree:
@@ -116,6 +121,17 @@ class Runtime:
                 self._gone_since = None
             elif self._gone_since is None:
                 self._gone_since = self._clock()
+            self._run_hooks()
+
+    def _run_hooks(self) -> None:
+        for name, hook in self._hooks:
+            try:
+                hook()
+            except Exception as exc:  # a failing hook never stops the target refresh
+                reason = type(exc).__name__
+                self.state.record_error(name, reason)
+                self._log_once(logging.WARNING, name, f"{name}: unexpected {reason}: {exc}")
+                log.debug("%s hook failed", name, exc_info=True)
 
     def _source_loop(self, source: Source) -> None:
         name = source.name
