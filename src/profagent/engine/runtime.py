@@ -72,7 +72,7 @@ class Runtime:
             try:
                 source.start()
             except SourceUnavailable as exc:
-                self._off(source, str(exc), at_start=True)
+                self._off(source, str(exc), at_start=True, not_applicable=getattr(exc, "why", ""))
                 continue
             except Exception as exc:
                 self._off(source, f"{source.name} source failed to start: {exc}", at_start=True)
@@ -145,7 +145,7 @@ class Runtime:
             except TargetGone:
                 self.state.record_error(name, TargetGone.reason, self._clock() - began)
             except SourceUnavailable as exc:
-                self._off(source, str(exc))
+                self._off(source, str(exc), not_applicable=getattr(exc, "why", ""))
                 return
             except SourceError as exc:
                 self.state.record_error(name, exc.reason, self._clock() - began)
@@ -157,8 +157,8 @@ class Runtime:
                 log.debug("%s tick failed", name, exc_info=True)
             self._stop.wait(max(0.0, source.interval - (self._clock() - began)))
 
-    def _off(self, source: Source, detail: str, at_start: bool = False) -> None:
-        self.state.set_down(source.name, detail)
+    def _off(self, source: Source, detail: str, at_start: bool = False, not_applicable: str = "") -> None:
+        self.state.set_down(source.name, detail, not_applicable)
         self.state.record_error(source.name, SourceUnavailable.reason)
         # At start the banner shows the reason; a source lost later is worth a warning.
         self._log_once(logging.DEBUG if at_start else logging.WARNING, source.name, detail)

@@ -8,6 +8,7 @@ version, so scrapes between two source ticks cost one dictionary lookup.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -111,6 +112,7 @@ class Exposition:
         self._lock = threading.Lock()
         self._formats: dict[str, Callable[[Any], bytes]] = {}  # content type -> encoder
         self._blocks: dict[tuple[str, str], tuple[Any, bytes]] = {}  # (source, type) -> (snapshot, bytes)
+        self.last_render: float | None = None  # time.monotonic() of the last scrape
 
     def _block(self, name: str, snapshot: Any, encoder: Callable[[Any], bytes], content_type: str) -> bytes:
         key = (name, content_type)
@@ -135,6 +137,7 @@ class Exposition:
             self._block(name, snapshot, encoder, content_type)
 
     def render(self, accept: str) -> tuple[bytes, str]:
+        self.last_render = time.monotonic()
         encoder, content_type = choose_encoder(accept)
         with self._lock:
             self._formats[content_type] = encoder
