@@ -14,7 +14,8 @@ from conftest import ROOT
 PROM = ROOT / "deploy" / "prometheus"
 REQUIRED = {
     "ProfagentGpuIdle", "ProfagentRankStalled", "ProfagentGpuMemoryLeak", "ProfagentHostMemoryLeak",
-    "ProfagentGpuXidError", "ProfagentCollectorDown", "ProfagentNoTraces",
+    "ProfagentGpuXidError", "ProfagentCollectorDown", "ProfagentNoTraces", "ProfagentAgentDown",
+    "ProfagentFindingCritical", "ProfagentFindingWarning", "ProfagentFindingInfo",
 }
 
 
@@ -54,7 +55,7 @@ def test_every_alert_is_unit_tested_firing_and_quiet() -> None:
 
 def test_rules_have_severity_and_text() -> None:
     for rule in _rules():
-        assert rule["labels"]["severity"] in {"warning", "critical"}, rule["alert"]
+        assert rule["labels"]["severity"] in {"info", "warning", "critical"}, rule["alert"]
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]
 
 
@@ -70,3 +71,12 @@ def test_prometheus_config_passes_promtool_check() -> None:
     for target_file in (PROM / "targets").glob("*.yml"):
         for group in yaml.safe_load(target_file.read_text()):
             assert group["targets"]
+
+
+def test_one_findings_rule_per_severity() -> None:
+    from profagent.analysis.findings import SEVERITIES
+
+    by_severity = {r["labels"]["severity"]: r for r in _rules() if r["alert"].startswith("ProfagentFinding")}
+    assert set(by_severity) == set(SEVERITIES)
+    for severity, rule in by_severity.items():
+        assert f'profagent_finding{{severity="{severity}"}}' in rule["expr"]

@@ -32,7 +32,7 @@ class FakeReader:
 
 
 def _source(reader: FakeReader) -> HostSource:
-    return HostSource(reader=reader, process_factory=FakeProcess)
+    return HostSource(reader=reader, process_factory=FakeProcess, uss_reader=lambda proc: None)
 
 
 def _group(snap, rank, role):
@@ -95,3 +95,35 @@ def test_real_process_readings() -> None:
     assert usage.rss > 10_000_000 and usage.threads >= 1 and usage.cpu_user > 0
     assert usage.fds is not None and usage.fds > 2
     assert 0 < snap.node.memory_available <= snap.node.memory_total
+
+
+def test_dataloader_workers_get_uss_without_shared_pages() -> None:
+    """A forked worker shares the parent's pages: its USS is well below its RSS."""
+    import os
+    import subprocess
+    import sys
+
+    # The parent touches 200 MB, then forks a child that only reads them (shared, copy-on-write).
+    code = ("import os,time,sys\nb=bytearray(200<<20)\nfor i in range(0,len(b),4096): b[i]=1\n"
+            "pid=os.fork()\nif pid==0:\n  s=sum(b[::4096]); print('ready',flush=True); time.sleep(60)\n"
+            "else:\n  os.waitpid(pid,0)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        child = psutil.Process(parent.pid).children()[0]
+        tree = ProcessTree("j", parent.pid, (
+            ProcessInfo(parent.pid, os.getpid(), psutil.Process(parent.pid).create_time(), "main", "0", "0", "1", "p", "j"),
+            ProcessInfo(child.pid, parent.pid, child.create_time(), "dataloader", "0", "0", "1", "w", "j"),
+        ), True)
+        src = HostSource()
+        src.start()
+        snap = src.collect(tree)
+        worker = _group(snap, "0", "dataloader").usage
+        assert worker.rss > 150 << 20, worker.rss
+        assert worker.uss is not None and worker.uss < 50 << 20, worker.uss
+        assert _group(snap, "0", "main").usage.uss is None  # only workers pay for reading smaps
+    finally:
+        for p in psutil.Process(parent.pid).children():
+            p.kill()
+        parent.kill()
+        parent.wait()

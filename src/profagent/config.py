@@ -101,6 +101,25 @@ class OndemandConfig:
     interval: float = _opt(0.0, "seconds between registry updates; 0 = the agent interval")
 
 
+@dataclass
+class FindingsConfig:
+    enabled: bool = _opt(True, "evaluate findings (hang, straggler, leak...) every agent tick; see docs/diagnosis.md")
+    window_seconds: float = _opt(60.0, "stack samples of the last N seconds decide the *_bound, straggler and compile_storm findings")
+    min_samples: int = _opt(40, "main-thread stack samples a rank needs in the window before a stack-based finding is judged")
+    bound_ratio: float = _opt(0.3, "dataloader_bound / host_sync_bound / optimizer_bound: that category's share of the main thread (or of the traced step) above this")
+    compile_ratio: float = _opt(0.2, "compile_storm: share of the main thread in torch.compile above this...")
+    compile_grace_seconds: float = _opt(300.0, "...after the first N seconds of the rank (warm-up compilation is normal)")
+    straggler_ratio: float = _opt(1.25, "straggler: a rank's traced step time above this times the median of the other ranks")
+    straggler_share: float = _opt(0.2, "straggler: a rank's share of samples in collectives this much (absolute) below the other ranks' median")
+    gpu_idle_ratio: float = _opt(0.1, "gpu_idle: utilisation of a GPU the rank uses below this...")
+    gpu_idle_seconds: float = _opt(60.0, "...for this long")
+    gpu_errors_seconds: float = _opt(600.0, "gpu_errors: an XID or uncorrected ECC error keeps the finding active this long")
+    leak_window_seconds: float = _opt(600.0, "memory_leak: history kept per rank to fit the growth")
+    leak_min_span_seconds: float = _opt(120.0, "memory_leak: minimum history span before judging")
+    leak_min_rate: float = _opt(64 * 1024.0, "memory_leak: growth below this many bytes per second is ignored")
+    leak_horizon_seconds: float = _opt(4 * 3600.0, "memory_leak: warning when the growth exhausts available memory within this; critical within a quarter of it")
+
+
 # Python running torchrun / torch.distributed.run|launch, or a script or module named *train*.
 DEFAULT_WATCH_CMDLINE = (
     r"python[0-9.]*\s(.*[\s/])?(torchrun\b|-m\s+torch\.distributed\.(run|launch)\b"
@@ -127,6 +146,7 @@ SECTIONS: dict[str, type] = {
     "traces": TracesConfig,
     "ondemand": OndemandConfig,
     "watch": WatchConfig,
+    "findings": FindingsConfig,
 }
 
 
@@ -139,6 +159,7 @@ class Config:
     traces: TracesConfig = field(default_factory=TracesConfig)
     ondemand: OndemandConfig = field(default_factory=OndemandConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)
+    findings: FindingsConfig = field(default_factory=FindingsConfig)
 
     def section(self, name: str) -> Any:
         return getattr(self, name or "agent")

@@ -53,6 +53,17 @@ class Unavailable(SourceError):
 SourceUnavailable = Unavailable
 
 
+class NotApplicable(SourceUnavailable):
+    """The source has nothing to do on this node (no GPU, the endpoint is another agent's):
+    off, but no fault. ``why`` is a short closed code exported as the reason label."""
+
+    reason = "not_applicable"
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
 class TargetGone(SourceError):
     """The process being observed exited during the tick. Not an error worth logging."""
 

@@ -22,6 +22,7 @@ class SourceHealth:
 
     up: bool = True
     detail: str = ""
+    not_applicable: str = ""  # why an off source has nothing to do here (no_gpu...); "" = a fault
     errors: Mapping[str, int] = field(default_factory=dict)
     last_duration: float | None = None
     last_success: float | None = None
@@ -82,11 +83,12 @@ class State:
                 old, errors=errors, last_duration=duration if duration is not None else old.last_duration
             )
 
-    def set_down(self, name: str, detail: str) -> None:
-        """The source is off (unavailable or stopped for good); its last snapshot is dropped."""
+    def set_down(self, name: str, detail: str, not_applicable: str = "") -> None:
+        """The source is off (unavailable or stopped for good); its last snapshot is dropped.
+        ``not_applicable`` says why it has nothing to do on this node (not a fault)."""
         with self._lock:
             old = self._health.get(name, SourceHealth())
-            self._health[name] = replace(old, up=False, detail=detail)
+            self._health[name] = replace(old, up=False, detail=detail, not_applicable=not_applicable)
             self._snapshots.pop(name, None)
 
     def snapshot(self, name: str) -> Any:

@@ -23,6 +23,7 @@ def recorded_names(path: Path = RECORDING_RULES) -> dict[str, str]:
 # Families that no panel shows.
 NOT_ON_A_DASHBOARD: dict[str, str] = {
     "profagent_traces_dir_configured": "keys the ProfagentNoTraces alert; always 1 while present",
+    "profagent_collector_not_applicable": "keys the ProfagentCollectorDown alert (an off source with nothing to do here)",
     "profagent_process_threads": "threads of a rank's processes: for ad-hoc queries",
     "profagent_process_open_fds": "fd leaks are rare in training jobs: for ad-hoc queries",
     "profagent_processes": "processes per rank and role: the Ranks and roles table counts them from target_info",

@@ -37,10 +37,27 @@ RANK_GPU_UTIL = (
 )
 
 
+# Active findings with how long each has been active (the severity comes from profagent_finding).
+FINDINGS_NOW = (
+    f"(time() - max by (instance, job_id, rank, finding) (profagent_finding_since_timestamp_seconds{{{JOB}}}))"
+    " * on (instance, job_id, rank, finding) group_left (severity) "
+    f"max by (instance, job_id, rank, finding, severity) (profagent_finding{{{JOB}}})"
+)
+
+
 def build() -> Dashboard:
     d = dashboard(BOARD, "Is the job healthy, and where does its time go? Start here.")
     d = (
-        d.with_row(row("Job"))
+        d.with_row(row("What's wrong now"))
+        .with_panel(table_panel(
+            "What's wrong now", SECONDS,
+            [q(FINDINGS_NOW, instant=True, table_format=True)],
+            "active findings (hang and its culprit rank, straggler, *_bound, memory_leak, GPU problems; rank empty = "
+            "the whole job) and how long each has been active. `profagent diagnose --url <agent>` prints each one's "
+            "summary and evidence; docs/diagnosis.md says what to do. Empty = nothing wrong that profagent can see.",
+            width=24, height=6, rename={"Value": "active for"}, sort_by="active for",
+        ))
+        .with_row(row("Job"))
         .with_panel(stat_panel(
             "Target up", NONE, [q(f"max by (job_id) (profagent_target_up{{{JOB}}})", "{{job_id}}", instant=True)],
             "1 while any process of the job is alive (profagent_target_up)",
@@ -110,8 +127,10 @@ def build() -> Dashboard:
         ))
         .with_panel(ts(
             "Resident memory per rank and role", BYTES,
-            [q(f"profagent_process_resident_memory_bytes{{{RANK}}}", "rank {{rank}} {{role}}")],
-            "resident set size of each rank's processes; steady growth is a leak",
+            [q(f"profagent_process_resident_memory_bytes{{{RANK}}}", "rank {{rank}} {{role}}"),
+             q(f"profagent_process_unique_memory_bytes{{{RANK}}}", "rank {{rank}} {{role}} USS")],
+            "resident set size of each rank's processes; for DataLoader workers also USS (pages unique to them: RSS "
+            "counts pages shared with the rank several times). Steady growth is a leak",
         ))
     )
     return d

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from rich.console import Console
 
 from profagent.config import Config, parse_listen
 from profagent.engine.control import ControlledOndemand
+from profagent.engine.findings import FindingsEngine, findings_route
 from profagent.engine.runtime import Runtime
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.http import AgentHTTPServer, load_web_config
@@ -77,7 +79,7 @@ def build_sources(config: Config) -> tuple[list[Source], list[Disabled]]:
         trace_dirs.append(config.ondemand.trace_dir)
     if trace_dirs:
         sources.append(traces_source(dataclasses.replace(
-            config, traces=dataclasses.replace(config.traces, dirs=trace_dirs))))
+            config, traces=dataclasses.replace(config.traces, dirs=trace_dirs)), user_dirs=bool(config.traces.dirs)))
     else:
         disabled.append(Disabled("traces", "no --trace-dir given"))
     return sources, disabled
@@ -96,6 +98,10 @@ class Job:
             if isinstance(source, StacksSource):
                 source.gpu_busy = self.gpu_busy  # a stall needs the rank's GPUs idle too
         self.runtime = Runtime(self.target, self.sources, self.state, interval=config.agent.interval)
+        self.findings: FindingsEngine | None = None
+        if config.findings.enabled:
+            self.findings = FindingsEngine(config.findings, self.state)
+            self.runtime.add_hook("findings", self.findings.tick)
 
     def gpu_busy(self, rank: str, job_id: str | None = None) -> bool | None:
         """Whether the rank's GPUs work, from the GPU source's latest snapshot (None: unknown)."""
@@ -122,6 +128,9 @@ class Agent:
         self.server = AgentHTTPServer(host, port, self.exposition, web)
         self.server.add_route("/api/stacks", stacks_route(
             lambda: [s for s in job.sources if isinstance(s, StacksSource)]
+        ))
+        self.server.add_route("/api/findings", findings_route(
+            lambda: [job.state.snapshot("findings")] if job.findings is not None else []
         ))
 
     def start(self) -> None:
@@ -166,8 +175,23 @@ def install_stop_signals(stop: threading.Event) -> Callable[[], None]:
     return lambda: [signal.signal(sig, handler) for sig, handler in old.items()]  # type: ignore[func-returns-value]
 
 
+FINAL_SCRAPE_WAIT = 60.0  # seconds an agent that was scraped waits for one scrape after its job ended
+
+
+def done_serving(exposition: Exposition, gone_for: float, exit_grace: float, now: float) -> bool:
+    """Whether attach may exit: the job has been gone for ``exit_grace`` and, if anyone
+    scrapes this agent, a scrape has seen the job ended (``profagent_target_up 0``), so
+    the ProfagentAgentDown rule can tell "ended with its job" from "died" (or
+    FINAL_SCRAPE_WAIT has passed)."""
+    if gone_for <= exit_grace:
+        return False
+    last = exposition.last_render
+    return last is None or last >= now - gone_for or gone_for > exit_grace + FINAL_SCRAPE_WAIT
+
+
 def attach(config: Config, pid: int, console: Console) -> int:
-    """Run until a signal, or until the target tree has been gone for ``exit_grace``."""
+    """Run until a signal, or until the target tree has been gone for ``exit_grace`` (and,
+    when scraped, until one scrape has seen it gone)."""
     check_attachable(pid)
     job = Job(config, pid)
     agent = Agent(config, job)
@@ -177,7 +201,7 @@ def attach(config: Config, pid: int, console: Console) -> int:
         agent.start()
         print_banner(agent, job, console)
         while not stop.wait(0.2):
-            if job.runtime.target_gone_for() > config.agent.exit_grace:
+            if done_serving(agent.exposition, job.runtime.target_gone_for(), config.agent.exit_grace, time.monotonic()):
                 log.info("target PID %d and its whole tree are gone: exiting", pid)
                 break
     finally:

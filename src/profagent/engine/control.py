@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from profagent.errors import SourceUnavailable
+from profagent.errors import NotApplicable, SourceUnavailable
 from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.endpoint import NoPollers, Poller, match_pid
 from profagent.system.unixsock import bind_private, call, close_unix_socket
@@ -39,9 +39,10 @@ class ControlServer:
         if path.exists():
             try:
                 call(self.path, {"op": "ping"}, timeout=1)
-                raise SourceUnavailable(
+                raise NotApplicable(
                     f"another profagent already serves on-demand traces here ({self.path}): "
-                    "on-demand tracing off for this agent; stop the other one or set ondemand.control_socket"
+                    "on-demand tracing off for this agent; stop the other one or set ondemand.control_socket",
+                    "held_by_another_agent",
                 )
             except (OSError, ValueError):
                 path.unlink()  # our own stale socket from a crash

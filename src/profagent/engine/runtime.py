@@ -39,6 +39,11 @@ class Runtime:
         self._threads: list[threading.Thread] = []
         self._log_once = LogOnce(log)
         self._gone_since: float | None = None
+        self._hooks: list[tuple[str, Callable[[], None]]] = []
+
+    def add_hook(self, name: str, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` after every target refresh, in the target thread (before start())."""
+        self._hooks.append((name, hook))
 
     # -- lifecycle --------------------------------------------------------------
     def start(self) -> ProcessTree:
@@ -52,7 +57,7 @@ class Runtime:
             try:
                 source.start()
             except SourceUnavailable as exc:
-                self._off(source, str(exc), at_start=True)
+                self._off(source, str(exc), at_start=True, not_applicable=getattr(exc, "why", ""))
                 continue
             except Exception as exc:
                 self._off(source, f"{source.name} source failed to start: {exc}", at_start=True)
@@ -102,6 +107,17 @@ class Runtime:
                 self._gone_since = None
             elif self._gone_since is None:
                 self._gone_since = self._clock()
+            self._run_hooks()
+
+    def _run_hooks(self) -> None:
+        for name, hook in self._hooks:
+            try:
+                hook()
+            except Exception as exc:  # a failing hook never stops the target refresh
+                reason = type(exc).__name__
+                self.state.record_error(name, reason)
+                self._log_once(logging.WARNING, name, f"{name}: unexpected {reason}: {exc}")
+                log.debug("%s hook failed", name, exc_info=True)
 
     def _source_loop(self, source: Source) -> None:
         name = source.name
@@ -115,7 +131,7 @@ class Runtime:
             except TargetGone:
                 self.state.record_error(name, TargetGone.reason, self._clock() - began)
             except SourceUnavailable as exc:
-                self._off(source, str(exc))
+                self._off(source, str(exc), not_applicable=getattr(exc, "why", ""))
                 return
             except SourceError as exc:
                 self.state.record_error(name, exc.reason, self._clock() - began)
@@ -129,8 +145,8 @@ class Runtime:
                 log.debug("%s tick failed", name, exc_info=True)
             self._stop.wait(max(0.0, source.interval - (self._clock() - began)))
 
-    def _off(self, source: Source, detail: str, at_start: bool = False) -> None:
-        self.state.set_down(source.name, detail)
+    def _off(self, source: Source, detail: str, at_start: bool = False, not_applicable: str = "") -> None:
+        self.state.set_down(source.name, detail, not_applicable)
         self.state.record_error(source.name, SourceUnavailable.reason)
         # At start the banner shows the reason; a source lost later is worth a warning.
         self._log_once(logging.DEBUG if at_start else logging.WARNING, (source.name, detail), detail)

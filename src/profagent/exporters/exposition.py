@@ -8,6 +8,7 @@ snapshot, so scrapes between two source ticks cost a few dictionary lookups.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder
 
 from profagent.exporters.families import Families, agent, gpu, host, ondemand, stacks
+from profagent.exporters.families import findings as findings_families
 from profagent.exporters.families import traces as traces_families
 from profagent.state import StateView
 
@@ -28,6 +30,7 @@ RENDERERS: dict[str, Renderer] = {
     "stacks": stacks.render,
     "traces": traces_families.render,
     "ondemand": ondemand.render,
+    "findings": findings_families.render,
 }
 
 
@@ -76,6 +79,7 @@ class Exposition:
         self._lock = threading.Lock()
         self._formats: dict[str, Callable[[Any], bytes]] = {}  # content type -> encoder
         self._blocks: dict[tuple[str, str], tuple[Any, bytes]] = {}  # (source, type) -> (snapshot, bytes)
+        self.last_render: float | None = None  # time.monotonic() of the last scrape
 
     def _block(self, name: str, snapshot: Any, encoder: Callable[[Any], bytes], content_type: str) -> bytes:
         key = (name, content_type)
@@ -100,6 +104,7 @@ class Exposition:
             self._block(name, snapshot, encoder, content_type)
 
     def render(self, accept: str) -> tuple[bytes, str]:
+        self.last_render = time.monotonic()
         encoder, content_type = choose_encoder(accept)
         with self._lock:
             self._formats[content_type] = encoder

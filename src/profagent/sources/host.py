@@ -8,11 +8,11 @@ move into a "retired" total for its group.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import psutil
 
-from profagent.target import ProcessInfo, ProcessTree
+from profagent.target import ROLE_DATALOADER, ProcessInfo, ProcessTree
 
 Group = tuple[str, str, str]  # (job_id, rank, role)
 
@@ -35,6 +35,7 @@ class Usage:
     cpu_system: float = 0.0
     cpu_iowait: float | None = None
     rss: int = 0
+    uss: int | None = None  # DataLoader workers only: memory unique to the process (no shared pages)
     threads: int = 0
     fds: int | None = None
     read_bytes: int | None = None
@@ -104,6 +105,15 @@ def read_usage(proc: psutil.Process) -> Usage:
     )
 
 
+def read_uss(proc: psutil.Process) -> int | None:
+    """Unique set size (reads /proc/PID/smaps: a few ms, so DataLoader workers only).
+    None where the platform or permissions don't allow it."""
+    try:
+        return getattr(proc.memory_full_info(), "uss", None)
+    except psutil.AccessDenied:
+        return None
+
+
 class HostSource:
     name = "host"
 
@@ -112,10 +122,12 @@ class HostSource:
         interval: float = 1.0,
         reader: Callable[[psutil.Process], Usage] = read_usage,
         process_factory: Callable[[int], psutil.Process] = psutil.Process,
+        uss_reader: Callable[[psutil.Process], int | None] = read_uss,
     ) -> None:
-        """``reader`` and ``process_factory`` are injectable so tests can feed readings."""
+        """``reader``, ``uss_reader`` and ``process_factory`` are injectable so tests can feed readings."""
         self.interval = interval
         self._read = reader
+        self._read_uss = uss_reader
         self._new_process = process_factory
         self._procs: dict[tuple[int, float], psutil.Process] = {}
         self._last: dict[tuple[int, float], tuple[Group, Usage]] = {}
@@ -144,7 +156,10 @@ class HostSource:
             key = (info.pid, info.create_time)
             group = (info.job_id, info.rank, info.role)
             try:
-                usage = self._read(self._process(info))
+                proc = self._process(info)
+                usage = self._read(proc)
+                if info.role == ROLE_DATALOADER and usage.uss is None:
+                    usage = replace(usage, uss=self._read_uss(proc))
             except psutil.Error:
                 continue  # exited between the tree refresh and now: retired below
             current[key] = (group, usage)

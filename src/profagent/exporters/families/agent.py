@@ -47,8 +47,15 @@ def render_health(view: StateView, out: Families) -> None:
         "Unix time of the collector's last successful tick",
         ("collector",),
     )
+    not_applicable = out.gauge(
+        "profagent_collector_not_applicable",
+        "1 for a collector that is off because it has nothing to do here (reason: no_gpu, held_by_another_agent)",
+        ("collector", "reason"),
+    )
     for name, health in sorted(view.health.items()):
         up.add_metric([name], 1 if health.up else 0)
+        if not health.up and health.not_applicable:
+            not_applicable.add_metric([name, health.not_applicable], 1)
         for reason, count in sorted(health.errors.items()):
             errors.add_metric([name, reason], count)
         if health.last_duration is not None:

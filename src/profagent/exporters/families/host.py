@@ -13,6 +13,10 @@ def render(snap: HostSnapshot, out: Families) -> None:
         "profagent_process_cpu_seconds", "CPU time of the group's processes by mode", (*GROUP, "mode")
     )
     rss = out.gauge("profagent_process_resident_memory_bytes", "resident memory of the group's processes", GROUP)
+    uss = out.gauge(
+        "profagent_process_unique_memory_bytes",
+        "memory unique to the group's processes (USS: shared pages not counted); DataLoader workers only", GROUP,
+    )
     threads = out.gauge("profagent_process_threads", "threads of the group's processes", GROUP)
     fds = out.gauge("profagent_process_open_fds", "open file descriptors of the group's processes", GROUP)
     procs = out.gauge("profagent_processes", "live processes in the group (DataLoader workers...)", GROUP)
@@ -29,6 +33,8 @@ def render(snap: HostSnapshot, out: Families) -> None:
         if u.cpu_iowait is not None:
             cpu.add_metric([*labels, "iowait"], u.cpu_iowait)
         rss.add_metric(labels, u.rss)
+        if u.uss is not None:
+            uss.add_metric(labels, u.uss)
         threads.add_metric(labels, u.threads)
         procs.add_metric(labels, g.processes)
         if u.fds is not None:

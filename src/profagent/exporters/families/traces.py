@@ -24,10 +24,13 @@ def render(snap: TracesSnapshot, out: Families) -> None:
         if status != "ingested":
             rejected.add_metric([status, reason], n)
     out.gauge("profagent_traces_waiting", "trace files seen but not complete yet", ()).add_metric([], snap.waiting)
-    # Rendered only while the source watches a folder: the "no traces arriving" alert keys on it.
-    out.gauge(
-        "profagent_traces_dir_configured", "1 while a trace folder is configured and watched for the job", ("job_id",)
-    ).add_metric([snap.job_id], 1)
+    # Rendered only while a folder the user gave is watched (the on-demand folder alone does
+    # not count: nothing is expected there unless someone asks): ProfagentNoTraces keys on it.
+    if snap.user_dirs:
+        out.gauge(
+            "profagent_traces_dir_configured", "1 while a trace folder the user configured is watched for the job",
+            ("job_id",),
+        ).add_metric([snap.job_id], 1)
 
     step = out.gauge("profagent_trace_step_seconds", "mean step time of the rank's last trace", RANK)
     step_max = out.gauge("profagent_trace_step_max_seconds", "slowest step of the rank's last trace", RANK)

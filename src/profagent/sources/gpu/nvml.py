@@ -28,7 +28,7 @@ from typing import Any
 
 import pynvml
 
-from profagent.errors import SourceUnavailable, UserError
+from profagent.errors import NotApplicable, SourceUnavailable, UserError
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +117,9 @@ def _unavailable(exc: Exception) -> SourceUnavailable:
     """The one line for a library or driver that cannot be used."""
     off = "GPU metrics off"
     if isinstance(exc, pynvml.NVMLError_LibraryNotFound):
-        return SourceUnavailable(
+        return NotApplicable(
             f"no NVIDIA driver found (libnvidia-ml.so.1): {off}; install the NVIDIA driver, "
-            "or set --gpu-backend off to silence this"
+            "or set --gpu-backend off to silence this", "no_gpu",
         )
     if isinstance(exc, pynvml.NVMLError_DriverNotLoaded):
         return SourceUnavailable(f"NVIDIA driver not loaded (NVML: {exc}): {off}; load it (`nvidia-smi` should work)")

@@ -27,7 +27,7 @@ from typing import Any
 import pynvml
 
 from profagent.config import Config
-from profagent.errors import SourceError, SourceUnavailable
+from profagent.errors import NotApplicable, SourceError, SourceUnavailable
 from profagent.sources.gpu.device import (
     NOT_AVAILABLE_UINT,
     DeviceHandle,
@@ -189,7 +189,7 @@ class GpuSource:
         self._system = (driver, nvml_version, cuda)
         count = self.nvml.call("nvmlDeviceGetCount")
         if count == 0:
-            raise SourceUnavailable("NVIDIA driver loaded but no GPU found: GPU metrics off; check `nvidia-smi`")
+            raise NotApplicable("NVIDIA driver loaded but no GPU found: GPU metrics off; check `nvidia-smi`", "no_gpu")
         indices = [i for i in range(count) if self._gpus is None or i in self._gpus]
         if not indices:
             wanted = ",".join(str(i) for i in sorted(self._gpus or ()))

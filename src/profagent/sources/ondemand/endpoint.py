@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from profagent.errors import SourceUnavailable, UserError
+from profagent.errors import NotApplicable, SourceUnavailable, UserError
 from profagent.sources.ondemand import kineto
 from profagent.system.unixsock import (
     abstract_address,
@@ -95,9 +95,10 @@ class Endpoint:
         except OSError as exc:
             sock.close()
             if exc.errno == errno.EADDRINUSE:
-                raise SourceUnavailable(
+                raise NotApplicable(
                     f"the Kineto daemon endpoint {self.describe()} is held by another daemon (dynolog?): "
-                    "on-demand tracing off; stop it or use `profagent trace` through that daemon"
+                    "on-demand tracing off; stop it or use `profagent trace` through that daemon",
+                    "held_by_another_agent",
                 ) from None
             raise SourceUnavailable(f"cannot bind the Kineto endpoint {self.describe()} ({exc.strerror}): on-demand tracing off") from None
         sock.settimeout(0.2)

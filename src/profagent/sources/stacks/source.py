@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from profagent.analysis.stacks import (
     CATEGORIES,
+    Frame,
     Sample,
     StallTracker,
     TopK,
@@ -57,10 +58,18 @@ class StackGroup:
 
 @dataclass(frozen=True)
 class RankStall:
+    """A rank's main thread: whether it is stalled, and where it is now.
+
+    ``frames`` is the main thread's most frequent stack in the last window (root first),
+    kept for every rank so the findings can tell the rank that holds a collective up from
+    those waiting in it.
+    """
+
     rank: str
     stalled: bool
     unchanged_seconds: float
     job_id: str = ""
+    frames: tuple[Frame, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,7 +111,7 @@ class StacksSource:
         self._topk: dict[tuple[str, str, str], TopK] = {}
         self._threads: dict[tuple[str, str, str], dict[tuple[str, str], int]] = {}
         self._stalls: dict[tuple[str, str], StallTracker] = {}
-        self._stall_state: dict[tuple[str, str], tuple[bool, float]] = {}
+        self._stall_state: dict[tuple[str, str], tuple[bool, float, tuple[Frame, ...]]] = {}
         self._errors: dict[str, int] = {}
         self._log_once = LogOnce(log)
         # ring: (job_id, rank) -> deque of (wall_end, {folded line: count}, bytes)
@@ -214,8 +223,8 @@ class StacksSource:
             except Exception:  # the GPU hook is someone else's: never let it break stacks
                 busy = None
         status = tracker.update(main, r.start, r.end, busy)
-        was = self._stall_state.get((job, r.rank), (False, 0.0))[0]
-        self._stall_state[(job, r.rank)] = (status.stalled, status.unchanged_seconds)
+        was = self._stall_state.get((job, r.rank), (False, 0.0, ()))[0]
+        self._stall_state[(job, r.rank)] = (status.stalled, status.unchanged_seconds, _dominant(main))
         if status.started:
             gpu = "no GPU signal" if busy is None else "its GPUs idle"
             frames = "\n".join(f"    {f}" for f in status.frames)
@@ -256,7 +265,8 @@ class StacksSource:
                 tuple((state, gil, n) for (state, gil), n in sorted(threads.items())),
                 job_id=group[0],
             ))
-        stalls = tuple(RankStall(rank, s, u, job) for (job, rank), (s, u) in sorted(self._stall_state.items()))
+        stalls = tuple(RankStall(rank, s, u, job, frames)
+                       for (job, rank), (s, u, frames) in sorted(self._stall_state.items()))
         return StacksSnapshot(job_id, tuple(groups), stalls, tuple(sorted(self._errors.items())))
 
     # -- /api/stacks ----------------------------------------------------------------------------
@@ -298,6 +308,16 @@ class StacksSource:
             return 400, "text/plain", f"rank {rank} exists in several jobs: add job=J (sampled ranks: {known})\n".encode()
         seconds = min(max(seconds, 0.0), self.config.ring_seconds)
         return 200, "text/plain; charset=utf-8", self.folded(rank, seconds, matches[0][0]).encode()
+
+
+def _dominant(main: list[Sample]) -> tuple[Frame, ...]:
+    """The main thread's most sampled stack of one window (root first); () without samples."""
+    counts: dict[str, int] = {}
+    frames: dict[str, tuple[Frame, ...]] = {}
+    for s in main:
+        counts[s.folded] = counts.get(s.folded, 0) + s.count
+        frames[s.folded] = s.frames
+    return frames[max(counts, key=lambda k: (counts[k], k))] if counts else ()
 
 
 def stacks_route(sources: Callable[[], list[StacksSource]]) -> Callable[[dict[str, list[str]]], tuple[int, str, bytes]]:

@@ -73,6 +73,7 @@ class TracesSnapshot:
     counts: tuple[tuple[str, str, int], ...]  # (status, reason, files)
     waiting: int  # files seen but not complete yet
     top_k: int = 10
+    user_dirs: bool = True  # a folder the user configured is watched (not only the on-demand folder)
 
 
 def resolve_job(report: TraceReport, tree: ProcessTree | None, path: str = "") -> str:
@@ -160,12 +161,14 @@ class TracesSource:
         max_file_bytes: int = 2 * 1024**3,
         top_k: int = 10,
         polling: bool = False,
+        user_dirs: bool = True,
         reader: Callable[[str], Trace] = read_trace,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         alive: Callable[[int], bool] = _pid_alive,
     ) -> None:
         self.interval = interval
+        self.user_dirs = user_dirs
         self.top_k = top_k
         self._dirs = dirs
         self._read = reader
@@ -298,11 +301,12 @@ class TracesSource:
     def _build(self, job_id: str) -> TracesSnapshot:
         ranks = tuple(self._ranks[r] for r in sorted(self._ranks))
         counts = tuple((s, r, n) for (s, r), n in sorted(self._counts.items()))
-        return TracesSnapshot(job_id, ranks, counts, self._watcher.waiting, self.top_k)
+        return TracesSnapshot(job_id, ranks, counts, self._watcher.waiting, self.top_k, self.user_dirs)
 
 
-def traces_source(config: Config) -> TracesSource:
-    """The source as configured (``traces.*`` keys, ``agent.state_dir``)."""
+def traces_source(config: Config, user_dirs: bool = True) -> TracesSource:
+    """The source as configured (``traces.*`` keys, ``agent.state_dir``). ``user_dirs``:
+    whether the user gave a folder (False when only the on-demand folder is watched)."""
     t = config.traces
     return TracesSource(
         resolve_dirs(t.dirs),
@@ -313,4 +317,5 @@ def traces_source(config: Config) -> TracesSource:
         max_file_bytes=t.max_file_bytes,
         top_k=t.top_k,
         polling=t.polling,
+        user_dirs=user_dirs,
     )

@@ -1,0 +1,67 @@
+"""``memory_leak``: steady growth of a rank's host memory (USS of its DataLoader workers,
+RSS of the rank) or of its GPU memory, with the time until it exhausts what is available.
+
+Input: bounded (t, bytes) histories kept by the evaluator (history.MemorySeries) and the
+memory still available (node MemAvailable, or the GPU's free memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from profagent.analysis.findings import Finding
+from profagent.analysis.findings.history import MemorySeries
+from profagent.config import FindingsConfig
+
+MIN_R2 = 0.8  # the readings must lie close to a line: a sawtooth (allocator caching) is no leak
+
+
+@dataclass(frozen=True)
+class MemoryInput:
+    job_id: str
+    rank: str
+    what: str  # "host memory (RSS) of the main process", "GPU 0 memory"...
+    kind: str  # "host" or "gpu"
+    series: MemorySeries
+    available: float | None  # bytes still available to grow into
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def memory_leak(inputs: list[MemoryInput], cfg: FindingsConfig) -> list[Finding]:
+    out: list[Finding] = []
+    for m in inputs:
+        if m.series.span < cfg.leak_min_span_seconds or m.available is None:
+            continue
+        fit = m.series.fit()
+        if fit is None:
+            continue
+        slope, r2 = fit
+        if slope < cfg.leak_min_rate or r2 < MIN_R2:
+            continue
+        exhaustion = max(m.available, 0.0) / slope
+        if exhaustion > cfg.leak_horizon_seconds:
+            continue
+        severity = "critical" if exhaustion <= cfg.leak_horizon_seconds / 4 else "warning"
+        out.append(Finding(
+            "memory_leak", m.job_id, m.rank, severity,
+            f"{m.what} of rank {m.rank} grows by {_human(slope)}/s; at this rate the "
+            f"{'node' if m.kind == 'host' else 'GPU'}'s available memory ({_human(m.available)}) "
+            f"runs out in {_duration(exhaustion)}",
+            {"kind": m.kind, "bytes": m.series.last, "growth_bytes_per_second": round(slope),
+             "r2": round(r2, 3), "available_bytes": m.available,
+             "seconds_to_exhaustion": round(exhaustion), "history_seconds": round(m.series.span)},
+        ))
+    return out

@@ -1,0 +1,127 @@
+"""`profagent diagnose`: what is wrong with a job now, ranked by severity, with evidence.
+
+From a running agent (``--url``, or the local one for ``--job``), or from a short-lived
+in-process agent attached to ``--pid``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+from urllib.parse import urlencode, urlsplit, urlunsplit
+
+from rich.console import Console
+from rich.markup import escape
+
+from profagent.config import DEFAULT_PORT, Config
+from profagent.errors import UserError
+
+LOCAL_AGENT = f"http://127.0.0.1:{DEFAULT_PORT}"
+COLORS = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+RANKED = {"critical": 0, "warning": 1, "info": 2}
+
+
+def findings_url(url: str, job: str | None) -> str:
+    """The /api/findings URL of an agent given as its root or its /metrics URL."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise UserError(f"invalid agent URL {url!r}", "use http(s)://HOST:PORT, e.g. http://node1:19400")
+    path = parts.path.rstrip("/")
+    path = path[: -len("/metrics")] if path.endswith("/metrics") else path
+    return urlunsplit((parts.scheme, parts.netloc, path + "/api/findings", urlencode({"job": job}) if job else "", ""))
+
+
+def fetch(url: str, job: str | None = None, basic_auth: str | None = None, ca_file: str | None = None,
+          insecure: bool = False, timeout: float = 10.0) -> dict[str, Any]:
+    """GET /api/findings. Raises UserError for an unreachable agent, a refused login or bad JSON."""
+    target = findings_url(url, job)
+    request = urllib.request.Request(target, headers={"Accept": "application/json"})
+    if basic_auth:
+        user, sep, _ = basic_auth.partition(":")
+        if not sep or not user:
+            raise UserError("--basic-auth must be USER:PASS", "e.g. --basic-auth prometheus:secret")
+        request.add_header("Authorization", "Basic " + base64.b64encode(basic_auth.encode()).decode())
+    context = None
+    if target.startswith("https"):
+        context = ssl.create_default_context(cafile=ca_file)
+        if insecure:
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    try:
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise UserError(f"{target} refused the credentials", "pass --basic-auth USER:PASS as in the agent's web config") from None
+        if exc.code == 404:
+            raise UserError(f"{target} has no findings endpoint", "upgrade the agent, or check the URL") from None
+        raise UserError(f"{target} answered HTTP {exc.code}", "see the agent's log") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise UserError(f"cannot reach the agent at {target} ({reason})", "check --url and that `profagent attach` or `watch` runs") from None
+    except ValueError:
+        raise UserError(f"{target} did not answer JSON", "check that --url points at a profagent agent") from None
+    if not isinstance(body, dict) or not isinstance(body.get("findings"), list):
+        raise UserError(f"{target} did not answer a findings list", "check that --url points at a profagent agent")
+    return body
+
+
+def collect_local(config: Config, pid: int, seconds: float, console: Console) -> dict[str, Any]:
+    """Attach an in-process agent (no HTTP server, no on-demand endpoint) for ``seconds``."""
+    from profagent.engine.agent import Job
+    from profagent.target import check_attachable
+
+    check_attachable(pid)
+    config.ondemand.enabled = False  # an agent already running may hold the endpoint
+    job = Job(config, pid)
+    if job.findings is None:
+        raise UserError("findings are off (findings.enabled = false)", "remove it from the config for diagnose")
+    job.start()
+    stop = threading.Event()
+    try:
+        console.print(f"observing PID {pid} for {seconds:.0f} s...", highlight=False)
+        deadline = time.monotonic() + seconds
+        while not stop.wait(0.5) and time.monotonic() < deadline:
+            if job.runtime.target_gone_for() > 0:
+                break
+        snapshot = job.findings.tick()
+    finally:
+        job.stop()
+    return {"findings": [f.as_dict() for f in snapshot.findings], "time": snapshot.time}
+
+
+def _evidence_lines(evidence: dict[str, Any]) -> list[str]:
+    lines = []
+    for key, value in evidence.items():
+        if key == "stacks" and isinstance(value, dict):
+            for rank, frames in sorted(value.items()):
+                lines.append(f"stack of rank {rank} (innermost last):")
+                lines += [f"    {frame}" for frame in frames]
+        elif isinstance(value, (dict, list)):
+            lines.append(f"{key}: {json.dumps(value)}")
+        else:
+            lines.append(f"{key}: {value}")
+    return lines
+
+
+def render(body: dict[str, Any], console: Console, now: float | None = None) -> None:
+    """The human report: most severe first, each with its evidence."""
+    findings = sorted(body["findings"], key=lambda f: (RANKED.get(f.get("severity"), 3), f.get("finding", ""), f.get("rank") or ""))
+    if not findings:
+        console.print("[green]no findings[/green]: nothing wrong that profagent can see right now (docs/diagnosis.md says what it can see)")
+        return
+    now = now if now is not None else body.get("time") or time.time()
+    for f in findings:
+        who = f"rank {f['rank']}" if f.get("rank") is not None else "job"
+        since = max(0.0, now - f.get("since", now))
+        color = COLORS.get(f.get("severity"), "")
+        console.print(f"[{color}]{f['severity'].upper()}[/{color}] [bold]{f['finding']}[/bold] "
+                      f"(job {escape(f['job_id'])}, {who}, for {since:.0f} s)", highlight=False)
+        console.print(f"  {escape(f['summary'])}", highlight=False, soft_wrap=True)
+        for line in _evidence_lines(f.get("evidence") or {}):
+            console.print(f"    {escape(line)}", highlight=False, soft_wrap=True, style="dim")

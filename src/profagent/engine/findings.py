@@ -1,0 +1,51 @@
+"""The findings engine: evaluates every finding once per agent tick and publishes the
+result in the job's State as ``"findings"`` (a ``FindingsSnapshot``).
+
+It runs in the runtime's target thread (a hook, no thread of its own). Data flows one
+way: source snapshots -> Evaluator -> State["findings"] -> exporters, /api/findings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import orjson
+
+from profagent.analysis.findings import FindingsSnapshot
+from profagent.analysis.findings.evaluate import Evaluator, sort_key
+from profagent.config import FindingsConfig
+from profagent.state import State
+
+NAME = "findings"
+
+
+class FindingsEngine:
+    def __init__(self, config: FindingsConfig, state: State,
+                 wall: Callable[[], float] = time.time, clock: Callable[[], float] = time.monotonic) -> None:
+        self.state = state
+        self.evaluator = Evaluator(config)
+        self._wall, self._clock = wall, clock
+
+    def tick(self) -> FindingsSnapshot:
+        began = self._clock()
+        view = self.state.view()
+        snapshots = {k: v for k, v in view.snapshots.items() if k != NAME}
+        snapshot = self.evaluator.evaluate(snapshots, self._wall())
+        self.state.publish(NAME, snapshot, self._clock() - began)
+        return snapshot
+
+
+def findings_route(snapshots: Callable[[], list[FindingsSnapshot | None]]) -> Callable[[dict[str, list[str]]], tuple[int, str, bytes]]:
+    """GET /api/findings[?job=J] -> {"findings": [...], "time": t} over every job's latest snapshot."""
+
+    def route(query: dict[str, list[str]]) -> tuple[int, str, bytes]:
+        job = (query.get("job") or [None])[0]
+        taken = [s for s in snapshots() if s is not None]
+        if not taken and not snapshots():
+            return 503, "text/plain", b"the findings engine is off (findings.enabled = false)\n"
+        rows = sorted((f for s in taken for f in s.findings if job in (None, f.job_id)), key=sort_key)
+        body = {"findings": [f.as_dict() for f in rows], "time": max((s.time for s in taken), default=0.0)}
+        return 200, "application/json", orjson.dumps(body)
+
+    return route
