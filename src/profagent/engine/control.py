@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,8 @@ class ControlServer:
         self.path = path
         self.source = source
         self._sock: socket.socket | None = None
+        # More ops from the engine: name -> handler(request) -> reply (e.g. "incident").
+        self.handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 
     def bind(self) -> None:
         """Raises SourceUnavailable when another live agent already holds the socket."""
@@ -162,6 +165,9 @@ class ControlServer:
             return {"ok": True, "id": request.id, "targets": [
                 {**self._describe_pid(t.pid), "file": t.file} for t in request.targets.values()
             ]}
+        handler = self.handlers.get(str(op))
+        if handler is not None:
+            return handler(req)
         return {"ok": False, "error": f"unknown op {op!r}"}
 
     def _describe_pid(self, pid: int) -> dict[str, Any]:

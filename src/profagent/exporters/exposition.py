@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector,
 from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder
 
-from profagent.exporters.families import Families, agent, gpu, host, ondemand, stacks
+from profagent.exporters.families import Families, agent, gpu, host, incidents, ondemand, stacks
 from profagent.exporters.families import traces as traces_families
 from profagent.state import StateView
 
@@ -28,6 +28,7 @@ RENDERERS: dict[str, Renderer] = {
     "stacks": stacks.render,
     "traces": traces_families.render,
     "ondemand": ondemand.render,
+    "incidents": incidents.render,
 }
 
 

@@ -52,3 +52,10 @@ class Finding:
             "severity": self.severity, "summary": self.summary,
             "evidence": dict(self.evidence), "since": self.since,
         }
+
+
+@dataclass(frozen=True)
+class FindingsSnapshot:
+    """Every active finding at one tick (the engine publishes it in State as "findings")."""
+    findings: tuple[Finding, ...] = ()
+    time: float = 0.0  # wall clock of the evaluation
