@@ -18,7 +18,6 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from profagent.config import load_config
 from profagent.engine.control import call, default_control_socket
@@ -73,11 +72,14 @@ def list_cmd(url: UrlOpt = None, folder: DirOpt = None, config: ConfigOpt = None
     if not items:
         out.print("no incidents")
         return
-    table = Table("id", "kind", "job", "rank", "time", "status", "path")
-    for m in items:
-        table.add_row(m["id"], m.get("kind", ""), m.get("job_id", ""), str(m.get("rank") or "-"),
-                      _when(float(m.get("time", 0))), m.get("status", ""), m.get("path", ""))
-    out.print(table, soft_wrap=True)
+    # Plain aligned lines: ids must stay whole (copy-pasted into `show`) whatever the width.
+    rows = [("ID", "KIND", "JOB", "RANK", "TIME", "STATUS", "PATH")] + [
+        (m["id"], m.get("kind", ""), m.get("job_id", ""), str(m.get("rank") or "-"),
+         _when(float(m.get("time", 0))), m.get("status", ""), m.get("path", "")) for m in items]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        out.print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1],
+                  markup=False, highlight=False, soft_wrap=True)
 
 
 @incidents_app.command("show")

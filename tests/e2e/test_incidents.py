@@ -1,0 +1,136 @@
+"""Incident bundles end to end: a real torchrun/gloo job whose rank 1 hangs before all_reduce.
+
+The agent (real subprocess, real py-spy) must capture one `hang` incident with every
+rank's stacks within stacks.stall_seconds + 40 s, list it over HTTP and the CLI, never
+leave a rank stopped, and capture nothing more when the job recovers and hangs again
+within incidents.rate_limit_seconds (it counts the trigger as rate-limited instead).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from conftest import WORKLOADS, free_port, http_get, kill_tree, parse_metrics, wait_for
+
+STALL_SECONDS = 4.0
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "profagent", *args], capture_output=True, text=True, timeout=120)
+
+
+def metric(url: str, name: str, **labels: str) -> list[float]:
+    m = parse_metrics(http_get(url + "/metrics"))
+    return [v for lbl, v in m.get(name, []) if all(lbl.get(k) == want for k, want in labels.items())]
+
+
+def ranks_of(launcher: psutil.Process) -> dict[str, psutil.Process]:
+    out = {}
+    for child in launcher.children(recursive=True):
+        try:
+            rank = child.environ().get("RANK")
+        except psutil.Error:
+            continue
+        if rank is not None and "gloo_hang.py" in " ".join(child.cmdline()):
+            out[rank] = child
+    return out
+
+
+def test_hang_captures_one_incident_with_every_rank_and_rate_limits_the_repeat(tmp_path: Path, run_agent) -> None:
+    hang_file, steps_dir, inc_dir = tmp_path / "hang", tmp_path / "steps", tmp_path / "incidents"
+    steps_dir.mkdir()
+    job = subprocess.Popen(
+        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(WORKLOADS / "gloo_hang.py")],
+        env={**os.environ, "HANG_FILE": str(hang_file), "STEPS_DIR": str(steps_dir), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "job.log").open("wb"), start_new_session=True,
+    )
+    try:
+        ranks = wait_for(lambda: (r := ranks_of(psutil.Process(job.pid))) and len(r) == 2 and r, 60, what="2 ranks")
+        wait_for(lambda: all((steps_dir / f"rank{r}.steps").exists() for r in "01"), 60, what="both ranks stepping")
+        config = tmp_path / "agent.toml"
+        config.write_text(
+            f"state_dir = '{tmp_path / 'state'}'\n"
+            f"[stacks]\nstall_seconds = {STALL_SECONDS}\nwindow = 2\nrate = 20\n"
+            f"[ondemand]\nsocket_dir = '{tmp_path / 's'}'\ncontrol_socket = '{tmp_path / 'c.sock'}'\n"
+            f"[incidents]\ndir = '{inc_dir}'\nrate_limit_seconds = 3600\n"
+        )
+        (tmp_path / "s").mkdir()
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        agent = run_agent(["attach", "--pid", str(job.pid), "--listen", f"127.0.0.1:{port}",
+                           "--config", str(config), "--gpu-backend", "off"])
+        agent.wait_healthy(url, timeout=60)
+        wait_for(lambda: metric(url, "profagent_incidents_total", kind="hang") == [0.0], 30, what="the incidents family")
+        wait_for(lambda: len(metric(url, "profagent_rank_stalled")) == 2, 60, what="both ranks sampled")
+        assert metric(url, "profagent_rank_stalled") == [0.0, 0.0]  # stepping: no stall, no incident
+        assert json.loads(http_get(url + "/api/incidents")) == []
+
+        hang_file.touch()
+        hung_at = time.monotonic()
+
+        def one_complete_incident() -> dict | None:
+            items = json.loads(http_get(url + "/api/incidents"))
+            return items[0] if len(items) == 1 and items[0]["status"] == "complete" else None
+
+        incident = wait_for(one_complete_incident, STALL_SECONDS + 40, interval=0.5, what="a complete hang incident")
+        assert time.monotonic() - hung_at < STALL_SECONDS + 40
+        assert incident["kind"] == "hang" and incident["rank"] in ("0", "1")
+        folder = Path(incident["path"])
+        assert folder.parent == inc_dir and folder.name == incident["id"]
+        assert (folder.stat().st_mode & 0o777) == 0o700
+        for rank in "01":
+            stacks = (folder / f"stacks-rank{rank}.txt").read_text()
+            assert "gloo_hang.py" in stacks, stacks
+            assert f"Process {ranks[rank].pid}" in stacks
+        assert "wait_while_hung" in (folder / "stacks-rank1.txt").read_text()  # rank 1's own frame
+        findings = json.loads((folder / "findings.json").read_text())
+        assert findings["trigger"]["kind"] == "hang"
+        assert {f["rank"] for f in findings["findings"] if f["finding"] == "hang"} >= {"1"}
+        assert "profagent_rank_stalled" in (folder / "metrics.prom").read_text()
+        summary = (folder / "summary.md").read_text()
+        assert "hang" in summary and "gloo_hang.py" in summary and f"{ranks['1'].pid}" in summary
+        for proc in ranks.values():  # py-spy never left a rank stopped
+            assert proc.status() != psutil.STATUS_STOPPED
+        assert not [c for c in psutil.Process(agent.proc.pid).children(recursive=True) if "py-spy" in c.name()
+                    and "dump" in c.cmdline()], "a py-spy dump child was left behind"
+
+        listed = run_cli("incidents", "list", "--dir", str(inc_dir))
+        assert listed.returncode == 0 and incident["id"] in listed.stdout, listed.stderr
+        via_url = run_cli("incidents", "list", "--url", url, "--json")
+        assert [i["id"] for i in json.loads(via_url.stdout)] == [incident["id"]]
+        shown = run_cli("incidents", "show", incident["id"], "--dir", str(inc_dir))
+        assert shown.returncode == 0 and "Which line" in shown.stdout and "stacks-rank1.txt" in shown.stdout
+        assert run_cli("incidents", "show", "nope", "--dir", str(inc_dir)).returncode == 2
+        assert metric(url, "profagent_incidents_total", kind="hang") == [1.0]
+
+        # Recover, then hang again within the rate-limit period: the agent sees the stall
+        # (counted as rate-limited) but captures nothing more.
+        hang_file.unlink()
+        wait_for(lambda: metric(url, "profagent_rank_stalled") == [0.0, 0.0], 60, what="ranks moving again")
+        hang_file.touch()
+        wait_for(lambda: metric(url, "profagent_incidents_rate_limited_total", kind="hang") == [1.0],
+                 STALL_SECONDS + 40, what="the second hang seen and rate-limited")
+        assert len(json.loads(http_get(url + "/api/incidents"))) == 1
+        assert metric(url, "profagent_incidents_total", kind="hang") == [1.0]
+        hang_file.unlink()
+
+        # A manual capture over the control socket; a second one is rate-limited (exit 2).
+        captured = run_cli("incidents", "capture", "--config", str(config), "--reason", "test")
+        assert captured.returncode == 0 and "captured" in captured.stdout, captured.stdout + captured.stderr
+        again = run_cli("incidents", "capture", "--config", str(config))
+        assert again.returncode == 2 and "rate limited" in again.stderr
+        kinds = sorted(i["kind"] for i in json.loads(http_get(url + "/api/incidents")))
+        assert kinds == ["hang", "manual"]
+        for proc in ranks.values():
+            assert proc.status() != psutil.STATUS_STOPPED
+    finally:
+        hang_file.unlink(missing_ok=True)
+        kill_tree(job)
