@@ -8,6 +8,8 @@ from __future__ import annotations
 
 # Families that no panel shows.
 NOT_ON_A_DASHBOARD: dict[str, str] = {
+    "profagent_incidents_total": "drawn as the Incidents annotation of the Job overview (changes() of it)",
+    "profagent_incidents_rate_limited_total": "incident triggers skipped by the rate limit: for ad-hoc queries",
     "profagent_traces_dir_configured": "keys the ProfagentNoTraces alert; always 1 while present",
     "profagent_process_threads": "threads of a rank's processes: for ad-hoc queries",
     "profagent_process_open_fds": "fd leaks are rare in training jobs: for ad-hoc queries",
