@@ -8,10 +8,14 @@ within incidents.rate_limit_seconds (it counts the trigger as rate-limited inste
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +34,19 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def metric(url: str, name: str, **labels: str) -> list[float]:
     m = parse_metrics(http_get(url + "/metrics"))
     return [v for lbl, v in m.get(name, []) if all(lbl.get(k) == want for k, want in labels.items())]
+
+
+def kill_job(job: subprocess.Popen) -> None:
+    """torchrun starts its ranks in their own sessions: kill them by PID, then the launcher's group."""
+    try:
+        ranks = psutil.Process(job.pid).children(recursive=True)
+    except psutil.Error:
+        ranks = []
+    kill_tree(job)
+    for proc in ranks:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(ranks, timeout=10)
 
 
 def ranks_of(launcher: psutil.Process) -> dict[str, psutil.Process]:
@@ -133,4 +150,75 @@ def test_hang_captures_one_incident_with_every_rank_and_rate_limits_the_repeat(t
             assert proc.status() != psutil.STATUS_STOPPED
     finally:
         hang_file.unlink(missing_ok=True)
-        kill_tree(job)
+        kill_job(job)
+
+
+def test_step_time_regression_captures_an_incident_with_an_on_demand_trace(tmp_path: Path, run_agent) -> None:
+    """Rank 0 profiles itself; its step time doubles; rank 1 polls Kineto and is traced."""
+    slow_file, traces = tmp_path / "slow", tmp_path / "traces"
+    # libkineto binds client sockets in this folder: keep the path short (108-byte limit).
+    sockets = Path(tempfile.mkdtemp(prefix="pa-", dir="/tmp"))
+    inc_dir = tmp_path / "incidents"
+    traces.mkdir()
+    job = subprocess.Popen(
+        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(WORKLOADS / "slowdown.py")],
+        env={**os.environ, "SLOW_FILE": str(slow_file), "TRACE_DIR": str(traces), "OMP_NUM_THREADS": "1",
+             "KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(sockets)},
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "job.log").open("wb"), start_new_session=True,
+    )
+    try:
+        config = tmp_path / "agent.toml"
+        config.write_text(
+            f"state_dir = '{tmp_path / 'state'}'\n"
+            f"[stacks]\nenabled = false\n"
+            f"[ondemand]\nsocket_dir = '{sockets}'\ncontrol_socket = '{tmp_path / 'c.sock'}'\n"
+            f"trace_dir = '{tmp_path / 'ondemand'}'\n"
+            f"[incidents]\ndir = '{inc_dir}'\nregression_factor = 1.5\nregression_seconds = 1\n"
+        )
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        agent = run_agent(["attach", "--pid", str(job.pid), "--listen", f"127.0.0.1:{port}", "--trace-dir", str(traces),
+                           "--config", str(config), "--gpu-backend", "off"])
+        agent.wait_healthy(url, timeout=60)
+
+        def polling_ranks() -> list[str]:
+            return sorted(lbl["rank"] for lbl, v in parse_metrics(http_get(url + "/metrics")).get(
+                "profagent_ondemand_processes", []) if v >= 1 and lbl["role"] == "main")
+
+        wait_for(lambda: polling_ranks() == ["1"], 90, interval=0.5, what="rank 1 polling Kineto")
+        ingested: list[float] = []
+
+        def three_traces() -> bool:
+            ingested[:] = metric(url, "profagent_traces_total", status="ingested")
+            return bool(ingested) and ingested[0] >= 3
+
+        wait_for(three_traces, 120, interval=0.5, what="three baseline traces of rank 0")
+        baseline = metric(url, "profagent_trace_step_seconds", rank="0")[0]
+        assert json.loads(http_get(url + "/api/incidents")) == []  # a steady job has no incident
+        slow_file.touch()
+
+        def regression_incident() -> dict | None:
+            items = [i for i in json.loads(http_get(url + "/api/incidents")) if i["kind"] == "regression"]
+            return items[0] if items and items[0]["status"] == "complete" else None
+
+        incident = wait_for(regression_incident, 180, interval=1.0, what="a complete regression incident")
+        assert incident["rank"] == "0"
+        folder = Path(incident["path"])
+        slow = metric(url, "profagent_trace_step_seconds", rank="0")[0]
+        assert slow > 1.5 * baseline, (baseline, slow)
+        findings = json.loads((folder / "findings.json").read_text())
+        assert findings["trigger"]["kind"] == "regression"
+        assert 0.5 * baseline < findings["trigger"]["evidence"]["baseline_seconds"] < 1.5 * baseline
+        analysis = json.loads((folder / "trace-analysis-rank0.json").read_text())
+        assert analysis["step_mean"] > 0
+        with gzip.open(folder / "trace-rank1.pt.trace.json.gz") as fh:  # the on-demand trace, copied
+            trace = json.load(fh)
+        assert trace.get("traceEvents")
+        assert any(p.name.endswith(".json") for p in (tmp_path / "ondemand").iterdir())  # the original stays
+        summary = (folder / "summary.md").read_text()
+        assert "step time regressed" in summary and "rank 0" in summary
+        assert "not polling Kineto" in summary  # rank 0 profiles itself: said, not hidden
+    finally:
+        slow_file.unlink(missing_ok=True)
+        kill_job(job)
+        shutil.rmtree(sockets, ignore_errors=True)

@@ -415,6 +415,11 @@ class Capture:
         if ondemand is None:
             return None
         pids = {p.pid for p in self.ranks}
+        polling = {p.pid for p in ondemand.endpoint.pollers() if p.can_trace}
+        silent = [p.rank for p in self.ranks if p.pid not in polling]
+        if silent and len(silent) < len(self.ranks):
+            self.notes.append(f"no on-demand trace of rank {', '.join(silent)}: not polling Kineto "
+                              "(KINETO_USE_DAEMON=1 unset, or busy profiling itself)")
         try:
             return ondemand.request(lambda p: p.pid in pids and p.can_trace,
                                     kineto.TraceOptions(duration_ms=ONDEMAND_TRACE_MS),
