@@ -120,6 +120,18 @@ class FindingsConfig:
     leak_horizon_seconds: float = _opt(4 * 3600.0, "memory_leak: warning when the growth exhausts available memory within this; critical within a quarter of it")
 
 
+@dataclass
+class IncidentsConfig:
+    enabled: bool = _opt(True, "capture an incident bundle (stacks of every rank, findings, metrics, traces) when a rank hangs, a step time regresses, or on `profagent incidents capture`")
+    dir: str = _opt("", "folder of incident bundles, one 0700 folder each (default: STATE_DIR/incidents, /var/lib/profagent/incidents as root)")
+    max_count: int = _opt(20, "incidents kept; the oldest are removed first")
+    max_bytes: int = _opt(512 * 1024**2, "total bytes of incidents kept; the oldest are removed first (the newest is always kept)")
+    rate_limit_seconds: float = _opt(900.0, "at most one incident per job and trigger kind (hang, regression, manual) in this many seconds")
+    regression_factor: float = _opt(2.0, "a rank's trace step time above this multiple of its own recent baseline is a regression")
+    regression_seconds: float = _opt(60.0, "...once it has stayed above for this many seconds (0 = at the first slow trace)")
+    capture_timeout: float = _opt(60.0, "seconds a capture waits for py-spy and for on-demand traces before writing what it has")
+
+
 # Python running torchrun / torch.distributed.run|launch, or a script or module named *train*.
 DEFAULT_WATCH_CMDLINE = (
     r"python[0-9.]*\s(.*[\s/])?(torchrun\b|-m\s+torch\.distributed\.(run|launch)\b"
@@ -147,6 +159,7 @@ SECTIONS: dict[str, type] = {
     "ondemand": OndemandConfig,
     "watch": WatchConfig,
     "findings": FindingsConfig,
+    "incidents": IncidentsConfig,
 }
 
 
@@ -160,6 +173,7 @@ class Config:
     ondemand: OndemandConfig = field(default_factory=OndemandConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)
     findings: FindingsConfig = field(default_factory=FindingsConfig)
+    incidents: IncidentsConfig = field(default_factory=IncidentsConfig)
 
     def section(self, name: str) -> Any:
         return getattr(self, name or "agent")
@@ -322,6 +336,17 @@ def validate(config: Config) -> None:
         raise UserError("'interval' must be positive", f"use at least {MIN_INTERVAL}s")
     _validate_watch(config.watch)
     _validate_stacks(config.stacks)
+    _validate_incidents(config.incidents)
+
+
+def _validate_incidents(inc: IncidentsConfig) -> None:
+    if inc.max_count < 1 or inc.max_bytes < 1:
+        raise UserError("'incidents.max_count' and 'incidents.max_bytes' must be at least 1", "raise them, or set incidents.enabled = false")
+    if inc.regression_factor <= 1:
+        raise UserError(f"'incidents.regression_factor' is {inc.regression_factor}", "use a factor above 1, e.g. 2")
+    for name in ("rate_limit_seconds", "regression_seconds", "capture_timeout"):
+        if getattr(inc, name) < 0:
+            raise UserError(f"'incidents.{name}' is negative", "use 0 or more seconds")
 
 
 def _validate_stacks(st: StacksConfig) -> None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from grafana_foundation_sdk.builders.dashboard import Dashboard
+from grafana_foundation_sdk.builders.dashboard import AnnotationQuery, Dashboard
 
 from profagent_dashboards.common import (
     BY_KEY,
     BYTES,
     CORES,
+    DS,
     GPU,
     INST,
     JOB,
@@ -47,6 +48,11 @@ FINDINGS_NOW = (
 
 def build() -> Dashboard:
     d = dashboard(BOARD, "Is the job healthy, and where does its time go? Start here.")
+    # A mark at each incident bundle (profagent incidents show ID tells what was captured).
+    d = d.annotation(
+        AnnotationQuery().name("Incidents").datasource(DS).enable(True).icon_color("red")
+        .expr(f"changes(profagent_incidents_total{{{JOB}}}[$__rate_interval]) > 0")
+    )
     d = (
         d.with_row(row("What's wrong now"))
         .with_panel(table_panel(

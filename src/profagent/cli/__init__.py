@@ -17,6 +17,7 @@ from rich.console import Console
 
 from profagent import __version__
 from profagent.cli.dashboards import dashboards_app
+from profagent.cli.incidents import incidents_app
 from profagent.config import load_config
 from profagent.errors import UserError
 
@@ -29,6 +30,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.add_typer(dashboards_app, name="dashboards")
+app.add_typer(incidents_app, name="incidents")
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file (flags > PROFAGENT_* env > file > defaults)")]
 LogLevelOpt = Annotated[str | None, typer.Option("--log-level", help="debug, info, warning or error")]

@@ -19,6 +19,12 @@ from rich.console import Console
 from profagent.config import Config, parse_listen
 from profagent.engine.control import ControlledOndemand
 from profagent.engine.findings import FindingsEngine, findings_route
+from profagent.engine.incidents import (
+    IncidentsSource,
+    IncidentStore,
+    incidents_dir,
+    incidents_route,
+)
 from profagent.engine.runtime import Runtime
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.http import AgentHTTPServer, load_web_config
@@ -97,11 +103,29 @@ class Job:
         for source in self.sources:
             if isinstance(source, StacksSource):
                 source.gpu_busy = self.gpu_busy  # a stall needs the rank's GPUs idle too
+        self.incidents = self._incidents(config)
         self.runtime = Runtime(self.target, self.sources, self.state, interval=config.agent.interval)
         self.findings: FindingsEngine | None = None
         if config.findings.enabled:
             self.findings = FindingsEngine(config.findings, self.state)
             self.runtime.add_hook("findings", self.findings.tick)
+
+    def _incidents(self, config: Config) -> IncidentsSource | None:
+        """The incident trigger and capture, fed by this job's state; `profagent incidents
+        capture` reaches it through the control socket (op "incident")."""
+        if not config.incidents.enabled:
+            self.disabled.append(Disabled("incidents", "incidents.enabled = false"))
+            return None
+        control = next((s for s in self.sources if isinstance(s, ControlledOndemand)), None)
+        source = IncidentsSource(
+            config.incidents, incidents_dir(config.incidents, config.agent.state_dir), self.state,
+            interval=config.agent.interval, ondemand=control.source if control else None,
+        )
+        if control is not None:
+            control.control.handlers["incident"] = lambda req: source.request(
+                str(req["job"]) if req.get("job") else None, str(req.get("reason") or ""))
+        self.sources.append(source)
+        return source
 
     def gpu_busy(self, rank: str, job_id: str | None = None) -> bool | None:
         """Whether the rank's GPUs work, from the GPU source's latest snapshot (None: unknown)."""
@@ -132,6 +156,8 @@ class Agent:
         self.server.add_route("/api/findings", findings_route(
             lambda: [job.state.snapshot("findings")] if job.findings is not None else []
         ))
+        self.server.add_route("/api/incidents", incidents_route(
+            IncidentStore(incidents_dir(config.incidents, config.agent.state_dir))))
 
     def start(self) -> None:
         """Bind first (a taken port fails before anything runs), then start the job."""

@@ -11,6 +11,7 @@ import json
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ class ControlServer:
         self.path = path
         self.source = source
         self._sock: socket.socket | None = None
+        # More ops from the engine: name -> handler(request) -> reply (e.g. "incident").
+        self.handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 
     def bind(self) -> None:
         """Raises SourceUnavailable when another live agent already holds the socket."""
@@ -132,6 +135,9 @@ class ControlServer:
             return {"ok": True, "id": request.id, "targets": [
                 {**self._describe_pid(t.pid), "file": t.file} for t in request.targets.values()
             ]}
+        handler = self.handlers.get(str(op))
+        if handler is not None:
+            return handler(req)
         return {"ok": False, "error": f"unknown op {op!r}"}
 
     def _describe_pid(self, pid: int) -> dict[str, Any]:

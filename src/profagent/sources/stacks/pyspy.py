@@ -170,6 +170,16 @@ def dump_args(binary: str, pid: int, nonblocking: bool) -> list[str]:
     return args
 
 
+DUMP_MODES = ("native", "nonblocking", "blocking")
+
+
+def dump_text_args(binary: str, pid: int, mode: str) -> list[str]:
+    """A human-readable dump of every thread. ``native`` adds C/C++ frames and needs a
+    blocking dump (py-spy pauses the target only while it reads the stacks)."""
+    extra = {"native": ["--native"], "nonblocking": ["--nonblocking"], "blocking": []}[mode]
+    return [binary, "dump", "--pid", str(pid), *extra]
+
+
 def failure_reason(stderr: str, pid: int) -> str:
     """Map a failed py-spy run to a bounded reason: permission, target_gone or pyspy_failed."""
     if not psutil.pid_exists(pid):

@@ -1,0 +1,136 @@
+"""`profagent incidents`: list, show and capture incident bundles.
+
+``list`` and ``show`` read the incidents folder directly (as the agent's user, usually
+root) or ask a running agent over HTTP (``--url``); ``capture`` asks the local agent
+over its control socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from profagent.config import load_config
+from profagent.engine.incidents import IncidentStore, find_incident, incident_detail, incidents_dir
+from profagent.errors import UserError
+from profagent.system.unixsock import call, default_control_socket
+
+incidents_app = typer.Typer(help="Incident bundles: evidence captured on every rank when a job hangs or slows down.",
+                            no_args_is_help=True)
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file (for incidents.dir, agent.state_dir)")]
+UrlOpt = Annotated[str | None, typer.Option("--url", help="ask a running agent instead, e.g. http://127.0.0.1:19400")]
+DirOpt = Annotated[Path | None, typer.Option("--dir", help="the incidents folder [default: incidents.dir, else STATE_DIR/incidents]")]
+
+
+def _store(config: Path | None, folder: Path | None) -> IncidentStore:
+    cfg = load_config(config, os.environ, {})
+    root = folder or incidents_dir(cfg.incidents, cfg.agent.state_dir)
+    if not root.is_dir():
+        raise UserError(f"no incidents folder at {root}", "no incident was captured yet, or pass --dir / --url")
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise UserError(f"cannot read {root}", "run as the agent's user (root for the service), or use --url")
+    return IncidentStore(root)
+
+
+def _get(url: str, query: dict[str, str] | None = None) -> Any:
+    base = url.rstrip("/").removesuffix("/metrics")
+    full = f"{base}/api/incidents" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+    try:
+        with urllib.request.urlopen(full, timeout=10) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise UserError(f"{full} answered {exc.code}: {exc.read().decode(errors='replace').strip()}",
+                        "check the id with `profagent incidents list --url URL`") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise UserError(f"cannot read {full} ({exc})", "check --url and that the agent runs") from None
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+@incidents_app.command("list")
+def list_cmd(url: UrlOpt = None, folder: DirOpt = None, config: ConfigOpt = None,
+             json_out: Annotated[bool, typer.Option("--json", help="print JSON")] = False) -> None:
+    """List captured incidents, oldest first."""
+    items = _get(url) if url else _store(config, folder).list()
+    out = Console()
+    if json_out:
+        keys = ("id", "kind", "job_id", "time", "path", "rank", "reason", "status")
+        out.print_json(json.dumps([{k: m.get(k) for k in keys} for m in items]))
+        return
+    if not items:
+        out.print("no incidents")
+        return
+    # Plain aligned lines: ids must stay whole (copy-pasted into `show`) whatever the width.
+    rows = [("ID", "KIND", "JOB", "RANK", "TIME", "STATUS", "PATH")] + [
+        (m["id"], m.get("kind", ""), m.get("job_id", ""), str(m.get("rank") or "-"),
+         _when(float(m.get("time", 0))), m.get("status", ""), m.get("path", "")) for m in items]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        out.print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1],
+                  markup=False, highlight=False, soft_wrap=True)
+
+
+@incidents_app.command("show")
+def show_cmd(incident_id: Annotated[str, typer.Argument(help="the id printed by `profagent incidents list`")],
+             url: UrlOpt = None, folder: DirOpt = None, config: ConfigOpt = None) -> None:
+    """Print an incident's summary, then where its files are."""
+    if url:
+        detail = _get(url, {"id": incident_id})
+    else:
+        meta = find_incident(_store(config, folder), incident_id)
+        detail = {**meta, **incident_detail(meta)}
+    out = Console()
+    out.print(detail.get("summary") or f"(no summary yet: status {detail.get('status')})", markup=False, highlight=False)
+    out.print(f"files in {detail['path']}:", highlight=False)
+    for f in detail.get("files", []):
+        out.print(f"  {f['name']} ({f['bytes']} bytes)", highlight=False)
+
+
+@incidents_app.command("capture")
+def capture_cmd(
+    job: Annotated[str | None, typer.Option("--job", help="the job_id (needed when the agent watches several jobs)")] = None,
+    reason: Annotated[str, typer.Option("--reason", help="why, written into the summary")] = "",
+    wait: Annotated[float, typer.Option("--wait", help="seconds to wait for the capture to finish (0 = do not wait)")] = 90.0,
+    config: ConfigOpt = None,
+) -> None:
+    """Capture an incident of a running job now (asks the local agent over its control socket)."""
+    cfg = load_config(config, os.environ, {})
+    path = cfg.ondemand.control_socket or default_control_socket()
+    try:
+        reply = call(path, {"op": "incident", "job": job, "reason": reason})
+    except FileNotFoundError:
+        raise UserError(f"no profagent agent is running here (no control socket at {path})",
+                        "start `profagent attach --pid N` (or the profagent service) first") from None
+    except OSError as exc:
+        raise UserError(f"cannot talk to the agent at {path} ({exc})", "check that it runs and that you are its user (or root)") from None
+    if not reply.get("ok"):
+        error = str(reply.get("error", "unknown error"))
+        if error.startswith("unknown op"):
+            raise UserError("this agent cannot capture incidents", "set incidents.enabled = true and restart it")
+        raise UserError(f"the agent did not capture: {error}", "see `profagent incidents list`")
+    out = Console()
+    out.print(f"incident {reply['id']}: {reply['path']}", highlight=False)
+    deadline = time.monotonic() + wait
+    meta_path = Path(reply["path"]) / "incident.json"
+    while time.monotonic() < deadline:
+        try:
+            if json.loads(meta_path.read_text()).get("status") == "complete":
+                out.print("captured", highlight=False)
+                return
+        except (OSError, ValueError):
+            pass  # not ours to read (root's folder) or not written yet
+        time.sleep(0.5)
+    if wait > 0:
+        out.print("still capturing (or its folder is not readable by you): see `profagent incidents show ID`", highlight=False)

@@ -1,0 +1,110 @@
+"""Incident decisions with an injected clock: triggers, rate limits, one capture at a time, retention."""
+
+from __future__ import annotations
+
+from profagent.analysis.findings import Finding, FindingsSnapshot
+from profagent.analysis.incidents import (
+    IncidentGate,
+    RegressionDetector,
+    Stored,
+    Trigger,
+    hang_triggers,
+    to_remove,
+)
+
+
+def hang(job: str, rank: str, since: float) -> Finding:
+    return Finding("hang", job, rank, "critical", f"rank {rank} hangs", {}, since)
+
+
+def test_hang_triggers_one_per_job_naming_the_earliest_hung_rank() -> None:
+    snap = FindingsSnapshot((
+        hang("j1", "0", 20.0), hang("j1", "1", 10.0), hang("j2", "3", 5.0),
+        Finding("straggler", "j3", "0", "warning", "slow"),
+    ), 30.0)
+    triggers = hang_triggers(snap)
+    assert [(t.kind, t.job_id, t.rank) for t in triggers] == [("hang", "j1", "1"), ("hang", "j2", "3")]
+    assert triggers[0].evidence["ranks"] == ["1", "0"]
+    assert hang_triggers(None) == [] and hang_triggers(FindingsSnapshot()) == []
+
+
+def actions(gate: IncidentGate, triggers: list[Trigger], now: float, busy: bool = False) -> list[tuple[str, str]]:
+    return [(d.trigger.job_id, d.action) for d in gate.offer(triggers, busy, now)]
+
+
+def test_gate_fires_once_per_episode_and_rate_limits_repeated_hangs() -> None:
+    gate = IncidentGate(period=100.0)
+    h = Trigger("hang", "j", "1", "hang")
+    assert actions(gate, [h], 0.0) == [("j", "capture")]
+    assert actions(gate, [h], 1.0) == []  # same episode: nothing new
+    assert actions(gate, [], 2.0) == []  # recovered
+    assert actions(gate, [h], 3.0) == [("j", "rate_limited")]  # hangs again within the period
+    for t in range(4):  # hang and recover repeatedly inside the period: never a capture
+        assert actions(gate, [], 10.0 + 2 * t) == []
+        assert actions(gate, [h], 11.0 + 2 * t) == [("j", "rate_limited")]
+    assert actions(gate, [h], 150.0) == []  # still that suppressed episode, even after the period
+    assert actions(gate, [], 160.0) == []
+    assert actions(gate, [h], 200.0) == [("j", "capture")]  # 200 s after the first capture
+
+
+def test_gate_limits_are_per_job_and_kind() -> None:
+    gate = IncidentGate(period=100.0)
+    assert actions(gate, [Trigger("hang", "a", "0", "")], 0.0) == [("a", "capture")]
+    assert actions(gate, [Trigger("hang", "a", "0", ""), Trigger("regression", "a", "0", "")], 1.0, busy=False) == [("a", "capture")]
+    assert actions(gate, [Trigger("hang", "b", "0", "")], 2.0) == [("b", "capture")]
+
+
+def test_gate_never_starts_a_second_capture_and_retries_a_pending_trigger() -> None:
+    gate = IncidentGate(period=100.0)
+    a, b = Trigger("hang", "a", "0", ""), Trigger("hang", "b", "0", "")
+    assert actions(gate, [a, b], 0.0) == [("a", "capture"), ("b", "busy")]  # one capture per tick
+    assert actions(gate, [a, b], 1.0, busy=True) == [("b", "busy")]  # a's capture still runs
+    assert actions(gate, [a, b], 2.0, busy=False) == [("b", "capture")]  # pending, not lost
+
+
+def test_manual_requests_are_rate_limited_per_job() -> None:
+    gate = IncidentGate(period=60.0)
+    assert gate.ask(("manual", "j"), busy=False, now=0.0) == "capture"
+    assert gate.ask(("manual", "j"), busy=False, now=10.0) == "rate_limited"
+    assert gate.retry_after(("manual", "j"), 10.0) == 50.0
+    assert gate.ask(("manual", "j"), busy=True, now=70.0) == "busy"
+    assert gate.ask(("manual", "j"), busy=False, now=70.0) == "capture"
+
+
+def test_regression_needs_a_baseline_then_factor_for_the_configured_time() -> None:
+    det = RegressionDetector(factor=2.0, seconds=30.0)
+    for i, step in enumerate([1.0, 1.1, 0.9]):
+        det.observe("j", "0", step, at=float(i))
+    assert det.baseline("j", "0") == 1.0
+    det.observe("j", "0", 5.0, at=2.0)  # the same trace again: ignored
+    assert det.triggers(100.0) == []
+    det.observe("j", "0", 2.5, at=10.0)  # slow since t=10
+    assert det.triggers(20.0) == []  # slow for 10 s < 30 s
+    det.observe("j", "0", 2.6, at=30.0)
+    [t] = det.triggers(40.0)
+    assert (t.kind, t.job_id, t.rank) == ("regression", "j", "0")
+    assert t.evidence["baseline_seconds"] == 1.0 and t.evidence["slow_since"] == 10.0
+    det.observe("j", "0", 1.05, at=50.0)  # back to normal: the episode ends
+    assert det.triggers(60.0) == []
+    assert det.baseline("j", "0") == (1.0 + 1.05) / 2  # median of 1.0, 1.1, 0.9, 1.05: slow traces never joined
+
+
+def test_regression_below_the_factor_or_too_short_history_is_no_regression() -> None:
+    det = RegressionDetector(factor=2.0, seconds=0.0)
+    det.observe("j", "0", 1.0, at=0.0)
+    det.observe("j", "0", 10.0, at=1.0)  # no baseline yet: joins it
+    assert det.triggers(2.0) == []
+    det.observe("j", "0", 1.0, at=2.0)
+    det.observe("j", "0", 1.9, at=3.0)  # median of 1, 10, 1 is 1: 1.9 < 2x
+    assert det.triggers(4.0) == []
+    det.forget([])
+    assert det.baseline("j", "0") is None
+
+
+def test_retention_removes_the_oldest_first_within_count_and_bytes() -> None:
+    stored = [Stored("c", 30.0, 10), Stored("a", 10.0, 10), Stored("b", 20.0, 10), Stored("d", 40.0, 10)]
+    assert to_remove(stored, max_count=2, max_bytes=1000) == ["a", "b"]
+    assert to_remove(stored, max_count=10, max_bytes=25) == ["a", "b"]
+    assert to_remove(stored, max_count=10, max_bytes=40) == []
+    assert to_remove([Stored("big", 1.0, 10**9)], max_count=1, max_bytes=10) == []  # the newest stays
+    assert to_remove([Stored("old", 1.0, 5), Stored("big", 2.0, 10**9)], 5, 10) == ["old"]
