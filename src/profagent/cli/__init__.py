@@ -169,13 +169,14 @@ def stacks_cmd(
     fmt: Annotated[str, typer.Option("--format", help="flamegraph (SVG), speedscope (JSON) or folded (text)")] = "flamegraph",
     rate: Annotated[int, typer.Option("--rate", min=1, help="samples per second")] = 100,
     blocking: Annotated[bool, typer.Option("--blocking", help="pause the target for each sample (exact, slower)")] = False,
+    idle: Annotated[bool, typer.Option("--idle/--no-idle", help="include threads that wait (sleep, locks, queues) [default: no]")] = False,
     log_level: LogLevelOpt = None,
 ) -> None:
     """Record a flamegraph of one process with py-spy, without a running agent."""
     from profagent.cli.stacks import record_to_file
 
     _setup_logging(log_level or "info")
-    samples = record_to_file(pid, seconds, fmt, output, rate=rate, nonblocking=not blocking)
+    samples = record_to_file(pid, seconds, fmt, output, rate=rate, nonblocking=not blocking, idle=idle)
     typer.echo(f"wrote {output} ({fmt}, {samples} samples)")
 
 
@@ -263,6 +264,32 @@ def trace(
     )
 
 
+# Names users reach for that mean one of our flags. Click's own suggestion is by spelling
+# only (difflib), so `stacks --duration` used to suggest --rate.
+OPTION_SYNONYMS = {
+    "--duration": ("--seconds", "--duration-ms"),
+    "--time": ("--seconds", "--duration-ms"),
+    "--secs": ("--seconds",),
+    "--port": ("--listen",),
+    "--out": ("--output",),
+    "--file": ("--output", "--config"),
+    "--endpoint": ("--url",),
+}
+
+
+def unknown_option_message(exc: Exception) -> str | None:
+    """For an unknown option: the message naming the flag the user most likely meant."""
+    option = getattr(exc, "option_name", None)
+    ctx = getattr(exc, "ctx", None)
+    if not option or ctx is None:
+        return None
+    known = {name for p in ctx.command.params for name in getattr(p, "opts", ()) + getattr(p, "secondary_opts", ())}
+    meant = [o for o in OPTION_SYNONYMS.get(option.split("=", 1)[0], ()) if o in known]
+    if not meant:
+        meant = sorted(getattr(exc, "possibilities", None) or ())
+    return f"no such option: {option}" + (f" (did you mean {' or '.join(meant)}?)" if meant else "")
+
+
 def main() -> None:
     """Console-script entry point: user errors and usage errors end in one line, exit 2."""
     err = Console(stderr=True)
@@ -276,7 +303,7 @@ def main() -> None:
     except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
     except typer.TyperException as exc:  # bad flags or arguments (typer's vendored click)
-        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        message = unknown_option_message(exc) or (exc.format_message() if hasattr(exc, "format_message") else str(exc))
         if message.strip():  # empty when the help was shown instead
             err.print(f"[red]error[/red]: {message} (see `profagent --help`)", highlight=False, soft_wrap=True)
         sys.exit(getattr(exc, "exit_code", 2))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from rich.console import Console
 from profagent.config import Config, parse_listen
 from profagent.engine.control import ControlledOndemand, default_control_socket
 from profagent.engine.runtime import Runtime
+from profagent.exporters.api import RanksApi
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.http import AgentHTTPServer, load_web_config
 from profagent.sources import Source
@@ -123,6 +125,8 @@ class Agent:
         self.server.add_route("/api/stacks", stacks_route(
             lambda: [s for job in list(self.jobs) for s in job.sources if isinstance(s, StacksSource)]
         ))
+        self.ranks_api = RanksApi(self.views, socket.gethostname())
+        self.server.add_route("/api/ranks", self.ranks_api.route)
 
     def views(self) -> list:
         return [job.state.view() for job in list(self.jobs)]
