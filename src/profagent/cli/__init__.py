@@ -180,6 +180,42 @@ def stacks_cmd(
     typer.echo(f"wrote {output} ({fmt}, {samples} samples)")
 
 
+@app.command()
+def top(
+    pid: Annotated[int | None, typer.Option("--pid", help="observe this job (launcher or rank PID) with an agent run inside `top`")] = None,
+    url: Annotated[str | None, typer.Option("--url", help="read a running agent instead, e.g. http://127.0.0.1:19400")] = None,
+    once: Annotated[bool, typer.Option("--once", help="print one snapshot as plain text and exit")] = False,
+    interval: Annotated[float, typer.Option("--interval", min=0.2, help="seconds between refreshes")] = 1.0,
+    basic_auth: Annotated[str | None, typer.Option("--basic-auth", help="USER:PASS for an agent with basic auth", envvar="PROFAGENT_BASIC_AUTH")] = None,
+    basic_auth_file: Annotated[Path | None, typer.Option("--basic-auth-file", help="file holding USER:PASS (keeps the password out of `ps`)")] = None,
+    ca_file: Annotated[Path | None, typer.Option("--ca-file", help="CA certificate to verify an https agent")] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="do not verify the https agent's certificate")] = False,
+    config: ConfigOpt = None,
+    gpu_backend: GpuBackendOpt = None,
+    log_level: LogLevelOpt = None,
+) -> None:
+    """Live view of a whole job, one row per rank: state, stacks, CPU, memory, GPU, step time.
+
+    Keys: up/down select a rank, enter shows its top functions and current stack,
+    s changes the sort, q quits. Not on a terminal (or with --once) it prints plain tables.
+    """
+    from profagent.cli.top import HttpAuth, run_top
+
+    if (pid is None) == (url is None):
+        raise UserError("choose what to show", "give exactly one of --pid N (run an agent here) or --url URL (a running agent)")
+    if basic_auth_file is not None:
+        try:
+            basic_auth = basic_auth_file.read_text().strip()
+        except OSError as exc:
+            raise UserError(f"cannot read {basic_auth_file} ({exc.strerror})", "check --basic-auth-file") from None
+    # Our own agent must not collide with a running one: no control socket, no Kineto listener.
+    cfg = load_config(config, os.environ, {"log_level": log_level or "error", "gpu.backend": gpu_backend,
+                                           "ondemand.enabled": False if pid is not None else None})
+    _setup_logging(cfg.agent.log_level)
+    auth = HttpAuth(basic_auth, str(ca_file) if ca_file else None, insecure)
+    run_top(cfg, pid, url, auth, once=once, interval=interval, console=Console())
+
+
 @app.command("config")
 def show_config(
     defaults: Annotated[bool, typer.Option("--defaults", help="print every key at its default as commented TOML")] = False,
