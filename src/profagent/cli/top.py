@@ -236,7 +236,7 @@ def detail(row: dict[str, Any], folded: str | None, height: int = 12) -> Rendera
     title.append(f"  pid {row.get('pid')}  threads {row.get('threads') or '-'}  dataloader workers {row.get('workers', 0)}")
     parts: list[RenderableType] = [title]
     funcs = Table(box=None, pad_edge=False, padding=(0, 1), show_header=True, header_style="bold")
-    funcs.add_column("share", justify="right", no_wrap=True)
+    funcs.add_column("share", justify="right", no_wrap=True, min_width=5)
     funcs.add_column("function (recent main-thread samples)", no_wrap=True, overflow="ellipsis")
     for f in (row.get("functions") or [])[:5]:
         funcs.add_row(f"{f['share'] * 100:.0f}%", f["function"])
