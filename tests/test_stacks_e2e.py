@@ -169,3 +169,58 @@ def test_ptrace_denied_turns_stacks_off_with_one_line_and_the_rest_goes_on(child
     assert "CAP_SYS_PTRACE" in denied[0] and "ptrace_scope" in denied[0] and "SYS_PTRACE" in denied[0]
     assert "Traceback" not in out
     assert pyspy_on(proc.pid) == []
+
+
+HOT_WITH_IDLE_THREAD = """
+import sys, threading, time
+def e2e_idle_waiter():
+    while True:
+        time.sleep(0.5)
+threading.Thread(target=e2e_idle_waiter, name="Waiter", daemon=True).start()
+def e2e_named_hot_function():
+    x = 0
+    while True:
+        for i in range(1000):
+            x += i
+open(sys.argv[0] + ".ready", "w").close()
+e2e_named_hot_function()
+"""
+
+
+def test_stacks_command_leaves_idle_threads_out_unless_asked(children, tmp_path) -> None:
+    proc = children.python(HOT_WITH_IDLE_THREAD)
+    wait_for(lambda: (tmp_path / "child_0.py.ready").exists(), 20, what="child ready")
+    outputs = {}
+    for flag in ("--no-idle", "--idle", None):
+        out = tmp_path / f"folded{flag}.txt"
+        cmd = [sys.executable, "-m", "profagent", "stacks", "--pid", str(proc.pid), "--seconds", "2",
+               "--format", "folded", "-o", str(out), *([flag] if flag else [])]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        outputs[flag] = out.read_text()
+    def samples(text: str, function: str) -> int:
+        return sum(int(line.rsplit(" ", 1)[1]) for line in text.splitlines() if f";{function} (" in line)
+
+    for text in outputs.values():  # the busy main thread is there either way
+        assert samples(text, "e2e_named_hot_function") > 20
+    # py-spy tells idle from running by the OS thread state, so a sleeping thread caught
+    # while it wakes still counts now and then: compare, don't demand zero.
+    idle = samples(outputs["--idle"], "e2e_idle_waiter")
+    assert idle > 20
+    assert samples(outputs["--no-idle"], "e2e_idle_waiter") < idle / 4
+    assert samples(outputs[None], "e2e_idle_waiter") < idle / 4  # no idle by default
+
+
+def test_unknown_option_names_the_flag_meant(tmp_path) -> None:
+    # click's spelling-based guess named --rate for --duration
+    for args, meant in (
+        (["stacks", "--pid", "1", "-o", str(tmp_path / "x"), "--duration", "5"], "did you mean --seconds?"),
+        (["attach", "--pid", "1", "--port", "19400"], "did you mean --listen?"),
+        (["stacks", "--pid", "1", "-o", str(tmp_path / "x"), "--rat", "5"], "--rate"),
+    ):
+        res = subprocess.run([sys.executable, "-m", "profagent", *args], capture_output=True, text=True, timeout=30)
+        err = res.stderr.strip()
+        assert res.returncode == 2 and len(err.splitlines()) == 1, err
+        assert meant in err and "no such option" in err
+    res = subprocess.run([sys.executable, "-m", "profagent", "stacks", "--duration", "5"], capture_output=True, text=True, timeout=30)
+    assert "--rate" not in res.stderr

@@ -171,14 +171,51 @@ def stacks_cmd(
     fmt: Annotated[str, typer.Option("--format", help="flamegraph (SVG), speedscope (JSON) or folded (text)")] = "flamegraph",
     rate: Annotated[int, typer.Option("--rate", min=1, help="samples per second")] = 100,
     blocking: Annotated[bool, typer.Option("--blocking", help="pause the target for each sample (exact, slower)")] = False,
+    idle: Annotated[bool, typer.Option("--idle/--no-idle", help="include threads that wait (sleep, locks, queues) [default: no]")] = False,
     log_level: LogLevelOpt = None,
 ) -> None:
     """Record a flamegraph of one process with py-spy, without a running agent."""
     from profagent.cli.stacks import record_to_file
 
     _setup_logging(log_level or "info")
-    samples = record_to_file(pid, seconds, fmt, output, rate=rate, nonblocking=not blocking)
+    samples = record_to_file(pid, seconds, fmt, output, rate=rate, nonblocking=not blocking, idle=idle)
     typer.echo(f"wrote {output} ({fmt}, {samples} samples)")
+
+
+@app.command()
+def top(
+    pid: Annotated[int | None, typer.Option("--pid", help="observe this job (launcher or rank PID) with an agent run inside `top`")] = None,
+    url: Annotated[str | None, typer.Option("--url", help="read a running agent instead, e.g. http://127.0.0.1:19400")] = None,
+    once: Annotated[bool, typer.Option("--once", help="print one snapshot as plain text and exit")] = False,
+    interval: Annotated[float, typer.Option("--interval", min=0.2, help="seconds between refreshes")] = 1.0,
+    basic_auth: Annotated[str | None, typer.Option("--basic-auth", help="USER:PASS for an agent with basic auth", envvar="PROFAGENT_BASIC_AUTH")] = None,
+    basic_auth_file: Annotated[Path | None, typer.Option("--basic-auth-file", help="file holding USER:PASS (keeps the password out of `ps`)")] = None,
+    ca_file: Annotated[Path | None, typer.Option("--ca-file", help="CA certificate to verify an https agent")] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="do not verify the https agent's certificate")] = False,
+    config: ConfigOpt = None,
+    gpu_backend: GpuBackendOpt = None,
+    log_level: LogLevelOpt = None,
+) -> None:
+    """Live view of a whole job, one row per rank: state, stacks, CPU, memory, GPU, step time.
+
+    Keys: up/down select a rank, enter shows its top functions and current stack,
+    s changes the sort, q quits. Not on a terminal (or with --once) it prints plain tables.
+    """
+    from profagent.cli.top import HttpAuth, run_top
+
+    if (pid is None) == (url is None):
+        raise UserError("choose what to show", "give exactly one of --pid N (run an agent here) or --url URL (a running agent)")
+    if basic_auth_file is not None:
+        try:
+            basic_auth = basic_auth_file.read_text().strip()
+        except OSError as exc:
+            raise UserError(f"cannot read {basic_auth_file} ({exc.strerror})", "check --basic-auth-file") from None
+    # Our own agent must not collide with a running one: no control socket, no Kineto listener.
+    cfg = load_config(config, os.environ, {"log_level": log_level or "error", "gpu.backend": gpu_backend,
+                                           "ondemand.enabled": False if pid is not None else None})
+    _setup_logging(cfg.agent.log_level)
+    auth = HttpAuth(basic_auth, str(ca_file) if ca_file else None, insecure)
+    run_top(cfg, pid, url, auth, once=once, interval=interval, console=Console())
 
 
 @app.command("config")
@@ -303,6 +340,32 @@ def diagnose(
         render(body, Console())
 
 
+# Names users reach for that mean one of our flags. Click's own suggestion is by spelling
+# only (difflib), so `stacks --duration` used to suggest --rate.
+OPTION_SYNONYMS = {
+    "--duration": ("--seconds", "--duration-ms"),
+    "--time": ("--seconds", "--duration-ms"),
+    "--secs": ("--seconds",),
+    "--port": ("--listen",),
+    "--out": ("--output",),
+    "--file": ("--output", "--config"),
+    "--endpoint": ("--url",),
+}
+
+
+def unknown_option_message(exc: Exception) -> str | None:
+    """For an unknown option: the message naming the flag the user most likely meant."""
+    option = getattr(exc, "option_name", None)
+    ctx = getattr(exc, "ctx", None)
+    if not option or ctx is None:
+        return None
+    known = {name for p in ctx.command.params for name in getattr(p, "opts", ()) + getattr(p, "secondary_opts", ())}
+    meant = [o for o in OPTION_SYNONYMS.get(option.split("=", 1)[0], ()) if o in known]
+    if not meant:
+        meant = sorted(getattr(exc, "possibilities", None) or ())
+    return f"no such option: {option}" + (f" (did you mean {' or '.join(meant)}?)" if meant else "")
+
+
 def main() -> None:
     """Console-script entry point: user errors and usage errors end in one line, exit 2."""
     err = Console(stderr=True)
@@ -316,7 +379,7 @@ def main() -> None:
     except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
     except typer.TyperException as exc:  # bad flags or arguments (typer's vendored click)
-        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        message = unknown_option_message(exc) or (exc.format_message() if hasattr(exc, "format_message") else str(exc))
         if message.strip():  # empty when the help was shown instead
             err.print(f"[red]error[/red]: {message} (see `profagent --help`)", highlight=False, soft_wrap=True)
         sys.exit(getattr(exc, "exit_code", 2))

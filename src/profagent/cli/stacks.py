@@ -29,10 +29,12 @@ FORMATS = {"flamegraph": "flamegraph", "speedscope": "speedscope", "folded": "ra
 
 
 def record_to_file(
-    pid: int, seconds: int, fmt: str, output: Path, rate: int = 100, nonblocking: bool = True
+    pid: int, seconds: int, fmt: str, output: Path, rate: int = 100, nonblocking: bool = True,
+    idle: bool = False,
 ) -> int:
     """``profagent stacks``: record one process for ``seconds`` into ``output``; returns the
-    sample count. Raises UserError (one line: problem and fix) on anything the user can fix."""
+    sample count. ``idle`` keeps waiting threads (off by default: a DataLoader's
+    QueueFeederThread, asleep, can fill most of a flamegraph). Raises UserError (one line: problem and fix) on anything the user can fix."""
     if fmt not in FORMATS:
         raise UserError(f"unknown format {fmt!r}", f"use one of {', '.join(FORMATS)}")
     if not psutil.pid_exists(pid):
@@ -47,7 +49,7 @@ def record_to_file(
         raise UserError(exc.problem, exc.fix) from None
     if problem:
         raise UserError(problem)
-    args = record_args(binary, pid, seconds, rate, FORMATS[fmt], output, nonblocking)
+    args = record_args(binary, pid, seconds, rate, FORMATS[fmt], output, nonblocking, idle=idle)
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, preexec_fn=die_with_parent(),
                             env={**os.environ, "RUST_BACKTRACE": "0"})

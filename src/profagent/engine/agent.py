@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from profagent.engine.incidents import (
     incidents_route,
 )
 from profagent.engine.runtime import Runtime
+from profagent.exporters.api import RanksApi
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.http import AgentHTTPServer, load_web_config
 from profagent.sources import Source
@@ -158,6 +160,8 @@ class Agent:
         ))
         self.server.add_route("/api/incidents", incidents_route(
             IncidentStore(incidents_dir(config.incidents, config.agent.state_dir))))
+        self.ranks_api = RanksApi(lambda: [job.state.view()], socket.gethostname())
+        self.server.add_route("/api/ranks", self.ranks_api.route)
 
     def start(self) -> None:
         """Bind first (a taken port fails before anything runs), then start the job."""

@@ -154,10 +154,13 @@ def spawn(args: Sequence[str], stderr_path: Path | None = None, stdout_path: Pat
 
 
 def record_args(
-    binary: str, pid: int, seconds: float, rate: int, fmt: str, output: Path, nonblocking: bool
+    binary: str, pid: int, seconds: float, rate: int, fmt: str, output: Path, nonblocking: bool, idle: bool = True
 ) -> list[str]:
+    """``idle``: keep samples of threads that wait (the agent needs them to see a hang)."""
     args = [binary, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))),
-            "--rate", str(rate), "--format", fmt, "--output", str(output), "--idle", "--threads"]
+            "--rate", str(rate), "--format", fmt, "--output", str(output), "--threads"]
+    if idle:
+        args.append("--idle")
     if nonblocking:
         args.append("--nonblocking")
     return args

@@ -1,0 +1,560 @@
+"""`profagent top`: a live terminal view of a whole training job, one row per rank.
+
+Data comes from GET /api/ranks (and /api/stacks for the selected rank): over HTTP from a
+running agent (``--url``), or from an agent run in this process (``--pid``), built by the
+same function (exporters/api.py). The rendering functions below are pure over that JSON,
+so they are tested without a terminal.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import select
+import ssl
+import sys
+import termios
+import threading
+import time
+import tty
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+from urllib.parse import quote, urlsplit
+
+import orjson
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from profagent.analysis.stacks import CATEGORIES, parse_folded
+from profagent.errors import UserError
+
+# One letter per stack category, so the bar reads without colour too (plain output).
+CATEGORY_KEYS = {
+    "forward": ("f", "green"), "backward": ("b", "cyan"), "optimizer": ("o", "blue"),
+    "dataloader": ("d", "yellow"), "host_sync": ("s", "magenta"), "collective": ("c", "red"),
+    "checkpoint_io": ("k", "bright_yellow"), "compile": ("j", "bright_magenta"),
+    "idle": ("i", "bright_black"), "other": ("·", "white"),
+}
+SHORT_NAMES = {"dataloader": "data", "host_sync": "sync", "collective": "coll", "checkpoint_io": "ckpt",
+               "optimizer": "optim", "backward": "bwd", "forward": "fwd"}
+assert set(CATEGORY_KEYS) == set(CATEGORIES)
+SORTS = ("rank", "state", "cpu", "mem", "gpu", "step")
+BAR_WIDTH = 10
+STACK_SECONDS = 12.0  # "current" stack: the last two or three py-spy windows
+SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+@dataclass(frozen=True)
+class ViewState:
+    """What the user chose with the keys."""
+
+    sort: str = "rank"
+    selected: int = 0  # row index in the sorted table
+    detail: bool = False
+    quit: bool = False
+
+
+# -- formatting helpers ------------------------------------------------------------------
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("", "K", "M", "G", "T"):
+        if abs(n) < 1024 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "" or n >= 10 else f"{n:.1f}{unit}"
+        n /= 1024
+    return "-"  # unreachable
+
+
+def human_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 1:
+        return f"{s * 1000:.0f}ms"
+    if s < 120:
+        return f"{s:.1f}s" if s < 10 else f"{s:.0f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    return f"{s / 3600:.0f}h"
+
+
+def category_bar(shares: dict[str, float], width: int = BAR_WIDTH) -> Text:
+    """Shares as ``width`` cells, largest categories first, each cell a category's letter."""
+    text = Text()
+    if not shares:
+        return Text("-".ljust(width))
+    ordered = sorted(((s, c) for c, s in shares.items() if c in CATEGORY_KEYS), reverse=True)
+    cells: list[str] = []
+    # Largest remainder: every category with a share >= one cell gets at least its floor.
+    exact = [(s * width, c) for s, c in ordered]
+    counts = {c: int(x) for x, c in exact}
+    left = width - sum(counts.values())
+    for _, c in sorted(exact, key=lambda xc: -(xc[0] - int(xc[0])))[:left]:
+        counts[c] += 1
+    for _, c in ordered:
+        cells += [c] * counts[c]
+    for c in cells[:width]:
+        letter, color = CATEGORY_KEYS[c]
+        text.append(letter, style=color)
+    return text
+
+
+def legend() -> Text:
+    text = Text("stacks:", style="dim", no_wrap=True, overflow="ellipsis")
+    for cat, (letter, color) in CATEGORY_KEYS.items():
+        text.append(" " + letter, style=color)
+        text.append(f"={SHORT_NAMES.get(cat, cat)}", style="dim")
+    return text
+
+
+# -- pure rendering over the /api/ranks JSON --------------------------------------------
+def sort_ranks(ranks: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    """Rows in display order: by rank number, or the worst first for the other keys."""
+    def rank_no(r: dict[str, Any]) -> tuple[int, str]:
+        return (int(r["rank"]), "") if str(r["rank"]).isdigit() else (1 << 30, str(r["rank"]))
+
+    def gpu(r: dict[str, Any]) -> float:
+        return (r.get("gpu") or {}).get("utilization_ratio") or 0.0
+
+    keys: dict[str, Callable[[dict[str, Any]], Any]] = {
+        "rank": rank_no,
+        "state": lambda r: (r["state"] != "stalled", -(r.get("stalled_seconds") or 0), rank_no(r)),
+        "cpu": lambda r: (-(r.get("cpu_percent") or 0.0), rank_no(r)),
+        "mem": lambda r: (-(r.get("uss_bytes") or r.get("rss_bytes") or 0), rank_no(r)),
+        "gpu": lambda r: (gpu(r), rank_no(r)),  # idle GPUs first: that is the problem
+        "step": lambda r: (-((r.get("step") or {}).get("mean_seconds") or 0.0), rank_no(r)),
+    }
+    return sorted(ranks, key=keys.get(key, rank_no))
+
+
+def header(payload: dict[str, Any], job: dict[str, Any]) -> RenderableType:
+    """Job id, world size, node, GPU summary, and the active findings."""
+    line = Text()
+    line.append("profagent top", style="bold")
+    line.append(f"  job {job['job_id']}", style="bold cyan")
+    if not job.get("alive", True):
+        line.append(" (ended)", style="red")
+    world = job.get("world_size")
+    line.append(f"  world {world if world is not None else '?'}  ranks {len(job['ranks'])}  node {payload.get('node', '?')}")
+    gpu = job.get("gpu")
+    gpu_line = Text("GPU: ", style="dim")
+    if gpu is None:
+        gpu_line.append("none (gpu source off)", style="dim")
+    else:
+        names = ", ".join(n.replace("NVIDIA ", "") for n in gpu["names"]) or "?"
+        gpu_line.append(f"{gpu['up']}/{gpu['count']} × {names}")
+        if gpu.get("simulated"):
+            gpu_line.append(" SIMULATED", style="yellow")
+        if gpu.get("utilization_ratio") is not None:
+            gpu_line.append(f"  util {gpu['utilization_ratio'] * 100:.0f}%")
+        if gpu.get("memory_used_bytes") is not None and gpu.get("memory_total_bytes"):
+            gpu_line.append(f"  mem {human_bytes(gpu['memory_used_bytes'])}/{human_bytes(gpu['memory_total_bytes'])}")
+    off = [name for name, up in (job.get("sources") or {}).items() if not up]
+    if off:
+        gpu_line.append(f"  sources off: {', '.join(off)}", style="yellow")
+    lines: list[RenderableType] = [line, gpu_line]
+    findings = job.get("findings") or []
+    if not findings:
+        lines.append(Text("findings: none active", style="dim"))
+    for f in findings[:4]:
+        t = Text("! ", style=SEVERITY_STYLE.get(f["severity"], ""))
+        where = f"rank {f['rank']}" if f.get("rank") is not None else "job"
+        t.append(f"{f['finding']} ({where}): ", style=SEVERITY_STYLE.get(f["severity"], ""))
+        t.append(str(f.get("summary", "")))
+        t.no_wrap, t.overflow = True, "ellipsis"
+        lines.append(t)
+    if len(findings) > 4:
+        lines.append(Text(f"  … {len(findings) - 4} more findings (GET /api/findings)", style="dim"))
+    return Group(*lines)
+
+
+def _state_cell(row: dict[str, Any]) -> Text:
+    if row["state"] == "stalled":
+        return Text(f"STALLED {human_seconds(row.get('stalled_seconds'))}", style="bold red")
+    return Text("running", style="green")
+
+
+def _gpu_cell(row: dict[str, Any]) -> str:
+    gpu = row.get("gpu")
+    if not gpu:
+        return "-"
+    util = gpu.get("utilization_ratio")
+    return f"{'-' if util is None else f'{util * 100:.0f}%'} {human_bytes(gpu.get('memory_bytes'))}"
+
+
+def _mem_cell(row: dict[str, Any]) -> str:
+    rss, uss = row.get("rss_bytes"), row.get("uss_bytes")
+    return human_bytes(rss) if uss is None else f"{human_bytes(rss)}/{human_bytes(uss)}"
+
+
+def rank_table(job: dict[str, Any], view: ViewState, interactive: bool = True) -> Table:
+    """One row per rank, the rank number first. Fits 80 columns: the function column shrinks."""
+    rows = sort_ranks(job["ranks"], view.sort)
+    mark = {view.sort: " ▼"} if interactive else {}
+    table = Table(box=None, pad_edge=False, padding=(0, 1), expand=True, header_style="bold")
+    table.add_column("rank" + mark.get("rank", ""), justify="right", no_wrap=True, min_width=4)
+    table.add_column("state" + mark.get("state", ""), no_wrap=True, min_width=7)
+    table.add_column("stacks", no_wrap=True, width=BAR_WIDTH)
+    table.add_column("cpu%" + mark.get("cpu", ""), justify="right", no_wrap=True)
+    table.add_column("mem" + mark.get("mem", ""), justify="right", no_wrap=True)
+    table.add_column("gpu" + mark.get("gpu", ""), justify="right", no_wrap=True)
+    table.add_column("step" + mark.get("step", ""), justify="right", no_wrap=True)
+    table.add_column("top function", no_wrap=True, overflow="ellipsis", ratio=1, min_width=8)
+    for i, r in enumerate(rows):
+        cpu = r.get("cpu_percent")
+        step = (r.get("step") or {}).get("mean_seconds")
+        top = r.get("top_function") or "-"
+        if r.get("top_function_share") is not None:
+            top = f"{r['top_function_share'] * 100:.0f}% {top}"
+        table.add_row(
+            ("›" if interactive and i == view.selected else "") + str(r["rank"]), _state_cell(r), category_bar(r.get("categories") or {}),
+            "-" if cpu is None else f"{cpu:.0f}", _mem_cell(r), _gpu_cell(r), human_seconds(step), top,
+            style="reverse" if interactive and i == view.selected else None,
+        )
+    return table
+
+
+def main_stack(folded: str, pid: int | None) -> list[str]:
+    """The main thread's most frequent stack in ``folded`` text, outermost first."""
+    samples = [s for s in parse_folded(folded, pid or 0) if s.main]
+    if not samples:
+        return []
+    counts: Counter[tuple[str, ...]] = Counter()
+    for s in samples:
+        counts[tuple(f"{f.name} ({f.file}:{f.line})" if f.file else f.name for f in s.frames)] += s.count
+    return list(counts.most_common(1)[0][0])
+
+
+def detail(row: dict[str, Any], folded: str | None, height: int = 12) -> RenderableType:
+    """The selected rank: its top functions and its current main-thread stack."""
+    title = Text(f"rank {row['rank']}", style="bold")
+    title.append(f"  pid {row.get('pid')}  threads {row.get('threads') or '-'}  dataloader workers {row.get('workers', 0)}")
+    parts: list[RenderableType] = [title]
+    funcs = Table(box=None, pad_edge=False, padding=(0, 1), show_header=True, header_style="bold")
+    funcs.add_column("share", justify="right", no_wrap=True, min_width=5)
+    funcs.add_column("function (recent main-thread samples)", no_wrap=True, overflow="ellipsis")
+    for f in (row.get("functions") or [])[:5]:
+        funcs.add_row(f"{f['share'] * 100:.0f}%", f["function"])
+    parts.append(funcs)
+    parts.append(Text("current stack (main thread, innermost last):", style="bold"))
+    if folded is None:
+        parts.append(Text("  (no stacks: the stacks source is off or has not sampled this rank yet)", style="dim"))
+    else:
+        frames = main_stack(folded, row.get("pid"))
+        if not frames:
+            parts.append(Text("  (no main-thread samples in the last seconds)", style="dim"))
+        keep = max(3, height - 8)
+        if len(frames) > keep:
+            parts.append(Text(f"  … {len(frames) - keep} outer frames", style="dim"))
+        for frame in frames[-keep:]:
+            parts.append(Text("  " + frame, no_wrap=True, overflow="ellipsis"))
+    return Group(*parts)
+
+
+def screen(payload: dict[str, Any], view: ViewState, folded: str | None = None,
+           interactive: bool = True, height: int = 40) -> RenderableType:
+    """The whole view: every job's header and rank table, the detail pane, and the key help."""
+    parts: list[RenderableType] = []
+    jobs = payload.get("jobs") or []
+    if not jobs:
+        parts.append(Text(f"profagent top  node {payload.get('node', '?')}: no job observed yet", style="bold"))
+    selected_row = None
+    for job in jobs:
+        parts += [header(payload, job), Text(""), rank_table(job, view, interactive)]
+        if selected_row is None and job["ranks"]:
+            rows = sort_ranks(job["ranks"], view.sort)
+            selected_row = rows[min(view.selected, len(rows) - 1)]
+    if interactive and view.detail and selected_row is not None:
+        parts += [Text(""), detail(selected_row, folded, height - 6 - sum(len(j["ranks"]) for j in jobs))]
+    parts.append(Text(""))
+    parts.append(legend())
+    if interactive:
+        parts.append(Text("keys: ↑/↓ select  enter stack  s sort  q quit", style="dim"))
+    return Group(*parts)
+
+
+def selected_rank(payload: dict[str, Any], view: ViewState) -> dict[str, Any] | None:
+    for job in payload.get("jobs") or []:
+        rows = sort_ranks(job["ranks"], view.sort)
+        if rows:
+            return rows[min(view.selected, len(rows) - 1)]
+    return None
+
+
+def on_key(view: ViewState, key: str, rows: int) -> ViewState:
+    """The view after one key press."""
+    if key in ("q", "Q", "\x03"):
+        return replace(view, quit=True)
+    if key == "s":
+        return replace(view, sort=SORTS[(SORTS.index(view.sort) + 1) % len(SORTS)])
+    if key in ("up", "k"):
+        return replace(view, selected=max(0, view.selected - 1))
+    if key in ("down", "j"):
+        return replace(view, selected=min(max(0, rows - 1), view.selected + 1))
+    if key in ("enter", " "):
+        return replace(view, detail=not view.detail)
+    if key == "esc":
+        return replace(view, detail=False)
+    return view
+
+
+# -- data feeds ----------------------------------------------------------------------------
+class Feed(Protocol):
+    def ranks(self) -> dict[str, Any]: ...
+    def stacks(self, rank: str, job_id: str, seconds: float) -> str | None: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class HttpAuth:
+    basic_auth: str | None = None  # USER:PASS
+    ca_file: str | None = None
+    insecure: bool = False
+
+
+class HttpFeed:
+    """A running agent's /api/ranks and /api/stacks."""
+
+    def __init__(self, url: str, auth: HttpAuth, timeout: float = 5.0) -> None:
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise UserError(f"bad --url {url!r}", "give the agent's address, e.g. http://127.0.0.1:19400")
+        self.base = f"{parts.scheme}://{parts.netloc}"
+        self.timeout = timeout
+        self.headers: dict[str, str] = {}
+        if auth.basic_auth:
+            if ":" not in auth.basic_auth:
+                raise UserError("basic auth needs USER:PASS", "give --basic-auth USER:PASS or a file holding USER:PASS")
+            self.headers["Authorization"] = "Basic " + base64.b64encode(auth.basic_auth.encode()).decode()
+        self.context: ssl.SSLContext | None = None
+        if parts.scheme == "https":
+            try:
+                self.context = ssl.create_default_context(cafile=auth.ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise UserError(f"cannot load the CA file {auth.ca_file} ({exc})", "check --ca-file") from None
+            if auth.insecure:
+                self.context.check_hostname = False
+                self.context.verify_mode = ssl.CERT_NONE
+
+    def _get(self, path: str) -> tuple[int, bytes]:
+        req = urllib.request.Request(self.base + path, headers=self.headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout, context=self.context) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+        except ssl.SSLError as exc:
+            raise UserError(f"TLS to {self.base} failed ({exc.reason})", "give --ca-file with the agent's CA (or --insecure)") from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            if isinstance(reason, ssl.SSLError):
+                raise UserError(f"TLS to {self.base} failed ({reason.reason})", "give --ca-file with the agent's CA (or --insecure)") from None
+            raise UserError(f"cannot reach the agent at {self.base} ({reason})", "check --url and that `profagent attach` runs") from None
+
+    def ranks(self) -> dict[str, Any]:
+        status, body = self._get("/api/ranks")
+        if status == 401:
+            raise UserError(f"the agent at {self.base} asks for a password", "give --basic-auth USER:PASS (or --basic-auth-file)")
+        if status == 404:
+            raise UserError(f"{self.base} has no /api/ranks", "upgrade that agent, or point --url at a profagent agent")
+        if status != 200:
+            raise UserError(f"{self.base}/api/ranks answered {status}", "see the agent's log")
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise UserError(f"{self.base}/api/ranks did not answer JSON", "point --url at a profagent agent") from None
+
+    def stacks(self, rank: str, job_id: str, seconds: float) -> str | None:
+        status, body = self._get(f"/api/stacks?rank={quote(rank)}&job={quote(job_id)}&seconds={seconds:g}")
+        return body.decode(errors="replace") if status == 200 else None
+
+    def close(self) -> None:
+        pass
+
+
+class LocalFeed:
+    """An agent for one job run in this process (``top --pid``): no HTTP listener."""
+
+    def __init__(self, job: Any, api: Any) -> None:
+        self.job, self.api = job, api
+
+    def ranks(self) -> dict[str, Any]:
+        return self.api.payload()
+
+    def stacks(self, rank: str, job_id: str, seconds: float) -> str | None:
+        from profagent.sources.stacks.source import StacksSource
+
+        for source in self.job.sources:
+            if isinstance(source, StacksSource):
+                return source.folded(rank, seconds, job_id or None)
+        return None
+
+    def close(self) -> None:
+        self.job.stop()
+
+
+# -- the loops -------------------------------------------------------------------------------
+def _first_payload(feed: Feed, wait: float, sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
+    """A payload with rates: the agent needs two host readings for CPU %, so ask again a
+    little later when a rank has none yet (at most ``wait`` seconds)."""
+    payload = feed.ranks()
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and _missing_rates(payload):
+        sleep(0.5)
+        payload = feed.ranks()
+    return payload
+
+
+def _missing_rates(payload: dict[str, Any]) -> bool:
+    ranks = [r for j in payload.get("jobs") or [] for r in j["ranks"]]
+    return not ranks or any(r.get("cpu_percent") is None or not r.get("categories") for r in ranks)
+
+
+def print_once(feed: Feed, console: Console, wait: float) -> None:
+    console.print(screen(_first_payload(feed, wait), ViewState(), interactive=False))
+
+
+def print_repeated(feed: Feed, console: Console, interval: float, stop: threading.Event, wait: float) -> None:
+    """Not a terminal: the same table again every ``interval`` seconds, with a time stamp."""
+    payload = _first_payload(feed, wait)
+    while True:
+        console.print(Text(f"--- {time.strftime('%H:%M:%S')} ---", style="dim"))
+        console.print(screen(payload, ViewState(), interactive=False))
+        console.file.flush()
+        if stop.wait(interval):
+            return
+        payload = feed.ranks()
+
+
+_ESCAPES = {"\x1b[A": "up", "\x1b[B": "down", "\x1bOA": "up", "\x1bOB": "down"}
+
+
+def parse_keys(data: str) -> list[str]:
+    """Key names in what one read() returned (several keys can arrive at once)."""
+    keys: list[str] = []
+    i = 0
+    while i < len(data):
+        seq = data[i:i + 3]
+        if seq in _ESCAPES:
+            keys.append(_ESCAPES[seq])
+            i += 3
+        elif data[i] == "\x1b":
+            if i + 1 < len(data) and data[i + 1] in "[O":  # another escape sequence: skip it
+                j = i + 2
+                while j < len(data) and not data[j].isalpha() and data[j] != "~":
+                    j += 1
+                i = j + 1
+            else:
+                keys.append("esc")
+                i += 1
+        elif data[i] in "\r\n":
+            keys.append("enter")
+            i += 1
+        else:
+            keys.append(data[i])
+            i += 1
+    return keys
+
+
+@contextmanager
+def cbreak_keys(stop: threading.Event) -> Iterator[list[str]]:
+    """Keys typed on stdin (cbreak mode, read in a thread); the terminal is always restored."""
+    keys: list[str] = []
+    fd = sys.stdin.fileno()
+    if not os.isatty(fd):
+        yield keys
+        return
+    saved = termios.tcgetattr(fd)
+
+    def read() -> None:
+        while not stop.is_set():
+            ready, _, _ = select.select([fd], [], [], 0.1)
+            if not ready:
+                continue
+            data = os.read(fd, 64).decode(errors="replace")
+            if not data:
+                return
+            keys.extend(parse_keys(data))
+
+    tty.setcbreak(fd)
+    thread = threading.Thread(target=read, name="profagent-top-keys", daemon=True)
+    thread.start()
+    try:
+        yield keys
+    finally:
+        stop.set()
+        thread.join(1.0)
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def run_live(feed: Feed, console: Console, interval: float, stop: threading.Event) -> None:
+    """Full screen, refreshed every ``interval`` seconds and at each key press."""
+    from rich.live import Live
+
+    view = ViewState()
+    payload = feed.ranks()
+    folded: str | None = None
+    dirty = True
+    next_fetch = time.monotonic() + interval
+    with cbreak_keys(stop) as keys, Live(console=console, screen=True, auto_refresh=False,
+                                         redirect_stderr=False) as live:
+        while True:
+            rows = sum(len(j["ranks"]) for j in payload.get("jobs") or [])
+            while keys:
+                view = on_key(view, keys.pop(0), rows)
+                dirty = True
+            if view.quit or stop.is_set():
+                return
+            if time.monotonic() >= next_fetch:
+                payload = feed.ranks()
+                next_fetch = time.monotonic() + interval
+                dirty = True
+            if dirty:
+                dirty = False
+                row = selected_rank(payload, view) if view.detail else None
+                folded = None
+                if row is not None:
+                    job_id = next((j["job_id"] for j in payload.get("jobs") or [] if row in j["ranks"]), "")
+                    folded = feed.stacks(row["rank"], job_id, STACK_SECONDS)
+                live.update(screen(payload, view, folded, height=console.height), refresh=True)
+            stop.wait(0.05)
+
+
+def local_feed(config: Any, pid: int) -> LocalFeed:
+    """Start an agent for ``pid`` in this process (sources only: no HTTP, no control socket)."""
+    import socket
+
+    from profagent.engine.agent import Job
+    from profagent.exporters.api import RanksApi
+    from profagent.target import check_attachable
+
+    check_attachable(pid)
+    job = Job(config, pid)
+    job.start()
+    return LocalFeed(job, RanksApi(lambda: [job.state.view()], socket.gethostname()))
+
+
+def run_top(config: Any, pid: int | None, url: str | None, auth: HttpAuth, once: bool, interval: float,
+            console: Console) -> None:
+    """`profagent top`: live on a terminal, plain tables otherwise, one table with ``once``."""
+    from profagent.engine.agent import install_stop_signals
+
+    feed: Feed = HttpFeed(url, auth) if url is not None else local_feed(config, pid)  # type: ignore[arg-type]
+    stop = threading.Event()
+    restore = install_stop_signals(stop)
+    warmup = 3.0 if url is not None else 6.0  # our own agent needs a py-spy window first
+    try:
+        if once:
+            print_once(feed, console, warmup)
+        elif console.is_terminal:
+            run_live(feed, console, interval, stop)
+        else:
+            print_repeated(feed, console, interval, stop, warmup)
+    finally:
+        restore()
+        feed.close()

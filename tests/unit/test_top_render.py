@@ -1,0 +1,142 @@
+"""`profagent top`'s rendering: pure functions over the /api/ranks JSON, at 80 columns."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from profagent.cli.top import (
+    ViewState,
+    category_bar,
+    human_bytes,
+    human_seconds,
+    main_stack,
+    on_key,
+    parse_keys,
+    screen,
+    sort_ranks,
+)
+
+LONG = "DistributedDataParallel._sync_buffers_and_run_a_very_long_function_name (torch/nn/parallel/distributed.py)"
+
+
+def rank(n: int, **kw) -> dict:
+    row = {
+        "rank": str(n), "local_rank": str(n), "pid": 100 + n, "state": "running", "stalled_seconds": None,
+        "categories": {"forward": 0.5, "backward": 0.3, "dataloader": 0.2}, "categories_recent": True,
+        "top_function": LONG, "top_function_share": 0.42,
+        "functions": [{"function": LONG, "share": 0.42}, {"function": "step (train.py)", "share": 0.2}],
+        "cpu_percent": 97.5, "rss_bytes": 3 << 30, "uss_bytes": 2 << 30, "threads": 12, "workers": 4,
+        "workers_rss_bytes": 1 << 30, "gpu": {"gpus": [n], "utilization_ratio": 0.93, "memory_bytes": 70 << 30},
+        "step": {"mean_seconds": 0.412, "max_seconds": 0.5, "steps": 5, "age_seconds": 3.0},
+    }
+    row.update(kw)
+    return row
+
+
+def payload(ranks: list[dict], findings: list[dict] | None = None) -> dict:
+    return {"node": "gpu-node-17", "time": 0.0, "jobs": [{
+        "job_id": "slurm-4242", "alive": True, "root_pid": 99, "world_size": len(ranks),
+        "gpu": {"count": 8, "up": 8, "names": ["NVIDIA H100 80GB HBM3"], "simulated": False,
+                "utilization_ratio": 0.81, "memory_used_bytes": 500 << 30, "memory_total_bytes": 640 << 30},
+        "sources": {"host": True, "stacks": True, "gpu": True, "traces": False},
+        "findings": findings or [], "ranks": ranks,
+    }]}
+
+
+def render(doc: dict, view: ViewState | None = None, interactive: bool = False, folded: str | None = None,
+           width: int = 80) -> list[str]:
+    out = io.StringIO()
+    console = Console(file=out, width=width, color_system=None, force_terminal=False)
+    console.print(screen(doc, view or ViewState(), folded, interactive=interactive))
+    return [line.rstrip() for line in out.getvalue().splitlines()]
+
+
+def test_one_row_per_rank_rank_first_within_80_columns() -> None:
+    lines = render(payload([rank(0), rank(1, state="stalled", stalled_seconds=95.0, cpu_percent=0.0)]))
+    assert all(len(line) <= 80 for line in lines), "\n".join(lines)
+    text = "\n".join(lines)
+    assert "job slurm-4242" in text and "world 2" in text and "node gpu-node-17" in text
+    assert "8/8 × H100 80GB HBM3" in text and "util 81%" in text and "sources off: traces" in text
+    rows = [line.split() for line in lines if line.split() and line.split()[0] in ("0", "1")]
+    assert [r[0] for r in rows] == ["0", "1"]
+    assert rows[0][1] == "running" and rows[1][1:3] == ["STALLED", "95s"]
+    row0 = next(line for line in lines if line.split()[:1] == ["0"])
+    assert "3.0G/2.0G" in row0 and "93% 70G" in row0 and "412ms" in row0 and " 98 " in f"{row0} "
+    assert "42% Distributed" in row0 and row0.endswith("…")  # long names shrink, not wrap
+
+
+def test_findings_in_the_header() -> None:
+    finding = {"finding": "hang", "job_id": "slurm-4242", "rank": "1", "severity": "critical",
+               "summary": "rank 1 stuck in all_reduce for 95 s while the others wait", "evidence": {}, "since": 0.0}
+    lines = render(payload([rank(0), rank(1)], [finding]))
+    assert any(line.startswith("! hang (rank 1): rank 1 stuck in all_reduce") for line in lines)
+    assert "findings: none active" in "\n".join(render(payload([rank(0)])))
+
+
+def test_missing_values_show_as_dashes_not_zero() -> None:
+    bare = rank(0, cpu_percent=None, uss_bytes=None, rss_bytes=None, gpu=None, step=None, categories={},
+                top_function=None, top_function_share=None)
+    row = next(line for line in render(payload([bare])) if line.split()[:1] == ["0"])
+    assert row.split() == ["0", "running", "-", "-", "-", "-", "-", "-"]
+
+
+def test_category_bar_cells_follow_the_shares() -> None:
+    bar = category_bar({"forward": 0.5, "backward": 0.3, "dataloader": 0.2}).plain
+    assert bar == "fffffbbbdd"
+    assert category_bar({"collective": 0.85, "idle": 0.15}).plain == "cccccccccc"[:9] + "i"  # largest remainder
+    assert len(category_bar({"forward": 1 / 3, "backward": 1 / 3, "other": 1 / 3}).plain) == 10
+    assert category_bar({}).plain.strip() == "-"
+
+
+def test_sort_keys_put_the_worst_rank_first() -> None:
+    ranks = [rank(0, cpu_percent=10.0), rank(1, state="stalled", stalled_seconds=5.0),
+             rank(2, cpu_percent=300.0, gpu={"gpus": [2], "utilization_ratio": 0.0, "memory_bytes": 1}),
+             rank(10, state="stalled", stalled_seconds=50.0)]
+    order = lambda key: [r["rank"] for r in sort_ranks(ranks, key)]  # noqa: E731
+    assert order("rank") == ["0", "1", "2", "10"]  # numerically
+    assert order("state") == ["10", "1", "0", "2"]
+    assert order("cpu")[0] == "2" and order("gpu")[0] == "2"
+
+
+def test_keys_select_sort_detail_quit() -> None:
+    assert parse_keys("\x1b[B\r") == ["down", "enter"]  # two keys in one read
+    assert parse_keys("\x1bOAq") == ["up", "q"]
+    assert parse_keys("\x1b") == ["esc"] and parse_keys("\x1b[5~s") == ["s"]
+    view = ViewState()
+    for key in ("down", "down", "down"):
+        view = on_key(view, key, rows=2)
+    assert view.selected == 1  # stops at the last row
+    view = on_key(on_key(view, "enter", 2), "s", 2)
+    assert view.detail and view.sort == "state"
+    assert on_key(view, "esc", 2).detail is False
+    assert on_key(view, "q", 2).quit
+
+
+def test_detail_shows_top_functions_and_the_current_main_stack() -> None:
+    folded = (
+        "thread (101): MainThread;<module> (train.py:9);train (train.py:40);all_reduce (torch/distributed/c10d.py:2500) 50\n"
+        "thread (101): MainThread;<module> (train.py:9);train (train.py:41);step (train.py:12) 5\n"
+        "thread (555): pin_memory;_pin_memory_loop (torch/utils/data/pin.py:10) 90\n"
+    )
+    frames = main_stack(folded, 101)
+    assert frames[-1] == "all_reduce (torch/distributed/c10d.py:2500)" and frames[0] == "<module> (train.py:9)"
+    lines = render(payload([rank(0), rank(1, pid=101)]), ViewState(selected=1, detail=True), True, folded)
+    text = "\n".join(lines)
+    assert all(len(line) <= 80 for line in lines)
+    assert "rank 1  pid 101" in text and "20%  step (train.py)" in text
+    assert text.index("train (train.py:40)") < text.index("all_reduce (torch/distributed/c10d.py:2500)")
+    assert "_pin_memory_loop" not in text  # the main thread only
+    assert any(line.lstrip().startswith("›1 ") for line in lines)  # the selected row is marked
+    assert "keys:" in text
+    assert "(no stacks" in "\n".join(render(payload([rank(0)]), ViewState(detail=True), True, None))
+
+
+def test_no_job_yet() -> None:
+    assert "no job observed yet" in render({"node": "n", "time": 0, "jobs": []})[0]
+
+
+def test_units() -> None:
+    assert [human_bytes(x) for x in (None, 512, 1536, 12 << 20, 3 << 30)] == ["-", "512", "1.5K", "12M", "3.0G"]
+    assert [human_seconds(x) for x in (None, 0.0123, 1.5, 42.0, 600.0, 10000.0)] == ["-", "12ms", "1.5s", "42s", "10m", "3h"]
