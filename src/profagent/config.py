@@ -50,6 +50,7 @@ class AgentConfig:
     log_level: str = _opt("info", "debug, info, warning or error")
     exit_grace: float = _opt(3.0, "seconds attach keeps serving after the whole target tree is gone")
     state_dir: str = _opt("", "folder for small state files (default: $XDG_STATE_HOME/profagent or /var/lib/profagent as root)")
+    cmdline_args: bool = _opt(False, "show arguments in the cmdline label (values of --*key/token/secret/password* options are redacted); off: program and script only")
 
 
 @dataclass
@@ -84,7 +85,7 @@ class TracesConfig:
     polling: bool = _opt(False, "poll the folders instead of inotify (network filesystems)")
     settle_seconds: float = _opt(0.5, "a .json.gz must keep its size this long before it is read")
     invalid_after: float = _opt(60.0, "seconds a trace may stay incomplete before it counts as invalid")
-    max_file_bytes: int = _opt(2 * 1024**3, "traces larger than this (on disk) are skipped")
+    max_file_bytes: int = _opt(2 * 1024**3, "traces larger than this, once uncompressed, are skipped (reason too_large; a file of exactly this size is read)")
     top_k: int = _opt(10, "kernels and ops kept per rank; the rest is folded into 'other'")
     interval: float = _opt(0.0, "seconds between publishing newly analysed traces; 0 = 0.25 s (or the agent interval if shorter)")
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import psutil
 
 from profagent.errors import UserError
+from profagent.target.cmdline import label_cmdline
 from profagent.target.tree import (
     CMDLINE_MAX,
     ROLE_DATALOADER,
@@ -83,8 +83,10 @@ class PidTarget:
         pid: int,
         proc_root: str | Path = "/proc",
         environ_reader: Callable[[int, Path], dict[str, str]] = read_environ,
+        cmdline_args: bool = False,
     ) -> None:
         self.pid = pid
+        self.cmdline_args = cmdline_args  # agent.cmdline_args: arguments in the label (redacted)
         self.proc_root = Path(proc_root)
         self._read_environ = environ_reader
         self._env_cache: dict[tuple[int, float], dict[str, str] | None] = {}
@@ -149,7 +151,7 @@ class PidTarget:
                 with proc.oneshot():
                     if proc.status() == psutil.STATUS_ZOMBIE:
                         continue  # exited, not yet reaped by its parent
-                    info[proc.pid] = (proc.ppid(), proc.create_time(), _short_cmdline(proc))
+                    info[proc.pid] = (proc.ppid(), proc.create_time(), _short_cmdline(proc, self.cmdline_args))
             except psutil.Error:
                 continue
         if not info:
@@ -223,13 +225,10 @@ def _ranked_subtrees(
     return result
 
 
-def _short_cmdline(proc: psutil.Process) -> str:
+def _short_cmdline(proc: psutil.Process, with_args: bool = False) -> str:
     try:
         parts = proc.cmdline()
     except psutil.Error:
         parts = []
-    if parts:
-        text = " ".join([os.path.basename(parts[0]), *parts[1:]])
-    else:
-        text = proc.name()
+    text = label_cmdline(parts, with_args) if parts else proc.name()
     return text if len(text) <= CMDLINE_MAX else text[: CMDLINE_MAX - 1] + "…"

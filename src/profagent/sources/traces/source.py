@@ -12,6 +12,7 @@ rank, else ``unknown``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -37,6 +38,7 @@ from profagent.target import ProcessTree
 log = logging.getLogger(__name__)
 
 STATE_FILE = "traces-processed.json"
+WARN_PER_REASON = 10  # then every 1000th
 PUBLISH_INTERVAL = 0.25  # default seconds between publishing (collect() never waits)
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 _PID_IN_NAME = re.compile(r"_(\d+)\.\d+\.pt\.trace\.json")  # tensorboard_trace_handler: host_PID.TS.pt.trace.json
@@ -110,14 +112,17 @@ class TracesSource:
         self.interval = interval
         self.top_k = top_k
         self._dirs = dirs
+        self._watcher = FolderWatcher(dirs, Processed(state_dir / STATE_FILE if state_dir is not None else None),
+                                      settle_seconds, invalid_after, max_file_bytes, polling)
+        if reader is read_trace:  # refuse what the job could not have written; cap the inflated size
+            reader = functools.partial(read_trace, max_bytes=max_file_bytes, owner_ok=self._watcher.owner_ok)
         self._read = reader
         self._clock = clock
         self._wall = wall
-        processed = Processed(state_dir / STATE_FILE if state_dir is not None else None)
-        self._watcher = FolderWatcher(dirs, processed, settle_seconds, invalid_after, max_file_bytes, polling)
         self._tree: ProcessTree | None = None
         self._ranks: dict[tuple[str, str], RankTrace] = {}  # (job_id, rank) -> last trace
         self._counts: dict[tuple[str, str], int] = {("ingested", "ok"): 0}
+        self._warned: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -137,6 +142,7 @@ class TracesSource:
     def collect(self, tree: ProcessTree) -> TracesSnapshot:
         """The latest snapshot the worker built (no I/O, no waiting)."""
         self._tree = tree
+        self._watcher.set_job_pids(p.pid for p in tree.processes)
         with self._lock:
             live = set(tree.job_status())
             ended = [key for key in self._ranks if key[0] and key[0] not in live]
@@ -178,7 +184,7 @@ class TracesSource:
         except TraceError as exc:
             if exc.reason in ("truncated", "unreadable"):
                 self._watcher.failed(verdict, exc.reason, str(exc))
-            elif exc.reason == "not_a_trace":
+            elif exc.reason in ("not_a_trace", "symlink", "not_regular", "foreign_owner", "too_large"):
                 self._count(verdict, "skipped", exc.reason, str(exc))
             else:
                 self._count(verdict, "invalid", exc.reason, str(exc))
@@ -201,11 +207,14 @@ class TracesSource:
         with self._lock:
             self._ranks[(job_id, rank)] = RankTrace(rank, report, self._wall(), job_id)
         self._count(verdict, "ingested", "ok", "")
-        log.info("trace %s ingested (rank %s)", verdict.path, rank)
+        log.info("trace %r ingested (rank %s)", verdict.path, rank)
 
     def _count(self, verdict: Verdict, status: str, reason: str, message: str) -> None:
         if status != "ingested":
-            log.warning("trace %s %s: %s", verdict.path, status, message or reason)
+            self._warned[reason] = n = self._warned.get(reason, 0) + 1
+            if n <= WARN_PER_REASON or n % 1000 == 0:  # 10,000 planted files: not 10,000 lines
+                log.warning("trace %r %s: %s%s", verdict.path, status, message or reason,
+                            f" ({n} so far with reason {reason})" if n >= WARN_PER_REASON else "")
         self._watcher.finished(verdict, status)
         with self._lock:
             self._counts[(status, reason)] = self._counts.get((status, reason), 0) + 1
