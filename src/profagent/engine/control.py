@@ -7,6 +7,7 @@ exposed on the network.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from profagent.errors import SourceUnavailable
 from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.endpoint import NoPollers, Poller, match_pid
+from profagent.system.safefs import UnsafePath, own_directory
 from profagent.system.unixsock import close_unix_socket
 
 if TYPE_CHECKING:
@@ -38,7 +40,11 @@ def default_control_socket() -> str:
 
 
 def call(path: str, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
-    """Send one request to the agent at ``path``. Raises OSError if nobody listens."""
+    """Send one request to the agent at ``path``. Raises OSError if nobody listens, or if
+    the socket belongs to another user (who would then answer for the agent)."""
+    owner = os.lstat(path).st_uid
+    if owner not in (0, os.geteuid()):
+        raise PermissionError(errno.EPERM, f"{path} belongs to uid {owner}, neither root nor us: not the agent's")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(path)
@@ -61,7 +67,11 @@ class ControlServer:
     def bind(self) -> None:
         """Raises SourceUnavailable when another live agent already holds the socket."""
         path = Path(self.path)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.parent.parent.mkdir(parents=True, exist_ok=True)
+        try:  # e.g. /tmp/profagent-<uid>: a folder another user created first is not ours
+            own_directory(str(path.parent), 0o700, keep_mode=True)
+        except UnsafePath as exc:
+            raise SourceUnavailable(f"refusing the control socket folder: {exc}; remove it or set ondemand.control_socket") from None
         if path.exists():
             try:
                 call(self.path, {"op": "ping"}, timeout=1)

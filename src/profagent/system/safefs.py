@@ -20,16 +20,18 @@ class UnsafePath(Exception):
         self.reason = reason
 
 
-def own_directory(path: str, mode: int) -> None:
-    """Make ``path`` a real directory owned by us with ``mode`` (created if absent).
+def own_directory(path: str, mode: int, keep_mode: bool = False) -> None:
+    """Make ``path`` a real directory owned by us with ``mode`` (created if absent;
+    with ``keep_mode``, an existing folder of ours keeps its mode).
 
     Raises UnsafePath if it exists as a symlink, as something else than a directory, or
     owned by another user (its mode is then left alone), OSError if it cannot be created.
     """
+    created = True
     try:
         os.mkdir(path, 0o700)  # widened below, on the descriptor, once known to be ours
     except FileExistsError:
-        pass
+        created = False
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -44,7 +46,7 @@ def own_directory(path: str, mode: int) -> None:
         if st.st_uid != os.geteuid():
             raise UnsafePath(f"{path!r} already exists and belongs to uid {st.st_uid}, not to us (uid {os.geteuid()})",
                              "foreign_owner")
-        if stat.S_IMODE(st.st_mode) != mode:
+        if stat.S_IMODE(st.st_mode) != mode and (created or not keep_mode):
             os.fchmod(fd, mode)
     finally:
         os.close(fd)
