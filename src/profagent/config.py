@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import sys
 import types
@@ -32,6 +33,8 @@ else:  # pragma: no cover - exercised on 3.10 only
 # 9100, dcgm-exporter 9400...). 19400 sits outside it and reads as "next to dcgm".
 DEFAULT_PORT = 19400
 MIN_INTERVAL = 0.1
+MAX_INTERVAL = 3600.0  # intervals and windows: an hour (inf or 1e300 would overflow the loops)
+MAX_SECONDS = 7 * 86400.0  # other durations (grace, stall, ring...)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "PROFAGENT_"
 
@@ -291,6 +294,7 @@ def validate(config: Config) -> None:
         raise UserError(
             f"invalid log level {config.agent.log_level!r}", f"use one of {', '.join(LOG_LEVELS)}"
         )
+    _check_numbers(config)
     for key in all_keys():
         if key.name == "interval":
             value = config.section(key.section).interval
@@ -302,6 +306,20 @@ def validate(config: Config) -> None:
         raise UserError("'interval' must be positive", f"use at least {MIN_INTERVAL}s")
     _validate_watch(config.watch)
     _validate_stacks(config.stacks)
+
+
+def _check_numbers(config: Config) -> None:
+    """Every duration finite, not negative and bounded (NaN would spin a loop, inf overflow it)."""
+    for key in all_keys():
+        value = getattr(config.section(key.section), key.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value) or value < 0:
+            raise UserError(f"'{key.dotted}' is {value}", "use a finite number, 0 or more")
+        windowed = key.name.endswith("interval") or key.dotted == "stacks.window"
+        limit = MAX_INTERVAL if windowed else MAX_SECONDS
+        if isinstance(value, float) and value > limit:
+            raise UserError(f"'{key.dotted}' is {value:g}s, above the maximum", f"use at most {limit:g}s")
 
 
 def _validate_stacks(st: StacksConfig) -> None:

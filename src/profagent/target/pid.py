@@ -55,16 +55,24 @@ def _rank_env(env: dict[str, str]) -> tuple[str, str, str] | None:
 
 def check_attachable(pid: int) -> psutil.Process:
     """Return the process, or raise UserError naming the problem and the fix."""
+    if pid <= 1:
+        raise UserError(f"PID {pid} is not a training job" + (" (PID 1 is the init system: it would watch the whole machine)" if pid == 1 else ""),
+                        "pass the PID of the launcher (torchrun) or of a rank: `pgrep -f train`")
     try:
         proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            raise psutil.ZombieProcess(pid)
         proc.cpu_times()
-        proc.cmdline()
+        if not proc.cmdline() and (pid == 2 or proc.ppid() == 2):
+            raise UserError(f"PID {pid} is a kernel thread, not a training job", "pass the PID of the launcher (torchrun) or of a rank")
+        if os.geteuid() != 0:  # the ranks and job id come from its environment: without it, refuse
+            (Path("/proc") / str(pid) / "environ").read_bytes()
         return proc
+    except psutil.ZombieProcess:  # before NoSuchProcess: it is a subclass
+        raise UserError(f"PID {pid} is a zombie (it has exited; its parent has not reaped it)", "attach to a running process") from None
     except psutil.NoSuchProcess:
         raise UserError(f"no process with PID {pid}", "check the PID with `ps -ef` or `pgrep -f train`") from None
-    except psutil.ZombieProcess:
-        raise UserError(f"PID {pid} is a zombie (it has exited)", "attach to a running process") from None
-    except psutil.AccessDenied:
+    except (psutil.AccessDenied, PermissionError):
         try:
             owner = psutil.Process(pid).username()
         except psutil.Error:
@@ -73,6 +81,8 @@ def check_attachable(pid: int) -> psutil.Process:
             f"not permitted to read PID {pid} (owned by {owner})",
             "run profagent as that user or as root (or with CAP_SYS_PTRACE)",
         ) from None
+    except FileNotFoundError:
+        raise UserError(f"no process with PID {pid}", "check the PID with `ps -ef` or `pgrep -f train`") from None
 
 
 class PidTarget:
