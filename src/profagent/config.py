@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import sys
 import types
@@ -32,6 +33,8 @@ else:  # pragma: no cover - exercised on 3.10 only
 # 9100, dcgm-exporter 9400...). 19400 sits outside it and reads as "next to dcgm".
 DEFAULT_PORT = 19400
 MIN_INTERVAL = 0.1
+MAX_INTERVAL = 3600.0  # intervals and windows: an hour (inf or 1e300 would overflow the loops)
+MAX_SECONDS = 7 * 86400.0  # other durations (grace, stall, ring...)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "PROFAGENT_"
 
@@ -50,6 +53,7 @@ class AgentConfig:
     log_level: str = _opt("info", "debug, info, warning or error")
     exit_grace: float = _opt(3.0, "seconds attach keeps serving after the whole target tree is gone")
     state_dir: str = _opt("", "folder for small state files (default: $XDG_STATE_HOME/profagent or /var/lib/profagent as root)")
+    cmdline_args: bool = _opt(False, "show arguments in the cmdline label (values of --*key/token/secret/password* options are redacted); off: program and script only")
 
 
 @dataclass
@@ -84,7 +88,7 @@ class TracesConfig:
     polling: bool = _opt(False, "poll the folders instead of inotify (network filesystems)")
     settle_seconds: float = _opt(0.5, "a .json.gz must keep its size this long before it is read")
     invalid_after: float = _opt(60.0, "seconds a trace may stay incomplete before it counts as invalid")
-    max_file_bytes: int = _opt(2 * 1024**3, "traces larger than this (on disk) are skipped")
+    max_file_bytes: int = _opt(2 * 1024**3, "traces larger than this, once uncompressed, are skipped (reason too_large; a file of exactly this size is read)")
     top_k: int = _opt(10, "kernels and ops kept per rank; the rest is folded into 'other'")
     interval: float = _opt(0.0, "seconds between publishing newly analysed traces; 0 = 0.25 s (or the agent interval if shorter)")
 
@@ -325,6 +329,7 @@ def validate(config: Config) -> None:
         raise UserError(
             f"invalid log level {config.agent.log_level!r}", f"use one of {', '.join(LOG_LEVELS)}"
         )
+    _check_numbers(config)
     for key in all_keys():
         if key.name == "interval":
             value = config.section(key.section).interval
@@ -347,6 +352,20 @@ def _validate_incidents(inc: IncidentsConfig) -> None:
     for name in ("rate_limit_seconds", "regression_seconds", "capture_timeout"):
         if getattr(inc, name) < 0:
             raise UserError(f"'incidents.{name}' is negative", "use 0 or more seconds")
+
+
+def _check_numbers(config: Config) -> None:
+    """Every duration finite, not negative and bounded (NaN would spin a loop, inf overflow it)."""
+    for key in all_keys():
+        value = getattr(config.section(key.section), key.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value) or value < 0:
+            raise UserError(f"'{key.dotted}' is {value}", "use a finite number, 0 or more")
+        windowed = key.name.endswith("interval") or key.dotted == "stacks.window"
+        limit = MAX_INTERVAL if windowed else MAX_SECONDS
+        if isinstance(value, float) and value > limit:
+            raise UserError(f"'{key.dotted}' is {value:g}s, above the maximum", f"use at most {limit:g}s")
 
 
 def _validate_stacks(st: StacksConfig) -> None:

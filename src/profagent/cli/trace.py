@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Any
 from rich.console import Console
 
 from profagent.errors import UserError
+from profagent.system.safefs import UnsafePath, open_regular
 from profagent.system.unixsock import call
 
 HOW_TO_POLL = (
@@ -48,10 +50,11 @@ def _complete_json(path: Path) -> bool:
     """libkineto writes the file in place: it is complete once it parses."""
     import orjson
 
-    try:
-        data = path.read_bytes()
+    try:  # a FIFO or symlink planted where the trace goes must not hang or fool us
+        with os.fdopen(open_regular(str(path)), "rb") as fh:
+            data = fh.read()
         return bool(data) and isinstance(orjson.loads(data), dict)
-    except (OSError, orjson.JSONDecodeError):
+    except (OSError, UnsafePath, orjson.JSONDecodeError):
         return False
 
 

@@ -100,7 +100,7 @@ class Job:
         """``target`` replaces ``PidTarget(pid)`` (watch mode passes a NodeTarget)."""
         self.pid = pid
         self.state = State()
-        self.target = target if target is not None else PidTarget(pid)
+        self.target = target if target is not None else PidTarget(pid, cmdline_args=config.agent.cmdline_args)
         self.sources, self.disabled = build_sources(config)
         for source in self.sources:
             if isinstance(source, StacksSource):

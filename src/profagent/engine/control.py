@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from profagent.errors import NotApplicable, SourceUnavailable
 from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.endpoint import NoPollers, Poller, match_pid
+from profagent.system.safefs import UnsafePath, own_directory
 from profagent.system.unixsock import bind_private, call, close_unix_socket
 
 if TYPE_CHECKING:
@@ -39,6 +40,11 @@ class ControlServer:
     def bind(self) -> None:
         """Raises SourceUnavailable when another live agent already holds the socket."""
         path = Path(self.path)
+        path.parent.parent.mkdir(parents=True, exist_ok=True)
+        try:  # e.g. /tmp/profagent-<uid>: a folder another user created first is not ours
+            own_directory(str(path.parent), 0o700, keep_mode=True)
+        except UnsafePath as exc:
+            raise SourceUnavailable(f"refusing the control socket folder: {exc}; remove it or set ondemand.control_socket") from None
         if path.exists():
             try:
                 call(self.path, {"op": "ping"}, timeout=1)

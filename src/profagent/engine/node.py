@@ -53,7 +53,8 @@ def _gpu_pids(job: Job) -> Callable[[], Iterable[int]] | None:
 
 def build(config: Config) -> tuple[Agent, Job, NodeTarget]:
     """The agent, its one job and the node target. Raises UserError for bad settings."""
-    target = NodeTarget(Rules.from_config(config.watch), Limits.from_config(config.watch))
+    target = NodeTarget(Rules.from_config(config.watch), Limits.from_config(config.watch),
+                        cmdline_args=config.agent.cmdline_args)
     job = Job(config, 0, target=target)  # type: ignore[arg-type]  # NodeTarget is Target-like
     target.set_gpu_pids(_gpu_pids(job) if config.watch.gpu_processes else None)
     return Agent(config, job), job, target

@@ -3,6 +3,10 @@
 TLS and basic auth come from an exporter-toolkit ``web-config.yml`` (the file
 node_exporter users already have): ``tls_server_config.cert_file/key_file`` (optionally
 ``client_ca_file`` + ``client_auth_type``) and ``basic_auth_users`` with bcrypt hashes.
+
+The endpoint may face the network: every connection has a timeout, at most
+``MAX_CONNECTIONS`` are served at once (more are closed at once), and a client that keeps
+failing basic auth is answered 429 without spending bcrypt time on it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import logging
 import socket
 import ssl
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -32,6 +38,12 @@ log = logging.getLogger(__name__)
 
 # A route gets the parsed query string and returns (status, content type, body).
 Route = Callable[[dict[str, list[str]]], tuple[int, str, bytes]]
+
+CONNECTION_TIMEOUT = 10.0  # seconds a connection may stay silent (half-sent request, idle keep-alive)
+MAX_CONNECTIONS = 32  # handler threads; Prometheus needs one or two
+AUTH_FAILURES_ALLOWED = 10  # per client address and window, then 429 until the window ends
+AUTH_WINDOW = 60.0
+AUTH_CLIENTS_TRACKED = 4096  # oldest forgotten first: memory stays bounded under a spray
 
 _CLIENT_AUTH = {
     "": ssl.CERT_NONE,
@@ -63,8 +75,12 @@ def load_web_config(path: str | Path) -> WebConfig:
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
         raise UserError(f"web config {path} not found", "check the --web-config path") from None
+    except IsADirectoryError:
+        raise UserError(f"web config {path} is a directory", "pass the web-config.yml file itself") from None
     except PermissionError:
         raise UserError(f"cannot read web config {path}", "fix its permissions") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read web config {path} ({exc})", "pass a readable YAML file") from None
     except yaml.YAMLError as exc:
         detail = str(exc).splitlines()[0]
         raise UserError(f"malformed web config {path} ({detail})", "fix the YAML syntax") from None
@@ -94,6 +110,15 @@ def load_web_config(path: str | Path) -> WebConfig:
     for user, hashed in users.items():
         if not str(hashed).startswith("$2"):
             raise UserError(f"password of user {user!r} in {path} is not a bcrypt hash", "generate one with `htpasswd -nBC 10 USER`")
+        try:  # a malformed hash would otherwise fail on every authenticated request
+            bcrypt.checkpw(b"", str(hashed).encode())
+        except ValueError:
+            raise UserError(f"the bcrypt hash of user {user!r} in {path} is malformed", "generate one with `htpasswd -nBC 10 USER`") from None
+    verified = auth_type in ("RequireAndVerifyClientCert", "VerifyClientCertIfGiven")
+    if verified and not tls.get("client_ca_file"):
+        raise UserError(f"client_auth_type {auth_type} in {path} needs client_ca_file", "set client_ca_file to the CA that signs client certificates")
+    if auth_type and auth_type != "NoClientCert" and not cert:
+        raise UserError(f"client_auth_type in {path} needs TLS", "set cert_file and key_file")
     return WebConfig(
         cert_file=resolve(cert),
         key_file=resolve(key),
@@ -117,12 +142,38 @@ def _ssl_context(cfg: WebConfig) -> ssl.SSLContext:
 
 
 class _Authenticator:
-    """bcrypt is deliberately slow, so successful checks are remembered (as node_exporter does)."""
+    """bcrypt is deliberately slow, so successful checks are remembered (as node_exporter
+    does), and a client address failing too often is refused before bcrypt runs."""
 
-    def __init__(self, users: dict[str, bytes]) -> None:
+    def __init__(self, users: dict[str, bytes], clock: Callable[[], float] = time.monotonic) -> None:
         self._users = users
         self._ok: set[bytes] = set()
         self._lock = threading.Lock()
+        self._clock = clock
+        self._failures: OrderedDict[str, tuple[float, int]] = OrderedDict()  # client -> (window start, count)
+
+    def throttled(self, client: str) -> bool:
+        """True while ``client`` has failed more than AUTH_FAILURES_ALLOWED times this window."""
+        if not self._users:
+            return False
+        with self._lock:
+            entry = self._failures.get(client)
+            if entry is None:
+                return False
+            if self._clock() - entry[0] >= AUTH_WINDOW:
+                del self._failures[client]
+                return False
+            return entry[1] >= AUTH_FAILURES_ALLOWED
+
+    def failed(self, client: str) -> None:
+        now = self._clock()
+        with self._lock:
+            start, count = self._failures.pop(client, (now, 0))
+            if now - start >= AUTH_WINDOW:
+                start, count = now, 0
+            self._failures[client] = (start, count + 1)
+            while len(self._failures) > AUTH_CLIENTS_TRACKED:
+                self._failures.popitem(last=False)
 
     def check(self, header: str | None) -> bool:
         if not self._users:
@@ -151,11 +202,33 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     ssl_context: ssl.SSLContext | None = None
+    request_queue_size = 64
+    slots = threading.BoundedSemaphore(MAX_CONNECTIONS)  # replaced per server in AgentHTTPServer.start
+    refused = 0
+
+    def process_request(self, request, client_address):  # type: ignore[override]
+        if not self.slots.acquire(blocking=False):
+            self.refused += 1  # over the cap: closed at once, no thread
+            if self.refused % 100 == 1:
+                log.warning("more than %d HTTP connections at once: closing new ones (%d so far)", MAX_CONNECTIONS, self.refused)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):  # type: ignore[override]
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
     def finish_request(self, request, client_address):  # type: ignore[override]
         if self.ssl_context is not None:
             # Handshake in the request thread, so a slow client cannot stall accept().
-            request.settimeout(10)
+            request.settimeout(CONNECTION_TIMEOUT)
             try:
                 request = self.ssl_context.wrap_socket(request, server_side=True)
             except (ssl.SSLError, OSError) as exc:
@@ -209,6 +282,7 @@ class AgentHTTPServer:
             if exc.errno == errno.EACCES:
                 raise UserError(f"not permitted to listen on port {self.port}", "use a port above 1023 or run as root") from None
             raise UserError(f"cannot listen on {self.host}:{self.port} ({exc.strerror})", "check --listen") from None
+        httpd.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         if self.web_config.tls:
             httpd.ssl_context = _ssl_context(self.web_config)
         self.port = httpd.server_address[1]  # resolves port 0
@@ -228,6 +302,7 @@ def _make_handler(server: AgentHTTPServer) -> type[BaseHTTPRequestHandler]:
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = CONNECTION_TIMEOUT  # a half-sent request or an idle keep-alive is closed
 
         def setup(self) -> None:
             super().setup()
@@ -255,7 +330,13 @@ def _make_handler(server: AgentHTTPServer) -> type[BaseHTTPRequestHandler]:
             self.do_GET()
 
         def do_GET(self) -> None:  # noqa: N802
+            client = self.client_address[0]
+            if auth.throttled(client):
+                self._send(429, "text/plain", b"too many failed logins; retry later\n", {"Retry-After": str(int(AUTH_WINDOW))})
+                return
             if not auth.check(self.headers.get("Authorization")):
+                if self.headers.get("Authorization"):
+                    auth.failed(client)
                 self._send(401, "text/plain", b"Unauthorized\n", {"WWW-Authenticate": 'Basic realm="profagent"'})
                 return
             url = urlsplit(self.path)

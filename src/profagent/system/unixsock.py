@@ -7,6 +7,7 @@ and ``\\0name`` for the kernel; a file address is a path.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -98,7 +99,11 @@ def default_control_socket() -> str:
 
 def call(path: str, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
     """One JSON request line to the agent's control socket at ``path``, one JSON reply line
-    back. Raises OSError if nobody listens, ValueError on a reply that is not JSON."""
+    back. Raises OSError if nobody listens, or if the socket belongs to another user (who
+    would then answer for the agent); ValueError on a reply that is not JSON."""
+    owner = os.lstat(path).st_uid
+    if owner not in (0, os.geteuid()):
+        raise PermissionError(errno.EPERM, f"{path} belongs to uid {owner}, neither root nor us: not the agent's")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(path)

@@ -123,7 +123,9 @@ class NodeTarget:
         clock: Callable[[], float] = time.monotonic,
         self_pid: int | None = None,
         settle_seconds: float = SETTLE_SECONDS,
+        cmdline_args: bool = False,
     ) -> None:
+        self.cmdline_args = cmdline_args
         self.proc_root = Path(proc_root)
         self._read_environ = environ_reader
         self._clock = clock
@@ -265,7 +267,7 @@ class NodeTarget:
         return out
 
     def _admit(self, key: Key, limits: Limits) -> None:
-        target = PidTarget(key[0], self.proc_root, self._read_environ)
+        target = PidTarget(key[0], self.proc_root, self._read_environ, cmdline_args=self.cmdline_args)
         tree = target.refresh()
         if not tree.alive:
             return

@@ -24,6 +24,7 @@ from profagent.analysis.labels import shorten
 from profagent.errors import UserError
 from profagent.logs import LogOnce
 from profagent.system.procfs import PROC, read_environ
+from profagent.target.cmdline import label_cmdline
 from profagent.target.placement import Placement, placement_of
 from profagent.target.tree import (
     CMDLINE_MAX,
@@ -41,16 +42,24 @@ log = logging.getLogger(__name__)
 
 def check_attachable(pid: int) -> psutil.Process:
     """Return the process, or raise UserError naming the problem and the fix."""
+    if pid <= 1:
+        raise UserError(f"PID {pid} is not a training job" + (" (PID 1 is the init system: it would watch the whole machine)" if pid == 1 else ""),
+                        "pass the PID of the launcher (torchrun) or of a rank: `pgrep -f train`")
     try:
         proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            raise psutil.ZombieProcess(pid)
         proc.cpu_times()
-        proc.cmdline()
+        if not proc.cmdline() and (pid == 2 or proc.ppid() == 2):
+            raise UserError(f"PID {pid} is a kernel thread, not a training job", "pass the PID of the launcher (torchrun) or of a rank")
+        if os.geteuid() != 0:  # the ranks and job id come from its environment: without it, refuse
+            (Path("/proc") / str(pid) / "environ").read_bytes()
         return proc
+    except psutil.ZombieProcess:  # before NoSuchProcess: it is a subclass
+        raise UserError(f"PID {pid} is a zombie (it has exited; its parent has not reaped it)", "attach to a running process") from None
     except psutil.NoSuchProcess:
         raise UserError(f"no process with PID {pid}", "check the PID with `ps -ef` or `pgrep -f train`") from None
-    except psutil.ZombieProcess:
-        raise UserError(f"PID {pid} is a zombie (it has exited)", "attach to a running process") from None
-    except psutil.AccessDenied:
+    except (psutil.AccessDenied, PermissionError):
         try:
             owner = psutil.Process(pid).username()
         except psutil.Error:
@@ -59,6 +68,8 @@ def check_attachable(pid: int) -> psutil.Process:
             f"not permitted to read PID {pid} (owned by {owner})",
             "run profagent as that user or as root (or with CAP_SYS_PTRACE)",
         ) from None
+    except FileNotFoundError:
+        raise UserError(f"no process with PID {pid}", "check the PID with `ps -ef` or `pgrep -f train`") from None
 
 
 class PidTarget:
@@ -69,8 +80,10 @@ class PidTarget:
         pid: int,
         proc_root: str | Path = PROC,
         environ_reader: Callable[[Path, int], dict[str, str]] = read_environ,
+        cmdline_args: bool = False,
     ) -> None:
         self.pid = pid
+        self.cmdline_args = cmdline_args  # agent.cmdline_args: arguments in the label (redacted)
         self.proc_root = Path(proc_root)
         self._read_environ = environ_reader
         self._env_cache: dict[tuple[int, float], dict[str, str] | None] = {}
@@ -135,7 +148,7 @@ class PidTarget:
                 with proc.oneshot():
                     if proc.status() == psutil.STATUS_ZOMBIE:
                         continue  # exited, not yet reaped by its parent
-                    info[proc.pid] = (proc.ppid(), proc.create_time(), _short_cmdline(proc))
+                    info[proc.pid] = (proc.ppid(), proc.create_time(), _short_cmdline(proc, self.cmdline_args))
             except psutil.Error:
                 continue
         if not info:
@@ -219,13 +232,10 @@ def _ranked_subtrees(
     return result
 
 
-def _short_cmdline(proc: psutil.Process) -> str:
+def _short_cmdline(proc: psutil.Process, with_args: bool = False) -> str:
     try:
         parts = proc.cmdline()
     except psutil.Error:
         parts = []
-    if parts:
-        text = " ".join([os.path.basename(parts[0]), *parts[1:]])
-    else:
-        text = proc.name()
+    text = label_cmdline(parts, with_args) if parts else proc.name()
     return shorten(text, CMDLINE_MAX)

@@ -1,5 +1,12 @@
 """The Kineto daemon endpoint: the datagram socket libkineto polls, the registry of polling
-processes, and the trace requests handed to them on their next poll."""
+processes, and the trace requests handed to them on their next poll.
+
+Any local user can write to the socket, so each poll is authenticated by the sender's
+kernel credentials (SCM_CREDENTIALS): the poll's PID must be the sender's, and of the
+ancestors it lists only those that really are its ancestors are kept (a process cannot
+pose as another job's child to receive that job's trace config). The registry is bounded,
+and replies never wait on a sender that does not read them.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +14,20 @@ import errno
 import itertools
 import logging
 import os
+import select
 import socket
+import struct
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import psutil
+
 from profagent.errors import NotApplicable, SourceUnavailable, UserError
 from profagent.sources.ondemand import kineto
+from profagent.system.safefs import UnsafePath, own_directory
 from profagent.system.unixsock import (
     abstract_address,
     close_unix_socket,
@@ -27,6 +39,17 @@ log = logging.getLogger(__name__)
 
 POLLER_TTL = 60.0  # libkineto polls every ~5 s; silent this long means gone
 MALFORMED_LOG_EVERY = 100
+MAX_POLLERS = 4096  # far more processes than a node traces; a flood cannot grow the registry past it
+MAX_ANCESTORS = 32  # pids kept per poll (the process and its ancestors)
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+
+
+@dataclass(frozen=True)
+class Sender:
+    """Who sent a datagram, as the kernel says (pid 0: unknown, e.g. another pid namespace)."""
+
+    pid: int
+    uid: int
 
 
 @dataclass(frozen=True)
@@ -85,13 +108,26 @@ class Endpoint:
     def bind(self) -> None:
         """Raises SourceUnavailable when another daemon holds the name."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # each datagram carries its sender
         address = self.address
         if isinstance(address, str):
-            os.makedirs(self.socket_dir, exist_ok=True)
-            if os.path.exists(address) and is_stale(address, socket.SOCK_DGRAM):
+            try:
+                # Ours, or refused: whoever owns the folder could swap the socket under the jobs.
+                own_directory(self.socket_dir, 0o755)
+            except UnsafePath as exc:
+                sock.close()
+                raise SourceUnavailable(f"refusing the Kineto socket folder: {exc}; remove it or set ondemand.socket_dir") from None
+            except OSError as exc:
+                sock.close()
+                raise SourceUnavailable(f"cannot create the Kineto socket folder {self.socket_dir!r} ({exc.strerror}): on-demand tracing off") from None
+            if os.path.lexists(address) and is_stale(address, socket.SOCK_DGRAM):
                 os.unlink(address)
         try:
             sock.bind(address)
+            if isinstance(address, str):
+                # Jobs of any user must reach it (the unit's UMask=0077 would make it 0700);
+                # who sent each poll is checked by its credentials, not by this mode.
+                os.chmod(address, 0o666)
         except OSError as exc:
             sock.close()
             if exc.errno == errno.EADDRINUSE:
@@ -101,7 +137,7 @@ class Endpoint:
                     "held_by_another_agent",
                 ) from None
             raise SourceUnavailable(f"cannot bind the Kineto endpoint {self.describe()} ({exc.strerror}): on-demand tracing off") from None
-        sock.settimeout(0.2)
+        sock.setblocking(False)  # replies never wait on a peer that does not read them
         self._sock = sock
 
     def close(self) -> None:
@@ -112,17 +148,22 @@ class Endpoint:
         """Answer datagrams until ``stop`` is set (run in a thread)."""
         while not stop.is_set() and self._sock is not None:
             try:
-                data, addr = self._sock.recvfrom(65536)
-            except TimeoutError:
+                readable, _, _ = select.select([self._sock], [], [], 0.2)
+                if not readable:
+                    continue
+                data, ancdata, _, addr = self._sock.recvmsg(65536, socket.CMSG_SPACE(_UCRED.size))
+            except (BlockingIOError, InterruptedError):
                 continue
-            except OSError:
-                if stop.is_set():
+            except (OSError, ValueError):
+                if stop.is_set() or self._sock is None:
                     return
                 continue
-            reply = self.handle(data)
+            reply = self.handle(data, _sender(ancdata))
             if reply is not None and addr:
                 try:
-                    self._sock.sendto(reply, addr)
+                    self._sock.sendto(reply, socket.MSG_DONTWAIT, addr)
+                except BlockingIOError:
+                    self._count("reply_dropped")  # the sender does not read its replies
                 except OSError:
                     self._count("reply_failed")
 
@@ -130,8 +171,12 @@ class Endpoint:
         with self._lock:
             self._counts[kind] = self._counts.get(kind, 0) + 1
 
-    def handle(self, datagram: bytes) -> bytes | None:
-        """One datagram in, the reply out (None = no reply). Never raises."""
+    def handle(self, datagram: bytes, sender: Sender | None = None) -> bytes | None:
+        """One datagram in, the reply out (None = no reply). Never raises.
+
+        ``sender``: the kernel's credentials of the datagram (``serve`` always passes them;
+        None only for callers that already know who sent it).
+        """
         try:
             message = kineto.decode(datagram)
         except kineto.MalformedDatagram as exc:
@@ -144,10 +189,23 @@ class Endpoint:
         if isinstance(message, kineto.Context):
             self._count("ctxt")
             return kineto.reply_context(1)
+        pids = message.pids[:MAX_ANCESTORS]
+        if sender is not None:
+            if sender.pid <= 0 or sender.pid != message.pid:
+                self._refused("spoofed", f"a poll claiming PID {message.pid} came from PID {sender.pid} (uid {sender.uid})")
+                return None
+            pids = _true_ancestry(pids)
         self._count("poll")
         now = self._clock()
         with self._lock:
-            self._pollers[message.pid] = Poller(message.pid, message.pids, message.jobid, message.can_trace, now)
+            if message.pid not in self._pollers and len(self._pollers) >= MAX_POLLERS:
+                self._pollers = {p: v for p, v in self._pollers.items() if now - v.last_seen < POLLER_TTL}
+            full = message.pid not in self._pollers and len(self._pollers) >= MAX_POLLERS
+        if full:
+            self._refused("registry_full", f"more than {MAX_POLLERS} processes poll: PID {message.pid} ignored")
+            return kineto.reply_config("")
+        with self._lock:
+            self._pollers[message.pid] = Poller(message.pid, pids, message.jobid, message.can_trace, now)
             if not message.can_trace:
                 return kineto.reply_config("")  # a trace is already running there
             for request in self._requests.values():
@@ -157,6 +215,13 @@ class Endpoint:
                     self._counts["sent"] = self._counts.get("sent", 0) + 1
                     return kineto.reply_config(kineto.config_text(request.log_file, request.options, request.id))
         return kineto.reply_config("")
+
+    def _refused(self, kind: str, message: str) -> None:
+        self._count(kind)
+        with self._lock:
+            n = self._counts[kind]
+        if n % MALFORMED_LOG_EVERY == 1:
+            log.warning("refused a Kineto poll: %s; %d refused so far", message, n)
 
     def pollers(self) -> list[Poller]:
         now = self._clock()
@@ -205,6 +270,29 @@ class Endpoint:
     def counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+
+def _sender(ancdata: list[tuple[int, int, bytes]]) -> Sender:
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _UCRED.size:
+            pid, uid, _ = _UCRED.unpack_from(data)
+            return Sender(pid, uid)
+    return Sender(0, -1)
+
+
+def _true_ancestry(pids: tuple[int, ...]) -> tuple[int, ...]:
+    """The listed pids up to the first one that is not the real parent of the one before:
+    a poll lists the process then its ancestors, and only the kernel's word counts."""
+    kept = [pids[0]]
+    for pid in pids[1:]:
+        try:
+            parent = psutil.Process(kept[-1]).ppid()
+        except psutil.Error:
+            break
+        if parent != pid:
+            break
+        kept.append(pid)
+    return tuple(kept)
 
 
 def match_pid(pid: int) -> Callable[[Poller], bool]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from profagent.errors import SourceUnavailable
 from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.endpoint import Endpoint, NoPollers, Poller, TraceRequest
+from profagent.system.safefs import UnsafePath, own_directory
 from profagent.target import ProcessTree
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,12 @@ class OndemandSource:
     # -- lifecycle ----------------------------------------------------------------
     def start(self) -> None:
         try:
-            os.makedirs(self.trace_dir, exist_ok=True)
-            os.chmod(self.trace_dir, 0o1777)  # the job may run as another user; sticky like /tmp
+            os.makedirs(os.path.dirname(os.path.abspath(self.trace_dir)), exist_ok=True)
+            # The job may run as another user: world-writable and sticky like /tmp, but only
+            # once the folder is known to be ours (a planted symlink or folder is refused).
+            own_directory(self.trace_dir, 0o1777)
+        except UnsafePath as exc:
+            raise SourceUnavailable(f"refusing the on-demand trace folder: {exc}; remove it or set ondemand.trace_dir") from None
         except OSError as exc:
             raise SourceUnavailable(f"cannot create the on-demand trace folder {self.trace_dir} ({exc.strerror}): set ondemand.trace_dir") from None
         self.endpoint.bind()

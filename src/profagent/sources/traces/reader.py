@@ -12,10 +12,11 @@ Raises ``TraceError`` (with a short bounded ``reason``) and nothing else for bad
 
 from __future__ import annotations
 
+import os
 import re
 import typing
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -23,6 +24,7 @@ import numpy as np
 
 from profagent.analysis.trace.model import KINDS, Trace  # noqa: F401  (KINDS: the categories kept)
 from profagent.errors import SourceError
+from profagent.system.safefs import UnsafePath, open_regular
 
 # Small pieces: inflated text is decoded while still in the CPU cache (a reader thread
 # was slower: it waits for the GIL while msgspec decodes, and it evicts the pieces).
@@ -141,9 +143,32 @@ def _decode(fast: msgspec.json.Decoder, plain: msgspec.json.Decoder, data):  # t
 _meta_decoder = msgspec.json.Decoder(Meta)
 
 
-def _chunks(path: Path) -> Iterator[bytes]:
+def _open(path: Path, owner_ok: Callable[[int], bool] | None) -> typing.BinaryIO:
+    """The file, read-only, if it is a regular file (no symlink followed, no FIFO waited on)
+    owned by someone ``owner_ok`` accepts."""
+    try:
+        return os.fdopen(open_regular(str(path), owner_ok), "rb")
+    except UnsafePath as exc:
+        raise TraceError(str(exc), exc.reason) from None
+
+
+def _capped(chunks: Iterator[bytes], max_bytes: int | None) -> Iterator[bytes]:
+    """Stop with ``too_large`` once the *inflated* text exceeds ``max_bytes`` (a gzip bomb
+    costs at most that much reading, never that much memory)."""
+    total = 0
+    try:
+        for data in chunks:
+            total += len(data)
+            if max_bytes is not None and total > max_bytes:
+                raise TraceError(f"more than traces.max_file_bytes ({max_bytes}) once uncompressed", "too_large")
+            yield data
+    finally:
+        chunks.close()  # type: ignore[attr-defined]
+
+
+def _chunks(path: Path, owner_ok: Callable[[int], bool] | None = None) -> Iterator[bytes]:
     """Uncompressed text in chunks of about CHUNK bytes (gzip detected by its magic)."""
-    with open(path, "rb") as fh:
+    with _open(path, owner_ok) as fh:
         first = fh.read(RAW_CHUNK)
         if first[:2] != b"\x1f\x8b":
             data = first
@@ -320,16 +345,20 @@ def _decode_error(exc: Exception) -> TraceError:
     return TraceError(f"malformed trace JSON ({text})", "corrupt")
 
 
-def read_trace(path: str | Path) -> Trace:
+def read_trace(
+    path: str | Path, max_bytes: int | None = None, owner_ok: Callable[[int], bool] | None = None
+) -> Trace:
     """Parse a Kineto trace (.json or .json.gz, detected by content).
 
     Raises TraceError: ``truncated`` (incomplete gzip or JSON), ``corrupt`` (bad gzip or
-    JSON), ``not_a_trace`` (no traceEvents array), ``unreadable`` (OS error).
+    JSON), ``not_a_trace`` (no traceEvents array), ``unreadable`` (OS error), and, for
+    files the agent refuses to read: ``symlink``, ``not_regular``, ``foreign_owner``
+    (``owner_ok`` said no), ``too_large`` (over ``max_bytes`` uncompressed).
     """
     path = Path(path)
     trace = Trace(str(path))
     builder = _Builder(trace)
-    chunks = _chunks(path)
+    chunks = _capped(_chunks(path, owner_ok), max_bytes)
     try:
         _stream_into(chunks, trace, builder)
     except OSError as exc:

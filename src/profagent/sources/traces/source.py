@@ -25,6 +25,7 @@ ingested, M skipped in the last minute"); rejected files stay at WARNING.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -51,6 +52,7 @@ from profagent.target import ProcessTree
 log = logging.getLogger(__name__)
 
 STATE_FILE = "traces-processed.json"
+WARN_PER_REASON = 10  # then every 1000th
 PUBLISH_INTERVAL = 0.25  # default seconds between publishing (collect() never waits)
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 _PID_IN_NAME = re.compile(r"_(\d+)\.\d+\.pt\.trace\.json")  # tensorboard_trace_handler: host_PID.TS.pt.trace.json
@@ -171,6 +173,10 @@ class TracesSource:
         self.user_dirs = user_dirs
         self.top_k = top_k
         self._dirs = dirs
+        self._watcher = FolderWatcher(dirs, Processed(state_dir / STATE_FILE if state_dir is not None else None),
+                                      settle_seconds, invalid_after, max_file_bytes, polling)
+        if reader is read_trace:  # refuse what the job could not have written; cap the inflated size
+            reader = functools.partial(read_trace, max_bytes=max_file_bytes, owner_ok=self._watcher.owner_ok)
         self._read = reader
         self._clock = clock
         self._wall = wall
@@ -178,11 +184,10 @@ class TracesSource:
         self._logged_first = False
         self._since_summary: dict[str, int] = {}
         self._summary_at = clock()
-        processed = Processed(state_dir / STATE_FILE if state_dir is not None else None)
-        self._watcher = FolderWatcher(dirs, processed, settle_seconds, invalid_after, max_file_bytes, polling)
         self._tree: ProcessTree | None = None
         self._ranks: dict[tuple[str, str], RankTrace] = {}  # (job_id, rank) -> last trace
         self._counts: dict[tuple[str, str], int] = {("ingested", "ok"): 0}
+        self._warned: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -202,6 +207,7 @@ class TracesSource:
     def collect(self, tree: ProcessTree) -> TracesSnapshot:
         """The latest snapshot the worker built (no I/O, no waiting)."""
         self._tree = tree
+        self._watcher.set_job_pids(p.pid for p in tree.processes)
         with self._lock:
             live = set(tree.job_status())
             ended = [key for key in self._ranks if key[0] and key[0] not in live]
@@ -245,7 +251,7 @@ class TracesSource:
         except TraceError as exc:
             if exc.reason in ("truncated", "unreadable"):
                 self._watcher.failed(verdict, exc.reason, str(exc))
-            elif exc.reason == "not_a_trace":
+            elif exc.reason in ("not_a_trace", "symlink", "not_regular", "foreign_owner", "too_large"):
                 self._count(verdict, "skipped", exc.reason, str(exc))
             else:
                 self._count(verdict, "invalid", exc.reason, str(exc))
@@ -275,16 +281,19 @@ class TracesSource:
         self._count(verdict, "ingested", "ok", "")
         if not self._logged_first:
             self._logged_first = True
-            log.info("trace %s ingested (rank %s); further traces are logged at debug level, "
+            log.info("trace %r ingested (rank %s); further traces are logged at debug level, "
                      "with a summary every %.0f s", verdict.path, rank, SUMMARY_SECONDS)
         else:
-            log.debug("trace %s ingested (rank %s)", verdict.path, rank)
+            log.debug("trace %r ingested (rank %s)", verdict.path, rank)
 
     def _count(self, verdict: Verdict, status: str, reason: str, message: str) -> None:
         if status == "skipped" and reason == "other_process":
-            log.debug("trace %s skipped: %s", verdict.path, message)  # routine with a shared folder
+            log.debug("trace %r skipped: %s", verdict.path, message)  # routine with a shared folder
         elif status != "ingested":
-            log.warning("trace %s %s: %s", verdict.path, status, message or reason)
+            self._warned[reason] = n = self._warned.get(reason, 0) + 1
+            if n <= WARN_PER_REASON or n % 1000 == 0:  # 10,000 planted files: not 10,000 lines
+                log.warning("trace %r %s: %s%s", verdict.path, status, message or reason,
+                            f" ({n} so far with reason {reason})" if n >= WARN_PER_REASON else "")
         self._since_summary[status] = self._since_summary.get(status, 0) + 1
         now = self._clock()
         if now - self._summary_at >= SUMMARY_SECONDS:

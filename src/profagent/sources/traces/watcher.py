@@ -8,8 +8,12 @@
   gzip stream and the JSON are complete. A ``.json`` must end with ``}``.
 - A file that is still incomplete is retried whenever it changes, and counted ``invalid``
   (with its reason) once it has been incomplete for ``invalid_after`` seconds.
-- Files are only ever opened for reading. What was done with each (path, size, mtime) is
-  kept in a small JSON state file, so a restart does not count a file twice.
+- Files are only ever opened for reading, without following a symlink and without waiting
+  on a FIFO; only regular files owned by root, the agent, a watched folder's owner or a
+  job's user are read (others are ``skipped`` with reason ``symlink``, ``not_regular`` or
+  ``foreign_owner``). A file that keeps changing is attempted at most once per settle period.
+- What was done with each (path, size, mtime) is kept in a small JSON state file, written
+  at most once a second, so a restart does not count a file twice.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +32,12 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.polling import PollingObserver
 
+from profagent.system.safefs import UnsafePath, open_regular
+
 log = logging.getLogger(__name__)
 
 STATE_LIMIT = 10000  # processed entries kept in the state file
+STATE_SAVE_EVERY = 1.0  # seconds: thousands of tiny files must not mean thousands of rewrites
 Signature = tuple[int, int]  # (size, mtime_ns)
 
 
@@ -50,6 +58,7 @@ class Processed:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self._entries: dict[str, tuple[int, int, str]] = {}
+        self._unsaved = False
         if path is not None:
             self._load(path)
 
@@ -71,11 +80,13 @@ class Processed:
         if len(self._entries) > STATE_LIMIT:
             for old in list(self._entries)[: len(self._entries) - STATE_LIMIT]:
                 del self._entries[old]
-        self._save()
+        self._unsaved = True
 
-    def _save(self) -> None:
-        if self.path is None:
+    def save(self) -> None:
+        """Write the entries if they changed since the last save."""
+        if self.path is None or not self._unsaved:
             return
+        self._unsaved = False
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(self.path.name + ".tmp")
@@ -90,6 +101,7 @@ class Pending:
     first_seen: float
     sig: Signature | None = None
     stable_since: float = 0.0
+    attempted_at: float | None = None
     failed_sig: Signature | None = None
     reason: str = ""
     message: str = ""
@@ -145,6 +157,29 @@ class FolderWatcher:
         self._handler = _Handler(self.notify)
         self._missing: list[Path] = []
         self._missing_checked = 0.0
+        self._saved_at = 0.0
+        self._job_pids: frozenset[int] = frozenset()
+        self._job_uids: frozenset[int] = frozenset()
+        self._owners = {0, os.geteuid()}
+        for d in dirs:
+            with contextlib.suppress(OSError):
+                self._owners.add(d.stat().st_uid)
+
+    def set_job_pids(self, pids: Iterable[int]) -> None:
+        """The target's processes: files their users own may be read as traces."""
+        pids = frozenset(pids)
+        if pids == self._job_pids:
+            return
+        uids = set()
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                uids.add(os.stat(f"/proc/{pid}").st_uid)
+        self._job_pids, self._job_uids = pids, frozenset(uids)
+
+    def owner_ok(self, uid: int) -> bool:
+        """Whether a file owned by ``uid`` could have been written by the job (or root, the
+        agent, a watched folder's owner); anyone else's file is not a trace of ours."""
+        return uid in self._owners or uid in self._job_uids
 
     def start(self) -> None:
         """Watch every existing folder (falls back to polling if inotify fails) and scan
@@ -192,6 +227,7 @@ class FolderWatcher:
         if self._observer is not None:
             self._observer.stop()
             self._observer.join(1.0)
+        self.processed.save()
         self.wake.set()
 
     def notify(self, path: str) -> None:
@@ -207,6 +243,9 @@ class FolderWatcher:
     def due(self, now: float) -> list[Verdict]:
         """Files to attempt or to count now. Call ``failed`` after a failed attempt."""
         self._appeared(now)
+        if now - self._saved_at >= STATE_SAVE_EVERY:
+            self._saved_at = now
+            self.processed.save()
         with self._lock:
             dirty, self._dirty = self._dirty, set()
         for path in dirty:
@@ -220,7 +259,7 @@ class FolderWatcher:
 
     def _check(self, path: str, p: Pending, now: float) -> Verdict | None:
         try:
-            st = os.stat(path)
+            st = os.lstat(path)  # a symlink is judged as itself, never followed
         except OSError:
             del self._pending[path]  # gone (renamed or deleted by its writer)
             return None
@@ -230,24 +269,34 @@ class FolderWatcher:
             return None
         if sig != p.sig:
             p.sig, p.stable_since = sig, now
+        if stat.S_ISLNK(st.st_mode):
+            return self._final(path, sig, "skipped", "symlink", "a symbolic link: not followed")
+        if not stat.S_ISREG(st.st_mode):
+            return self._final(path, sig, "skipped", "not_regular", "not a regular file (a FIFO, socket or device?)")
+        if not self.owner_ok(st.st_uid):
+            return self._final(path, sig, "skipped", "foreign_owner",
+                               f"owned by uid {st.st_uid}, which neither the job nor the folder's owner is")
         if st.st_size > self.max_bytes:
             return self._final(path, sig, "skipped", "too_large",
                                f"{st.st_size} bytes is over traces.max_file_bytes ({self.max_bytes})")
+        if p.attempted_at is not None and now - p.attempted_at < self.settle:
+            return None  # a file that keeps growing is read at most once per settle period
         if p.failed_sig == sig or not self._complete_enough(path, p, now):
             if now - p.first_seen >= self.invalid_after:
                 return self._final(path, sig, "invalid", p.reason or "truncated",
                                    p.message or f"still incomplete after {self.invalid_after:g}s")
             return None
+        p.attempted_at = now
         return Verdict(path, sig, "attempt")
 
     def _complete_enough(self, path: str, p: Pending, now: float) -> bool:
         if path.endswith(".gz"):
             return now - p.stable_since >= self.settle
         try:
-            with open(path, "rb") as fh:
+            with os.fdopen(open_regular(path, self.owner_ok), "rb") as fh:
                 fh.seek(max(0, (p.sig or (0, 0))[0] - 64))
-                tail = fh.read().rstrip()
-        except OSError:
+                tail = fh.read(4096).rstrip()
+        except (OSError, UnsafePath):
             return False
         return tail.endswith(b"}") or now - p.stable_since >= self.settle
 

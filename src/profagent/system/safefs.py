@@ -1,0 +1,85 @@
+"""Opening paths other users can plant things in (``/tmp``, trace folders) without being fooled.
+
+The agent often runs as root beside untrusted users. A path that already exists may be a
+symlink to a private folder, a FIFO that blocks ``open()`` forever, or a file someone
+else owns: never follow, never block, never chmod or chown what is not ours.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+
+
+class UnsafePath(Exception):
+    """A path the agent refuses. ``reason``: symlink, not_regular, not_a_directory, foreign_owner."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def own_directory(path: str, mode: int, keep_mode: bool = False) -> None:
+    """Make ``path`` a real directory owned by us with ``mode`` (created if absent;
+    with ``keep_mode``, an existing folder of ours keeps its mode).
+
+    Raises UnsafePath if it exists as a symlink, as something else than a directory, or
+    owned by another user (its mode is then left alone), OSError if it cannot be created.
+    """
+    created = True
+    try:
+        os.mkdir(path, 0o700)  # widened below, on the descriptor, once known to be ours
+    except FileExistsError:
+        created = False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        st = _lstat(path)
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise UnsafePath(f"{path!r} is a symbolic link (planted by another user?)", "symlink") from None
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise UnsafePath(f"{path!r} exists and is not a directory", "not_a_directory") from None
+        raise exc
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise UnsafePath(f"{path!r} already exists and belongs to uid {st.st_uid}, not to us (uid {os.geteuid()})",
+                             "foreign_owner")
+        if stat.S_IMODE(st.st_mode) != mode and (created or not keep_mode):
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def open_regular(path: str, owner_ok: Callable[[int], bool] | None = None) -> int:
+    """A descriptor on the regular file at ``path``, read-only, opened without following a
+    symlink (in the last component) and without blocking on a FIFO or device.
+
+    Raises UnsafePath (symlink, not_regular, foreign_owner) or OSError.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as exc:
+        st = _lstat(path)
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise UnsafePath("a symbolic link: not followed", "symlink") from None
+        raise exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePath("not a regular file (a FIFO, socket or device?)", "not_regular")
+        if owner_ok is not None and not owner_ok(st.st_uid):
+            raise UnsafePath(f"owned by uid {st.st_uid}, which neither the job nor the folder's owner is", "foreign_owner")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except OSError:
+        return None

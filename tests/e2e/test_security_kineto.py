@@ -1,0 +1,194 @@
+"""The Kineto endpoint against an unprivileged local user: spoofed polls, floods, a peer
+that never reads its replies, and the socket folder's ownership and modes.
+
+The attacker is a real process running as nobody (``setpriv``) talking to the real socket.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+from profagent.engine.control import ControlServer, call
+from profagent.errors import SourceUnavailable
+from profagent.sources.ondemand import kineto
+from profagent.sources.ondemand.endpoint import (
+    MAX_ANCESTORS,
+    MAX_POLLERS,
+    Endpoint,
+    NoPollers,
+    Sender,
+    match_pid,
+)
+
+NOBODY = 65534
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                                reason="plays a root agent against an unprivileged user: needs root and setpriv")
+
+# The attacker speaks the protocol by hand (no project imports as nobody).
+POLLER = """
+import os, socket, struct, sys, time
+def poll(pids, kind=3):
+    payload = struct.pack("<iiq", kind, len(pids), 0) + struct.pack(f"<{len(pids)}i", *pids)
+    return struct.pack("<Q32s", len(payload), b"req") + payload
+"""
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="profagent-sec-"))
+    path.chmod(0o1777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def as_nobody(shared: Path, code: str, *args: str, wait: bool = True):
+    script = shared / f"attacker-{time.monotonic_ns()}.py"
+    script.write_text(POLLER + textwrap.dedent(code))
+    script.chmod(0o644)
+    cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "/usr/bin/python3", str(script), *args]
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+@pytest.fixture
+def endpoint(shared: Path) -> Iterator[Endpoint]:
+    ep = Endpoint(str(shared / "sock"))
+    old = os.umask(0o077)  # as under the unit's UMask=0077
+    try:
+        ep.bind()
+    finally:
+        os.umask(old)
+    stop = threading.Event()
+    t = threading.Thread(target=ep.serve, args=(stop,), daemon=True)
+    t.start()
+    yield ep
+    stop.set()
+    t.join(2)
+    ep.close()
+
+
+def test_socket_reachable_by_jobs_and_folder_ours(endpoint: Endpoint, shared: Path) -> None:
+    folder = os.lstat(shared / "sock")
+    assert folder.st_uid == 0 and stat.S_IMODE(folder.st_mode) == 0o755
+    assert stat.S_IMODE(os.lstat(endpoint.address).st_mode) == 0o666
+    # A non-root job polls with its own PID and is answered (and registered).
+    out = as_nobody(shared, """
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.bind(f"{sys.argv[2]}/me-{os.getpid()}")
+        s.settimeout(30)
+        s.sendto(poll([os.getpid(), os.getppid()]), sys.argv[1])
+        print(os.getpid(), len(s.recv(4096)))
+    """, str(endpoint.address), str(shared))
+    pid, reply_len = map(int, out.stdout.split())
+    assert reply_len == kineto.HEADER.size  # an empty config: nothing asked
+    assert [p.pid for p in endpoint.pollers()] == [pid]
+
+
+def test_a_poll_with_someone_elses_pid_gets_nothing(endpoint: Endpoint, shared: Path) -> None:
+    job = subprocess.Popen(["sleep", "120"])  # root's training job
+    try:
+        out = as_nobody(shared, """
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            s.bind(f"{sys.argv[2]}/evil-{os.getpid()}")
+            victim = int(sys.argv[3])
+            s.sendto(poll([victim, 1]), sys.argv[1])           # poses as the job
+            s.sendto(poll([os.getpid(), victim, 1]), sys.argv[1])  # poses as the job's child
+            s.settimeout(30)
+            print(os.getpid(), len(s.recv(4096)))  # only the honest-pid poll is answered
+        """, str(endpoint.address), str(shared), str(job.pid))
+        attacker = int(out.stdout.split()[0])
+        wait_for(lambda: endpoint.counts().get("spoofed") == 1, 10, what="the spoofed poll counted")
+        registered = {p.pid: p.pids for p in endpoint.pollers()}
+        assert registered == {attacker: (attacker,)}  # its false ancestry dropped
+        with pytest.raises(NoPollers):  # `profagent trace --pid <job>` gives the attacker nothing
+            endpoint.request(match_pid(job.pid), kineto.TraceOptions(), str(shared), timeout=5)
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_a_flood_of_huge_polls_keeps_the_registry_small(endpoint: Endpoint, shared: Path) -> None:
+    as_nobody(shared, """
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.setblocking(True)
+        big = poll([os.getpid()] + list(range(2, 1025)))
+        for _ in range(10000):
+            s.sendto(big, sys.argv[1])
+    """, str(endpoint.address))
+    wait_for(lambda: endpoint.counts().get("poll", 0) >= 1, 10, what="the flood seen")
+    pollers = endpoint.pollers()
+    assert len(pollers) == 1 and len(pollers[0].pids) <= MAX_ANCESTORS
+
+
+def test_registry_is_capped() -> None:
+    ep = Endpoint()
+    for pid in range(2, MAX_POLLERS + 500):
+        ep.handle(kineto.encode_poll(kineto.Poll(3, 0, (pid, 1))), None)
+    assert len(ep.pollers()) == MAX_POLLERS
+    assert ep.counts()["registry_full"] == 498
+
+
+def test_a_peer_that_never_reads_cannot_stall_replies(endpoint: Endpoint, shared: Path) -> None:
+    flood = as_nobody(shared, """
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.bind(f"{sys.argv[2]}/deaf-{os.getpid()}")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        msg = poll([os.getpid()])
+        end = time.monotonic() + 8
+        while time.monotonic() < end:  # polls as fast as it can, never reads a reply
+            s.sendto(msg, sys.argv[1])
+    """, str(endpoint.address), str(shared), wait=False)
+    try:
+        wait_for(lambda: endpoint.counts().get("reply_dropped", 0) > 0, 30, what="replies to the deaf peer dropped")
+        me = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        me.bind(str(shared / "honest"))
+        me.settimeout(30)
+        for _ in range(20):  # an honest process is answered every time
+            me.sendto(kineto.encode_poll(kineto.Poll(3, 0, (os.getpid(), os.getppid()))), endpoint.address)
+            assert len(me.recv(4096)) == kineto.HEADER.size
+        me.close()
+        flood.wait(60)
+    finally:
+        flood.kill()
+        flood.wait()
+    # A reply that waited for the deaf peer (0.2 s each before) would allow ~40 polls in
+    # the flood's 8 s; not waiting, the endpoint keeps up with thousands.
+    assert endpoint.counts()["poll"] > 400, endpoint.counts()
+
+
+def test_control_folder_planted_by_another_user_is_refused(shared: Path) -> None:
+    as_nobody(shared, "os.mkdir(sys.argv[1], 0o777)", str(shared / "profagent-0"))
+    server = ControlServer(str(shared / "profagent-0" / "control.sock"), source=None)  # type: ignore[arg-type]
+    with pytest.raises(SourceUnavailable) as exc:
+        server.bind()
+    assert f"uid {NOBODY}" in str(exc.value)
+    # and `profagent trace` does not talk to a socket another user bound there
+    as_nobody(shared, """
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(sys.argv[1] + "/control.sock")
+    """, str(shared / "profagent-0"))
+    with pytest.raises(PermissionError):
+        call(str(shared / "profagent-0" / "control.sock"), {"op": "ping"})
+
+
+def test_sender_unknown_is_refused() -> None:
+    ep = Endpoint()
+    assert ep.handle(kineto.encode_poll(kineto.Poll(3, 0, (4242, 1))), Sender(0, -1)) is None
+    assert ep.pollers() == [] and ep.counts()["spoofed"] == 1
