@@ -32,7 +32,7 @@ app.add_typer(dashboards_app, name="dashboards")
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file (flags > PROFAGENT_* env > file > defaults)")]
 LogLevelOpt = Annotated[str | None, typer.Option("--log-level", help="debug, info, warning or error")]
-GpuBackendOpt = Annotated[str | None, typer.Option("--gpu-backend", help="nvml (default), off, or simulated, simulated:PROFILE or simulated:PROFILExN with PROFILE a100, h100 or h100-mig (e.g. simulated:h100x8)")]
+GpuBackendOpt = Annotated[str | None, typer.Option("--gpu-backend", help="nvml (default), off, or simulated, simulated:PROFILE or simulated:PROFILExN with PROFILE a100, h100 or h100-mig (e.g. simulated:h100x8), or simulated:FILE.yaml (a mock NVML configuration)")]
 
 
 def _setup_logging(level: str) -> None:
