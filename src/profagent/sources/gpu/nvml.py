@@ -313,18 +313,25 @@ class Nvml:
             log.info(message)
 
 
+# valueType -> the c_nvmlValue_t member holding it (older pynvml lacks some type names).
+_VALUE_MEMBERS = {
+    getattr(pynvml, name): member
+    for name, member in (
+        ("NVML_VALUE_TYPE_DOUBLE", "dVal"),
+        ("NVML_VALUE_TYPE_UNSIGNED_INT", "uiVal"),
+        ("NVML_VALUE_TYPE_UNSIGNED_LONG", "ulVal"),
+        ("NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", "ullVal"),
+        ("NVML_VALUE_TYPE_SIGNED_LONG_LONG", "sllVal"),
+        ("NVML_VALUE_TYPE_SIGNED_INT", "siVal"),
+        ("NVML_VALUE_TYPE_UNSIGNED_SHORT", "usVal"),
+    )
+    if hasattr(pynvml, name)
+}
+
+
 def field_value(v: Any) -> float:
     """The number inside a c_nvmlFieldValue_t, by its valueType."""
-    member = {
-        pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
-        pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
-        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
-        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
-        pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
-        pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
-        pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
-    }.get(v.valueType, "ullVal")
-    return float(getattr(v.value, member))
+    return float(getattr(v.value, _VALUE_MEMBERS.get(v.valueType, "ullVal")))
 
 
 def cuda_version_text(version: int | None) -> str:
