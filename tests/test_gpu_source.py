@@ -410,7 +410,7 @@ def test_promtool_clean_with_8_simulated_gpus(children) -> None:
     assert one(m, "profagent_process_gpu_memory_used_bytes", rank="0", gpu="0") > 0
 
 
-def test_doctor_rows_for_simulated_backend() -> None:
+def test_doctor_rows_for_simulated_backend(tmp_path: Path) -> None:
     from profagent.config import Config
     from profagent.doctor.gpu import check_nvml
 
@@ -422,17 +422,26 @@ def test_doctor_rows_for_simulated_backend() -> None:
     assert by_name["devices"].detail == "2 GPU(s)"
     assert "MIG enabled, 3 MIG device(s)" in by_name["GPU 0"].detail
     assert by_name["GPU 0 per-process utilisation"].status == "warn"
+    assert "per-rank GPU memory is still reported" not in by_name["GPU 0 per-process utilisation"].fix
+    mig = by_name["GPU 0 MIG per-process"]
+    assert mig.status == "ok" and "through 3 of 3 MIG device handles (no root needed)" in mig.detail
+    assert "needs root" in mig.detail and "per-rank GPU memory is not available" in mig.fix
     assert by_name["GPU process PIDs"].status == "ok"  # no process on the simulated GPUs
 
-    # A GPU process whose PID this agent cannot see: a PID-namespace hint with the fix.
+    # A GPU process whose PID this agent cannot see: a PID-namespace hint with the fix,
+    # only when the agent runs in a nested PID namespace; otherwise the PID just exited.
     from profagent.sources.gpu.nvml import Nvml
 
-    sim = SimulatedNvml(H100, 1)
-    sim.simulatedSetTargetProcesses([(2**22 + 17, 0)])
-    config.gpu.backend = "simulated:h100"
-    rows = {r.name: r for r in check_nvml(config, Nvml(sim, simulated=True))}
-    assert rows["GPU process PIDs"].status == "warn" and "--pid=host" in rows["GPU process PIDs"].fix
-    assert not sim._refcount  # the doctor shut NVML down again
+    for nspid, status in (("4242\t7", "warn"), ("4242", "ok")):
+        (tmp_path / str(os.getpid())).mkdir(exist_ok=True)
+        (tmp_path / str(os.getpid()) / "status").write_text(f"NSpid:\t{nspid}\n")
+        sim = SimulatedNvml(H100, 1)
+        sim.simulatedSetTargetProcesses([(2**22 + 17, 0)])
+        config.gpu.backend = "simulated:h100"
+        rows = {r.name: r for r in check_nvml(config, Nvml(sim, simulated=True), proc_root=tmp_path)}
+        assert rows["GPU process PIDs"].status == status
+        assert ("--pid=host" in rows["GPU process PIDs"].fix) == (status == "warn")
+        assert not sim._refcount  # the doctor shut NVML down again
 
     config.gpu.backend = "nvml"
     rows = list(check_nvml(config))
