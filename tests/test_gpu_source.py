@@ -150,15 +150,33 @@ def test_mig_utilization_absent_and_instances_reported() -> None:
     assert "power_usage_watts" in d.values
     assert [(m.gi, m.name.split()[-1]) for m in d.mig_devices] == [(2, "3g.40gb"), (3, "2g.20gb"), (9, "1g.10gb")]
     assert all(m.uuid.startswith("MIG-") and m.memory_total for m in d.mig_devices)
+    # Attributed through the MIG device handles (the parent answers NoPermission to a
+    # non-root agent); usedGpuMemory is unavailable under MIG: absent, not 0.
     [p] = snap.processes
-    assert (p.mig, p.sm_ratio) == ("2", None) and p.memory_bytes > 0
+    assert (p.mig, p.sm_ratio, p.memory_bytes, p.processes) == ("2", None, None, 1)
+    assert sim.calls[("nvmlDeviceGetComputeRunningProcesses", 0)] == 3  # one per MIG device
     m = exposition(snap)
     assert "profagent_gpu_utilization_ratio" not in m
     assert "profagent_process_gpu_sm_utilization_ratio" not in m
+    assert "profagent_process_gpu_memory_used_bytes" not in m
+    assert one(m, "profagent_process_gpu_processes", rank="0", mig="2") == 1
     assert one(m, "profagent_gpu_info", gpu="0", mig_mode="enabled") == 1
     assert one(m, "profagent_gpu_mig_memory_total_bytes", gpu="0", mig="9") == 9984 * 1024 * 1024
-    assert one(m, "profagent_process_gpu_memory_used_bytes", rank="0", mig="2") == p.memory_bytes
     assert snap.rank_busy("0") is None  # no utilisation under MIG: unknown, not idle
+    src.stop()
+
+
+def test_mig_parent_no_permission_is_retried_not_remembered() -> None:
+    """Without MIG device handles the parent is asked; NoPermission is asked again later
+    (it depends on who runs the agent, not on the GPU)."""
+    sim = SimulatedNvml(H100_MIG, 1)
+    sim.simulatedSetNotSupported(0, "nvmlDeviceGetMigDeviceHandleByIndex")
+    src = source(sim)
+    for _ in range(3):
+        snap = src.collect(tree_of(proc(os.getpid())))
+        assert snap.processes == () and snap.devices[0].up
+    assert src.nvml.supported(snap.devices[0].uuid, "compute_processes")
+    assert sim.calls[("nvmlDeviceGetComputeRunningProcesses", 0)] == 3
     src.stop()
 
 
@@ -268,16 +286,21 @@ def test_nspid_maps_other_namespace_pids(tmp_path: Path) -> None:
     src.stop()
 
 
-def test_invisible_gpu_process_logs_namespace_hint_once(tmp_path: Path, caplog) -> None:
+@pytest.mark.parametrize("own_nspid, hinted", [("4242\t7", 1), ("4242", 0)])
+def test_invisible_gpu_process_hint_only_from_a_nested_namespace(tmp_path: Path, caplog, own_nspid: str, hinted: int) -> None:
+    """In a nested PID namespace an invisible NVML PID may be another namespace's: hint
+    once. In the host's namespace it simply does not exist (exited): no hint."""
+    (tmp_path / str(os.getpid())).mkdir()
+    (tmp_path / str(os.getpid()) / "status").write_text(f"Name:\tprofagent\nNSpid:\t{own_nspid}\n")
     sim = SimulatedNvml(H100, 1)
-    src = source(sim, proc_root=tmp_path)  # an empty /proc: no NVML PID is visible
+    src = source(sim, proc_root=tmp_path)  # no NVML PID is visible in this /proc
     src.nvml.simulated = False
     sim.simulatedSetTargetProcesses([(5555, 0)])
     with caplog.at_level("WARNING"):
         for _ in range(3):
             snap = src.collect(tree_of(proc(4242)))
     hints = [r.getMessage() for r in caplog.records if "--pid=host" in r.getMessage()]
-    assert len(hints) == 1 and "hostPID: true" in hints[0]
+    assert len(hints) == hinted and all("hostPID: true" in h for h in hints)
     assert snap.processes == () and snap.devices[0].other_processes == 1
     src.stop()
 
@@ -387,7 +410,7 @@ def test_promtool_clean_with_8_simulated_gpus(children) -> None:
     assert one(m, "profagent_process_gpu_memory_used_bytes", rank="0", gpu="0") > 0
 
 
-def test_doctor_rows_for_simulated_backend() -> None:
+def test_doctor_rows_for_simulated_backend(tmp_path: Path) -> None:
     from profagent.config import Config
     from profagent.doctor.gpu import check_nvml
 
@@ -399,17 +422,26 @@ def test_doctor_rows_for_simulated_backend() -> None:
     assert by_name["devices"].detail == "2 GPU(s)"
     assert "MIG enabled, 3 MIG device(s)" in by_name["GPU 0"].detail
     assert by_name["GPU 0 per-process utilisation"].status == "warn"
+    assert "per-rank GPU memory is still reported" not in by_name["GPU 0 per-process utilisation"].fix
+    mig = by_name["GPU 0 MIG per-process"]
+    assert mig.status == "ok" and "through 3 of 3 MIG device handles (no root needed)" in mig.detail
+    assert "needs root" in mig.detail and "per-rank GPU memory is not available" in mig.fix
     assert by_name["GPU process PIDs"].status == "ok"  # no process on the simulated GPUs
 
-    # A GPU process whose PID this agent cannot see: a PID-namespace hint with the fix.
+    # A GPU process whose PID this agent cannot see: a PID-namespace hint with the fix,
+    # only when the agent runs in a nested PID namespace; otherwise the PID just exited.
     from profagent.sources.gpu.nvml import Nvml
 
-    sim = SimulatedNvml(H100, 1)
-    sim.simulatedSetTargetProcesses([(2**22 + 17, 0)])
-    config.gpu.backend = "simulated:h100"
-    rows = {r.name: r for r in check_nvml(config, Nvml(sim, simulated=True))}
-    assert rows["GPU process PIDs"].status == "warn" and "--pid=host" in rows["GPU process PIDs"].fix
-    assert not sim._refcount  # the doctor shut NVML down again
+    for nspid, status in (("4242\t7", "warn"), ("4242", "ok")):
+        (tmp_path / str(os.getpid())).mkdir(exist_ok=True)
+        (tmp_path / str(os.getpid()) / "status").write_text(f"NSpid:\t{nspid}\n")
+        sim = SimulatedNvml(H100, 1)
+        sim.simulatedSetTargetProcesses([(2**22 + 17, 0)])
+        config.gpu.backend = "simulated:h100"
+        rows = {r.name: r for r in check_nvml(config, Nvml(sim, simulated=True), proc_root=tmp_path)}
+        assert rows["GPU process PIDs"].status == status
+        assert ("--pid=host" in rows["GPU process PIDs"].fix) == (status == "warn")
+        assert not sim._refcount  # the doctor shut NVML down again
 
     config.gpu.backend = "nvml"
     rows = list(check_nvml(config))

@@ -34,7 +34,7 @@ app.add_typer(incidents_app, name="incidents")
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file (flags > PROFAGENT_* env > file > defaults)")]
 LogLevelOpt = Annotated[str | None, typer.Option("--log-level", help="debug, info, warning or error")]
-GpuBackendOpt = Annotated[str | None, typer.Option("--gpu-backend", help="nvml (default), off, or simulated, simulated:PROFILE or simulated:PROFILExN with PROFILE a100, h100 or h100-mig (e.g. simulated:h100x8)")]
+GpuBackendOpt = Annotated[str | None, typer.Option("--gpu-backend", help="nvml (default), off, or simulated, simulated:PROFILE or simulated:PROFILExN with PROFILE a100, h100 or h100-mig (e.g. simulated:h100x8), or simulated:FILE.yaml (a mock NVML configuration)")]
 
 
 def _setup_logging(level: str) -> None:

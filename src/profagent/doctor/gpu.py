@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pynvml
 from profagent.config import Config
 from profagent.doctor.check import FAIL, OK, WARN, Check
 from profagent.errors import SourceUnavailable, UserError
-from profagent.sources.gpu.device import DeviceHandle, identify
+from profagent.sources.gpu.device import PROCESS_LISTS, DeviceHandle, identify, list_processes
 from profagent.sources.gpu.nvml import (
     DeviceLost,
     Nvml,
@@ -77,8 +78,9 @@ def _rows(nvml: Nvml, proc_root: Path) -> Iterator[Check]:
         mig = {"enabled": f"MIG enabled, {len(dev.mig_handles)} MIG device(s)", "disabled": "MIG disabled", "": "MIG not supported"}[dev.mig_mode]
         yield Check(AREA, f"GPU {index}", OK, f"{dev.name} ({dev.pci_bus_id}), {mig}")
         yield _process_util_row(nvml, dev)
-        for function in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-            listed.update(p.pid for p in nvml.read(dev.key, function, function, dev.handle, not_found=[]) or [])
+        if dev.mig_mode == "enabled":
+            yield _mig_attribution_row(nvml, dev)
+        listed.update(list_processes(nvml, dev) or {})
     yield _namespace_row(listed, proc_root)
 
 
@@ -88,10 +90,49 @@ def _namespace_row(pids: set[int], proc_root: Path) -> Check:
     if not pids:
         return Check(AREA, name, OK, "no process on the GPUs right now (nothing to match)")
     hidden = sorted(pid for pid in pids if not (proc_root / str(pid)).exists())
-    if hidden:
+    if hidden and _nested_pid_namespace(proc_root):
         return Check(AREA, name, WARN, f"{len(hidden)} of {len(pids)} GPU processes are not visible here (PID namespace)",
                      "run the agent with --pid=host (Kubernetes: hostPID: true) for per-rank GPU metrics")
+    if hidden:  # in the host's namespace an invisible PID has simply exited
+        return Check(AREA, name, OK, f"{len(pids) - len(hidden)} GPU processes visible ({len(hidden)} just exited)")
     return Check(AREA, name, OK, f"all {len(pids)} GPU processes visible")
+
+
+def _nested_pid_namespace(proc_root: Path) -> bool:
+    try:
+        status = (proc_root / str(os.getpid()) / "status").read_text(errors="replace")
+    except OSError:
+        return False
+    return any(line.startswith("NSpid:") and len(line.split()) > 2 for line in status.splitlines())
+
+
+def _mig_attribution_row(nvml: Nvml, dev: DeviceHandle) -> Check:
+    """Under MIG: what per-process attribution works for this user, and what needs root."""
+    name = f"GPU {dev.index} MIG per-process"
+    root = os.geteuid() == 0
+    try:
+        nvml.call("nvmlDeviceGetComputeRunningProcesses", dev.handle)
+        parent = "the parent GPU's process list answers" + (" (running as root)" if root else "")
+    except pynvml.NVMLError_NoPermission:
+        parent = "the parent GPU's process list needs root (not needed here)"
+    except (pynvml.NVMLError, DeviceLost, SourceUnavailable) as exc:
+        parent = f"the parent GPU's process list fails ({exc})"
+    memory = ("per-rank GPU memory is not available (NVML leaves usedGpuMemory unavailable under MIG); "
+              "each MIG instance's memory is reported")
+    if not dev.mig_handles:
+        return Check(AREA, name, WARN, f"no MIG device handle answers; {parent}",
+                     f"run as root for per-process attribution on the parent GPU; {memory}")
+    answered = sum(
+        1 for gi, ci, _, _, h in dev.mig_handles
+        if any(nvml.read(dev.key, f"mig{gi}.{ci}.{field}", function, h, not_found=[]) is not None
+               for field, function in PROCESS_LISTS)
+    )
+    if answered == 0:
+        return Check(AREA, name, WARN, f"no MIG device handle lists its processes; {parent}",
+                     f"run as root for per-process attribution on the parent GPU; {memory}")
+    return Check(AREA, name, OK,
+                 f"processes attributed through {answered} of {len(dev.mig_handles)} MIG device handles (no root needed); {parent}",
+                 f"{memory}; SM utilisation per rank is not available under MIG")
 
 
 def _process_util_row(nvml: Nvml, dev: DeviceHandle) -> Check:
@@ -101,8 +142,13 @@ def _process_util_row(nvml: Nvml, dev: DeviceHandle) -> Check:
     except pynvml.NVMLError_NotFound:
         return Check(AREA, name, OK, "supported (no samples right now)")
     except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
-        why = "not available under MIG" if dev.mig_mode == "enabled" else "not supported by this GPU or driver"
-        return Check(AREA, name, WARN, why, "per-rank GPU memory is still reported; SM utilisation per rank is not")
-    except (pynvml.NVMLError, DeviceLost, SourceUnavailable) as exc:
+        if dev.mig_mode == "enabled":
+            return Check(AREA, name, WARN, "not available under MIG", "SM and memory utilisation per rank are not reported under MIG")
+        return Check(AREA, name, WARN, "not supported by this GPU or driver", "per-rank GPU memory is still reported; SM utilisation per rank is not")
+    except pynvml.NVMLError as exc:
+        if exc.value == pynvml.NVML_SUCCESS:  # some libraries answer "no samples" this way
+            return Check(AREA, name, OK, "supported (no samples right now)")
+        return Check(AREA, name, WARN, f"failed ({exc})", "check `nvidia-smi pmon`")
+    except (DeviceLost, SourceUnavailable) as exc:
         return Check(AREA, name, WARN, f"failed ({exc})", "check `nvidia-smi pmon`")
     return Check(AREA, name, OK, "supported")

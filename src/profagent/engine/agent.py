@@ -7,6 +7,7 @@ down; nothing is created at import time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import signal
 import socket
@@ -31,7 +32,7 @@ from profagent.exporters.api import RanksApi
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.http import AgentHTTPServer, load_web_config
 from profagent.sources import Source
-from profagent.sources.gpu.source import build_gpu_source
+from profagent.sources.gpu.source import GpuSource, build_gpu_source
 from profagent.sources.host import HostSource
 from profagent.sources.ondemand.kineto import TraceOptions
 from profagent.sources.ondemand.source import OndemandSource
@@ -105,6 +106,8 @@ class Job:
         for source in self.sources:
             if isinstance(source, StacksSource):
                 source.gpu_busy = self.gpu_busy  # a stall needs the rank's GPUs idle too
+            if isinstance(source, GpuSource):  # per-field NVML errors -> collector_errors_total
+                source.record_error = functools.partial(self.state.record_error, "gpu")
         self.incidents = self._incidents(config)
         self.runtime = Runtime(self.target, self.sources, self.state, interval=config.agent.interval)
         self.findings: FindingsEngine | None = None

@@ -58,6 +58,7 @@ class DeviceHandle:
     pci_bus_id: str = ""
     mig_mode: str = ""  # "enabled", "disabled", or "" when MIG is not supported
     mig_handles: list[tuple[int, int, str, str, Any]] = field(default_factory=list)  # gi, ci, uuid, name, handle
+    lost: bool = False  # down at the last tick: identify again, renew its XID registration
 
     @property
     def key(self) -> str:
@@ -66,8 +67,8 @@ class DeviceHandle:
 
 def identify(nvml: Nvml, dev: DeviceHandle) -> None:
     """Fill in handle, UUID, name, PCI bus and the MIG layout. Raises DeviceLost."""
-    handle = nvml.call("nvmlDeviceGetHandleByIndex", dev.index)
-    dev.uuid = text(nvml.call("nvmlDeviceGetUUID", handle))
+    handle = nvml.call("nvmlDeviceGetHandleByIndex", dev.index, device_level=True)
+    dev.uuid = text(nvml.call("nvmlDeviceGetUUID", handle, device_level=True))
     dev.handle = handle
     k = dev.key
     dev.name = text(nvml.read(k, "name", "nvmlDeviceGetName", dev.handle) or "")
@@ -125,8 +126,9 @@ def read_values(nvml: Nvml, dev: DeviceHandle) -> dict[str, float]:
         ("sm_clock_hertz", "nvmlDeviceGetClockInfo", (pynvml.NVML_CLOCK_SM,), 1e6),
         ("memory_clock_hertz", "nvmlDeviceGetClockInfo", (pynvml.NVML_CLOCK_MEM,), 1e6),
         ("fan_speed_ratio", "nvmlDeviceGetFanSpeed", (), 1e-2),
-        ("pcie_tx_bytes_per_second", "nvmlDeviceGetPcieThroughput", (pynvml.NVML_PCIE_UTIL_TX_BYTES,), 1024.0),
-        ("pcie_rx_bytes_per_second", "nvmlDeviceGetPcieThroughput", (pynvml.NVML_PCIE_UTIL_RX_BYTES,), 1024.0),
+        # NVML documents KB/s here (and KiB where it means KiB, e.g. NVLink counters).
+        ("pcie_tx_bytes_per_second", "nvmlDeviceGetPcieThroughput", (pynvml.NVML_PCIE_UTIL_TX_BYTES,), 1000.0),
+        ("pcie_rx_bytes_per_second", "nvmlDeviceGetPcieThroughput", (pynvml.NVML_PCIE_UTIL_RX_BYTES,), 1000.0),
         ("ecc_corrected_errors", "nvmlDeviceGetTotalEccErrors",
          (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC), 1.0),
         ("ecc_uncorrected_errors", "nvmlDeviceGetTotalEccErrors",
@@ -158,6 +160,42 @@ def read_values(nvml: Nvml, dev: DeviceHandle) -> dict[str, float]:
     for name, value in fields.items():
         v[name] = value * 1024.0 if name.startswith("nvlink_") else value
     return v
+
+
+PROCESS_LISTS: tuple[tuple[str, str], ...] = (
+    ("compute_processes", "nvmlDeviceGetComputeRunningProcesses"),
+    ("graphics_processes", "nvmlDeviceGetGraphicsRunningProcesses"),
+    ("mps_processes", "nvmlDeviceGetMPSComputeRunningProcesses"),  # MPS clients
+)
+
+
+def list_processes(nvml: Nvml, dev: DeviceHandle) -> dict[int, tuple[int | None, int]] | None:
+    """pid -> (GPU memory or None, GPU instance id) of every process with a context on
+    the device; None when NVML lists none of the kinds here.
+
+    Under MIG the lists are read through each MIG device handle (NVML answers the parent
+    handle only to root); the GPU instance comes from the handle, and the memory is None
+    where NVML leaves ``usedGpuMemory`` unavailable. Without MIG handles the parent is
+    asked."""
+    sources: list[tuple[str, Any, int | None]] = [
+        (f"mig{gi}.{ci}.", h, gi) for gi, ci, _, _, h in dev.mig_handles
+    ] if dev.mig_mode == "enabled" else []
+    listed: dict[int, tuple[int | None, int]] = {}
+    answered = False
+    for prefix, handle, mig_gi in sources or [("", dev.handle, None)]:
+        for field_name, function in PROCESS_LISTS:
+            procs = nvml.read(dev.key, prefix + field_name, function, handle, not_found=[])
+            if procs is None:
+                continue
+            answered = True
+            for p in procs:
+                memory = getattr(p, "usedGpuMemory", None)
+                gi = mig_gi if mig_gi is not None else getattr(p, "gpuInstanceId", NOT_AVAILABLE_UINT)
+                old = listed.get(p.pid)
+                if old is not None and old[0] is not None and (memory is None or memory < old[0]):
+                    memory = old[0]  # e.g. an MPS server listed as compute too: keep the larger
+                listed[p.pid] = (memory, gi)
+    return listed if answered else None
 
 
 def read_clock_event_reasons(nvml: Nvml, dev: DeviceHandle) -> dict[str, bool]:

@@ -1,20 +1,27 @@
 """The one entry point into NVML.
 
 Every NVML call in profagent goes through ``Nvml``. It owns the library's lifecycle (init
-on ``open``, shutdown on ``close``) and turns NVML's failures into three outcomes:
+on ``open``, shutdown on ``close``) and turns NVML's answers into these outcomes
+(docs/gpu.md has the table per call):
 
 - ``read()`` returns ``None`` for a value the device or driver does not have
-  (NotSupported, FunctionNotFound, NoPermission, a function missing from pynvml). That
-  (device, field) is remembered and never asked again; absent is never turned into 0.
-- ``DeviceLost`` for GpuIsLost, Unknown and ResetRequired: that device is down, the
-  others go on.
+  (NotSupported, FunctionNotFound, ArgumentVersionMismatch, a function missing from
+  pynvml). That (device, field) is remembered and never asked again; absent is never 0.
+- NoPermission leaves the value absent for this tick and is asked again later: it depends
+  on who runs the agent (root, MIG), not on the hardware, so it is never remembered.
+- NotFound, and an ``NVMLError`` carrying SUCCESS (what some libraries answer for "no
+  samples"), return the caller's ``not_found`` value (e.g. [] for "no samples").
+- GpuIsLost from any call raises ``DeviceLost``: that device is down, the others go on.
+  Unknown and ResetRequired raise ``DeviceLost`` only from the device-level query
+  (``call(..., device_level=True)``); from a single field they are field errors.
+- Any other error on a field leaves it absent for this tick, is counted by reason
+  (``take_errors``, exported as ``profagent_collector_errors_total{collector="gpu"}``) and
+  logged once.
 - ``SourceUnavailable`` (one line naming problem and fix) when the library or driver is
   missing, unloaded or mismatched.
 
-Any other NVML error leaves the value absent for this tick only.
-
-The library itself is injected: the real ``pynvml`` module, or a ``SimulatedNvml`` that
-has the same functions (``--gpu-backend simulated[:PROFILE[xN]]``).
+The library itself is injected: the real ``pynvml`` module, or a ``SimulatedNvml`` /
+``ScriptedNvml`` that has the same functions (``--gpu-backend simulated[:...]``).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,20 +41,39 @@ from profagent.errors import NotApplicable, SourceUnavailable, UserError
 log = logging.getLogger(__name__)
 
 # No square brackets: the CLI prints errors through rich, which would read them as markup.
-BACKENDS_HELP = "nvml, off, simulated, simulated:PROFILE or simulated:PROFILExN (PROFILE a100, h100 or h100-mig; e.g. simulated:h100x8)"
+BACKENDS_HELP = (
+    "nvml, off, simulated, simulated:PROFILE or simulated:PROFILExN (PROFILE a100, h100 or h100-mig; "
+    "e.g. simulated:h100x8), or simulated:FILE.yaml (a mock NVML configuration)"
+)
 
-_ABSENT_ERRORS: tuple[type[Exception], ...] = (
-    pynvml.NVMLError_NotSupported,
-    pynvml.NVMLError_FunctionNotFound,
-    pynvml.NVMLError_NoPermission,
-    pynvml.NVMLError_ArgumentVersionMismatch,  # a versioned struct the driver doesn't know
-    pynvml.NVMLLibraryMismatchError,  # unversioned wrapper on an older driver
+
+
+def _classes(*names: str) -> tuple[type[Exception], ...]:
+    """The pynvml exception classes of these names that this nvidia-ml-py has (older
+    releases lack some, e.g. NVMLLibraryMismatchError before 12.550)."""
+    return tuple(cls for name in names if isinstance(cls := getattr(pynvml, name, None), type))
+
+
+_ABSENT_ERRORS = _classes(
+    "NVMLError_NotSupported",
+    "NVMLError_FunctionNotFound",
+    "NVMLError_ArgumentVersionMismatch",  # a versioned struct the driver doesn't know
+    "NVMLLibraryMismatchError",  # unversioned wrapper on an older driver
 )
-_LOST_ERRORS: tuple[type[Exception], ...] = (
-    pynvml.NVMLError_GpuIsLost,
-    pynvml.NVMLError_Unknown,
-    pynvml.NVMLError_ResetRequired,
-)
+_LOST_ERRORS = _classes("NVMLError_GpuIsLost")
+# Down only when the device-level query answers them; a single field answering them is a
+# field error (some drivers answer UNKNOWN for one counter while the GPU works).
+_DEVICE_LEVEL_LOST_ERRORS = _classes("NVMLError_Unknown", "NVMLError_ResetRequired")
+_ERROR_NAMES = {
+    value: name.removeprefix("NVML_ERROR_").lower()
+    for name, value in vars(pynvml).items()
+    if name.startswith("NVML_ERROR_") and isinstance(value, int)
+}
+
+
+def error_reason(exc: pynvml.NVMLError) -> str:
+    """A short, bounded label for an NVML error: ``nvml_timeout``, ``nvml_unknown``..."""
+    return "nvml_" + _ERROR_NAMES.get(getattr(exc, "value", None), "other")
 
 
 class DeviceLost(Exception):
@@ -58,11 +85,14 @@ class BackendSpec:
     kind: str  # "nvml", "off" or "simulated"
     profile: str = ""
     count: int = 0
+    script: str = ""  # simulated from a mock NVML YAML configuration
 
     @property
     def label(self) -> str:
         if self.kind != "simulated":
             return self.kind
+        if self.script:
+            return f"simulated from {self.script}"
         from profagent.sources.gpu.profiles import PROFILES
 
         return f"simulated {PROFILES[self.profile].name} x{self.count}"
@@ -72,6 +102,8 @@ def parse_backend(text: str) -> BackendSpec:
     """Parse ``gpu.backend``. Raises UserError naming the accepted forms."""
     from profagent.sources.gpu.profiles import DEFAULT_PROFILE, PROFILES
 
+    if re.fullmatch(r"(?i)simulated:.+\.ya?ml", text.strip()):
+        return BackendSpec("simulated", script=text.strip().split(":", 1)[1])
     value = text.strip().lower()
     if value in ("nvml", "off"):
         return BackendSpec(value)
@@ -99,6 +131,10 @@ def parse_gpus(text: str) -> frozenset[int] | None:
 
 def open_backend(spec: BackendSpec, clock: Callable[[], float] | None = None) -> Nvml:
     """An (unopened) Nvml on the real library or on a fresh simulated node."""
+    if spec.kind == "simulated" and spec.script:
+        from profagent.sources.gpu.scripted import ScriptedNvml
+
+        return Nvml(ScriptedNvml(spec.script, **({"clock": clock} if clock else {})), simulated=True)
     if spec.kind == "simulated":
         from profagent.sources.gpu.profiles import PROFILES
         from profagent.sources.gpu.simulated import SimulatedNvml
@@ -150,6 +186,7 @@ class Nvml:
         self._lock = threading.Lock()
         self._unsupported: set[tuple[str, str]] = set()
         self._logged: set[str] = set()
+        self._errors: Counter[str] = Counter()  # field errors since take_errors()
 
     # -- lifecycle ------------------------------------------------------------------
     def open(self) -> None:
@@ -181,9 +218,10 @@ class Nvml:
         return self._opened
 
     # -- calls ------------------------------------------------------------------------
-    def call(self, function: str, *args: Any) -> Any:
+    def call(self, function: str, *args: Any, device_level: bool = False) -> Any:
         """Call one NVML function; NVML errors propagate except the fatal ones
-        (SourceUnavailable) and the lost-device ones (DeviceLost)."""
+        (SourceUnavailable) and the lost-device ones (DeviceLost: GpuIsLost always;
+        Unknown and ResetRequired only with ``device_level``)."""
         fn = getattr(self.lib, function, None)
         if fn is None:
             self._once(f"missing:{function}", f"{function} is not in this pynvml (nvidia-ml-py too old?): its values stay absent")
@@ -194,10 +232,15 @@ class Nvml:
             raise _unavailable(exc) from None
         except _LOST_ERRORS as exc:
             raise DeviceLost(str(exc)) from None
+        except _DEVICE_LEVEL_LOST_ERRORS as exc:
+            if device_level:
+                raise DeviceLost(str(exc)) from None
+            raise
 
     def read(self, device: str, field: str, function: str, *args: Any, not_found: Any = None) -> Any:
         """One field of one device (``device`` is its key, e.g. the UUID): the value, or
-        None when absent. NotFound returns ``not_found`` (e.g. [] for "no samples")."""
+        None when absent. NotFound (or an error carrying SUCCESS) returns ``not_found``
+        (e.g. [] for "no samples")."""
         key = (device, field)
         if key in self._unsupported:
             return None
@@ -209,9 +252,28 @@ class Nvml:
             return None
         except pynvml.NVMLError_NotFound:
             return not_found
-        except pynvml.NVMLError as exc:
-            self._once(f"{field}:{exc.value}", f"GPU {device}: reading {field} failed ({exc}); left absent for this tick (logged once)")
+        except pynvml.NVMLError_NoPermission as exc:
+            self._once(f"{field}:perm", f"GPU {device}: no permission to read {field} ({exc}); "
+                       "left absent and asked again each tick (logged once)")
             return None
+        except pynvml.NVMLError as exc:
+            if exc.value == pynvml.NVML_SUCCESS:
+                return not_found
+            self.field_error(device, field, exc)
+            return None
+
+    def field_error(self, device: str, field: str, exc: pynvml.NVMLError) -> None:
+        """Count a failed field read by reason and log it once per (field, reason)."""
+        reason = error_reason(exc)
+        self._errors[reason] += 1
+        self._once(f"{field}:{reason}", f"GPU {device}: reading {field} failed ({exc}); left absent for this tick (logged once)")
+
+    def take_errors(self) -> Counter[str]:
+        """Field errors by reason since the last call (the source turns them into
+        profagent_collector_errors_total)."""
+        with self._lock:
+            out, self._errors = self._errors, Counter()
+        return out
 
     def supported(self, device: str, field: str) -> bool:
         return (device, field) not in self._unsupported
@@ -234,6 +296,10 @@ class Nvml:
                 out[name] = field_value(v)
             elif v.nvmlReturn in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
                 self._unsupported.add((device, name))
+            elif v.nvmlReturn == pynvml.NVML_ERROR_GPU_IS_LOST:
+                raise DeviceLost(f"field {name}: GPU is lost")
+            elif v.nvmlReturn != pynvml.NVML_ERROR_NO_PERMISSION:
+                self.field_error(device, name, pynvml.NVMLError(v.nvmlReturn))
         return out
 
     def hint_processes(self, procs: Iterable[tuple[int, int]]) -> None:
@@ -247,18 +313,25 @@ class Nvml:
             log.info(message)
 
 
+# valueType -> the c_nvmlValue_t member holding it (older pynvml lacks some type names).
+_VALUE_MEMBERS = {
+    getattr(pynvml, name): member
+    for name, member in (
+        ("NVML_VALUE_TYPE_DOUBLE", "dVal"),
+        ("NVML_VALUE_TYPE_UNSIGNED_INT", "uiVal"),
+        ("NVML_VALUE_TYPE_UNSIGNED_LONG", "ulVal"),
+        ("NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", "ullVal"),
+        ("NVML_VALUE_TYPE_SIGNED_LONG_LONG", "sllVal"),
+        ("NVML_VALUE_TYPE_SIGNED_INT", "siVal"),
+        ("NVML_VALUE_TYPE_UNSIGNED_SHORT", "usVal"),
+    )
+    if hasattr(pynvml, name)
+}
+
+
 def field_value(v: Any) -> float:
     """The number inside a c_nvmlFieldValue_t, by its valueType."""
-    member = {
-        pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
-        pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
-        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
-        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
-        pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
-        pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
-        pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
-    }.get(v.valueType, "ullVal")
-    return float(getattr(v.value, member))
+    return float(getattr(v.value, _VALUE_MEMBERS.get(v.valueType, "ullVal")))
 
 
 def cuda_version_text(version: int | None) -> str:
@@ -272,6 +345,7 @@ __all__: Sequence[str] = (
     "BackendSpec",
     "DeviceLost",
     "Nvml",
+    "error_reason",
     "open_backend",
     "parse_backend",
     "parse_gpus",

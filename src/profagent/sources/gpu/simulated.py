@@ -49,8 +49,19 @@ _MIG_HANDLE_FUNCTIONS = frozenset(
         "nvmlDeviceGetComputeInstanceId",
         "nvmlDeviceGetComputeRunningProcesses",
         "nvmlDeviceGetGraphicsRunningProcesses",
+        "nvmlDeviceGetMPSComputeRunningProcesses",
     }
 )
+# Process lists on a MIG-enabled GPU's parent handle need root (nvml.h); the agent
+# usually is not, so the simulation answers as to a normal user.
+_PARENT_NEEDS_ROOT_UNDER_MIG = frozenset(
+    {
+        "nvmlDeviceGetComputeRunningProcesses",
+        "nvmlDeviceGetGraphicsRunningProcesses",
+        "nvmlDeviceGetMPSComputeRunningProcesses",
+    }
+)
+_PROCESS_INFO = getattr(pynvml, "c_nvmlProcessInfo_v3_t", None) or pynvml.c_nvmlProcessInfo_t
 
 
 def _error(code: int) -> pynvml.NVMLError:
@@ -170,6 +181,8 @@ class SimulatedNvml:
             unsupported = unsupported | self.profile.mig_not_supported
         if function in unsupported:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if self.profile.mig and handle.mig is None and function in _PARENT_NEEDS_ROOT_UNDER_MIG:
+            raise _error(pynvml.NVML_ERROR_NO_PERMISSION)
         return dev
 
     def _t(self) -> float:
@@ -422,10 +435,13 @@ class SimulatedNvml:
                 if handle.mig is not None and handle.mig != s:
                     continue
                 gi, ci = s.gi, s.ci
-            info = pynvml.c_nvmlProcessInfo_v3_t()
+            info = _PROCESS_INFO()
             info.pid, info.usedGpuMemory = pid, self._proc_memory(pid, lr)
             info.gpuInstanceId, info.computeInstanceId = gi, ci
-            out.append(pynvml.nvmlStructToFriendlyObject(info))
+            friendly = pynvml.nvmlStructToFriendlyObject(info)
+            if self.profile.mig:
+                friendly.usedGpuMemory = None  # NVML_VALUE_NOT_AVAILABLE on MIG-enabled GPUs; pynvml says None
+            out.append(friendly)
         return out
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: _Handle) -> list:
@@ -435,6 +451,10 @@ class SimulatedNvml:
     def nvmlDeviceGetGraphicsRunningProcesses(self, handle: _Handle) -> list:
         self._dev(handle, "nvmlDeviceGetGraphicsRunningProcesses")
         return []  # training processes are compute contexts
+
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: _Handle) -> list:
+        self._dev(handle, "nvmlDeviceGetMPSComputeRunningProcesses")
+        return []  # no MPS daemon on the simulated node
 
     def nvmlDeviceGetProcessUtilization(self, handle: _Handle, last_seen: int) -> list:
         """Samples newer than ``last_seen`` (µs); NVMLError_NotFound when there are none."""

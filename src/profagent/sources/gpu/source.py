@@ -4,21 +4,26 @@ All NVML access goes through ``profagent.sources.gpu.nvml.Nvml``, so the same co
 real driver and on the simulated backend. Per tick, every selected device is read field
 by field; a lost device is reported down and the others go on.
 
-Per-process attribution: NVML lists the processes on each device (compute and graphics
-contexts) with host PIDs. Each process of the target tree is known under every PID it
+Per-process attribution: NVML lists the processes on each device (compute, graphics and
+MPS client contexts; under MIG through each MIG device handle, which needs no privilege)
+with host PIDs. Each process of the target tree is known under every PID it
 has in the nested PID namespaces (``NSpid`` in /proc/PID/status), so the match works when
 the agent sees the host's PID namespace (on the host, ``docker --pid=host``,
 ``hostPID: true``). Memory comes from the process lists; SM and memory utilisation from
 ``nvmlDeviceGetProcessUtilization``, asking each tick only for samples newer than the
-last one seen. Processes are aggregated by (job, rank, role, gpu[, mig]); PIDs never become
-labels.
+last one seen. A listed process without a new sample keeps its value for one tick (the
+driver samples every 1/6 s to 1 s), then reads 0: it is idle (a driver makes no sample
+for a process that did no work). Processes are aggregated by (job, rank, role, gpu[, mig]);
+PIDs never become labels.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -33,6 +38,7 @@ from profagent.sources.gpu.device import (
     DeviceHandle,
     MigDevice,
     identify,
+    list_processes,
     read_clock_event_reasons,
     read_mig,
     read_values,
@@ -162,8 +168,14 @@ class GpuSource:
         self._system = ("", "", "")
         self._nspid: dict[tuple[int, float], tuple[int, ...]] = {}
         self._last_seen: dict[int, int] = {}  # device index -> newest process-util sample (µs)
-        self._last_util: dict[int, dict[int, tuple[float, float]]] = {}
+        # device index -> pid -> (sm, memory, ticks since its last sample)
+        self._last_util: dict[int, dict[int, tuple[float, float, int]]] = {}
         self._namespace_hinted = False
+        # In the host's PID namespace an NVML PID we cannot see has simply exited; only an
+        # agent in a nested namespace can miss live GPU processes.
+        self._nested_pid_namespace = len(read_nspid(self._proc_root, os.getpid())) > 1
+        # Field errors by reason, for profagent_collector_errors_total (wired by the engine).
+        self.record_error: Callable[[str], None] | None = None
         self._gpu_pids: frozenset[int] = frozenset()
         self._last: GpuSnapshot | None = None
         self._job_id = ""  # the tree's, for processes without their own job_id
@@ -217,13 +229,18 @@ class GpuSource:
             log.info("XID events not available (%s)", exc)
             return
         for dev in self._devices:
-            if dev.handle is None:
-                continue
-            try:
-                self.nvml.read(dev.key, "xid_events", "nvmlDeviceRegisterEvents", dev.handle,
-                               pynvml.nvmlEventTypeXidCriticalError, self._event_set)
-            except DeviceLost:
-                continue
+            self._register_events(dev)
+
+    def _register_events(self, dev: DeviceHandle) -> None:
+        """Ask for this device's XID events (again after it was lost: a returning GPU
+        is a new registration for the driver)."""
+        if self._event_set is None or dev.handle is None:
+            return
+        try:
+            self.nvml.read(dev.key, "xid_events", "nvmlDeviceRegisterEvents", dev.handle,
+                           pynvml.nvmlEventTypeXidCriticalError, self._event_set)
+        except DeviceLost:
+            pass
 
     def stop(self) -> None:
         with self._lock:
@@ -250,6 +267,11 @@ class GpuSource:
             pids: set[int] = set()
             devices = tuple(self._read_device(dev, aliases, groups, pids) for dev in self._devices)
             self._gpu_pids = frozenset(pids)
+            errors = self.nvml.take_errors()
+        if self.record_error is not None:
+            for reason, count in sorted(errors.items()):
+                for _ in range(count):
+                    self.record_error(reason)
         processes = tuple(
             ProcessGpuUsage(job, rank, role, gpu, uuid, mig, g.processes, g.memory,
                             None if g.sm is None else min(1.0, g.sm),
@@ -266,7 +288,6 @@ class GpuSource:
         return self._gpu_pids
 
     def _read_device(self, dev: DeviceHandle, aliases: dict[int, ProcessInfo], groups: dict, pids: set[int]) -> GpuDevice:
-        xids = MappingProxyType(dict(self._xids.get(dev.index, {})))
         try:
             if dev.handle is None:
                 try:
@@ -274,13 +295,29 @@ class GpuSource:
                 except pynvml.NVMLError as exc:
                     dev.handle = None
                     raise DeviceLost(str(exc)) from None
+                if dev.lost:
+                    log.warning("GPU %d answers again", dev.index)
+                    dev.lost = False
+                    self._register_events(dev)
+                    self._drain_xids()
+            else:
+                # The device-level query: only this deciding "lost" or "unknown" marks
+                # the GPU down; the same answer from one field is a field error.
+                self.nvml.call("nvmlDeviceGetHandleByIndex", dev.index, device_level=True)
             values = read_values(self.nvml, dev)
             reasons = read_clock_event_reasons(self.nvml, dev)
             mig = read_mig(self.nvml, dev)
             mine: dict = {}
             others = self._attribute(dev, aliases, mine, pids)
-        except DeviceLost:
+        except DeviceLost as exc:
+            if not dev.lost:
+                log.warning("GPU %d is down (%s); the other GPUs go on", dev.index, exc)
+            dev.lost, dev.handle = True, None  # identify again (and re-register events) when it answers
+            self._last_util.pop(dev.index, None)
+            self._last_seen.pop(dev.index, None)
+            xids = MappingProxyType(dict(self._xids.get(dev.index, {})))
             return GpuDevice(dev.index, dev.uuid, dev.name, dev.pci_bus_id, dev.mig_mode, up=False, xid_errors=xids)
+        xids = MappingProxyType(dict(self._xids.get(dev.index, {})))
         for key, g in mine.items():
             groups[key] = g
         return GpuDevice(
@@ -292,27 +329,10 @@ class GpuSource:
     def _attribute(self, dev: DeviceHandle, aliases: dict[int, ProcessInfo], groups: dict, pids: set[int]) -> int | None:
         """Add this device's target processes to ``groups``; return how many other
         processes use it (None if NVML lists no processes here)."""
-        k, h = dev.key, dev.handle
-        listed: dict[int, tuple[int | None, int]] = {}  # pid -> (memory, gpu instance)
-        answered = False
-        for field_name, function in (
-            ("compute_processes", "nvmlDeviceGetComputeRunningProcesses"),
-            ("graphics_processes", "nvmlDeviceGetGraphicsRunningProcesses"),
-        ):
-            procs = self.nvml.read(k, field_name, function, h, not_found=[])
-            if procs is None:
-                continue
-            answered = True
-            for p in procs:
-                memory = getattr(p, "usedGpuMemory", None)
-                gi = getattr(p, "gpuInstanceId", NOT_AVAILABLE_UINT)
-                old = listed.get(p.pid)
-                if old is not None and old[0] is not None and (memory is None or memory < old[0]):
-                    memory = old[0]
-                listed[p.pid] = (memory, gi)
-        if not answered:
+        listed = list_processes(self.nvml, dev)
+        if listed is None:
             return None
-        util = self._process_util(dev, set(listed)) if listed else {}
+        util = self._process_util(dev, set(listed))
 
         others = 0
         for pid, (memory, gi) in listed.items():
@@ -329,35 +349,40 @@ class GpuSource:
             if memory is not None:
                 g.memory = (g.memory or 0) + memory
             if util is not None:
-                sm, mm = util.get(pid, (0.0, 0.0))
+                sm, mm = util.get(pid, (0.0, 0.0))  # listed without a sample: idle
                 g.sm = (g.sm or 0.0) + sm
                 g.mem_util = (g.mem_util or 0.0) + mm
         return others
 
     def _process_util(self, dev: DeviceHandle, pids: set[int]) -> dict[int, tuple[float, float]] | None:
-        """pid -> (sm, memory) ratios from the samples newer than the last seen; the
-        previous values are kept while no new sample arrives. None when unsupported."""
+        """pid -> (sm, memory) ratios from the samples newer than the last seen. A process
+        without a new sample keeps its value for one tick, then is left out (the caller
+        reads that as idle, 0). None when unsupported (absent, not 0)."""
+        if not pids:
+            return {}
+        if dev.mig_mode == "enabled" and not self.nvml.supported(dev.key, "process_utilization"):
+            return None
         last_seen = self._last_seen.get(dev.index, 0)
         samples = self.nvml.read(dev.key, "process_utilization", "nvmlDeviceGetProcessUtilization",
                                  dev.handle, last_seen, not_found=[])
-        if samples is None:
-            return None if not self.nvml.supported(dev.key, "process_utilization") else self._last_util.get(dev.index, {})
+        if samples is None and not self.nvml.supported(dev.key, "process_utilization"):
+            return None
         fresh: dict[int, list[tuple[float, float]]] = {}
         newest = last_seen
-        for s in samples:
+        for s in samples or ():  # None: this tick failed, treated as "no new sample"
             if s.timeStamp <= last_seen:
                 continue
             newest = max(newest, s.timeStamp)
             fresh.setdefault(s.pid, []).append((s.smUtil / 100.0, s.memUtil / 100.0))
-        if fresh:
-            self._last_seen[dev.index] = newest
-            self._last_util[dev.index] = {
-                pid: (sum(a for a, _ in vals) / len(vals), sum(b for _, b in vals) / len(vals))
-                for pid, vals in fresh.items()
-            }
-        current = self._last_util.get(dev.index, {})
-        self._last_util[dev.index] = {pid: v for pid, v in current.items() if pid in pids}
-        return self._last_util[dev.index]
+        self._last_seen[dev.index] = newest
+        held: dict[int, tuple[float, float, int]] = {}
+        for pid, (sm, mm, age) in self._last_util.get(dev.index, {}).items():
+            if pid in pids and pid not in fresh and age < 1:
+                held[pid] = (sm, mm, age + 1)
+        for pid, vals in fresh.items():
+            held[pid] = (sum(a for a, _ in vals) / len(vals), sum(b for _, b in vals) / len(vals), 0)
+        self._last_util[dev.index] = held
+        return {pid: (sm, mm) for pid, (sm, mm, _) in held.items()}
 
     def _drain_xids(self) -> None:
         if self._event_set is None:
@@ -394,7 +419,7 @@ class GpuSource:
         return out
 
     def _hint_namespace(self, pid: int) -> None:
-        if self._namespace_hinted or (self._proc_root / str(pid)).exists():
+        if self._namespace_hinted or not self._nested_pid_namespace or (self._proc_root / str(pid)).exists():
             return
         self._namespace_hinted = True
         log.warning(
