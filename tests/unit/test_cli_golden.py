@@ -7,7 +7,9 @@ where the typer app was ``profagent.cli.app`` as it is now)::
     PYTHONPATH=/tmp/old/src python tests/unit/test_cli_golden.py --write
 
 Regenerate it only when a help text or message legitimately changes, and say why in the
-commit.
+commit (``PYTHONPATH=src python tests/unit/test_cli_golden.py --write``). Since the layout
+change it was regenerated once, on purpose, for the new commands (top, diagnose,
+incidents), `stacks --idle`, and `analyze` taking folders.
 """
 
 from __future__ import annotations

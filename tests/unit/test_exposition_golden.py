@@ -12,7 +12,11 @@ names)::
     git worktree add /tmp/old 2202f00
     PYTHONPATH=/tmp/old/src python tests/unit/test_exposition_golden.py --write
 
-Regenerate them only when a family legitimately changes, and say so in the commit.
+Regenerate them only when a family legitimately changes, and say so in the commit
+(``PYTHONPATH=src python tests/unit/test_exposition_golden.py --write``). Since the layout
+change they were regenerated once, on purpose, for: the pod/Slurm/user labels of
+``profagent_target_info`` (#18), the trace accelerator and incomplete-step families and no
+step time for a trace without steps (#14), worker USS and collectors not applicable (#15).
 """
 
 from __future__ import annotations
@@ -134,6 +138,9 @@ def golden_state():  # -> profagent.state.State
             cpu_gpu_ratio=1.25 if gpu_summary else None, top_ops=rows, top_kernels=rows[:3] if gpu_summary else (),
             annotations=(("forward", 0.3, 2), ("backward", 0.5, 2)),
             memory_peak={"cuda:0": 1 << 30} if gpu_summary else {}, cpu_pids=(100,),
+            **({"accelerator": "cuda" if gpu_summary else None, "step_source": "profiler_step",
+                "steps_incomplete": (), "steps_dropped": 0, "gpu_lag": None, "warnings": ()}
+               if "accelerator" in report.TraceReport.__dataclass_fields__ else {}),
         )
 
     summary = report.GpuSummary(1, 0.8, 0.2, 0.7, 0.1, 0.05, 0.1, 0.05, 0.4, 0.1)
