@@ -24,15 +24,16 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# Debian's prometheus (promtool) and tmux (profagent top in a real terminal) for the tests.
 prometheus:
-	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
-		echo "installing Debian's prometheus (for the end-to-end tests)"; \
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null || ! command -v tmux >/dev/null; then \
+		echo "installing Debian's prometheus and tmux (for the end-to-end tests)"; \
 		$(SUDO) apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus tmux >/dev/null; \
 	fi
 
 lint: venv
-	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff check src tests bench examples tools
 
 test: venv prometheus lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider
