@@ -221,6 +221,6 @@ def test_unknown_option_names_the_flag_meant(tmp_path) -> None:
         res = subprocess.run([sys.executable, "-m", "profagent", *args], capture_output=True, text=True, timeout=30)
         err = res.stderr.strip()
         assert res.returncode == 2 and len(err.splitlines()) == 1, err
-        assert meant in err and "no such option" in err
+        assert meant in err and "No such option" in err
     res = subprocess.run([sys.executable, "-m", "profagent", "stacks", "--duration", "5"], capture_output=True, text=True, timeout=30)
     assert "--rate" not in res.stderr

@@ -15,21 +15,20 @@ from pathlib import Path
 
 import bcrypt
 import pytest
-from prometheus_client import CollectorRegistry, Gauge
 
 from conftest import wait_for
 from profagent.errors import UserError
 from profagent.exporters import http as http_module
+from profagent.exporters.exposition import Exposition
 from profagent.exporters.http import AgentHTTPServer, WebConfig, load_web_config
+from profagent.state import State
 
 HASH = bcrypt.hashpw(b"right", bcrypt.gensalt(rounds=10))
 
 
 def _server(monkeypatch, users: dict[str, bytes] | None = None, timeout: float = 2.0) -> AgentHTTPServer:
     monkeypatch.setattr(http_module, "CONNECTION_TIMEOUT", timeout)
-    registry = CollectorRegistry()
-    Gauge("demo_up", "demo", registry=registry).set(1)
-    server = AgentHTTPServer("127.0.0.1", 0, registry, WebConfig(users=users or {}))
+    server = AgentHTTPServer("127.0.0.1", 0, Exposition(State().view), WebConfig(users=users or {}))
     server.start()
     return server
 

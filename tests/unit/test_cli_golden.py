@@ -29,6 +29,7 @@ ENV = {"COLUMNS": "100", "TERMINAL_WIDTH": "100", "NO_COLOR": "1", "TERM": "dumb
 HELP = [
     [], ["attach"], ["watch"], ["install-service"], ["stacks"], ["config"], ["doctor"],
     ["analyze"], ["trace"], ["dashboards"], ["dashboards", "export"], ["dashboards", "push"],
+    ["top"], ["diagnose"], ["incidents"], ["incidents", "list"], ["incidents", "show"], ["incidents", "capture"],
 ]
 # Bad input: one line naming the problem and the fix, exit 2, no traceback.
 ERRORS = [

@@ -42,6 +42,8 @@ NOT_ON_A_DASHBOARD: dict[str, str] = {
     "profagent_gpu_mig_memory_total_bytes": "MIG only: for ad-hoc queries",
     "profagent_gpu_fan_speed_ratio": "absent on passively cooled data-centre boards, the ones training runs on",
     "profagent_gpu_retired_pages": "pre-Ampere boards only; newer ones report remapped rows (on the GPUs dashboard)",
+    "profagent_trace_info": "the accelerator kind of a rank's last trace: shown by `profagent analyze`; for ad-hoc joins",
+    "profagent_trace_steps_incomplete": "incomplete last steps excluded from the step time: said by `profagent analyze`; for ad-hoc queries",
     "profagent_stack_sampler_errors_total": "py-spy failures; their effect shows as collector errors on Agent health",
     "process_virtual_memory_bytes": "the agent's virtual size says little; its resident memory is on Agent health",
     "process_start_time_seconds": "the agent's start time; restarts show as counter resets",
@@ -56,8 +58,9 @@ NOT_ON_A_DASHBOARD: dict[str, str] = {
 # (and alerts) empty. Recorded series (recording.yml) count too.
 ONLY_AFTER_A_FAILURE: dict[str, str] = {
     "profagent_collector_errors_total": "a collector tick failed",
+    "profagent_collector_not_applicable": "a source has nothing to do on this node (no GPU, endpoint held by another agent)",
     "profagent_gpu_xid_errors_total": "the driver reported an XID",
     "profagent_stack_sampler_errors_total": "a py-spy run failed",
-    "job_id_severity:profagent_finding:sum": "a finding is active on a rank (profagent_finding == 1; no agent exports that family yet)",
-    "job_id_severity:profagent_finding:distinct": "a finding is active on a rank (profagent_finding == 1; no agent exports that family yet)",
+    "job_id_severity:profagent_finding:sum": "a finding is active on a rank (profagent_finding == 1)",
+    "job_id_severity:profagent_finding:distinct": "a finding is active on a rank (profagent_finding == 1)",
 }

@@ -363,7 +363,7 @@ def unknown_option_message(exc: Exception) -> str | None:
     meant = [o for o in OPTION_SYNONYMS.get(option.split("=", 1)[0], ()) if o in known]
     if not meant:
         meant = sorted(getattr(exc, "possibilities", None) or ())
-    return f"no such option: {option}" + (f" (did you mean {' or '.join(meant)}?)" if meant else "")
+    return f"No such option: {option}" + (f" (did you mean {' or '.join(meant)}?)" if meant else "")
 
 
 def main() -> None:

@@ -186,7 +186,7 @@ def _render_row(table: Table, r: TraceReport, rank: str | None) -> None:
     g = r.gpu
     table.add_row(Path(r.path).name, rank or "?", r.accelerator or "-", str(len(r.steps)),
                   _ms(None if r.steps_inferred else r.step_mean), _pct(None if g is None else g.idle_ratio),
-                  (findings(r) or ["-"])[0])
+                  str(len(findings(r))))
 
 
 def analyze_files(paths: Sequence[Path], as_json: bool, top_k: int, console: Console,
@@ -202,9 +202,10 @@ def analyze_files(paths: Sequence[Path], as_json: bool, top_k: int, console: Con
     rows = None
     if not as_json and not full:
         rows = Table(title=f"{len(files)} traces (--details for each full report)")
-        for name in ("trace", "rank", "accelerator", "steps", "step ms", "GPU idle"):
-            rows.add_column(name, overflow="fold")
-        rows.add_column("first finding", overflow="ellipsis", no_wrap=True, max_width=50)
+        rows.add_column("trace", overflow="fold")
+        for name in ("rank", "accelerator", "steps", "step ms", "GPU idle"):
+            rows.add_column(name, no_wrap=True, justify="right")
+        rows.add_column("findings", justify="right")  # how many; --details says what
     for path in files:
         try:
             report = analyze(read_trace(path), top_k)
