@@ -64,11 +64,24 @@ def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 
 def kill_tree(proc: subprocess.Popen, timeout: float = 10) -> None:
-    """SIGKILL a child started with start_new_session=True, with its whole process group."""
+    """SIGKILL a child started with start_new_session=True, with its whole process group and
+    every descendant found (torchrun puts its ranks in sessions of their own)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(descendants, timeout=timeout)
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -129,7 +129,7 @@ def test_fast_host_leak_has_rate_and_time_to_exhaustion(torchrun, run_agent, tmp
     job.wait_output("rank 0 ready")
     # A short history and a horizon long enough that any leak on this node counts.
     _, url = start_agent(run_agent, tmp_path, job.proc.pid, leak_min_span_seconds=20,
-                         leak_horizon_seconds=10 * 24 * 3600)
+                         leak_horizon_seconds=7 * 24 * 3600)
     f = wait_finding(url, "memory_leak", timeout=120)
     assert f["rank"] == "0" and f["evidence"]["kind"] == "host", f
     rate = f["evidence"]["growth_bytes_per_second"]

@@ -6,7 +6,10 @@ slow_loader (__getitem__ sleeps), leak (rank 0 keeps 2 MiB per step), healthy.
 """
 
 import argparse
+import ctypes
 import os
+import signal
+import threading
 import time
 
 import torch
@@ -15,7 +18,18 @@ import torch.distributed as dist
 parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=["hang", "straggler", "slow_loader", "leak", "healthy"])
 parser.add_argument("--steps", type=int, default=100000)
+parser.add_argument("--max-seconds", type=float, default=600.0)
 args = parser.parse_args()
+
+LEAK_CAP = 3 << 30  # the leak stops growing here: a test must never exhaust the machine
+
+
+def bound_lifetime() -> None:
+    """Die with the launcher (torchrun puts ranks in their own sessions) and after a while."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the launcher is already gone
+        os._exit(1)
+    threading.Timer(args.max_seconds, os._exit, (1,)).start()
 
 
 class Data(torch.utils.data.Dataset):
@@ -29,6 +43,7 @@ class Data(torch.utils.data.Dataset):
 
 
 def main() -> None:
+    bound_lifetime()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(rank)
@@ -49,11 +64,13 @@ def main() -> None:
             time.sleep(3600)  # the culprit: never reaches the all_reduce below
         if args.mode == "straggler" and rank == 1:
             time.sleep(0.1)
-        if args.mode == "leak" and rank == 0:
+        if args.mode == "leak" and rank == 0 and len(kept) * (2 << 20) < LEAK_CAP:
             kept.append(bytearray(os.urandom(1 << 10) * (2 << 10)))  # 2 MiB a step, never freed
         t = torch.ones(1)
         dist.all_reduce(t)
-        if args.mode in ("leak", "healthy"):
+        if args.mode == "leak":
+            time.sleep(0.05)  # ~30 MiB/s: the cap is reached after about 100 s
+        elif args.mode == "healthy":
             time.sleep(0.01)
     dist.destroy_process_group()
 

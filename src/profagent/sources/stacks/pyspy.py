@@ -187,7 +187,10 @@ def failure_reason(stderr: str, pid: int) -> str:
     """Map a failed py-spy run to a bounded reason: permission, target_gone or pyspy_failed."""
     if not psutil.pid_exists(pid):
         return "target_gone"
-    if "Permission Denied" in stderr or "Operation not permitted" in stderr:
+    # py-spy says "Permission Denied", or "Permission denied (os error 13)" under an error
+    # that also reads "Check that the process is running" (root without CAP_SYS_PTRACE)
+    lowered = stderr.lower()
+    if "permission denied" in lowered or "operation not permitted" in lowered:
         return "permission"
     if "Check that the process is running" in stderr or "No such process" in stderr:
         return "target_gone"
