@@ -180,10 +180,13 @@ def test_idle_throttled_and_failing_gpus_are_findings_of_the_ranks_using_them(
     job.override({"1": {"clocks_throttle_reasons": {"hw_thermal_slowdown": True}},
                   "2": {"clocks_throttle_reasons": {"sw_power_cap": True}},
                   "0": {"failure": {"mode": "ecc_uncorrectable", "after_calls": 1, "xid": {"code": 48}}}})
-    found = job.wait(lambda fs: of(fs, "gpu_errors", "0"), "gpu_errors of rank 0")
+    # (the ECC counters may show before the XID event is read: wait for both)
+    found = job.wait(lambda fs: [f for f in of(fs, "gpu_errors", "0") if "xid 48" in f["evidence"]["errors"]],
+                     "gpu_errors of rank 0 with XID 48")
     errors = of(found, "gpu_errors", "0")[0]
     assert errors["severity"] == "critical" and errors["evidence"]["gpu"] == 0
-    assert errors["evidence"]["errors"].get("xid 48") == 1, errors["evidence"]
+    assert errors["evidence"]["errors"]["xid 48"] == 1, errors["evidence"]
+    assert errors["evidence"]["errors"]["ecc_uncorrected"] > 0, errors["evidence"]
     assert "XID" in errors["summary"] and "GPU 0" in errors["summary"]
     assert not of(found, "gpu_errors", "1")
     assert {("gpu_errors", "0", "critical"), ("gpu_throttled", "1", "warning")} <= job.active_metric()
