@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -64,28 +66,38 @@ def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 
 def kill_tree(proc: subprocess.Popen, timeout: float = 10) -> None:
-    """SIGKILL a child started with start_new_session=True, with its whole process group and
-    every descendant found (torchrun puts its ranks in sessions of their own)."""
-    import psutil
+    """SIGKILL a child and every descendant, then reap them.
 
+    The process group is not enough: torchrun starts each rank in its own session. So the
+    tree is frozen first (SIGSTOP, top down, until no new descendant appears: a stopped
+    process cannot fork), then every process found is killed, and all are waited for.
+    """
     try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
+        root = psutil.Process(proc.pid)
     except psutil.Error:
-        descendants = []
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for child in descendants:
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(descendants, timeout=timeout)
+        root = None
+    tree: dict[int, psutil.Process] = {}
+    frontier = [root] if root is not None else []
+    while frontier:
+        found: list[psutil.Process] = []
+        for p in frontier:
+            with contextlib.suppress(psutil.Error):
+                p.suspend()
+            tree.setdefault(p.pid, p)
+            with contextlib.suppress(psutil.Error):
+                found += [c for c in p.children(recursive=True) if c.pid not in tree]
+        frontier = found
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(proc.pid) == proc.pid:  # started with start_new_session=True
+            os.killpg(proc.pid, signal.SIGKILL)
+    for p in tree.values():
+        with contextlib.suppress(psutil.Error):
+            p.kill()
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         pass
+    psutil.wait_procs([p for pid, p in tree.items() if pid != proc.pid], timeout=timeout)
 
 
 class Children:

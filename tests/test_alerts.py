@@ -27,7 +27,8 @@ def _promtool(*args: str, cwd: Path = PROM) -> subprocess.CompletedProcess:
 
 
 def _rules() -> list[dict]:
-    return [r for g in yaml.safe_load((PROM / "alerts.yml").read_text())["groups"] for r in g["rules"]]
+    """The alerting rules (the file also records the series one of them is built on)."""
+    return [r for g in yaml.safe_load((PROM / "alerts.yml").read_text())["groups"] for r in g["rules"] if "alert" in r]
 
 
 def test_rules_pass_promtool_check() -> None:

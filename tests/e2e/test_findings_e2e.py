@@ -70,9 +70,9 @@ def findings(url: str) -> list[dict]:
     return json.loads(http_get(url + "/api/findings"))["findings"]
 
 
-def wait_finding(url: str, kind: str, timeout: float) -> dict:
+def wait_finding(url: str, kind: str, timeout: float, where=lambda f: True) -> dict:
     def found() -> dict | None:
-        return next((f for f in findings(url) if f["finding"] == kind), None)
+        return next((f for f in findings(url) if f["finding"] == kind and where(f)), None)
 
     return wait_for(found, timeout, interval=0.5, what=f"finding {kind}")
 
@@ -82,7 +82,10 @@ def test_hang_names_rank_1_and_its_line_within_stall_seconds_plus_30(torchrun, r
     job.wait_output("rank 0 ready")
     _, url = start_agent(run_agent, tmp_path, job.proc.pid)
     hung_at = job.wait_output("rank 1 hangs")
-    hang = wait_finding(url, "hang", timeout=STALL_SECONDS + 30 + 15)  # + the tick that publishes it
+    # Both ranks cross stall_seconds about together: a tick may first see rank 1 alone (its
+    # finding then says "not in a collective"); the one that counts also sees rank 0 waiting.
+    hang = wait_finding(url, "hang", timeout=STALL_SECONDS + 30 + 15,  # + the tick that publishes it
+                        where=lambda f: f["evidence"].get("waiting_ranks"))
     elapsed = time.monotonic() - hung_at
     assert elapsed <= STALL_SECONDS + 30, f"hang named after {elapsed:.0f} s"
     line = f"train_ddp.py:{line_of('time.sleep(3600)')}"
@@ -129,7 +132,7 @@ def test_fast_host_leak_has_rate_and_time_to_exhaustion(torchrun, run_agent, tmp
     job.wait_output("rank 0 ready")
     # A short history and a horizon long enough that any leak on this node counts.
     _, url = start_agent(run_agent, tmp_path, job.proc.pid, leak_min_span_seconds=20,
-                         leak_horizon_seconds=7 * 24 * 3600)
+                         leak_horizon_seconds=7 * 24 * 3600)  # the maximum allowed
     f = wait_finding(url, "memory_leak", timeout=120)
     assert f["rank"] == "0" and f["evidence"]["kind"] == "host", f
     rate = f["evidence"]["growth_bytes_per_second"]

@@ -8,7 +8,6 @@ within incidents.rate_limit_seconds (it counts the trigger as rate-limited inste
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
 import os
@@ -34,19 +33,6 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def metric(url: str, name: str, **labels: str) -> list[float]:
     m = parse_metrics(http_get(url + "/metrics"))
     return [v for lbl, v in m.get(name, []) if all(lbl.get(k) == want for k, want in labels.items())]
-
-
-def kill_job(job: subprocess.Popen) -> None:
-    """torchrun starts its ranks in their own sessions: kill them by PID, then the launcher's group."""
-    try:
-        ranks = psutil.Process(job.pid).children(recursive=True)
-    except psutil.Error:
-        ranks = []
-    kill_tree(job)
-    for proc in ranks:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    psutil.wait_procs(ranks, timeout=10)
 
 
 def ranks_of(launcher: psutil.Process) -> dict[str, psutil.Process]:
@@ -150,7 +136,7 @@ def test_hang_captures_one_incident_with_every_rank_and_rate_limits_the_repeat(t
             assert proc.status() != psutil.STATUS_STOPPED
     finally:
         hang_file.unlink(missing_ok=True)
-        kill_job(job)
+        kill_tree(job)
 
 
 def test_step_time_regression_captures_an_incident_with_an_on_demand_trace(tmp_path: Path, run_agent) -> None:
@@ -220,5 +206,5 @@ def test_step_time_regression_captures_an_incident_with_an_on_demand_trace(tmp_p
         assert "not polling Kineto" in summary  # rank 0 profiles itself: said, not hidden
     finally:
         slow_file.unlink(missing_ok=True)
-        kill_job(job)
+        kill_tree(job)
         shutil.rmtree(sockets, ignore_errors=True)

@@ -11,6 +11,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from lifeline import bound
 
 
 def wait_while_hung(path: str) -> None:
@@ -19,6 +20,7 @@ def wait_while_hung(path: str) -> None:
 
 
 def main() -> None:
+    bound(600)  # dies with the launcher, and never outlives a test by much
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     hang_file = os.environ["HANG_FILE"]

@@ -2,34 +2,29 @@
 
 usage: torchrun --nproc-per-node 2 train_ddp.py MODE [--steps N]
 MODE: hang (rank 1 sleeps before its all_reduce), straggler (rank 1 sleeps 0.1 s each step),
-slow_loader (__getitem__ sleeps), leak (rank 0 keeps 2 MiB per step), healthy.
+slow_loader (__getitem__ sleeps), leak (rank 0 keeps 2 MiB per step, about 8 MiB/s, up to
+LEAK_CAP_BYTES), healthy.
+
+Every rank is bounded (lifeline.bound): it dies with the launcher and after MAX_SECONDS
+(env TRAIN_DDP_MAX_SECONDS), whatever the mode.
 """
 
 import argparse
-import ctypes
 import os
-import signal
-import threading
 import time
 
 import torch
 import torch.distributed as dist
+from lifeline import bound
+
+MAX_SECONDS = int(os.environ.get("TRAIN_DDP_MAX_SECONDS", "300"))
+LEAK_CAP_BYTES = 1 << 30  # the leak stops growing here: enough for any detector, harmless to the node
+LEAK_STEP_BYTES = 2 << 20
 
 parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=["hang", "straggler", "slow_loader", "leak", "healthy"])
 parser.add_argument("--steps", type=int, default=100000)
-parser.add_argument("--max-seconds", type=float, default=600.0)
 args = parser.parse_args()
-
-LEAK_CAP = 3 << 30  # the leak stops growing here: a test must never exhaust the machine
-
-
-def bound_lifetime() -> None:
-    """Die with the launcher (torchrun puts ranks in their own sessions) and after a while."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the launcher is already gone
-        os._exit(1)
-    threading.Timer(args.max_seconds, os._exit, (1,)).start()
 
 
 class Data(torch.utils.data.Dataset):
@@ -43,7 +38,7 @@ class Data(torch.utils.data.Dataset):
 
 
 def main() -> None:
-    bound_lifetime()
+    bound(MAX_SECONDS)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(rank)
@@ -64,13 +59,13 @@ def main() -> None:
             time.sleep(3600)  # the culprit: never reaches the all_reduce below
         if args.mode == "straggler" and rank == 1:
             time.sleep(0.1)
-        if args.mode == "leak" and rank == 0 and len(kept) * (2 << 20) < LEAK_CAP:
-            kept.append(bytearray(os.urandom(1 << 10) * (2 << 10)))  # 2 MiB a step, never freed
+        if args.mode == "leak" and rank == 0 and len(kept) * LEAK_STEP_BYTES < LEAK_CAP_BYTES:
+            kept.append(bytearray(os.urandom(1 << 10) * (LEAK_STEP_BYTES >> 10)))  # never freed
         t = torch.ones(1)
         dist.all_reduce(t)
         if args.mode == "leak":
-            time.sleep(0.05)  # ~30 MiB/s: the cap is reached after about 100 s
-        elif args.mode == "healthy":
+            time.sleep(0.25)  # paced: the 1 GiB cap is reached after about two minutes, not seconds
+        if args.mode == "healthy":
             time.sleep(0.01)
     dist.destroy_process_group()
 

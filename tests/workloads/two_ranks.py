@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from lifeline import bound
+
 
 def train_step() -> int:
     return sum(i * i for i in range(20000))
@@ -42,6 +44,7 @@ def launch(hang_file: str) -> int:
 
 
 if __name__ == "__main__":
+    bound(600)  # the launcher dies with the test, each rank with the launcher
     if "--rank" in sys.argv:
         rank_main(Path(sys.argv[1]))
     else:
