@@ -6,12 +6,19 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 
-from conftest import free_port, http_get, parse_metrics, promtool_check_metrics, wait_for
+from conftest import (
+    free_port,
+    http_get,
+    parse_metrics,
+    promtool_check_metrics,
+    pyspy_processes,
+    wait_for,
+    wait_for_ticks,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -34,15 +41,7 @@ def start_hot(children, tmp_path):
 
 
 def pyspy_on(pid: int) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["name", "cmdline"]):
-        try:
-            cmd = p.info["cmdline"] or []
-            if p.info["name"] == "py-spy" and str(pid) in cmd and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
+    return pyspy_processes(sampling=pid)  # anywhere: an orphan that outlived the agent counts
 
 
 def test_attach_exports_stack_families_serves_folded_stacks_and_cleans_up(children, tmp_path, run_agent) -> None:
@@ -89,7 +88,7 @@ def test_no_stacks_flag_turns_the_source_off(children, tmp_path, run_agent) -> N
     url = f"http://127.0.0.1:{port}"
     agent = run_agent(["attach", "--pid", str(proc.pid), "--listen", f"127.0.0.1:{port}", "--no-stacks"])
     agent.wait_healthy(url)
-    time.sleep(1.5)
+    wait_for_ticks(url, "host", 2)  # the agent has ticked since it served: only then look for stacks
     assert "profagent_stack_samples_total" not in http_get(url + "/metrics")
     assert pyspy_on(proc.pid) == []
     assert "source stacks: off" in agent.output
@@ -159,7 +158,7 @@ def test_ptrace_denied_turns_stacks_off_with_one_line_and_the_rest_goes_on(child
             return up.get("stacks") == 0.0 and up.get("host") == 1.0
 
         wait_for(stacks_off, 30, what="stacks off, host on")
-        time.sleep(1.5)  # no repeated messages afterwards
+        wait_for_ticks(url, "host", 3)  # the agent went on ticking: room for a repeated message
     finally:
         agent.terminate()
         agent.wait(10)
