@@ -258,3 +258,84 @@ def promtool_check_metrics(text: str) -> str:
         pytest.fail("promtool is not installed: `make test` installs Debian's prometheus package")
     res = subprocess.run([binary, "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
     return (res.stdout + res.stderr).decode().strip()
+
+
+NOBODY = 65534
+
+
+def run_as(uid: int, argv: list[str], **kw) -> subprocess.CompletedProcess:
+    """Run ``argv`` as ``uid`` (real and effective, no groups), as the agent runs when dropped."""
+    return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv], **kw)
+
+
+def _required_distributions() -> list:
+    """The installed distributions profagent needs at run time (no extras), transitively."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    todo = list(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
+    found: dict[str, importlib.metadata.Distribution] = {}
+    while todo:
+        req = Requirement(todo.pop())
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        key = req.name.lower().replace("_", "-")
+        if key in found:
+            continue
+        dist = importlib.metadata.distribution(req.name)
+        found[key] = dist
+        todo.extend(dist.requires or ())
+    return list(found.values())
+
+
+def runtime_for(uid: int, folder: Path) -> tuple[str, dict[str, str]]:
+    """A Python and an environment with which ``uid`` can run this checkout's profagent.
+
+    The checkout and the venv may sit in a folder ``uid`` cannot enter (a clone in root's
+    0700 home), so the package is copied into ``folder`` (world-readable), and so are its
+    run-time dependencies when ``uid`` cannot read the venv's own. The interpreter itself
+    is not copied: this one if ``uid`` can run it, else the system's Python of the same
+    version (compiled dependencies are tied to it). Skips, saying why, when there is none.
+    Returns (python, environment additions)."""
+    import profagent
+
+    os.chmod(folder, 0o755)
+    # a venv's layout, so "../../../bin/py-spy" in a RECORD lands in folder/bin
+    site = folder / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    shutil.copytree(Path(profagent.__file__).parent, site / "profagent",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    imports = "import profagent.cli, psutil, numpy, typer, prometheus_client, watchdog, orjson, msgspec"
+
+    def runs(python: str, path: str, code: str = imports) -> bool:
+        env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": path, "PYTHONNOUSERSITE": "1"}
+        return run_as(uid, [python, "-c", code], env=env, cwd=folder, capture_output=True, timeout=120).returncode == 0
+
+    candidates = [sys.executable, f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"]
+    pythons = [p for p in dict.fromkeys(candidates) if os.access(p, os.X_OK) and runs(p, "", "pass")]
+    if not pythons:
+        pytest.skip(f"uid {uid} can run no Python {sys.version_info.major}.{sys.version_info.minor}: {sys.executable} "
+                    f"(resolves to {os.path.realpath(sys.executable)}) sits in a folder it cannot enter, and the "
+                    "system has none of that version for a copy of the dependencies")
+    python = pythons[0]
+    venv_sites = [p for p in sys.path if p.endswith("site-packages")]
+    in_place = os.pathsep.join([str(site), *venv_sites])
+    if runs(python, in_place):
+        return python, {"PYTHONPATH": in_place, "PYTHONNOUSERSITE": "1"}
+    for dist in _required_distributions():  # the venv is out of reach: copy only what is needed
+        for file in dist.files or ():
+            source = Path(str(dist.locate_file(file)))
+            target = (site / file).resolve() if str(file).startswith("..") else site / file
+            if source.is_file() and "__pycache__" not in file.parts:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, target)
+    for path in folder.rglob("*"):
+        path.chmod(path.stat().st_mode | (0o755 if path.is_dir() or os.access(path, os.X_OK) else 0o644))
+    if not runs(python, str(site)):
+        pytest.fail(f"uid {uid} cannot import profagent even from a world-readable copy in {site}")
+    return python, {"PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1"}

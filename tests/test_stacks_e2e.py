@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
 
 from conftest import (
+    NOBODY,
     free_port,
     http_get,
     parse_metrics,
     promtool_check_metrics,
     pyspy_processes,
+    runtime_for,
     wait_for,
     wait_for_ticks,
 )
@@ -130,26 +136,38 @@ def test_stacks_command_bad_input_is_one_line(tmp_path) -> None:
         assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
 
 
-def test_ptrace_denied_turns_stacks_off_with_one_line_and_the_rest_goes_on(children, tmp_path) -> None:
-    """The agent runs as `nobody` against a root-owned job: py-spy is denied."""
-    import shutil
+@pytest.fixture
+def world_readable_folder() -> Iterator[Path]:
+    """A folder `nobody` can enter: pytest's tmp_path sits under a 0700 folder."""
+    folder = Path(tempfile.mkdtemp(prefix="profagent-nobody-"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
+
+def test_ptrace_denied_turns_stacks_off_with_one_line_and_the_rest_goes_on(children, tmp_path, world_readable_folder) -> None:
+    """The agent runs as `nobody` against a root-owned job: py-spy is denied."""
     setpriv = shutil.which("setpriv")
     if setpriv is None or os.geteuid() != 0:
         pytest.skip("needs root and setpriv to drop privileges")
+    # The checkout and its venv may be in a folder nobody cannot enter (a clone in /root):
+    # run a world-readable copy of the package (and of its dependencies if need be).
+    python, runtime_env = runtime_for(NOBODY, world_readable_folder)
     proc = start_hot(children, tmp_path)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    home = tmp_path / "home"
+    home = world_readable_folder / "home"
     home.mkdir()
     os.chmod(home, 0o777)
     log_path = tmp_path / "agent-nobody.log"
     with log_path.open("wb") as log:
         agent = subprocess.Popen(
-            [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m", "profagent",
+            [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", python, "-m", "profagent",
              "attach", "--pid", str(proc.pid), "--listen", f"127.0.0.1:{port}"],
             stdout=log, stderr=subprocess.STDOUT, cwd=home,
-            env={**os.environ, "HOME": str(home), "XDG_STATE_HOME": str(home), "PROFAGENT_STACKS_WINDOW": "1"},
+            env={**os.environ, **runtime_env, "HOME": str(home), "XDG_STATE_HOME": str(home),
+                 "PROFAGENT_STACKS_WINDOW": "1"},
         )
     try:
         def stacks_off() -> bool:
