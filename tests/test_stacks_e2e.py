@@ -171,6 +171,8 @@ def test_ptrace_denied_turns_stacks_off_with_one_line_and_the_rest_goes_on(child
         )
     try:
         def stacks_off() -> bool:
+            if agent.poll() is not None:  # say why at once rather than time out on a closed port
+                pytest.fail(f"the agent run as nobody exited ({agent.returncode}): {log_path.read_text()}")
             m = parse_metrics(http_get(url + "/metrics", timeout=1))
             up = {lbl["collector"]: v for lbl, v in m.get("profagent_collector_up", [])}
             return up.get("stacks") == 0.0 and up.get("host") == 1.0
