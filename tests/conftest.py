@@ -65,6 +65,46 @@ def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     return out
 
 
+def wait_for_ticks(url: str, collector: str, ticks: int = 2, timeout: float = 30.0) -> None:
+    """Wait until the agent at ``url`` has finished ``ticks`` more successful ticks of
+    ``collector`` (its ``collector_last_success`` timestamp moved that many times): proof the
+    agent looked again, before a test asserts that nothing changed."""
+    def last_success() -> float | None:
+        metrics = parse_metrics(http_get(url + "/metrics"))
+        rows = metrics.get("profagent_collector_last_success_timestamp_seconds", [])
+        return next((v for labels, v in rows if labels.get("collector") == collector), None)
+
+    seen = [last_success()]
+
+    def moved() -> bool:
+        now = last_success()
+        if now is not None and now != seen[-1]:
+            seen.append(now)
+        return len(seen) > ticks
+
+    wait_for(moved, timeout, interval=0.1, what=f"{ticks} more {collector} ticks")
+
+
+def pyspy_processes(of: int | None = None, sampling: int | None = None, zombies: bool = False) -> list:
+    """The py-spy processes descending from PID ``of`` (None: anywhere on the machine, so an
+    orphan that outlived its agent is found too), only those sampling PID ``sampling`` if
+    given; zombies (exited, not yet reaped) only when asked."""
+    import psutil
+
+    procs = psutil.process_iter() if of is None else psutil.Process(of).children(recursive=True)
+    found = []
+    for p in procs:
+        try:
+            if p.name() != "py-spy" or (not zombies and p.status() == psutil.STATUS_ZOMBIE):
+                continue
+            if sampling is not None and str(sampling) not in p.cmdline():
+                continue
+            found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
 def kill_tree(proc: subprocess.Popen, timeout: float = 10) -> None:
     """SIGKILL a child and every descendant, then reap them.
 

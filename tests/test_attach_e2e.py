@@ -92,14 +92,17 @@ def test_attach_exits_zero_when_the_target_dies(job, run_agent) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_stops_within_two_seconds(job, run_agent) -> None:
+def test_sigterm_stops_promptly(job, run_agent) -> None:
     port = free_port()
-    agent = run_agent(["attach", "--pid", str(job.pid), "--listen", f"127.0.0.1:{port}"])
+    # A 60 s stack window: an agent that waited for a py-spy window instead of stopping it
+    # would take a minute, so a bound generous enough for a loaded machine still catches it.
+    agent = run_agent(["attach", "--pid", str(job.pid), "--listen", f"127.0.0.1:{port}"],
+                      env={"PROFAGENT_STACKS_WINDOW": "60"})
     agent.wait_healthy(f"http://127.0.0.1:{port}")
     began = time.monotonic()
     agent.proc.send_signal(signal.SIGTERM)
-    assert agent.proc.wait(timeout=10) == 0
-    assert time.monotonic() - began < 2.0
+    assert agent.proc.wait(timeout=30) == 0
+    assert time.monotonic() - began < 20.0
     assert job.poll() is None, "the target must keep running"
 
 

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from profagent.config import all_keys, default_toml, load_config, parse_listen, reference_markdown
 from profagent.errors import UserError
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_defaults() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from conftest import free_port
+from conftest import ROOT, free_port
 from profagent.errors import UserError
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.http import AgentHTTPServer, load_web_config
@@ -167,7 +167,7 @@ def test_block_cache_matches_a_full_render_and_follows_new_snapshots() -> None:
 
     from profagent.exporters.exposition import Exposition
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(ROOT / "bench"))
     from synthetic import synthetic_state
 
     state, republish, _ = synthetic_state()

@@ -39,7 +39,8 @@ def test_stop_all_kills_a_child_that_ignores_sigint_within_the_grace() -> None:
     assert stubborn.stdout.readline().strip() == "up"
     began = time.monotonic()
     pyspy.stop_all([stubborn, polite], grace=0.3)
-    assert time.monotonic() - began < 1.0
+    # generous for a loaded machine, yet far below the 60 s an unkilled child would take
+    assert time.monotonic() - began < 20.0
     assert stubborn.returncode == -signal.SIGKILL
     assert polite.returncode is not None
 

@@ -121,9 +121,10 @@ class RecordingNotifier(Notifier):
         return True
 
 
-def test_watchdog_pings_only_while_discovery_refreshes(tmp_path) -> None:
+def test_watchdog_pings_only_while_discovery_refreshes(tmp_path, caplog) -> None:
     """A stuck discovery loop stops the pings, so systemd restarts the agent."""
     import io
+    import logging
     import threading
 
     from rich.console import Console
@@ -134,10 +135,14 @@ def test_watchdog_pings_only_while_discovery_refreshes(tmp_path) -> None:
     cfg = load_config(watch_config(tmp_path, token()), overrides={"listen": "127.0.0.1:0"})
     notifier = RecordingNotifier()
     watcher = NodeDaemon(cfg, lambda: cfg, notifier, Console(file=io.StringIO()))
+    caplog.set_level(logging.WARNING, logger="profagent.engine.node")
+    # _loop, not run(): run() starts the runtime, and this test needs discovery never to refresh
     loop = threading.Thread(target=watcher._loop, daemon=True)
     loop.start()  # the runtime is not started: discovery never refreshes
     try:
-        time.sleep(0.6)
+        # the loop reached a ping time and decided (its warning says so): only then check it did not ping
+        wait_for(lambda: any("not pinging the watchdog" in r.getMessage() for r in caplog.records), 20,
+                 what="the loop deciding not to ping a stuck discovery")
         assert not [f for f in notifier.sent if "WATCHDOG=1" in f]
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and sum("WATCHDOG=1" in f for f in notifier.sent) < 3:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import psutil
 
+from conftest import pyspy_processes
+
 # A torchrun-like launcher: two rank children with RANK/LOCAL_RANK/WORLD_SIZE, then it
 # waits. LIFETIME (seconds) ends the job; RANK_ENV adds "K=V,K=V" to the ranks only.
 FAKE_TORCHRUN = """
@@ -87,11 +89,4 @@ def fds(pid: int) -> int:
 
 
 def pyspy_children(pid: int) -> list[psutil.Process]:
-    out = []
-    for child in psutil.Process(pid).children(recursive=True):
-        try:
-            if child.name() == "py-spy":
-                out.append(child)
-        except psutil.Error:
-            continue
-    return out
+    return pyspy_processes(of=pid, zombies=True)  # an unreaped py-spy counts as left behind

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import ROOT
+
 KUBE = ROOT / "deploy" / "kubernetes"
 VERSIONS = ("1.28.0", "1.37.0")  # oldest and newest Kubernetes the manifests are checked against
 CONFIG_PATH = "/etc/profagent/config.toml"

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+from conftest import ROOT
+
+SRC = ROOT / "src"
 PACKAGE = SRC / "profagent"
 
 # OS access goes through sources/, system/, target/ and the engine, never through analysis.

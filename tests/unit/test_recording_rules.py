@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import ROOT
+
 PROM = ROOT / "deploy" / "prometheus"
 # level:metric:operations, the metric being one of ours
 NAME = re.compile(r"^[a-z_]+:profagent_[a-z0-9_]+:[a-z0-9_]+$")
