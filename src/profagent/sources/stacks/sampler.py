@@ -48,6 +48,7 @@ class PySpyChild:
     err: Path
     start: float
     wall_start: float
+    stopped_before: bool = False  # in state T before py-spy started: not ours to SIGCONT
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class Sampler:
             pyspy.stop_all([j.proc for j in children])
             if not self.config.nonblocking:
                 for j in children:
-                    pyspy.resume_if_stopped(j.pid)
+                    pyspy.resume_if_stopped(j.pid, j.stopped_before)
 
     def _step(self) -> None:
         with self._lock:
@@ -172,6 +173,7 @@ class Sampler:
         else:
             args = pyspy.dump_args(self._binary, pid, True)  # states need no consistent stack
             self._next[(kind, pid)] = now + max(window, STATE_EVERY)
+        stopped_before = pyspy.is_stopped(pid)
         try:
             proc = pyspy.spawn(args, err, stdout_path=out if kind == "dump" else None)
         except OSError as exc:
@@ -179,7 +181,7 @@ class Sampler:
             with self._lock:
                 self._results.append(Result(kind, pid, rank, role, now, now, self._wall(), error="spawn", detail=str(exc)))
             return None
-        return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall())
+        return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall(), stopped_before)
 
     def _harvest(self, child: PySpyChild, now: float) -> list[Result]:
         text = _read(child.out)
@@ -188,7 +190,7 @@ class Sampler:
             path.unlink(missing_ok=True)
         base = dict(kind=child.kind, pid=child.pid, rank=child.rank, role=child.role, start=child.start, end=now, wall_end=self._wall())
         extra = []
-        if not self.config.nonblocking and pyspy.resume_if_stopped(child.pid):
+        if not self.config.nonblocking and pyspy.resume_if_stopped(child.pid, child.stopped_before):
             detail = f"PID {child.pid} was left stopped after a blocking py-spy sample: resumed it with SIGCONT"
             extra.append(Result(**base, error="target_resumed", detail=detail))
         key = (child.kind, child.pid)
