@@ -262,8 +262,12 @@ def _read_file(path: Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise UserError(f"config file {path} not found", "check the --config path") from None
+    except IsADirectoryError:
+        raise UserError(f"config file {path} is a directory", "pass the config.toml file itself") from None
     except PermissionError:
         raise UserError(f"cannot read config file {path}", "fix its permissions") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read config file {path} ({exc})", "pass a readable TOML file") from None
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"malformed config file {path} ({exc})", "fix the TOML syntax") from None
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -33,6 +36,10 @@ RETRY_AFTER = 5.0  # seconds before sampling a process again after py-spy failed
 RETRY_MAX = 300.0  # doubling on each consecutive failure up to this
 MAX_PENDING = 1000  # results kept until drained
 STATE_EVERY = 15.0  # seconds between thread-state dumps per process (a dump costs ~10 ms CPU)
+# py-spy output folders: profagent-stacks-<agent pid>-<agent start, ms>-<random>. The creator
+# is in the name so a later agent can remove the folders of one that was SIGKILLed.
+TMP_PREFIX = "profagent-stacks-"
+_TMP_NAME = re.compile(re.escape(TMP_PREFIX) + r"(\d+)-(\d+)-")
 
 
 @dataclass
@@ -91,7 +98,9 @@ class Sampler:
         self._seq = 0
 
     def start(self) -> None:
-        self._tmp = Path(tempfile.mkdtemp(prefix="profagent-stacks-"))
+        me = psutil.Process()
+        remove_stale_folders(Path(tempfile.gettempdir()), me.create_time())
+        self._tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{me.pid}-{_ms(me.create_time())}-"))
         self._thread = threading.Thread(target=self._run, name="profagent-pyspy", daemon=True)
         self._thread.start()
 
@@ -206,6 +215,41 @@ class Sampler:
             except ValueError:
                 return [*extra, Result(**base, error="parse", detail="py-spy dump printed invalid JSON")]
         return [*extra, Result(**base, samples=tuple(parse_folded(text, child.pid)))]
+
+
+def _ms(create_time: float) -> int:
+    return round(create_time * 1000)
+
+
+def remove_stale_folders(tmp: Path, started: float) -> list[Path]:
+    """Remove the py-spy folders of agents that died without cleaning up (SIGKILL, OOM):
+    only plain folders owned by us, older than this agent, whose creator (PID and start
+    time, from the name) is gone. Returns what was removed."""
+    removed = []
+    try:
+        names = [e.name for e in os.scandir(tmp) if e.name.startswith(TMP_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = tmp / name
+        match = _TMP_NAME.match(name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if match is None or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mtime >= started:
+            continue
+        pid, born = int(match.group(1)), int(match.group(2))
+        try:
+            if _ms(psutil.Process(pid).create_time()) == born:
+                continue  # its agent is alive
+        except psutil.Error:
+            pass  # gone: a reused PID has another start time
+        shutil.rmtree(path, ignore_errors=True)  # fd-based: does not follow symlinks inside
+        removed.append(path)
+    if removed:
+        log.info("removed %d py-spy folder(s) left by agents that were killed", len(removed))
+    return removed
 
 
 def _read(path: Path) -> str:
