@@ -136,3 +136,44 @@ def test_install_service_refuses_a_path_with_spaces_before_writing(tmp_path: Pat
     with pytest.raises(UserError, match="contains a space"):
         install(tmp_path, "/opt/my tools/profagent")
     assert not any(tmp_path.iterdir())
+
+
+def _bytes(value: str) -> int:
+    """systemd's size suffixes (base 1024), as MemoryMax= reads them."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if value[-1:].upper() in units:
+        return int(float(value[:-1]) * units[value[-1].upper()])
+    return int(value)
+
+
+SOAK_RSS_BYTES = 60 << 20  # agent RSS in the soak runs (docs/service.md)
+
+
+@pytest.mark.parametrize("unit", UNITS)
+def test_resource_limits_bound_a_runaway_agent(unit: str) -> None:
+    """A flood cannot take the node down: memory, CPU and tasks are capped, with headroom."""
+    d = _directives(_unit(unit))
+    memory_max, memory_high = _bytes(d["MemoryMax"][0]), _bytes(d["MemoryHigh"][0])
+    assert 10 * SOAK_RSS_BYTES <= memory_high < memory_max <= 4 << 30
+    quota = d["CPUQuota"][0]
+    assert quota.endswith("%") and 20 <= float(quota[:-1]) <= 100
+    assert 64 <= int(d["TasksMax"][0]) <= 1024
+    assert "Soak figures" in _unit(unit)  # the sizing is justified next to it
+
+
+@needs_analyze
+@pytest.mark.parametrize("unit", UNITS)
+def test_systemd_reads_the_limits(installed: Path, unit: str, tmp_path: Path) -> None:
+    """systemd parses the values (a typo'd size is reported by verify, so this can fail)."""
+    bad = tmp_path / unit
+    bad.write_text((installed / unit).read_text().replace("MemoryMax=1G", "MemoryMax=1Gx"))
+    res = _analyze("verify", str(bad))
+    assert "Invalid memory limit '1Gx'" in res.stdout + res.stderr
+
+
+def test_attach_unit_has_a_runtime_directory_under_strict() -> None:
+    """ProtectSystem=strict makes /run read-only: /run/profagent must be a RuntimeDirectory."""
+    d = _directives(_unit("profagent-attach@.service"))
+    assert d["ProtectSystem"] == ["strict"]
+    assert d["RuntimeDirectory"] == ["profagent"]
+    assert "/run/profagent/attach-%i.env" in d["EnvironmentFile"][0]

@@ -150,6 +150,7 @@ class WatchConfig:
     gpu_processes: bool = _opt(True, "...or that hold a GPU context according to NVML (needs the gpu source on)")
     grace_seconds: float = _opt(30.0, "seconds an ended job keeps profagent_target_up = 0 and its last counters before its series disappear")
     max_jobs: int = _opt(16, "jobs watched at once; further jobs are ignored (one log line) until one ends")
+    max_jobs_per_user: int = _opt(0, "jobs of one user (the job's launcher's owner) watched at once, so one user cannot fill max_jobs; 0 = half of max_jobs, at least 1")
     max_processes_per_job: int = _opt(256, "processes exported per job (launcher and ranks first); the rest are ignored (one log line)")
     scan_interval: float = _opt(2.0, "seconds between scans of /proc for new jobs (known jobs refresh every agent interval)")
 
@@ -261,8 +262,12 @@ def _read_file(path: Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise UserError(f"config file {path} not found", "check the --config path") from None
+    except IsADirectoryError:
+        raise UserError(f"config file {path} is a directory", "pass the config.toml file itself") from None
     except PermissionError:
         raise UserError(f"cannot read config file {path}", "fix its permissions") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read config file {path} ({exc})", "pass a readable TOML file") from None
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"malformed config file {path} ({exc})", "fix the TOML syntax") from None
 
@@ -392,6 +397,8 @@ def _validate_watch(w: WatchConfig) -> None:
     for name in ("max_jobs", "max_processes_per_job"):
         if getattr(w, name) < 1:
             raise UserError(f"'watch.{name}' must be at least 1", f"set watch.{name} to 1 or more")
+    if w.max_jobs_per_user < 0:
+        raise UserError("'watch.max_jobs_per_user' is negative", "set it to 1 or more, or 0 for half of watch.max_jobs")
 
 
 def _toml_value(value: Any) -> str:

@@ -18,6 +18,7 @@ from profagent.sources.stacks.pyspy import (
     failure_reason,
     find_pyspy,
     first_line,
+    is_stopped,
     pyspy_version,
     record_args,
     resume_if_stopped,
@@ -50,6 +51,7 @@ def record_to_file(
     if problem:
         raise UserError(problem)
     args = record_args(binary, pid, seconds, rate, FORMATS[fmt], output, nonblocking, idle=idle)
+    stopped_before = is_stopped(pid)
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, preexec_fn=die_with_parent(),
                             env={**os.environ, "RUST_BACKTRACE": "0"})
@@ -60,7 +62,7 @@ def record_to_file(
         out, err = "", ""
     finally:
         if not nonblocking:
-            resume_if_stopped(pid)
+            resume_if_stopped(pid, stopped_before)
     if proc.returncode != 0 or not output.exists():
         reason = failure_reason(err, pid)
         if reason == "permission":

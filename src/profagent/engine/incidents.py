@@ -383,6 +383,7 @@ class Capture:
         if binary is None:
             return "", "py-spy is not installed"
         errors = []
+        stopped_before = pyspy.is_stopped(info.pid)
         try:
             for mode in pyspy.DUMP_MODES:
                 text, err = _run_dump(pyspy.dump_text_args(binary, info.pid, mode))
@@ -390,7 +391,7 @@ class Capture:
                     return text, ("" if mode == "native" else f"without native frames ({'; '.join(errors)})")
                 errors.append(f"{mode}: {err}")
         finally:
-            if pyspy.resume_if_stopped(info.pid):
+            if pyspy.resume_if_stopped(info.pid, stopped_before):
                 log.warning("PID %d was left stopped after py-spy dump: resumed it", info.pid)
         return "", "py-spy dump failed: " + "; ".join(errors)
 

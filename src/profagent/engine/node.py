@@ -188,7 +188,8 @@ class NodeDaemon:
         c.print("[bold]profagent[/bold] watching this node for training jobs", highlight=False)
         c.print(f"  discovery: {_describe(self.config, self.target.gpu_rule_active)}", highlight=False, soft_wrap=True)
         c.print(
-            f"  limits: {w.max_jobs} jobs, {w.max_processes_per_job} processes per job; "
+            f"  limits: {w.max_jobs} jobs ({Limits.from_config(w).per_user} per user), "
+            f"{w.max_processes_per_job} processes per job; "
             f"ended jobs kept {w.grace_seconds:g}s",
             highlight=False,
         )

@@ -15,8 +15,12 @@ runtime and the one set of sources serve every job of the node:
 3. **Jobs**: every tick, each root's tree is refreshed. A job whose processes are all
    gone stays in ``ProcessTree.jobs`` with alive=False for ``grace_seconds``, then
    disappears; sources drop a job's series once it is no longer listed.
-4. **Limits**: ``max_jobs`` alive jobs and ``max_processes_per_job`` processes per job
-   (launcher and ranks first), each announced by one log line when hit.
+4. **Limits**: ``max_jobs`` alive jobs, ``max_jobs_per_user`` of them per user (so one
+   user's processes cannot crowd out everyone else's jobs) and ``max_processes_per_job``
+   processes per job (launcher and ranks first), each announced by one log line when hit.
+5. **Users**: a job is identified by (owner of its root, job id). Any user can set
+   SLURM_JOB_ID to another user's job id; such roots never join that job: the first
+   owner keeps the plain id, a later owner's job gets ``<job id>@<user>``.
 
 A new root is admitted at once when its job id comes from SLURM_JOB_ID or
 TORCHELASTIC_RUN_ID, else once it is ``settle_seconds`` old, so that a torchrun
@@ -28,8 +32,10 @@ they end, so a reload never drops series.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import pwd
 import re
 import threading
 import time
@@ -92,16 +98,22 @@ class Limits:
     max_processes_per_job: int = 256
     grace_seconds: float = 30.0
     scan_interval: float = 2.0
+    max_jobs_per_user: int = 0  # 0: half of max_jobs, at least 1
 
     @classmethod
     def from_config(cls, w: WatchConfig) -> Limits:
-        return cls(w.max_jobs, w.max_processes_per_job, w.grace_seconds, w.scan_interval)
+        return cls(w.max_jobs, w.max_processes_per_job, w.grace_seconds, w.scan_interval, w.max_jobs_per_user)
+
+    @property
+    def per_user(self) -> int:
+        return self.max_jobs_per_user or max(1, self.max_jobs // 2)
 
 
 @dataclass
 class _Root:
     target: PidTarget
     tree: ProcessTree | None = None
+    uid: int = -1  # real uid of the root process: part of the job's identity
 
 
 class NodeTarget:
@@ -135,7 +147,8 @@ class NodeTarget:
         self._lock = threading.Lock()
         self._rules, self._limits = rules, limits
         self._roots: dict[Key, _Root] = {}
-        self._ignored: dict[Key, str] = {}  # roots left out by max_jobs -> their job id
+        self._ignored: dict[Key, tuple[int, str]] = {}  # roots left out by a limit -> (uid, job id)
+        self._claims: dict[str, int] = {}  # job id -> uid of its first owner (keeps the plain id)
         self._env_match: dict[tuple[int, float, str], bool] = {}
         self._ended: dict[str, float] = {}  # job id -> when its last process went
         self._alive_jobs: set[str] = set()
@@ -183,6 +196,7 @@ class NodeTarget:
                 del self._roots[key]
                 continue
             root.tree = tree
+            tree = self._own(tree, root.uid)
             by_job.setdefault(tree.job_id, []).append(tree)
 
         for job_id in self._alive_jobs - set(by_job):
@@ -192,6 +206,9 @@ class NodeTarget:
             self._ended.pop(job_id, None)
         self._ended = {j: t for j, t in self._ended.items() if now - t < limits.grace_seconds}
         self._alive_jobs = set(by_job)
+        # an id stays claimed while its owner has a root with it, or while it is in its grace
+        owned = {(r.tree.job_id, r.uid) for r in self._roots.values() if r.tree}
+        self._claims = {j: u for j, u in self._claims.items() if (j, u) in owned or j in self._ended}
         self._capped.forget(lambda job_id: job_id in self._alive_jobs)
 
         processes: list[ProcessInfo] = []
@@ -200,6 +217,16 @@ class NodeTarget:
         jobs = [(j, True) for j in sorted(by_job)] + [(j, False) for j in sorted(self._ended)]
         self.last_refresh = self._clock()
         return ProcessTree("", 0, tuple(processes), alive=True, jobs=tuple(jobs))
+
+    def _own(self, tree: ProcessTree, uid: int) -> ProcessTree:
+        """The tree under its job's label: the job id, suffixed with the user when another
+        user already owns that id (roots are visited in admission order)."""
+        owner = self._claims.setdefault(tree.job_id, uid)
+        if owner == uid:
+            return tree
+        label = f"{tree.job_id}@{_user(uid)}"
+        procs = tuple(dataclasses.replace(p, job_id=label) for p in tree.processes)
+        return dataclasses.replace(tree, job_id=label, processes=procs)
 
     def _cap(self, job_id: str, procs: list[ProcessInfo], limit: int) -> list[ProcessInfo]:
         if len(procs) <= limit:
@@ -274,26 +301,57 @@ class NodeTarget:
         age = time.time() - key[1]
         if tree.job_id == str(key[0]) and age < self._settle:
             return  # a launcher whose ranks (and their TORCHELASTIC_RUN_ID) may still come
-        known = {r.tree.job_id for r in self._roots.values() if r.tree}
-        if tree.job_id not in known and len(known) >= limits.max_jobs:
-            if tree.job_id not in self._ignored.values():
-                log.warning(
-                    "already watching %d jobs (watch.max_jobs = %d): ignoring job %s (PID %d) "
-                    "until one ends; raise watch.max_jobs",
-                    len(known), limits.max_jobs, tree.job_id, key[0],
-                )
-            self._ignored[key] = tree.job_id
+        uid = _owner(self.proc_root, key[0])
+        if uid is None:
+            return  # gone meanwhile
+        job = (uid, tree.job_id)
+        known = {(r.uid, r.tree.job_id) for r in self._roots.values() if r.tree}
+        mine = {j for j in known if j[0] == uid}
+        if job not in known and (len(known) >= limits.max_jobs or len(mine) >= limits.per_user):
+            if job not in self._ignored.values():
+                if len(known) >= limits.max_jobs:
+                    log.warning(
+                        "already watching %d jobs (watch.max_jobs = %d): ignoring job %s (PID %d) "
+                        "until one ends; raise watch.max_jobs",
+                        len(known), limits.max_jobs, tree.job_id, key[0],
+                    )
+                else:
+                    log.warning(
+                        "already watching %d jobs of user %s (watch.max_jobs_per_user = %d): ignoring "
+                        "job %s (PID %d) until one ends; raise watch.max_jobs_per_user",
+                        len(mine), _user(uid), limits.per_user, tree.job_id, key[0],
+                    )
+            self._ignored[key] = job
             return
         self._ignored.pop(key, None)
-        if tree.job_id not in known:
-            log.info("attached to job %s (PID %d, %d processes)", tree.job_id, key[0], len(tree.processes))
-        self._roots[key] = _Root(target, tree)
+        if job not in known:
+            log.info("attached to job %s of user %s (PID %d, %d processes)", tree.job_id, _user(uid), key[0], len(tree.processes))
+        self._roots[key] = _Root(target, tree, uid)
 
     def _environ(self, pid: int) -> dict[str, str]:
         try:
             return self._read_environ(self.proc_root, pid)
         except OSError:  # gone, or another user's without CAP_SYS_PTRACE/DAC_READ_SEARCH
             return {}
+
+
+def _owner(proc_root: Path, pid: int) -> int | None:
+    """The real uid of a process (from /proc/PID/status), None if it is gone."""
+    try:
+        status = (proc_root / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    return None
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def _is_python(cmdline: str) -> bool:

@@ -9,7 +9,8 @@ or when its ``--duration`` is over. Every child started here:
 
 With ``--nonblocking`` py-spy never stops the target. In blocking mode a killed py-spy
 can leave the target stopped (py-spy issues #390, #416), so ``resume_if_stopped`` sends
-SIGCONT to a target found in state T after a blocking window.
+SIGCONT to a target found in state T after a blocking window, unless it was already
+stopped before the window (someone else's stop, e.g. a Slurm suspend).
 """
 
 from __future__ import annotations
@@ -232,8 +233,22 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def resume_if_stopped(pid: int) -> bool:
-    """SIGCONT the target if it is left stopped (state T). True if it was."""
+def is_stopped(pid: int) -> bool:
+    """True if the process is in state T (job control stop: Slurm suspend, Ctrl-Z, a debugger)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
+
+
+def resume_if_stopped(pid: int, stopped_before: bool) -> bool:
+    """SIGCONT the target if a blocking py-spy left it stopped (state T). True if it did.
+
+    ``stopped_before`` is :func:`is_stopped` read before py-spy started: a target someone
+    else stopped (a Slurm suspend) is not ours to resume, so it is left as it was.
+    """
+    if stopped_before:
+        return False
     try:
         if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
             os.kill(pid, signal.SIGCONT)

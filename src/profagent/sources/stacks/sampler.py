@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -33,6 +36,10 @@ RETRY_AFTER = 5.0  # seconds before sampling a process again after py-spy failed
 RETRY_MAX = 300.0  # doubling on each consecutive failure up to this
 MAX_PENDING = 1000  # results kept until drained
 STATE_EVERY = 15.0  # seconds between thread-state dumps per process (a dump costs ~10 ms CPU)
+# py-spy output folders: profagent-stacks-<agent pid>-<agent start, ms>-<random>. The creator
+# is in the name so a later agent can remove the folders of one that was SIGKILLed.
+TMP_PREFIX = "profagent-stacks-"
+_TMP_NAME = re.compile(re.escape(TMP_PREFIX) + r"(\d+)-(\d+)-")
 
 
 @dataclass
@@ -48,6 +55,7 @@ class PySpyChild:
     err: Path
     start: float
     wall_start: float
+    stopped_before: bool = False  # in state T before py-spy started: not ours to SIGCONT
 
 
 @dataclass(frozen=True)
@@ -90,7 +98,9 @@ class Sampler:
         self._seq = 0
 
     def start(self) -> None:
-        self._tmp = Path(tempfile.mkdtemp(prefix="profagent-stacks-"))
+        me = psutil.Process()
+        remove_stale_folders(Path(tempfile.gettempdir()), me.create_time())
+        self._tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{me.pid}-{_ms(me.create_time())}-"))
         self._thread = threading.Thread(target=self._run, name="profagent-pyspy", daemon=True)
         self._thread.start()
 
@@ -133,7 +143,7 @@ class Sampler:
             pyspy.stop_all([j.proc for j in children])
             if not self.config.nonblocking:
                 for j in children:
-                    pyspy.resume_if_stopped(j.pid)
+                    pyspy.resume_if_stopped(j.pid, j.stopped_before)
 
     def _step(self) -> None:
         with self._lock:
@@ -172,6 +182,7 @@ class Sampler:
         else:
             args = pyspy.dump_args(self._binary, pid, True)  # states need no consistent stack
             self._next[(kind, pid)] = now + max(window, STATE_EVERY)
+        stopped_before = pyspy.is_stopped(pid)
         try:
             proc = pyspy.spawn(args, err, stdout_path=out if kind == "dump" else None)
         except OSError as exc:
@@ -179,7 +190,7 @@ class Sampler:
             with self._lock:
                 self._results.append(Result(kind, pid, rank, role, now, now, self._wall(), error="spawn", detail=str(exc)))
             return None
-        return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall())
+        return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall(), stopped_before)
 
     def _harvest(self, child: PySpyChild, now: float) -> list[Result]:
         text = _read(child.out)
@@ -188,7 +199,7 @@ class Sampler:
             path.unlink(missing_ok=True)
         base = dict(kind=child.kind, pid=child.pid, rank=child.rank, role=child.role, start=child.start, end=now, wall_end=self._wall())
         extra = []
-        if not self.config.nonblocking and pyspy.resume_if_stopped(child.pid):
+        if not self.config.nonblocking and pyspy.resume_if_stopped(child.pid, child.stopped_before):
             detail = f"PID {child.pid} was left stopped after a blocking py-spy sample: resumed it with SIGCONT"
             extra.append(Result(**base, error="target_resumed", detail=detail))
         key = (child.kind, child.pid)
@@ -204,6 +215,41 @@ class Sampler:
             except ValueError:
                 return [*extra, Result(**base, error="parse", detail="py-spy dump printed invalid JSON")]
         return [*extra, Result(**base, samples=tuple(parse_folded(text, child.pid)))]
+
+
+def _ms(create_time: float) -> int:
+    return round(create_time * 1000)
+
+
+def remove_stale_folders(tmp: Path, started: float) -> list[Path]:
+    """Remove the py-spy folders of agents that died without cleaning up (SIGKILL, OOM):
+    only plain folders owned by us, older than this agent, whose creator (PID and start
+    time, from the name) is gone. Returns what was removed."""
+    removed = []
+    try:
+        names = [e.name for e in os.scandir(tmp) if e.name.startswith(TMP_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = tmp / name
+        match = _TMP_NAME.match(name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if match is None or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mtime >= started:
+            continue
+        pid, born = int(match.group(1)), int(match.group(2))
+        try:
+            if _ms(psutil.Process(pid).create_time()) == born:
+                continue  # its agent is alive
+        except psutil.Error:
+            pass  # gone: a reused PID has another start time
+        shutil.rmtree(path, ignore_errors=True)  # fd-based: does not follow symlinks inside
+        removed.append(path)
+    if removed:
+        log.info("removed %d py-spy folder(s) left by agents that were killed", len(removed))
+    return removed
 
 
 def _read(path: Path) -> str:

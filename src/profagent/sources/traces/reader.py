@@ -363,6 +363,8 @@ def read_trace(
         _stream_into(chunks, trace, builder)
     except OSError as exc:
         raise TraceError(f"cannot read {path} ({exc.strerror or exc})", "unreadable") from None
+    except RecursionError:  # msgspec's nesting guard: "[[[[..." a million deep
+        raise TraceError("malformed trace JSON (nested too deeply)", "corrupt") from None
     finally:
         chunks.close()  # closes the file at once, also on errors
     builder.finish()

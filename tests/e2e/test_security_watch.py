@@ -1,0 +1,132 @@
+"""Watch mode beside an unprivileged user: `nobody` cannot fill max_jobs to hide root's job,
+nor join root's job by setting its SLURM_JOB_ID. Real processes, really run as nobody."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import kill_tree, wait_for
+from profagent.config import load_config
+from profagent.errors import UserError
+from profagent.target.node import Limits, NodeTarget, Rules
+from watchkit import job_env, token
+
+NOBODY = 65534
+SLEEPER = "import time\nwhile True:\n    time.sleep(0.05)\n"
+SETPRIV = shutil.which("setpriv")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None, reason="needs root and setpriv to play nobody"),
+]
+
+
+@pytest.fixture
+def as_nobody() -> Iterator:
+    """Start SLEEPER as uid/gid 65534 with the given environment (script world-readable)."""
+    folder = Path(tempfile.mkdtemp(prefix="paw-nobody-"))
+    folder.chmod(0o755)
+    script = folder / "job.py"
+    script.write_text(SLEEPER)
+    script.chmod(0o644)
+    procs: list[subprocess.Popen] = []
+
+    def start(env: dict[str, str]) -> subprocess.Popen:
+        cmd = [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "/usr/bin/python3", str(script)]
+        proc = subprocess.Popen(cmd, env={"PATH": "/usr/bin:/bin", **env}, start_new_session=True)
+        procs.append(proc)
+        wait_for(lambda: os.stat(f"/proc/{proc.pid}").st_uid == NOBODY, what="nobody's process")
+        return proc
+
+    yield start
+    for proc in procs:
+        kill_tree(proc)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _target(tok: str, **limits) -> NodeTarget:
+    rules = Rules(None, (("PAW_TOKEN", tok),), False)
+    return NodeTarget(rules, Limits(**{"scan_interval": 0.1, **limits}), settle_seconds=0.0, self_pid=-1)
+
+
+def _pids_by_job(tree) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    for p in tree.processes:
+        out.setdefault(p.job_id, set()).add(p.pid)
+    return out
+
+
+def test_nobody_claiming_roots_job_id_gets_a_job_of_its_own(children, as_nobody) -> None:
+    tok = token()
+    env = job_env(tok, SLURM_JOB_ID="realjob42", SLURM_PROCID="0")
+    mine = children.python(SLEEPER, env=env)
+    target = _target(tok)
+    wait_for(lambda: _pids_by_job(target.refresh()) == {"realjob42": {mine.pid}}, what="root's job")
+    theirs = as_nobody(env)
+
+    def both():
+        tree = target.refresh()
+        return tree if len(tree.processes) == 2 else None
+
+    tree = wait_for(both, what="nobody's process seen")
+    assert _pids_by_job(tree) == {"realjob42": {mine.pid}, "realjob42@nobody": {theirs.pid}}
+    assert tree.job_status() == {"realjob42": True, "realjob42@nobody": True}
+    for _ in range(3):  # stable: the labels do not swap on later ticks
+        target._last_scan = None
+        assert _pids_by_job(target.refresh()) == {"realjob42": {mine.pid}, "realjob42@nobody": {theirs.pid}}
+
+
+def test_whoever_comes_first_processes_of_two_users_never_share_a_job(children, as_nobody) -> None:
+    tok = token()
+    env = job_env(tok, SLURM_JOB_ID="realjob42", SLURM_PROCID="0")
+    theirs = as_nobody(env)  # planted before root's job starts
+    target = _target(tok, grace_seconds=0.0)
+    wait_for(lambda: _pids_by_job(target.refresh()) == {"realjob42": {theirs.pid}}, what="nobody's job")
+    mine = children.python(SLEEPER, env=env)
+    tree = wait_for(lambda: (t := target.refresh()) and len(t.processes) == 2 and t, what="root's process seen")
+    assert _pids_by_job(tree) == {"realjob42": {theirs.pid}, "realjob42@root": {mine.pid}}
+    # once nobody's job is gone and its grace is over, the id is free again
+    kill_tree(theirs)
+    wait_for(lambda: _pids_by_job(target.refresh()) == {"realjob42": {mine.pid}}, what="root's job alone")
+
+
+def test_three_nobody_jobs_cannot_hide_roots_job(children, as_nobody, caplog) -> None:
+    tok = token()
+    target = _target(tok, max_jobs=3)  # per user: half of it, at least 1
+    fillers = [as_nobody(job_env(tok, SLURM_JOB_ID=f"fill-{i}", SLURM_PROCID="0")) for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="profagent.target.node"):
+        def nobody_scanned():
+            target._last_scan = None
+            target.refresh()
+            return len(target._ignored) == 2  # all three looked at: one admitted, two refused
+        wait_for(nobody_scanned, what="nobody's three jobs examined")
+        assert len(_pids_by_job(target.refresh())) == 1
+        mine = children.python(SLEEPER, env=job_env(tok, SLURM_JOB_ID="realjob42", SLURM_PROCID="0"))
+        tree = wait_for(lambda: (t := target.refresh()) and "realjob42" in t.job_status() and t, what="root's job admitted")
+        for _ in range(5):
+            target._last_scan = None
+            target.refresh()
+    assert _pids_by_job(tree)["realjob42"] == {mine.pid}
+    assert len(tree.job_status()) == 2
+    nobody_pids = {p.pid for p in fillers}
+    watched_nobody = {pid for pids in _pids_by_job(tree).values() for pid in pids} & nobody_pids
+    assert len(watched_nobody) == 1
+    lines = [r.getMessage() for r in caplog.records if "max_jobs_per_user" in r.getMessage()]
+    assert len(lines) == 2, lines  # one line per refused job, not per scan
+    assert all("of user nobody" in line and "raise watch.max_jobs_per_user" in line for line in lines)
+
+
+def test_max_jobs_per_user_is_validated_and_defaults_to_half() -> None:
+    assert Limits(max_jobs=16).per_user == 8 and Limits(max_jobs=3).per_user == 1
+    assert Limits(max_jobs=16, max_jobs_per_user=16).per_user == 16
+    cfg = load_config(overrides={"watch.max_jobs_per_user": 4})
+    assert Limits.from_config(cfg.watch).per_user == 4
+    with pytest.raises(UserError, match="max_jobs_per_user"):
+        load_config(overrides={"watch.max_jobs_per_user": -1})
