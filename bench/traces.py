@@ -1,20 +1,21 @@
-"""Trace analysis throughput and peak memory: profagent vs bare orjson vs HolisticTraceAnalysis.
+"""Trace analysis speed and peak memory: profagent vs HolisticTraceAnalysis (and bare orjson).
 
-    python bench/traces.py [--synthetic-mb 520] [--repeat 3] [--no-hta-large] [--keep DIR]
+    python bench/traces.py [--repeat 3] [--synthetic-mb 520] [--no-hta-large] [--keep DIR]
 
-Cases (same files for the three tools):
-- the shared A100 traces in ../shared/traces/gpu/ (and the V100 one, for comparison);
-- a synthetic large trace (>= 500 MB of JSON) made by replicating the A100-80GB trace's
-  events with shifted timestamps, correlation ids and step numbers, written as plain
-  JSON into a temporary folder (never into the repository).
+Two ratios side by side, on the same files:
+- whole process, as a user waits for it: ``profagent analyze --json FILE`` against
+  ``python -c "from hta.trace_analysis import TraceAnalysis; TraceAnalysis(trace_dir=D)
+  .get_temporal_breakdown()"`` on a folder holding the trace, each a fresh process
+  (interpreter start, imports, reading, analysis, output), best of ``--repeat``;
+- in-process engine: ``read_trace`` + ``analyze`` against HTA's ``TraceAnalysis`` +
+  ``get_temporal_breakdown`` (and ``orjson.loads``, the floor for anything that builds
+  dicts), each in its own process after its imports, best of ``--repeat``.
 
-Tools:
-- profagent: ``read_trace`` + ``analyze`` (every figure: steps, breakdown, GPU, tops...);
-- orjson: gunzip if needed + ``orjson.loads`` (the floor for anything that builds dicts);
-- hta: ``TraceAnalysis(trace_dir)`` (parsing) + ``get_temporal_breakdown()``.
-
-Each (tool, file) runs in its own subprocess so that its peak RSS (ru_maxrss) is its own;
-time excludes interpreter start and imports; throughput is MB/s of uncompressed JSON.
+Peak RSS is each process's own high-water mark (VmHWM; for the whole-process runs, the
+child's ru_maxrss from wait4). Cases: every trace in the shared ../shared/traces/gpu
+(found by walking up from the checkout, as tests/conftest.py does), and a synthetic large
+trace (``--synthetic-mb``, 0 to skip) made by replicating the A100-80GB trace's events
+with shifted timestamps, correlation ids and step numbers, in a temporary folder.
 """
 
 from __future__ import annotations
@@ -31,10 +32,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "traces" / "gpu"
-REAL = ["a100-2gpu-nccl", "a100-80gb-rank0", "a100-alexnet-cudasync", "v100-rank0"]
+# The shared traces sit next to the checkout, or further up for a git worktree.
+SHARED = next((d / "shared" / "traces" / "gpu" for d in ROOT.parents if (d / "shared" / "traces" / "gpu").is_dir()),
+              ROOT.parent / "shared" / "traces" / "gpu")
 SOURCE = "a100-80gb-rank0"
 TOOLS = ("profagent", "orjson", "hta")
+HTA_SCRIPT = (
+    "import logging; logging.disable(logging.CRITICAL)\n"
+    "from hta.trace_analysis import TraceAnalysis\n"
+    "TraceAnalysis(trace_dir={folder!r}).get_temporal_breakdown(visualize=False)\n"
+)
 
 
 # -- one measurement (child process) ----------------------------------------------------
@@ -153,6 +160,35 @@ def make_synthetic(out: Path, target_mb: int) -> Path:
     return path
 
 
+# -- whole process -----------------------------------------------------------------------------
+def _whole_run(argv: list[str], env: dict[str, str]) -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds, peak RSS bytes) of one process and its children."""
+    began = time.perf_counter()
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - began
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{argv[:4]} exited {proc.returncode}")
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
+
+
+def measure_whole(tool: str, path: Path, repeat: int) -> dict:
+    """Best of ``repeat`` fresh processes, as a user runs the tool."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory(prefix="profagent-bench-hta-") as folder:
+        if tool == "hta":
+            os.symlink(path, Path(folder) / path.name)  # HTA reads every trace of a folder
+            argv = [sys.executable, "-c", HTA_SCRIPT.format(folder=folder)]
+        else:
+            argv = [sys.executable, "-m", "profagent", "analyze", "--json", str(path)]
+        try:
+            runs = [_whole_run(argv, env) for _ in range(repeat)]
+        except RuntimeError as exc:
+            return {"error": str(exc)}
+    return {"seconds": min(r[0] for r in runs), "cpu": min(r[1] for r in runs), "peak_rss": max(r[2] for r in runs)}
+
+
 # -- driver -----------------------------------------------------------------------------------
 def measure(tool: str, path: Path, repeat: int) -> dict:
     res = subprocess.run([sys.executable, __file__, "--child", tool, str(path), "--repeat", str(repeat)],
@@ -169,58 +205,73 @@ def uncompressed_size(path: Path) -> int:
         return sum(len(b) for b in iter(lambda: fh.read(1 << 20), b""))
 
 
+def _ratio(a: dict, b: dict) -> str:
+    """b's time over a's: "wall× (CPU×)"."""
+    if "seconds" not in a or "seconds" not in b:
+        return "-"
+    return f"{b['seconds'] / a['seconds']:.1f}x ({b['cpu'] / a['cpu']:.1f}x)"
+
+
+def _secs(r: dict) -> str:
+    return f"{r['seconds']:.2f}" if "seconds" in r else r["error"][:12]
+
+
+def _rss(r: dict) -> str:
+    return f"{r['peak_rss'] / 2**20:.0f} MiB" if "peak_rss" in r else "-"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--synthetic-mb", type=int, default=520)
-    parser.add_argument("--repeat", type=int, default=3, help="runs per small file (best kept)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per case (best kept); 1 for the large trace")
     parser.add_argument("--no-hta-large", action="store_true", help="skip HTA on the synthetic trace")
     parser.add_argument("--keep", type=Path, help="write the synthetic trace here and keep it")
     parser.add_argument("--child", nargs=2, metavar=("TOOL", "FILE"), help=argparse.SUPPRESS)
+    parser.add_argument("--make-synthetic", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child[0], Path(args.child[1]), args.repeat)
         return
+    if args.make_synthetic:
+        print(make_synthetic(args.make_synthetic, args.synthetic_mb))
+        return
 
-    files = [SHARED / f"{name}.pt.trace.json.gz" for name in REAL]
+    files = sorted(SHARED.glob("*.pt.trace.json.gz"))
+    if not files:
+        sys.exit(f"no traces in {SHARED}")
     tmp = tempfile.TemporaryDirectory(prefix="profagent-bench-")
     out = args.keep or Path(tmp.name)
     out.mkdir(parents=True, exist_ok=True)
-    if args.synthetic_mb > 0:
+    if args.synthetic_mb > 0:  # in a child: this process's peak would be inherited by the measured ones
         began = time.perf_counter()
-        files.append(make_synthetic(out, args.synthetic_mb))
+        made = subprocess.run([sys.executable, __file__, "--make-synthetic", str(out), "--synthetic-mb",
+                               str(args.synthetic_mb)], capture_output=True, text=True, check=True)
+        files.append(Path(made.stdout.strip().splitlines()[-1]))
         print(f"synthetic trace: {files[-1].stat().st_size / 1e6:.0f} MB in {time.perf_counter() - began:.0f}s",
               file=sys.stderr)
 
-    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; MB/s = uncompressed "
-          "JSON per wall second (per CPU second in brackets)")
-    header = f"{'trace':<24} {'MB':>6} " + " ".join(f"{t + ' MB/s':>17} {t + ' RSS':>12}" for t in TOOLS)
-    print(header + f" {'vs HTA wall (cpu)':>18} {'vs orjson':>10}")
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; best of {args.repeat}; "
+          "seconds are wall time; ratios are HTA's time over profagent's, wall (CPU)")
+    print(f"{'':<24} {'':>6} | {'whole process: profagent analyze --json vs HTA script':^62} | "
+          f"{'in-process: read+analyze vs HTA load+breakdown':^58} |")
+    print(f"{'trace':<24} {'MB':>6} | {'profagent':>9} {'RSS':>8} {'HTA':>7} {'RSS':>9} {'ratio':>15} {'':>8} | "
+          f"{'profagent':>9} {'RSS':>8} {'HTA':>7} {'RSS':>9} {'ratio':>15} {'orjson':>7} |")
     for path in files:
         mb = uncompressed_size(path) / 1e6
         large = mb > 100
-        row = {}
-        for tool in TOOLS:
-            if tool == "hta" and large and args.no_hta_large:
-                row[tool] = {"error": "skipped"}
-                continue
-            row[tool] = measure(tool, path, 1 if large else args.repeat)
-        cells = []
-        for tool in TOOLS:
-            r = row[tool]
-            if "error" in r:
-                cells.append(f"{r['error'][:17]:>17} {'-':>12}")
-            else:
-                speed = f"{mb / r['seconds']:.1f} ({mb / r['cpu']:.0f})"
-                cells.append(f"{speed:>17} {r['peak_rss'] / 2**20:>8.0f} MiB")
-        ratio = "-"
-        if "seconds" in row["hta"] and "seconds" in row["profagent"]:
-            h, p = row["hta"], row["profagent"]
-            ratio = f"{h['seconds'] / p['seconds']:.1f}x ({h['cpu'] / p['cpu']:.1f}x)"
+        repeat = 1 if large else args.repeat
+        skip_hta = large and args.no_hta_large
+        whole = {t: ({"error": "skipped"} if t == "hta" and skip_hta else measure_whole(t, path, repeat))
+                 for t in ("profagent", "hta")}
+        inproc = {t: ({"error": "skipped"} if t == "hta" and skip_hta else measure(t, path, repeat)) for t in TOOLS}
         floor = "-"
-        if "seconds" in row["orjson"] and "seconds" in row["profagent"]:
-            floor = f"{row['orjson']['seconds'] / row['profagent']['seconds']:.1f}x"
+        if "seconds" in inproc["orjson"] and "seconds" in inproc["profagent"]:
+            floor = f"{inproc['orjson']['seconds'] / inproc['profagent']['seconds']:.1f}x"
         name = path.name.replace(".pt.trace.json.gz", "").replace(".pt.trace.json", "")
-        print(f"{name:<24} {mb:>6.1f} " + " ".join(cells) + f" {ratio:>18} {floor:>10}", flush=True)
+        print(f"{name:<24} {mb:>6.1f} | {_secs(whole['profagent']):>9} {_rss(whole['profagent']):>8} "
+              f"{_secs(whole['hta']):>7} {_rss(whole['hta']):>9} {_ratio(whole['profagent'], whole['hta']):>15} {'':>8} | "
+              f"{_secs(inproc['profagent']):>9} {_rss(inproc['profagent']):>8} {_secs(inproc['hta']):>7} "
+              f"{_rss(inproc['hta']):>9} {_ratio(inproc['profagent'], inproc['hta']):>15} {floor:>7} |", flush=True)
     tmp.cleanup()
 
 

@@ -2,6 +2,10 @@
 
 Every failure the user can fix ends in one line naming the problem and the fix, exit
 status 2, and no traceback.
+
+Only typer is imported at start-up: each command imports its implementation (and rich,
+the config loader) inside its function, so `profagent --help` and `profagent analyze`
+do not pay for the agent's sources, exporters and engine.
 """
 
 from __future__ import annotations
@@ -13,12 +17,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from profagent import __version__
 from profagent.cli.dashboards import dashboards_app
 from profagent.cli.incidents import incidents_app
-from profagent.config import load_config
 from profagent.errors import UserError
 
 app = typer.Typer(
@@ -76,6 +78,9 @@ def attach(
     gpus: Annotated[str | None, typer.Option("--gpus", help="comma-separated GPU indices to report, e.g. 0,1 (default: all)")] = None,
 ) -> None:
     """Attach to a running training job and export its metrics until it ends."""
+    from rich.console import Console
+
+    from profagent.config import load_config
     from profagent.engine.agent import attach as run_attach
 
     cfg = load_config(
@@ -121,6 +126,9 @@ def watch(
     SIGHUP reloads the config (the watch section and log_level) without dropping metrics.
     Under systemd (Type=notify) it sends READY, WATCHDOG, RELOADING and STOPPING.
     """
+    from rich.console import Console
+
+    from profagent.config import load_config
     from profagent.engine.node import set_log_level
     from profagent.engine.node import watch as run_watch
 
@@ -201,7 +209,10 @@ def top(
     Keys: up/down select a rank, enter shows its top functions and current stack,
     s changes the sort, q quits. Not on a terminal (or with --once) it prints plain tables.
     """
+    from rich.console import Console
+
     from profagent.cli.top import HttpAuth, run_top
+    from profagent.config import load_config
 
     if (pid is None) == (url is None):
         raise UserError("choose what to show", "give exactly one of --pid N (run an agent here) or --url URL (a running agent)")
@@ -225,7 +236,7 @@ def show_config(
     config: ConfigOpt = None,
 ) -> None:
     """Print the effective configuration (or a commented default file, or the key reference)."""
-    from profagent.config import all_keys, default_toml, reference_markdown
+    from profagent.config import all_keys, default_toml, load_config, reference_markdown
 
     if defaults:
         typer.echo(default_toml(), nl=False)
@@ -241,8 +252,10 @@ def show_config(
 @app.command()
 def doctor(config: ConfigOpt = None, log_level: LogLevelOpt = None, gpu_backend: GpuBackendOpt = None) -> None:
     """Check what works here (NVML, ptrace, py-spy, Kineto endpoint) and how to fix the rest."""
+    from rich.console import Console
     from rich.table import Table
 
+    from profagent.config import load_config
     from profagent.doctor import FAIL, OK, run_checks
 
     cfg = load_config(config, os.environ, {"log_level": log_level, "gpu.backend": gpu_backend})
@@ -269,7 +282,7 @@ def analyze(
     """Analyse torch profiler traces offline: steps, breakdown, GPU idle, tops, findings, cross-rank summary."""
     from profagent.cli.analyze import analyze_files
 
-    raise typer.Exit(analyze_files(files, json_out, top_k, Console(), details=details))
+    raise typer.Exit(analyze_files(files, json_out, top_k, None, details=details))
 
 
 @app.command()
@@ -288,8 +301,11 @@ def trace(
     log_level: LogLevelOpt = None,
 ) -> None:
     """Take a torch profiler trace of a running job, no code change (KINETO_USE_DAEMON=1)."""
+    from rich.console import Console
+
     from profagent.cli.analyze import analyze_files
     from profagent.cli.trace import TraceRequestArgs, request_trace
+    from profagent.config import load_config
     from profagent.system.unixsock import default_control_socket
 
     cfg = load_config(config, os.environ, {"log_level": log_level})
@@ -320,7 +336,10 @@ def diagnose(
     """What is wrong with a job now: hang (and its culprit rank), straggler, leaks... ranked by severity."""
     import json as jsonlib
 
+    from rich.console import Console
+
     from profagent.cli.diagnose import LOCAL_AGENT, collect_local, fetch, render
+    from profagent.config import load_config
 
     if pid is not None and url is not None:
         raise UserError("give either --pid or --url, not both", "--pid observes in-process; --url asks a running agent")
@@ -368,11 +387,15 @@ def unknown_option_message(exc: Exception) -> str | None:
 
 def main() -> None:
     """Console-script entry point: user errors and usage errors end in one line, exit 2."""
-    err = Console(stderr=True)
+    def error_line(text: str) -> None:
+        from rich.console import Console  # only on the error path: start-up stays lean
+
+        Console(stderr=True).print(f"[red]error[/red]: {text}", highlight=False, soft_wrap=True)
+
     try:
         app(standalone_mode=False)
     except UserError as exc:
-        err.print(f"[red]error[/red]: {exc}", highlight=False, soft_wrap=True)
+        error_line(str(exc))
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
@@ -381,7 +404,7 @@ def main() -> None:
     except typer.TyperException as exc:  # bad flags or arguments (typer's vendored click)
         message = unknown_option_message(exc) or (exc.format_message() if hasattr(exc, "format_message") else str(exc))
         if message.strip():  # empty when the help was shown instead
-            err.print(f"[red]error[/red]: {message} (see `profagent --help`)", highlight=False, soft_wrap=True)
+            error_line(f"{message} (see `profagent --help`)")
         sys.exit(getattr(exc, "exit_code", 2))
 
 

@@ -13,15 +13,16 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from profagent.analysis.labels import shorten
 from profagent.analysis.trace.report import TraceReport, analyze, findings
 from profagent.errors import UserError
 from profagent.sources.traces.reader import TraceError, read_trace
+
+if TYPE_CHECKING:  # rich is imported only when printing tables: `--json` does without it
+    from rich.console import Console
+    from rich.table import Table
 
 FIXES = {
     "truncated": "wait until the profiler has finished writing it, or re-export the trace",
@@ -55,6 +56,8 @@ def trace_rank(r: TraceReport, known: str | None = None) -> str | None:
 
 def render_report(r: TraceReport, console: Console, rank: str | None = None) -> None:
     """Print one trace's report as rich tables plus findings."""
+    from rich.table import Table
+
     rank = trace_rank(r, rank) or "?"
     device = f", {r.accelerator}" if r.accelerator else ", no accelerator activity"
     console.print(f"\n[bold]{r.path}[/bold]  rank {rank}{device}, {r.bytes / 1e6:.1f} MB of JSON", highlight=False)
@@ -165,6 +168,8 @@ def cross_rank_summary(reports: Sequence[tuple[TraceReport, str | None]]) -> dic
 
 
 def render_summary(summary: Mapping[str, Any], console: Console) -> None:
+    from rich.table import Table
+
     t = Table(title="cross-rank summary")
     t.add_column("rank")
     t.add_column("traces", justify="right")
@@ -189,15 +194,20 @@ def _render_row(table: Table, r: TraceReport, rank: str | None) -> None:
                   str(len(findings(r))))
 
 
-def analyze_files(paths: Sequence[Path], as_json: bool, top_k: int, console: Console,
+def analyze_files(paths: Sequence[Path], as_json: bool, top_k: int, console: Console | None,
                   ranks: Mapping[Path, str | None] | None = None, details: bool = False) -> int:
     """Analyse each file (folders: the traces in them) and print the reports, then a
     cross-rank summary when there are several. Returns 0; raises UserError if any failed.
-    ``ranks``: the rank the caller knows for a path (``profagent trace``)."""
+    ``ranks``: the rank the caller knows for a path (``profagent trace``); ``console``:
+    where tables go (None: standard output)."""
     files = expand(paths)
     failed = 0
     done: list[tuple[TraceReport, str | None]] = []
-    err = Console(stderr=True)
+    if not as_json:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = console or Console()
     full = details or len(files) <= FULL_REPORTS_UP_TO
     rows = None
     if not as_json and not full:
@@ -210,7 +220,9 @@ def analyze_files(paths: Sequence[Path], as_json: bool, top_k: int, console: Con
         try:
             report = analyze(read_trace(path), top_k)
         except TraceError as exc:
-            err.print(f"[red]error[/red]: {path}: {exc}: {FIXES.get(exc.reason, '')}", highlight=False, soft_wrap=True)
+            from rich.console import Console
+
+            Console(stderr=True).print(f"[red]error[/red]: {path}: {exc}: {FIXES.get(exc.reason, '')}", highlight=False, soft_wrap=True)
             failed += 1
             continue
         rank = trace_rank(report, (ranks or {}).get(path))

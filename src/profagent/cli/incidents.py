@@ -10,19 +10,15 @@ from __future__ import annotations
 import json
 import os
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 
-from profagent.config import load_config
-from profagent.engine.incidents import IncidentStore, find_incident, incident_detail, incidents_dir
 from profagent.errors import UserError
-from profagent.system.unixsock import call, default_control_socket
+
+if TYPE_CHECKING:
+    from profagent.engine.incidents import IncidentStore
 
 incidents_app = typer.Typer(help="Incident bundles: evidence captured on every rank when a job hangs or slows down.",
                             no_args_is_help=True)
@@ -32,7 +28,14 @@ UrlOpt = Annotated[str | None, typer.Option("--url", help="ask a running agent i
 DirOpt = Annotated[Path | None, typer.Option("--dir", help="the incidents folder [default: incidents.dir, else STATE_DIR/incidents]")]
 
 
+# The engine, rich, the config loader and urllib are imported inside the commands: `profagent --help` and the other
+# commands must not pay for them at start-up.
+
+
 def _store(config: Path | None, folder: Path | None) -> IncidentStore:
+    from profagent.config import load_config
+    from profagent.engine.incidents import IncidentStore, incidents_dir
+
     cfg = load_config(config, os.environ, {})
     root = folder or incidents_dir(cfg.incidents, cfg.agent.state_dir)
     if not root.is_dir():
@@ -43,6 +46,10 @@ def _store(config: Path | None, folder: Path | None) -> IncidentStore:
 
 
 def _get(url: str, query: dict[str, str] | None = None) -> Any:
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
     base = url.rstrip("/").removesuffix("/metrics")
     full = f"{base}/api/incidents" + (f"?{urllib.parse.urlencode(query)}" if query else "")
     try:
@@ -63,6 +70,8 @@ def _when(t: float) -> str:
 def list_cmd(url: UrlOpt = None, folder: DirOpt = None, config: ConfigOpt = None,
              json_out: Annotated[bool, typer.Option("--json", help="print JSON")] = False) -> None:
     """List captured incidents, oldest first."""
+    from rich.console import Console
+
     items = _get(url) if url else _store(config, folder).list()
     out = Console()
     if json_out:
@@ -86,9 +95,13 @@ def list_cmd(url: UrlOpt = None, folder: DirOpt = None, config: ConfigOpt = None
 def show_cmd(incident_id: Annotated[str, typer.Argument(help="the id printed by `profagent incidents list`")],
              url: UrlOpt = None, folder: DirOpt = None, config: ConfigOpt = None) -> None:
     """Print an incident's summary, then where its files are."""
+    from rich.console import Console
+
     if url:
         detail = _get(url, {"id": incident_id})
     else:
+        from profagent.engine.incidents import find_incident, incident_detail
+
         meta = find_incident(_store(config, folder), incident_id)
         detail = {**meta, **incident_detail(meta)}
     out = Console()
@@ -106,6 +119,11 @@ def capture_cmd(
     config: ConfigOpt = None,
 ) -> None:
     """Capture an incident of a running job now (asks the local agent over its control socket)."""
+    from rich.console import Console
+
+    from profagent.config import load_config
+    from profagent.system.unixsock import call, default_control_socket
+
     cfg = load_config(config, os.environ, {})
     path = cfg.ondemand.control_socket or default_control_socket()
     try:

@@ -20,6 +20,7 @@ from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.endpoint import NoPollers, Poller, match_pid
 from profagent.system.safefs import UnsafePath, own_directory
 from profagent.system.unixsock import bind_private, call, close_unix_socket
+from profagent.target.tree import ROLE_LAUNCHER, ROLE_MAIN
 
 if TYPE_CHECKING:
     from profagent.sources.ondemand.source import OndemandSnapshot, OndemandSource
@@ -124,14 +125,21 @@ class ControlServer:
                 timeout = float(req.get("timeout") or 60)
             except (TypeError, ValueError) as exc:
                 return {"ok": False, "error": f"bad trace options: {exc}"}
+            tree = self.source.tree
+            # A launcher (torchrun) started with KINETO_USE_DAEMON=1 polls too, but its trace
+            # is empty: --pid and --job trace the ranks (role main), the process asked for
+            # unless it is the launcher, and a process the tree does not know.
+            roles = {p.pid: p.role for p in tree.processes} if tree else {}
             if req.get("pid") is not None:
-                match = match_pid(int(req["pid"]))
+                pid = int(req["pid"])
+                under = match_pid(pid)
+                match = lambda p: under(p) and (  # noqa: E731
+                    roles.get(p.pid, ROLE_MAIN) == ROLE_MAIN or (p.pid == pid and roles.get(pid) != ROLE_LAUNCHER))
             elif req.get("job") is not None:
                 job = str(req["job"])
-                tree = self.source.tree
-                in_job = {p.pid for p in tree.processes if p.job_id == job} if tree else set()
-                match = lambda p: p.pid in in_job  # noqa: E731
-            else:
+                ranks = {p.pid for p in tree.processes if p.job_id == job and p.role == ROLE_MAIN} if tree else set()
+                match = lambda p: p.pid in ranks  # noqa: E731
+            else:  # --all: every process polling, as its help says
                 match = lambda p: True  # noqa: E731
             try:
                 request = self.source.request(match, options, timeout)

@@ -11,9 +11,10 @@ the runtime, counted under its exception type, and logged once.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from profagent.target import ProcessTree
+if TYPE_CHECKING:  # annotation only: importing a reader must not pull in psutil
+    from profagent.target import ProcessTree
 
 
 @runtime_checkable

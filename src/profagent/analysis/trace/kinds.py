@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from profagent.analysis.trace.intervals import Merged, Timeline, merge
+from profagent.analysis.trace.intervals import Merged, Timeline, merge, unique
 from profagent.analysis.trace.model import (
     ACCELERATOR_OF_CATEGORY,
     ANNOTATION,
@@ -63,7 +63,7 @@ class Classified:
 
     @property
     def devices(self) -> list[int]:
-        return sorted({int(d) for d in np.unique(self.trace.device[self.gpu])})
+        return sorted({int(d) for d in unique(self.trace.device[self.gpu])})
 
     def span(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.trace.ts[idx], self.trace.end[idx]
@@ -140,7 +140,7 @@ def classify(trace: Trace) -> Classified:
 
 def _on_device_rows(t: Trace, gpu: np.ndarray) -> np.ndarray:
     """Per event: whether it is on a device row (a thread of a device pid)."""
-    device_pids = set(t.gpu_devices) | {t.threads[i][0] for i in np.unique(t.thread[gpu]).tolist()}
+    device_pids = set(t.gpu_devices) | {t.threads[i][0] for i in unique(t.thread[gpu]).tolist()}
     per_thread = np.array([p in device_pids for p, _ in t.threads] or [False], dtype=bool)
     return per_thread[t.thread] if len(t) else np.zeros(0, dtype=bool)
 
@@ -155,7 +155,7 @@ def accelerator(c: Classified) -> str | None:
             return kind
     if len(c.gpu) == 0:
         return None
-    runtime_names = {t.names[i] for i in np.unique(t.name[c.runtime]).tolist()}
+    runtime_names = {t.names[i] for i in unique(t.name[c.runtime]).tolist()}
     if any(n.startswith(("hip", "roctx")) for n in runtime_names) or any(
             "AMD" in d or "Radeon" in d or "Instinct" in d for d in t.device_names):
         return "rocm"

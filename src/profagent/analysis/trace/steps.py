@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from profagent.analysis.trace.intervals import unique
 from profagent.analysis.trace.kinds import Classified
 
 INCOMPLETE_SHARE = 0.5  # without optimizer ranges: shorter than this share of the shortest
@@ -107,7 +108,7 @@ def _optimizer_steps(c: Classified) -> tuple[Step, ...]:
         return ()
     names, counts = np.unique(t.name[idx], return_counts=True)
     top = names[np.argmax(counts)]
-    starts = np.unique(t.ts[idx[t.name[idx] == top]])  # sorted; a range recorded twice counts once
+    starts = unique(t.ts[idx[t.name[idx] == top]])  # sorted; a range recorded twice counts once
     return tuple(Step(f"iteration {k + 1}", float(a), float(b))
                  for k, (a, b) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)))
 
