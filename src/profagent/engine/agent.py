@@ -179,6 +179,16 @@ class Agent:
         self.job.stop()
         self.server.shutdown()
 
+    def stop_within(self, seconds: float) -> bool:
+        """``stop()`` in a daemon thread, given up on after ``seconds`` (whatever is left is a
+        daemon thread or a py-spy child bound to us, gone with the process). True if done."""
+        stopper = threading.Thread(target=self.stop, name="profagent-stop", daemon=True)
+        stopper.start()
+        stopper.join(seconds)
+        if stopper.is_alive():
+            log.warning("stopping took over %g s: exiting anyway", seconds)
+        return not stopper.is_alive()
+
 
 def print_banner(agent: Agent, job: Job, console: Console) -> None:
     view = job.state.view()
@@ -208,6 +218,7 @@ def install_stop_signals(stop: threading.Event) -> Callable[[], None]:
     return lambda: [signal.signal(sig, handler) for sig, handler in old.items()]  # type: ignore[func-returns-value]
 
 
+STOP_DEADLINE = 1.8  # seconds attach spends stopping, within the 2 s the README promises
 FINAL_SCRAPE_WAIT = 60.0  # seconds an agent that was scraped waits for one scrape after its job ended
 
 
@@ -238,6 +249,6 @@ def attach(config: Config, pid: int, console: Console) -> int:
                 log.info("target PID %d and its whole tree are gone: exiting", pid)
                 break
     finally:
-        agent.stop()
+        agent.stop_within(STOP_DEADLINE)
         restore()
     return 0

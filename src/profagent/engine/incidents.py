@@ -27,7 +27,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -210,6 +209,9 @@ class IncidentsSource:
         self._thread: threading.Thread | None = None
         self._binary: str | None = None
         self.last_error = ""
+        self.stopping = threading.Event()
+        self._dumps_lock = threading.Lock()
+        self._dumps: set[subprocess.Popen] = set()  # running py-spy dumps, killed by stop()
 
     def start(self) -> None:
         try:
@@ -222,8 +224,41 @@ class IncidentsSource:
             log.warning("incidents will have no stacks: %s", exc)
 
     def stop(self) -> None:
+        """Abandon a running capture: its py-spy dumps are killed (a dump can take many
+        seconds under load) and its daemon thread is not waited for beyond a second."""
+        self.stopping.set()
+        with self._dumps_lock:
+            dumps = list(self._dumps)
+        pyspy.stop_all(dumps, grace=0.2)
         if self._thread is not None:
             self._thread.join(1.0)
+
+    def run_dump(self, args: list[str]) -> tuple[str, str]:
+        """(stdout, first error line) of one py-spy dump; killed and reaped if it overruns
+        or the agent stops."""
+        if self.stopping.is_set():
+            return "", "the agent is stopping"
+        try:
+            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=pyspy.die_with_parent(), env={**os.environ, "RUST_BACKTRACE": "0"})
+        except OSError as exc:
+            return "", str(exc)
+        with self._dumps_lock:
+            self._dumps.add(proc)
+        try:
+            out, err = proc.communicate(timeout=DUMP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pyspy.stop_all([proc], grace=0.2)
+            return "", f"timed out after {DUMP_TIMEOUT:g} s"
+        finally:
+            with self._dumps_lock:
+                self._dumps.discard(proc)
+        if self.stopping.is_set():
+            return "", "the agent is stopping"
+        if proc.returncode == 0 and "Thread " in out:
+            return out, ""
+        return "", pyspy.first_line(err or out)
 
     def collect(self, tree: ProcessTree) -> IncidentsSnapshot:
         view = self.state.view()
@@ -342,8 +377,9 @@ class Capture:
         view = self.source.state.view()
         deadline = time.monotonic() + self.source.config.capture_timeout
         request = self._request_traces()  # first: ranks pick it up at their next poll
-        with ThreadPoolExecutor(max_workers=max(1, min(16, len(self.ranks)))) as pool:
-            dumps = list(pool.map(self._dump, self.ranks))
+        dumps = self._dump_all()
+        if self.source.stopping.is_set():
+            return  # the agent is exiting: incident.json keeps status "capturing"
         for info, (text, note) in zip(self.ranks, dumps, strict=True):
             self.stacks[info.rank] = text
             self._write(f"stacks-rank{_safe(info.rank)}.txt", (text or f"(no stacks: {note})\n").encode())
@@ -377,6 +413,23 @@ class Capture:
             self.files.append(name)
 
     # -- stacks ----------------------------------------------------------------------------
+    def _dump_all(self) -> list[tuple[str, str]]:
+        """Every rank's dump, in parallel. Daemon threads rather than a ThreadPoolExecutor:
+        the interpreter joins executor workers at exit, which held a SIGTERMed agent for as
+        long as a slow dump took (53 s once)."""
+        results: list[tuple[str, str]] = [("", "not dumped")] * len(self.ranks)
+
+        def one(i: int, info: ProcessInfo) -> None:
+            results[i] = self._dump(info)
+
+        threads = [threading.Thread(target=one, args=(i, info), name="profagent-incident-dump", daemon=True)
+                   for i, info in enumerate(self.ranks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
     def _dump(self, info: ProcessInfo) -> tuple[str, str]:
         """(dump text, note). Native frames first; a py-spy build without them falls back."""
         binary = self.source._binary
@@ -386,7 +439,7 @@ class Capture:
         stopped_before = pyspy.is_stopped(info.pid)
         try:
             for mode in pyspy.DUMP_MODES:
-                text, err = _run_dump(pyspy.dump_text_args(binary, info.pid, mode))
+                text, err = self.source.run_dump(pyspy.dump_text_args(binary, info.pid, mode))
                 if text:
                     return text, ("" if mode == "native" else f"without native frames ({'; '.join(errors)})")
                 errors.append(f"{mode}: {err}")
@@ -417,7 +470,7 @@ class Capture:
     def _collect_traces(self, request: Any, deadline: float) -> None:
         rank_of = {p.pid: p.rank for p in self.ranks}
         waiting = dict(request.targets)
-        while waiting and time.monotonic() < deadline:
+        while waiting and time.monotonic() < deadline and not self.source.stopping.is_set():
             for pid, target in list(waiting.items()):
                 data = _complete_trace(Path(target.file))
                 if data is not None:
@@ -456,21 +509,6 @@ class Capture:
         if self.notes:
             lines += ["", "## Notes", ""] + [f"- {n}" for n in self.notes]
         return "\n".join(lines) + "\n"
-
-
-def _run_dump(args: list[str]) -> tuple[str, str]:
-    """(stdout, first error line) of one py-spy dump; killed and reaped if it overruns."""
-    try:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=DUMP_TIMEOUT, stdin=subprocess.DEVNULL,
-                              start_new_session=True, preexec_fn=pyspy.die_with_parent(),
-                              env={**os.environ, "RUST_BACKTRACE": "0"})
-    except subprocess.TimeoutExpired:
-        return "", f"timed out after {DUMP_TIMEOUT:g} s"
-    except OSError as exc:
-        return "", str(exc)
-    if done.returncode == 0 and "Thread " in done.stdout:
-        return done.stdout, ""
-    return "", pyspy.first_line(done.stderr or done.stdout)
 
 
 _FRAME = re.compile(r"^\s+(\S.*?) \((\S+\.py):(\d+)\)\s*$")
