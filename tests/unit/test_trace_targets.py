@@ -6,9 +6,16 @@ endpoint (no socket needed: the pollers register through ``Endpoint.handle``).
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
+import pytest
+from rich.console import Console
+
+from profagent.cli.trace import TraceRequestArgs, request_trace
 from profagent.engine.control import ControlServer
+from profagent.errors import UserError
 from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.source import OndemandSource
 from profagent.target import ProcessInfo, ProcessTree
@@ -52,3 +59,25 @@ def test_job_traces_its_ranks_only(tmp_path: Path) -> None:
 
 def test_all_still_traces_every_poller(tmp_path: Path) -> None:
     assert _targets(tmp_path, all=True) == {LAUNCHER, RANK0, RANK1, WORKER, STRANGER}
+
+
+def test_job_of_another_agent_names_the_agent_holding_the_endpoint(tmp_path: Path) -> None:
+    """Several agents on one node: the one holding the Kineto endpoint watches job "j"; a
+    `trace --job other` gets one line naming that agent, not "start with KINETO_USE_DAEMON=1"."""
+    server = ControlServer(str(tmp_path / "ctl" / "control.sock"), _source(tmp_path))
+    server.bind()
+    stop = threading.Event()
+    serving = threading.Thread(target=server.serve, args=(stop,))
+    serving.start()
+    try:
+        with pytest.raises(UserError) as caught:
+            request_trace(server.path, TraceRequestArgs(job="other"), Console(stderr=True),
+                          report=lambda path, rank: None)
+    finally:
+        stop.set()
+        serving.join()
+        server.close()
+    message = str(caught.value)
+    assert f"held by the profagent agent PID {os.getpid()}, which watches job j, not job other" in message
+    assert "--pid" in message and "KINETO_USE_DAEMON" not in message
+    assert "\n" not in message

@@ -82,6 +82,13 @@ def request_trace(
         if reply.get("error") == "no_pollers":
             polling = ", ".join(str(p["pid"]) for p in reply.get("pollers", [])) or "none"
             raise UserError(f"no process matching the request polls the agent (processes polling: {polling})", HOW_TO_POLL)
+        if reply.get("error") == "job_not_watched":
+            polling = ", ".join(str(p["pid"]) for p in reply.get("pollers", [])) or "none"
+            raise UserError(
+                f"the Kineto endpoint is held by the profagent agent PID {reply.get('agent_pid')}, which watches "
+                f"job {', '.join(reply.get('agent_jobs') or ['?'])}, not job {args.job}: it cannot tell that job's ranks apart",
+                f"trace them through it with --pid LAUNCHER_OR_RANK_PID (processes polling: {polling})",
+            )
         raise UserError(f"the agent refused the request ({reply.get('error')})", "check the options")
 
     rid, targets = reply["id"], reply["targets"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable
@@ -144,8 +145,15 @@ class ControlServer:
             try:
                 request = self.source.request(match, options, timeout)
             except NoPollers:
-                return {"ok": False, "error": "no_pollers",
-                        "pollers": [self._describe(p) for p in self.source.endpoint.pollers()]}
+                pollers = [self._describe(p) for p in self.source.endpoint.pollers()]
+                jobs = sorted({p.job_id for p in tree.processes if p.job_id}) if tree else []
+                if req.get("job") is not None and str(req["job"]) not in jobs:
+                    # Several agents on one node: this one holds the Kineto endpoint (every
+                    # job's ranks poll it) but watches other jobs, so it cannot tell which
+                    # pollers belong to the job asked for.
+                    return {"ok": False, "error": "job_not_watched", "agent_pid": os.getpid(),
+                            "agent_jobs": jobs, "pollers": pollers}
+                return {"ok": False, "error": "no_pollers", "pollers": pollers}
             return {"ok": True, "id": request.id, "targets": [
                 {**self._describe_pid(t.pid), "file": t.file} for t in request.targets.values()
             ]}
