@@ -1,9 +1,12 @@
-"""`make demo`: a small torch training job with two ranks, and profagent attached to it.
+"""`make demo`: a small torch training job with two ranks, profagent attached, and `profagent top`.
 
 Starts examples/train.py as a torchrun-like launcher (2 ranks, DataLoader workers,
 profiler traces into a temporary folder), attaches `profagent attach` to the launcher,
-prints the metrics URL and a few live lines of /metrics every few seconds, and stops
-everything it started on Ctrl-C (or after --seconds).
+prints the metrics URL, takes one on-demand trace of rank 0 once it polls the Kineto
+endpoint, then shows `profagent top --url` against the agent: full screen when stdout is
+a terminal (q or Ctrl-C stops the demo), else a `profagent top --once` snapshot every
+--every seconds plus the list of capabilities seen on /metrics. Everything it started is
+stopped on Ctrl-C (or after --seconds).
 """
 
 from __future__ import annotations
@@ -21,24 +24,19 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PORT = 19400
+PROFAGENT = [sys.executable, "-m", "profagent"]
 
-# Families shown live, one line per family (the first matching samples).
-SHOWN = [
-    "profagent_target_up",
-    "profagent_collector_up",
-    "profagent_process_cpu_seconds_total",
-    "profagent_process_resident_memory_bytes",
-    "profagent_processes",
-    "profagent_gpu_info",
-    "profagent_gpu_utilization_ratio",
-    "profagent_gpu_power_usage_watts",
-    "profagent_process_gpu_memory_used_bytes",
-    "profagent_stack_samples_total",
-    "profagent_rank_stalled",
-    "profagent_traces_total",
-    "profagent_trace_step_seconds",
-    "profagent_trace_step_breakdown_ratio",
-    "profagent_ondemand_processes",
+# What the demo shows working, as the metric family that proves it.
+CAPABILITIES = [
+    ("process metrics (host source)", "profagent_process_cpu_seconds_total"),
+    ("GPU metrics (gpu source)", "profagent_gpu_utilization_ratio"),
+    ("per-rank GPU memory", "profagent_process_gpu_memory_used_bytes"),
+    ("Python stacks by category (py-spy)", "profagent_stack_samples_total"),
+    ("stall detection", "profagent_rank_stalled"),
+    ("watched profiler traces", "profagent_traces_total"),
+    ("step time from traces", "profagent_trace_step_seconds"),
+    ("on-demand tracing (Kineto endpoint)", "profagent_ondemand_processes"),
+    ("incidents", "profagent_incidents_total"),
 ]
 
 
@@ -70,24 +68,35 @@ def gpu_present() -> bool:
         return False
 
 
-def show(url: str, per_family: int) -> None:
+def scrape(url: str) -> str:
     try:
-        text = urllib.request.urlopen(url, timeout=3).read().decode()
-    except OSError as exc:
-        print(f"  (scrape failed: {exc})")
-        return
-    counts: dict[str, int] = {}
-    lines = [line for line in text.splitlines() if not line.startswith("#")]
-    # Rank lines first: they are the interesting ones (the launcher has rank="").
-    lines.sort(key=lambda line: 'rank=""' in line)
-    chosen = []
-    for line in lines:
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in SHOWN and counts.get(name, 0) < per_family:
-            counts[name] = counts.get(name, 0) + 1
-            chosen.append(line)
-    for line in sorted(chosen, key=lambda line: SHOWN.index(line.split("{", 1)[0].split(" ", 1)[0])):
-        print("  " + line)
+        return urllib.request.urlopen(url, timeout=3).read().decode()
+    except OSError:
+        return ""
+
+
+def families_with_samples(text: str) -> set[str]:
+    return {line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def print_capabilities(url: str) -> bool:
+    """One line per capability, from a scrape of /metrics; True when all are there."""
+    present = families_with_samples(scrape(url))
+    print("demo: capabilities seen on /metrics:", flush=True)
+    for what, family in CAPABILITIES:
+        print(f"  {'ok     ' if family in present else 'waiting'} {what}: {family}", flush=True)
+    return all(family in present for _, family in CAPABILITIES)
+
+
+def wait_for_polling(url: str, stop: list[bool], timeout: float = 90.0) -> bool:
+    """Whether rank 0 polls the Kineto endpoint (its profagent_ondemand_processes series
+    exists): a trace requested earlier has nobody to pick it up."""
+    deadline = time.monotonic() + timeout
+    while not stop[0] and time.monotonic() < deadline:
+        if any(line.startswith("profagent_ondemand_processes{") and 'rank="0"' in line for line in scrape(url).splitlines()):
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def on_demand_trace(launcher: int, config: Path) -> None:
@@ -99,7 +108,7 @@ def on_demand_trace(launcher: int, config: Path) -> None:
     except Exception:
         return
     print(f"\ndemo: profagent trace --pid {rank0} --duration-ms 300 (on demand, no code change)", flush=True)
-    cmd = [sys.executable, "-m", "profagent", "trace", "--pid", str(rank0), "--duration-ms", "300",
+    cmd = [*PROFAGENT, "trace", "--pid", str(rank0), "--duration-ms", "300",
            "--timeout", "40", "--config", str(config)]
     try:
         subprocess.run(cmd, timeout=60, check=False)
@@ -110,8 +119,7 @@ def on_demand_trace(launcher: int, config: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=0, help="stop by itself after this long (0 = until Ctrl-C)")
-    parser.add_argument("--every", type=float, default=5, help="seconds between metric printouts")
-    parser.add_argument("--lines", type=int, default=2, help="lines shown per metric family")
+    parser.add_argument("--every", type=float, default=5, help="seconds between `profagent top --once` snapshots when not a terminal")
     args = parser.parse_args()
 
     port = pick_port()
@@ -122,6 +130,7 @@ def main() -> int:
     # already runs on this machine (real deployments use the defaults).
     config = work / "profagent.toml"
     config.write_text(
+        f"state_dir = '{work / 'state'}'\n"
         f"[ondemand]\nsocket_dir = '{work / 'kineto'}'\ncontrol_socket = '{work / 'control.sock'}'\n"
         f"trace_dir = '{work / 'ondemand'}'\n"
     )
@@ -134,55 +143,81 @@ def main() -> int:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, "KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(work / "kineto")},
     )
-    agent_args = [sys.executable, "-m", "profagent", "attach", "--pid", str(job.pid),
+    agent_args = [*PROFAGENT, "attach", "--pid", str(job.pid),
                   "--listen", f"127.0.0.1:{port}", "--trace-dir", str(trace_dir), "--config", str(config)]
     if not gpu_present():
         print("demo: no GPU here, so the GPU source uses the simulated backend (simulated:h100x2)", flush=True)
         agent_args += ["--gpu-backend", "simulated:h100x2"]
-    agent = subprocess.Popen(agent_args)
-    url = f"http://127.0.0.1:{port}/metrics"
-    stop = False
-    for _ in range(100):  # the agent is up once /healthz answers
-        try:
-            urllib.request.urlopen(url.replace("/metrics", "/healthz"), timeout=1).read()
-            break
-        except OSError:
-            if agent.poll() is not None:
-                break
-            time.sleep(0.2)
+    agent_log = (work / "agent.log").open("wb")
+    # Its own session: Ctrl-C reaches the demo (and `top`), which stops the agent itself.
+    agent = subprocess.Popen(agent_args, stdout=agent_log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    url = f"{base}/metrics"
+    stop = [False]
 
     def on_signal(*_: object) -> None:
-        nonlocal stop
-        stop = True
+        stop[0] = True
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     began = time.monotonic()
-    traced = False
-    next_print = began + 2.0  # let the first samples arrive
+    top: subprocess.Popen | None = None
     try:
-        while not stop and agent.poll() is None:
+        for _ in range(150):  # the agent is up once /healthz answers
+            if stop[0] or agent.poll() is not None or scrape(f"{base}/healthz").strip() == "ok":
+                break
+            time.sleep(0.2)
+        if agent.poll() is not None:
+            print(f"demo: the agent exited ({agent.returncode}); its log:\n{(work / 'agent.log').read_text()}", flush=True)
+            return 1
+        print(f"demo: profagent attached; metrics on {url} (agent log: {work / 'agent.log'})", flush=True)
+        print(f"demo: try `curl -s {url} | grep ^profagent_` in another terminal", flush=True)
+        print("demo: waiting for rank 0 to poll the Kineto endpoint (profagent_ondemand_processes)...", flush=True)
+        if wait_for_polling(url, stop):
+            on_demand_trace(job.pid, config)
+        elif not stop[0]:
+            print("demo: rank 0 did not poll the Kineto endpoint in time: no on-demand trace", flush=True)
+        top_cmd = [*PROFAGENT, "top", "--url", base]
+        if sys.stdout.isatty() and not stop[0]:
+            print(f"\ndemo: {' '.join(['profagent', *top_cmd[3:]])}  (q or Ctrl-C stops the demo)", flush=True)
+            time.sleep(1.5)
+            top = subprocess.Popen(top_cmd)
+            while not stop[0] and top.poll() is None and agent.poll() is None:
+                if args.seconds and time.monotonic() - began >= args.seconds:
+                    break
+                time.sleep(0.2)
+            return 0
+        all_seen = False
+        next_print = time.monotonic()
+        while not stop[0] and agent.poll() is None:
             now = time.monotonic()
             if now >= next_print:
                 next_print = now + args.every
-                print(f"\n--- {url} (Ctrl-C stops the demo) ---", flush=True)
-                show(url, args.lines)
-                sys.stdout.flush()
-            if not traced and now - began > 8:
-                traced = True
-                on_demand_trace(job.pid, config)
-                next_print = time.monotonic()
+                print(f"\n--- profagent top --once --url {base}   (metrics: {url}; Ctrl-C stops the demo) ---", flush=True)
+                subprocess.run([*top_cmd, "--once"], timeout=60, check=False)
+                if not all_seen:
+                    all_seen = print_capabilities(url)
             if args.seconds and time.monotonic() - began >= args.seconds:
                 break
             time.sleep(0.2)
+        if not all_seen:
+            print_capabilities(url)
+        return 0
     finally:
-        print("\ndemo: stopping the agent and the training job", flush=True)
+        print("\ndemo: stopping profagent top, the agent and the training job", flush=True)
+        if top is not None and top.poll() is None:
+            top.send_signal(signal.SIGINT)
+            try:
+                top.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                top.kill()
         if agent.poll() is None:
             agent.send_signal(signal.SIGINT)
             try:
                 agent.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 agent.kill()
+        agent_log.close()
         try:
             os.killpg(job.pid, signal.SIGTERM)
             job.wait(timeout=10)
@@ -191,7 +226,6 @@ def main() -> int:
                 os.killpg(job.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    return 0 if agent.returncode in (0, None, -signal.SIGINT) else agent.returncode
 
 
 if __name__ == "__main__":
