@@ -52,7 +52,8 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
             seen.update(name for name, samples in parse_metrics(http_get(url)).items() if samples)
             return all(f in seen for f in FAMILIES)
 
-        wait_for(every_family, 90, interval=1, what="every capability's family on the demo's /metrics")
+        wait_for(every_family, 90, interval=1,
+                 what=f"every capability's family on the demo's /metrics (missing: {[f for f in FAMILIES if f not in seen]})")
         demo.wait(timeout=180)
     finally:
         if demo.poll() is None:
