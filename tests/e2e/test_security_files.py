@@ -49,6 +49,19 @@ def shared() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def small_for_nobody() -> Iterator[Path]:
+    """A copy of SMALL that nobody can read: the checkout (and ../shared) may sit in a
+    private folder, such as root's 0700 home, where nobody cannot reach it."""
+    folder = Path(tempfile.mkdtemp(prefix="profagent-src-"))
+    folder.chmod(0o755)
+    copy = folder / SMALL.name
+    shutil.copyfile(SMALL, copy)
+    copy.chmod(0o644)
+    yield copy
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def as_nobody(shared: Path, code: str, *args: str) -> subprocess.CompletedProcess[str]:
     """Run ``code`` (plain Python, no project imports) as nobody; fails the test if it fails."""
     script = shared / f"attacker-{time.monotonic_ns()}.py"
@@ -150,14 +163,15 @@ PLANT = """
 """
 
 
-def test_planted_fifo_symlink_and_foreign_file_are_refused(shared: Path, tmp_path: Path, running, caplog) -> None:
+def test_planted_fifo_symlink_and_foreign_file_are_refused(shared: Path, tmp_path: Path, running, caplog,
+                                                           small_for_nobody: Path) -> None:
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
     private_trace = private / "p.pt.trace.json.gz"
     shutil.copyfile(SMALL, private_trace)
     private_trace.chmod(0o600)
     caplog.set_level(logging.WARNING)
-    as_nobody(shared, PLANT, str(shared), str(private_trace), str(SMALL))
+    as_nobody(shared, PLANT, str(shared), str(private_trace), str(small_for_nobody))
     r = running(shared)
     wait_for(lambda: len(r.counts()) >= 3, 30, what="the planted files counted")
     shutil.copyfile(SMALL, shared / "real.pt.trace.json.gz")  # written by the job (root)
@@ -175,14 +189,14 @@ def test_planted_fifo_symlink_and_foreign_file_are_refused(shared: Path, tmp_pat
     assert stat.S_IMODE(private_trace.stat().st_mode) == 0o600
 
 
-def test_a_file_of_the_jobs_own_user_is_read(shared: Path, running) -> None:
+def test_a_file_of_the_jobs_own_user_is_read(shared: Path, running, small_for_nobody: Path) -> None:
     """The owner check keeps real jobs working: a job running as nobody writes its trace."""
     job = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "sleep", "120"])
     try:
         wait_for(lambda: os.stat(f"/proc/{job.pid}").st_uid == NOBODY, 10, what="the job running as nobody")
         r = running(shared, _tree(job.pid))
         as_nobody(shared, "import shutil, sys; shutil.copyfile(sys.argv[1], sys.argv[2])",
-                  str(SMALL), str(shared / "job.pt.trace.json.gz"))
+                  str(small_for_nobody), str(shared / "job.pt.trace.json.gz"))
         wait_for(lambda: r.counts().get(("ingested", "ok")) == 1, 30, what="the job's own trace ingested")
     finally:
         job.kill()
