@@ -21,6 +21,7 @@ with shifted timestamps, correlation ids and step numbers, in a temporary folder
 from __future__ import annotations
 
 import argparse
+import compileall
 import gzip
 import json
 import os
@@ -236,6 +237,9 @@ def main() -> None:
         print(make_synthetic(args.make_synthetic, args.synthetic_mb))
         return
 
+    # A wheel install is byte-compiled by pip; a checkout run with PYTHONDONTWRITEBYTECODE
+    # set would compile every module in every measured process, so compile them once here.
+    compileall.compile_dir(ROOT / "src" / "profagent", quiet=1)
     files = sorted(SHARED.glob("*.pt.trace.json.gz"))
     if not files:
         sys.exit(f"no traces in {SHARED}")
