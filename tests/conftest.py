@@ -221,8 +221,13 @@ def run_agent(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
 class Prometheus:
     """A real Prometheus server on 127.0.0.1 scraping the given targets every second."""
 
-    def __init__(self, targets: list[str], tmp: Path, scheme: str = "http", rule_files: Sequence[Path] = ()) -> None:
-        """``rule_files`` are loaded too, evaluated every second like the scrape."""
+    def __init__(
+        self, targets: list[str], tmp: Path, scheme: str = "http", rule_files: Sequence[Path] = (),
+        data_dir: Path | None = None, args: Sequence[str] = (),
+    ) -> None:
+        """``rule_files`` are loaded too, evaluated every second like the scrape. ``data_dir``:
+        an existing TSDB to serve (backfilled blocks), instead of a fresh one; ``args``: more
+        command-line flags (e.g. ``--storage.tsdb.retention.time``)."""
         binary = shutil.which("prometheus")
         if binary is None:
             pytest.fail("prometheus is not installed: `make test` installs Debian's package")
@@ -237,11 +242,11 @@ class Prometheus:
             + "scrape_configs:\n  - job_name: profagent\n"
             f"    scheme: {scheme}\n    static_configs:\n      - targets: [{targets_yaml}]\n"
         )
-        data = Path(tempfile.mkdtemp(dir=tmp, prefix="prom-data-"))
+        data = data_dir if data_dir is not None else Path(tempfile.mkdtemp(dir=tmp, prefix="prom-data-"))
         self.log_path = tmp / "prometheus.log"
         self.proc = subprocess.Popen(
             [binary, f"--config.file={cfg}", f"--storage.tsdb.path={data}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
+             f"--web.listen-address=127.0.0.1:{self.port}", *args],
             stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT,
         )
         wait_for(lambda: http_get(self.url + "/-/ready", timeout=1), 30, what="prometheus ready")
