@@ -53,7 +53,7 @@ bench: venv
 soak: venv
 	$(PY) bench/soak.py
 
-# Regenerate the committed Grafana dashboards (tests/test_dashboards_structure.py checks them).
+# Regenerate the committed Grafana dashboards (tests/unit/test_dashboards_structure.py checks them).
 dashboards: venv
 	PYTHONPATH=tools $(PY) -m profagent_dashboards.generate
 

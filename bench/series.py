@@ -21,6 +21,7 @@ text format the agent serves to Prometheus: counters are `_total` lines only.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -41,7 +42,12 @@ from profagent.state import State
 from profagent.target import ProcessInfo, ProcessTree
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "gpu" / "a100-80gb-rank0.pt.trace.json.gz"
+# The shared fixtures: $PROFAGENT_SHARED_DIR, else the first shared/ walking up from the
+# checkout (next to it, or further up for a git worktree); the rule of tests/helpers/paths.py.
+SHARED_ENV = "PROFAGENT_SHARED_DIR"
+SHARED = Path(os.environ[SHARED_ENV]) if os.environ.get(SHARED_ENV) else next(
+    (d / "shared" for d in ROOT.parents if (d / "shared").is_dir()), ROOT.parent / "shared")
+DEFAULT_TRACE = SHARED / "traces" / "gpu" / "a100-80gb-rank0.pt.trace.json.gz"
 RANKS = 8
 WORKERS_PER_RANK = 2
 GPUS = 8
@@ -137,7 +143,7 @@ def main() -> None:
     parser.add_argument("--by-family", action="store_true", help="print every family, not only the largest")
     args = parser.parse_args()
     if not args.trace.is_file():
-        sys.exit(f"no trace at {args.trace}: pass --trace FILE (a torch profiler GPU trace)")
+        sys.exit(f"no trace at {args.trace}: pass --trace FILE (a torch profiler GPU trace) or set {SHARED_ENV}")
     per_family, _ = count(args.trace)
     ours = {k: v for k, v in per_family.items() if k.startswith("profagent_")}
     own = sum(v for k, v in per_family.items() if not k.startswith("profagent_"))

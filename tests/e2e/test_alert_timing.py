@@ -39,7 +39,9 @@ from urllib.parse import quote
 import pytest
 import yaml
 
-from conftest import ROOT, Prometheus, http_get
+from helpers.agent import http_get
+from helpers.paths import ROOT
+from helpers.prometheus import Prometheus
 
 PROM = ROOT / "deploy" / "prometheus"
 RECORDED = "job_id_rank_role:profagent_process_memory_bytes:uss_or_rss"

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port, http_get, kill_tree, parse_metrics, wait_for
+from helpers.agent import free_port, http_get, parse_metrics
+from helpers.paths import ROOT
+from helpers.processes import kill_tree, wait_for
 
 WORKLOAD = ROOT / "tests" / "workloads" / "train_ddp.py"
 STALL_SECONDS = 10.0

@@ -18,13 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, WORKLOADS, free_port, http_get, parse_metrics, wait_for
+from helpers.agent import free_port, http_get, parse_metrics
+from helpers.paths import WORKLOADS, nvml_mock_dir
+from helpers.processes import wait_for
 
-# As in test_gpu_contract.py: NVML_MOCK_DIR, else shared/nvml-mock next to the checkout or
-# further up (a git worktree), like conftest.SHARED_TRACES.
-MOCK_DIR = Path(os.environ.get("NVML_MOCK_DIR") or next(
-    (d / "shared" / "nvml-mock" for d in ROOT.parents if (d / "shared" / "nvml-mock").is_dir()),
-    ROOT.parent / "shared" / "nvml-mock"))
+MOCK_DIR = nvml_mock_dir()  # NVML_MOCK_DIR, else shared/nvml-mock (helpers.paths)
 PROFILE = MOCK_DIR / "configs" / "mock-nvml-config-h100.yaml"
 ERRORS_SECONDS = 8
 

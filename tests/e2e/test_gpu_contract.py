@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, free_port, http_get, parse_metrics, wait_for
+from helpers.agent import free_port, http_get, parse_metrics
+from helpers.paths import nvml_mock_dir
+from helpers.processes import wait_for
 
-# ../shared/nvml-mock from the project root; NVML_MOCK_DIR points elsewhere (a worktree).
-MOCK_DIR = Path(os.environ.get("NVML_MOCK_DIR") or ROOT.parent / "shared" / "nvml-mock")
+MOCK_DIR = nvml_mock_dir()  # NVML_MOCK_DIR, else shared/nvml-mock (helpers.paths)
 PROFILE = MOCK_DIR / "configs" / "mock-nvml-config-h100.yaml"
 INTERVAL = 0.5
 MIB = 1024 * 1024

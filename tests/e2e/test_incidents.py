@@ -20,7 +20,9 @@ from pathlib import Path
 
 import psutil
 
-from conftest import WORKLOADS, free_port, http_get, kill_tree, parse_metrics, wait_for
+from helpers.agent import free_port, http_get, parse_metrics
+from helpers.paths import WORKLOADS
+from helpers.processes import kill_tree, wait_for
 
 STALL_SECONDS = 4.0
 TORCHRUN = Path(sys.executable).with_name("torchrun")

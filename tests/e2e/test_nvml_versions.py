@@ -19,9 +19,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from conftest import ROOT, free_port, http_get, parse_metrics, wait_for
+from helpers.agent import free_port, http_get, parse_metrics
+from helpers.paths import ROOT, nvml_mock_dir
+from helpers.processes import wait_for
 
-MOCK_DIR = Path(os.environ.get("NVML_MOCK_DIR") or ROOT.parent / "shared" / "nvml-mock")
+MOCK_DIR = nvml_mock_dir()  # NVML_MOCK_DIR, else shared/nvml-mock (helpers.paths)
 PROFILE = MOCK_DIR / "configs" / "mock-nvml-config-h100.yaml"
 
 pytestmark = [

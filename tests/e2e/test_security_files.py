@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SHARED_TRACES, wait_for
+from helpers.paths import shared_traces
+from helpers.processes import wait_for
 from profagent.errors import SourceUnavailable
 from profagent.sources.ondemand.source import OndemandSource
 from profagent.sources.traces import watcher as watcher_module
@@ -32,8 +33,7 @@ from profagent.sources.traces.reader import TraceError, read_trace
 from profagent.sources.traces.source import TracesSource
 from profagent.target import ProcessInfo, ProcessTree
 
-# conftest's path is right from /work/main; a worktree one level deeper falls back to /work/shared
-SMALL = next(d for d in (SHARED_TRACES, Path("/work/shared/traces/gpu")) if d.is_dir()) / "mi250-rocm.pt.trace.json.gz"
+SMALL = shared_traces() / "mi250-rocm.pt.trace.json.gz"
 NOBODY = 65534
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,

@@ -16,7 +16,7 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from conftest import wait_for
+from helpers.processes import wait_for
 from profagent.errors import UserError
 from profagent.exporters import http as http_module
 from profagent.exporters.exposition import Exposition

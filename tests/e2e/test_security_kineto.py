@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from helpers.processes import wait_for
 from profagent.engine.control import ControlServer, call
 from profagent.errors import SourceUnavailable
 from profagent.sources.ondemand import kineto

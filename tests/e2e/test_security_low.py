@@ -18,7 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import free_port, http_get, kill_tree, parse_metrics, wait_for
+from helpers.agent import free_port, http_get, parse_metrics
+from helpers.processes import kill_tree, pyspy_processes, wait_for
 from profagent.sources.stacks.sampler import TMP_PREFIX, remove_stale_folders
 
 NOBODY = 65534
@@ -96,10 +97,9 @@ def test_py_spy_folders_of_a_sigkilled_agent_are_removed_at_start(children, run_
         for path in (live, foreign, victim):
             subprocess.run(["rm", "-rf", str(path)], check=False)
         link.unlink(missing_ok=True)
-        for p in psutil.Process().children(recursive=True):  # py-spy of the killed agent
+        for p in pyspy_processes(of=os.getpid()):  # py-spy of the killed agent
             with contextlib.suppress(psutil.Error):
-                if p.name() == "py-spy":
-                    p.kill()
+                p.kill()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="plays nobody against root: needs root")

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import kill_tree, wait_for
+from helpers.processes import kill_tree, wait_for
+from helpers.watch import job_env, token
 from profagent.config import load_config
 from profagent.errors import UserError
 from profagent.target.node import Limits, NodeTarget, Rules
-from watchkit import job_env, token
 
 NOBODY = 65534
 SLEEPER = "import time\nwhile True:\n    time.sleep(0.05)\n"

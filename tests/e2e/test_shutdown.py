@@ -28,30 +28,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import free_port, http_get, kill_tree, parse_metrics, wait_for
+from helpers.agent import free_port, http_get, parse_metrics
+from helpers.paths import ROOT
+from helpers.processes import kill_tree, pyspy_processes, wait_for
 from profagent.config import IncidentsConfig
 from profagent.engine.incidents import IncidentsSource
 from profagent.state import State
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 BOUND = 5.0  # seconds; see the module docstring
-
-
-def pyspy_children(pid: int) -> list[psutil.Process]:
-    try:
-        kids = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
-    out = []
-    for kid in kids:
-        try:
-            if "py-spy" in os.path.basename(kid.exe() or kid.name()) or kid.name() == "py-spy":
-                out.append(kid)
-        except psutil.Error:
-            continue
-    return out
 
 
 def test_sigterm_with_every_source_busy_exits_zero_quickly(tmp_path: Path, run_agent) -> None:
@@ -87,7 +73,7 @@ def test_sigterm_with_every_source_busy_exits_zero_quickly(tmp_path: Path, run_a
         ranks = [p for p in psutil.Process(job.pid).children() if p.is_running()]
         assert len(ranks) == 2
         # py-spy is sampling the ranks: the no-child check below looks at real children.
-        wait_for(lambda: pyspy_children(agent.proc.pid), 60, what="py-spy children of the agent")
+        wait_for(lambda: pyspy_processes(of=agent.proc.pid, zombies=True), 60, what="py-spy children of the agent")
 
         keepalive = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         keepalive.request("GET", "/metrics")
@@ -98,7 +84,7 @@ def test_sigterm_with_every_source_busy_exits_zero_quickly(tmp_path: Path, run_a
         capture = subprocess.run([sys.executable, "-m", "profagent", "incidents", "capture", "--config", str(config),
                                   "--wait", "0"], capture_output=True, text=True, timeout=60)
         assert capture.returncode == 0, capture.stdout + capture.stderr
-        spies = pyspy_children(agent.proc.pid)
+        spies = pyspy_processes(of=agent.proc.pid, zombies=True)
         assert spies
 
         began = time.monotonic()

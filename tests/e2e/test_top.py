@@ -12,7 +12,9 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from conftest import WORKLOADS, free_port, wait_for
+from helpers.agent import free_port
+from helpers.paths import WORKLOADS
+from helpers.processes import wait_for
 
 pytestmark = pytest.mark.slow
 

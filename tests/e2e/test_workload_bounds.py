@@ -2,7 +2,7 @@
 
 - lifeline.bound: a rank in its own session (as torchrun starts them) dies with its launcher,
   and any workload ends after its maximum runtime;
-- conftest.kill_tree: kills a launcher and every descendant, in whatever session.
+- helpers.processes.kill_tree: kills a launcher and every descendant, in whatever session.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import sys
 
 import psutil
 
-from conftest import WORKLOADS, kill_tree, wait_for
+from helpers.paths import WORKLOADS
+from helpers.processes import kill_tree, wait_for
 
 # A launcher that starts one bounded rank in a new session, like torchrun, and waits on it.
 LAUNCHER = """

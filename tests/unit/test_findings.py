@@ -256,7 +256,7 @@ def test_gpu_memory_leak_throttling_and_errors() -> None:
 
 
 def test_every_kind_is_documented_and_results_are_ranked() -> None:
-    from conftest import ROOT
+    from helpers.paths import ROOT
 
     doc = (ROOT / "docs" / "diagnosis.md").read_text()
     for kind in KINDS:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT
+from helpers.paths import ROOT
 
 KUBE = ROOT / "deploy" / "kubernetes"
 VERSIONS = ("1.28.0", "1.37.0")  # oldest and newest Kubernetes the manifests are checked against

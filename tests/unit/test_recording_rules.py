@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import ROOT
+from helpers.paths import ROOT
 
 PROM = ROOT / "deploy" / "prometheus"
 # level:metric:operations, the metric being one of ours

@@ -1,0 +1,91 @@
+"""`make demo` keeps working and shows every landed capability through `profagent top`."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+
+import psutil
+import pytest
+
+from helpers.agent import http_get, parse_metrics
+from helpers.paths import ROOT
+from helpers.processes import wait_for
+
+# The metric family that proves each capability works on the demo job.
+FAMILIES = (
+    "profagent_target_up",
+    "profagent_process_cpu_seconds_total",
+    "profagent_gpu_utilization_ratio",   # simulated GPU on this machine
+    "profagent_stack_samples_total",     # py-spy
+    "profagent_rank_stalled",
+    "profagent_traces_total",            # the watched folder
+    "profagent_trace_step_seconds",
+    "profagent_ondemand_processes",      # rank 0 polls the Kineto endpoint
+    "profagent_incidents_total",
+)
+
+
+def top_row(text: str, rank: str) -> str | None:
+    """A row of the `profagent top` table: the rank number first, then its state."""
+    return next((line for line in text.splitlines() if re.match(rf"^\s*{rank}\s+(running|STALLED)\b", line)), None)
+
+
+@pytest.mark.slow
+def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
+    before = {p.pid for p in psutil.process_iter()}
+    # Not a terminal: the demo prints `profagent top --once` snapshots.
+    demo = subprocess.Popen([sys.executable, str(ROOT / "examples" / "demo.py"), "--seconds", "50", "--every", "10"],
+                            stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"), text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(demo.stdout), daemon=True)
+    reader.start()
+    try:
+        def metrics_url() -> str | None:
+            return next((m.group(1) for line in list(lines) if (m := re.search(r"metrics on (\S+/metrics)", line))), None)
+
+        url = wait_for(metrics_url, 120, what="the demo's metrics URL")
+        # Our own scrape of the demo's agent: every capability has samples.
+        seen: set[str] = set()
+
+        def every_family() -> bool:
+            seen.update(name for name, samples in parse_metrics(http_get(url)).items() if samples)
+            return all(f in seen for f in FAMILIES)
+
+        wait_for(every_family, 90, interval=1,
+                 what=f"every capability's family on the demo's /metrics (missing: {[f for f in FAMILIES if f not in seen]})")
+        demo.wait(timeout=180)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    reader.join(10)
+    out = "".join(lines)
+    stderr = (tmp_path / "stderr").read_text()
+    assert demo.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr + out
+    assert f"curl -s {url}" in out  # the URL and the hint to curl it
+    assert "profagent_ondemand_processes" in out and "profagent trace --pid" in out
+    assert re.search(r"ondemand/profagent_\S+\.json", out + stderr), "the on-demand trace was not written"
+    # `profagent top --once` snapshots: the header, the findings, one row per rank.
+    snapshots = out.split("--- profagent top --once --url ")[1:]
+    assert snapshots, out[-3000:]
+    last = snapshots[-1]
+    assert re.search(r"profagent top\s+job demo-\d+\s+world 2", last), last
+    assert "SIMULATED" in last  # the GPU summary says the GPU is simulated
+    assert "findings: none active" in last or re.search(r"^! \w+ \(", last, re.M), last
+    for rank in ("0", "1"):
+        assert top_row(last, rank), f"no row for rank {rank}:\n{last}"
+    # The demo's own capability list agrees with our scrape.
+    for family in FAMILIES[2:]:
+        assert re.search(rf"^\s+ok\s+.*: {family}$", out, re.M), f"{family} not reported ok by the demo"
+    # Everything the demo started is gone: the job, its ranks and workers, the agent (their
+    # command lines name the demo's private folder), `top`, and py-spy (children of the agent).
+    work = re.search(r"(/\S*profagent-demo-[^/\s]+)", out).group(1)
+    leftovers = [p for p in psutil.process_iter(["pid", "ppid", "cmdline"])
+                 if p.pid not in before and (work in " ".join(p.info["cmdline"] or [])
+                                             or url.removesuffix("/metrics") in " ".join(p.info["cmdline"] or [])
+                                             or ("py-spy" in " ".join(p.info["cmdline"] or []) and p.info["ppid"] == 1))]
+    assert not leftovers, leftovers

@@ -1,0 +1,258 @@
+"""On-demand traces through Kineto's daemon protocol, with real torch processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers.agent import free_port, http_get, parse_metrics
+from helpers.paths import ROOT
+from helpers.processes import kill_tree, wait_for
+from profagent.sources.ondemand import kineto
+from profagent.sources.ondemand.endpoint import Endpoint, NoPollers, match_pid
+
+TRAIN = str(ROOT / "examples" / "train.py")
+
+
+# -- protocol (pure) -----------------------------------------------------------------
+def test_poll_round_trip_and_config_text() -> None:
+    poll = kineto.Poll(3, 42, (100, 50, 1))
+    assert kineto.decode(kineto.encode_poll(poll)) == poll
+    assert len(kineto.encode_poll(poll)) == 40 + 16 + 12
+    text = kineto.config_text("/tmp/x/a.json", kineto.TraceOptions(iterations=3, profile_memory=True), "id1")
+    assert "ACTIVITIES_ITERATIONS=3" in text and "PROFILE_START_ITERATION_ROUNDUP=1" in text
+    assert "ACTIVITIES_DURATION_MSECS" not in text and "PROFILE_PROFILE_MEMORY=true" in text
+    assert text.splitlines()[0] == "ACTIVITIES_LOG_FILE=/tmp/x/a.json" and not text.endswith("\0")
+    assert kineto.output_path("/tmp/x/a.json", 7) == "/tmp/x/a_7.json"
+
+
+@pytest.mark.parametrize(
+    "datagram",
+    [b"", b"x" * 39, struct.pack("<Q32s", 5, b"req") + b"abc", struct.pack("<Q32s", 0, b"bogus"),
+     struct.pack("<Q32s", 16, b"req") + struct.pack("<iiq", 3, 0, 0),
+     struct.pack("<Q32s", 20, b"req") + struct.pack("<iiqi", 3, 9, 0, 1)],
+)
+def test_malformed_datagrams_are_rejected(datagram: bytes) -> None:
+    with pytest.raises(kineto.MalformedDatagram):
+        kineto.decode(datagram)
+    endpoint = Endpoint()
+    assert endpoint.handle(datagram) is None
+    assert endpoint.counts()["malformed"] == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_fuzzed_datagrams_never_raise(data: bytes) -> None:
+    endpoint = Endpoint()
+    reply = endpoint.handle(data)
+    assert reply is None or reply[:8] == struct.pack("<Q", len(reply) - 40)
+
+
+def test_request_goes_to_the_matching_pollers_once() -> None:
+    now = [0.0]
+    endpoint = Endpoint(clock=lambda: now[0])
+    for pid, parent in ((11, 10), (12, 10), (21, 20)):
+        endpoint.handle(kineto.encode_poll(kineto.Poll(3, 0, (pid, parent, 1))))
+    with pytest.raises(NoPollers):
+        endpoint.request(match_pid(99), kineto.TraceOptions(), "/tmp/d", timeout=30)
+    request = endpoint.request(match_pid(10), kineto.TraceOptions(), "/tmp/d", timeout=30)
+    assert sorted(request.targets) == [11, 12]  # the launcher PID matches both ranks
+    config = endpoint.handle(kineto.encode_poll(kineto.Poll(3, 0, (11, 10, 1))))[40:].decode()
+    assert f"ACTIVITIES_LOG_FILE={request.log_file}" in config
+    busy = endpoint.handle(kineto.encode_poll(kineto.Poll(1, 0, (12, 10, 1))))
+    assert busy[40:] == b""  # a process already tracing gets nothing
+    again = endpoint.handle(kineto.encode_poll(kineto.Poll(3, 0, (11, 10, 1))))
+    assert again[40:] == b""  # one config per request
+    assert endpoint.handle(kineto.encode_poll(kineto.Poll(3, 0, (21, 20, 1))))[40:] == b""
+    now[0] = 61.0
+    assert endpoint.pollers() == []  # silent for a minute: gone
+
+
+def test_ctxt_is_answered() -> None:
+    reply = Endpoint().handle(kineto.encode("ctxt", struct.pack("<iiq", 0, 5, 0)))
+    assert reply[:40] == struct.pack("<Q32s", 4, b"ctxt") and struct.unpack("<i", reply[40:]) == (1,)
+
+
+# -- end to end ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ondemand_env(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ondemand")  # under /tmp, where libkineto may write
+    sockets = base / "sockets"
+    sockets.mkdir()
+    cfg = base / "agent.toml"
+    cfg.write_text(
+        f"[ondemand]\nsocket_dir = '{sockets}'\ncontrol_socket = '{base / 'control.sock'}'\n"
+        f"trace_dir = '{base / 'traces'}'\n[stacks]\nenabled = false\n"
+    )
+    return {"base": base, "sockets": sockets, "config": cfg,
+            "env": {"KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(sockets)}}
+
+
+def _trace_cli(env: dict, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "profagent", "trace", "--config", str(env["config"]), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def traced_job(ondemand_env):
+    """A 2-rank job polling the agent, and the agent attached to its launcher."""
+    env = {**os.environ, **ondemand_env["env"]}
+    job = subprocess.Popen([sys.executable, TRAIN, "--ranks", "2", "--workers", "0", "--step-sleep", "0.005"],
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    port = free_port()
+    log = (ondemand_env["base"] / "agent.log").open("wb")
+    agent = subprocess.Popen([sys.executable, "-m", "profagent", "attach", "--pid", str(job.pid),
+                              "--listen", f"127.0.0.1:{port}", "--config", str(ondemand_env["config"]),
+                              "--interval", "0.5"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    def both_ranks_poll() -> bool:
+        samples = parse_metrics(http_get(url)).get("profagent_ondemand_processes", [])
+        return sorted(lab["rank"] for lab, v in samples if v >= 1) == ["0", "1"]
+
+    try:
+        wait_for(both_ranks_poll, timeout=60, interval=0.5, what="both ranks polling the agent")
+        yield {"job": job, "agent": agent, "url": url}
+    finally:
+        agent.terminate()
+        agent.wait(timeout=10)
+        kill_tree(job)
+        log.close()
+
+
+@pytest.mark.slow
+def test_duration_trace_of_a_launcher_covers_both_ranks_and_is_ingested(traced_job, ondemand_env) -> None:
+    # Garbage first: the endpoint must shrug it off and still serve the real processes.
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    for junk in (b"", b"\0" * 40, b"junk" * 30, struct.pack("<Q32s", 999, b"req")):
+        sock.sendto(junk, str(ondemand_env["sockets"] / "dynolog"))
+    sock.close()
+
+    res = _trace_cli(ondemand_env, "--pid", str(traced_job["job"].pid), "--duration-ms", "300", "--timeout", "60")
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert "Traceback" not in res.stderr
+    files = sorted((ondemand_env["base"] / "traces").glob("profagent_*.json"))
+    assert len(files) == 2, files
+    assert "waiting for the next poll" in res.stderr and "ingesting" in res.stderr
+    for f in files:
+        assert str(f) in res.stderr  # each report names its file
+    assert "steps" in res.stdout
+
+    def ingested() -> bool:
+        samples = parse_metrics(http_get(traced_job["url"]))
+        total = sum(v for lab, v in samples.get("profagent_traces_total", []) if lab["status"] == "ingested")
+        malformed = [v for lab, v in samples.get("profagent_ondemand_datagrams_total", []) if lab["kind"] == "malformed"]
+        return total >= 2 and malformed and malformed[0] >= 4
+
+    wait_for(ingested, timeout=20, what="on-demand traces ingested and junk counted")
+
+
+@pytest.mark.slow
+def test_iteration_trace_of_one_rank(traced_job, ondemand_env) -> None:
+    tree_pids = [p.pid for p in __import__("psutil").Process(traced_job["job"].pid).children()]
+    before = set((ondemand_env["base"] / "traces").glob("profagent_*.json"))
+    res = _trace_cli(ondemand_env, "--pid", str(tree_pids[0]), "--iterations", "3", "--json", "--timeout", "60")
+    assert res.returncode == 0, res.stderr + res.stdout
+    new = set((ondemand_env["base"] / "traces").glob("profagent_*.json")) - before
+    assert len(new) == 1 and f"_{tree_pids[0]}.json" in new.pop().name
+    import json
+
+    report = json.loads(res.stdout)
+    assert report  # the JSON report of the new trace
+
+
+def _isolated_agent(tmp_path: Path, run_agent, children):
+    """An agent on a sleeping process, with private Kineto and control sockets."""
+    cfg = tmp_path / "a.toml"
+    cfg.write_text(f"[ondemand]\nsocket_dir = '{tmp_path / 's'}'\ncontrol_socket = '{tmp_path / 'c.sock'}'\n"
+                   f"trace_dir = '{tmp_path / 't'}'\n[stacks]\nenabled = false\n")
+    target = children.python("import time; time.sleep(60)")
+    port = free_port()
+    agent = run_agent(["attach", "--pid", str(target.pid), "--listen", f"127.0.0.1:{port}", "--config", str(cfg)])
+    agent.wait_healthy(f"http://127.0.0.1:{port}")
+    return agent, target, port, cfg
+
+
+def test_no_registered_process_exits_2(tmp_path: Path, run_agent, children) -> None:
+    agent, target, port, cfg = _isolated_agent(tmp_path, run_agent, children)
+    res = _trace_cli({"config": cfg}, "--pid", str(target.pid), timeout=30)
+    assert res.returncode == 2 and "KINETO_USE_DAEMON=1" in res.stderr and "Traceback" not in res.stderr
+    res = _trace_cli({"config": cfg}, "--pid", "1", "--all", timeout=30)
+    assert res.returncode == 2 and "exactly one of" in res.stderr
+
+
+def test_no_agent_exits_2(tmp_path: Path) -> None:
+    cfg = tmp_path / "a.toml"
+    cfg.write_text(f"[ondemand]\ncontrol_socket = '{tmp_path / 'none.sock'}'\n")
+    res = _trace_cli({"config": cfg}, "--all", timeout=30)
+    assert res.returncode == 2 and "no profagent agent is running" in res.stderr
+
+
+def test_name_taken_turns_the_source_off_and_the_rest_runs(tmp_path: Path, run_agent, children) -> None:
+    sockets = tmp_path / "s"
+    sockets.mkdir()
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    squatter.bind(str(sockets / "dynolog"))  # another daemon holds the name
+    try:
+        agent, target, port, cfg = _isolated_agent(tmp_path, run_agent, children)
+        samples = parse_metrics(http_get(f"http://127.0.0.1:{port}/metrics"))
+        up = {lab["collector"]: v for lab, v in samples["profagent_collector_up"]}
+        assert up["ondemand"] == 0 and up["host"] == 1
+        wait_for(lambda: "held by another daemon" in agent.output, what="the one-line reason")
+        assert "Traceback" not in agent.output
+    finally:
+        squatter.close()
+
+
+def test_periodic_mode_rotates_ranks_and_keeps_only_its_own_last_k(tmp_path: Path) -> None:
+    from profagent.sources.ondemand.source import OndemandSource
+    from profagent.target import ProcessInfo, ProcessTree
+
+    now = [0.0]
+    src = OndemandSource(interval=1, trace_dir=str(tmp_path), periodic_minutes=1, keep=2, clock=lambda: now[0])
+    tree = ProcessTree("j", 1, tuple(
+        ProcessInfo(pid, 1, 0.0, "main", str(rank), str(rank), "2", "python", "j") for rank, pid in ((0, 100), (1, 101))
+    ), True)
+    user_file = tmp_path / "profagent_mine_100.json"  # looks like ours, but the agent never asked for it
+    user_file.write_text("{}")
+    chosen = []
+    for _ in range(5):
+        now[0] += 61
+        for pid in (100, 101):
+            src.endpoint.handle(kineto.encode_poll(kineto.Poll(3, 0, (pid, 1))))
+        src.collect(tree)
+        # The process that got a config writes its trace where libkineto would.
+        for pid in (100, 101):
+            reply = src.endpoint.handle(kineto.encode_poll(kineto.Poll(3, 0, (pid, 1))))
+            if reply[40:]:
+                log_file = reply[40:].decode().splitlines()[0].split("=", 1)[1]
+                Path(kineto.output_path(log_file, pid)).write_text("{}")
+                chosen.append(pid)
+    assert chosen == [100, 101, 100, 101, 100]  # one rank per period, in turn
+    own = sorted(p for p in tmp_path.glob("profagent_*.json") if p != user_file)
+    assert len(own) == 2  # only the last K of the agent's own traces are kept
+    assert user_file.read_text() == "{}"  # the user's file is never touched
+
+
+def test_doctor_reports_a_free_endpoint(tmp_path: Path) -> None:
+    from profagent.config import load_config
+    from profagent.doctor.ondemand import check_ondemand as doctor_check
+
+    cfg = load_config(None, {}, {"ondemand.socket_dir": str(tmp_path), "ondemand.control_socket": str(tmp_path / "c")})
+    rows = list(doctor_check(cfg))
+    assert rows[0].status == "ok" and "is free" in rows[0].detail
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    squatter.bind(str(tmp_path / "dynolog"))
+    try:
+        rows = list(doctor_check(cfg))
+        assert rows[0].status == "warn" and "another daemon" in rows[0].detail
+    finally:
+        squatter.close()

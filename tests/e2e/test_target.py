@@ -1,0 +1,157 @@
+"""The target resolves real process trees into roles and ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers.processes import wait_for
+from profagent.errors import UserError
+from profagent.target import PidTarget, check_attachable
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+LAUNCHER = """
+import os, subprocess, sys, time
+kids = []
+for rank in range(2):
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    code = "import subprocess,sys,time; w=subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']); time.sleep(60)"
+    kids.append(subprocess.Popen([sys.executable, "-c", code], env=env))
+time.sleep(60)
+"""
+
+
+def _tree_when(target: PidTarget, n: int):
+    return wait_for(lambda: (t := target.refresh()) and len(t.processes) >= n and t, what=f"{n} processes")
+
+
+def test_rank_with_grandchild(children) -> None:
+    proc = children.python(
+        """
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        time.sleep(60)
+        """,
+        env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "SLURM_JOB_ID": ""},
+    )
+    tree = _tree_when(PidTarget(proc.pid), 2)
+    by_pid = tree.by_pid()
+    assert by_pid[proc.pid].role == "main" and by_pid[proc.pid].rank == "0"
+    worker = next(p for p in tree.processes if p.pid != proc.pid)
+    assert (worker.role, worker.rank, worker.local_rank) == ("dataloader", "0", "0")
+    assert tree.ranks() == ["0"]
+
+
+def test_launcher_with_two_ranks_and_torchelastic_job_id(children) -> None:
+    proc = children.python(LAUNCHER, env={"TORCHELASTIC_RUN_ID": "run-42"})
+    tree = _tree_when(PidTarget(proc.pid), 5)
+    roles = {p.pid: (p.role, p.rank) for p in tree.processes}
+    assert roles[proc.pid] == ("launcher", "")
+    assert tree.ranks() == ["0", "1"]
+    assert sum(1 for r, _ in roles.values() if r == "dataloader") == 2
+    assert {p.world_size for p in tree.mains()} == {"2"}
+    assert tree.job_id == "run-42"
+
+
+def test_attach_to_a_single_rank_of_a_launcher(children) -> None:
+    proc = children.python(LAUNCHER, env={"SLURM_JOB_ID": "777"})
+    full = _tree_when(PidTarget(proc.pid), 5)
+    rank1 = next(p for p in full.mains() if p.rank == "1")
+    tree = _tree_when(PidTarget(rank1.pid), 2)
+    assert tree.ranks() == ["1"]
+    assert tree.job_id == "777"
+
+
+def test_plain_process_is_rank_zero_and_job_id_is_its_pid() -> None:
+    unset = ("RANK", "SLURM_PROCID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+    clean = {k: v for k, v in os.environ.items() if k not in unset}
+    plain = subprocess.Popen(SLEEPER, env=clean)
+    try:
+        tree = PidTarget(plain.pid).refresh()
+        (only,) = tree.processes
+        assert (only.role, only.rank, only.world_size) == ("main", "0", "1")
+        assert tree.job_id == str(plain.pid)
+    finally:
+        plain.kill()
+        plain.wait()
+
+
+def test_workers_come_and_go(children, tmp_path: Path) -> None:
+    flag = tmp_path / "spawn"
+    proc = children.python(
+        f"""
+        import os, subprocess, sys, time
+        while True:
+            if os.path.exists({str(flag)!r}):
+                os.remove({str(flag)!r})
+                subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+            time.sleep(0.05)
+        """,
+        env={"RANK": "3"},
+    )
+    target = PidTarget(proc.pid)
+    assert len(target.refresh().processes) == 1
+    flag.touch()
+    tree = _tree_when(target, 2)
+    assert {p.role for p in tree.processes} == {"main", "dataloader"}
+    wait_for(lambda: len(target.refresh().processes) == 1, what="worker exit")
+
+
+def test_environ_unreadable_degrades_with_one_warning(children, caplog) -> None:
+    proc = children.python(
+        "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']); time.sleep(60)",
+        env={"RANK": "5"},
+    )
+
+    def denied(root: Path, pid: int) -> dict[str, str]:
+        raise PermissionError(13, "Permission denied")
+
+    target = PidTarget(proc.pid, environ_reader=denied)
+    with caplog.at_level("WARNING"):
+        tree = _tree_when(target, 2)
+        target.refresh()
+    assert [p.rank for p in tree.mains()] == ["0"]  # falls back to a single-process job
+    warnings = [r for r in caplog.records if "environ" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_tree_gone_after_kill(children) -> None:
+    proc = children.python("import time; time.sleep(60)")
+    target = PidTarget(proc.pid)
+    assert target.refresh().alive
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    tree = target.refresh()
+    assert not tree.alive and tree.processes == ()
+
+
+def test_orphaned_rank_keeps_the_tree_alive(children) -> None:
+    proc = children.python(
+        "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)'], start_new_session=False); time.sleep(60)",
+        env={"RANK": "0"},
+    )
+    target = PidTarget(proc.pid)
+    tree = _tree_when(target, 2)
+    worker = next(p.pid for p in tree.processes if p.pid != proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    tree = target.refresh()
+    assert tree.alive and [p.pid for p in tree.processes] == [worker]
+    os.kill(worker, signal.SIGKILL)
+    wait_for(lambda: not psutil.pid_exists(worker) or psutil.Process(worker).status() == "zombie")
+    time.sleep(0.1)
+    assert not target.refresh().alive
+
+
+def test_check_attachable_errors() -> None:
+    with pytest.raises(UserError, match="no process with PID"):
+        check_attachable(2**22 + 12345)
+    assert check_attachable(os.getpid()).pid == os.getpid()

@@ -1,0 +1,64 @@
+"""End to end: `profagent attach --pid N --trace-dir DIR` while the job writes traces."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.agent import free_port, http_get, parse_metrics
+from helpers.paths import WORKLOADS, shared_traces
+from helpers.processes import wait_for
+from helpers.prometheus import promtool_check_metrics
+
+
+def _metric(text: str, name: str, **labels: str) -> list[float]:
+    return [v for lab, v in parse_metrics(text).get(name, []) if all(lab.get(k) == w for k, w in labels.items())]
+
+
+@pytest.mark.slow
+def test_attach_with_trace_dir(tmp_path: Path, run_agent) -> None:
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    job = subprocess.Popen(
+        [sys.executable, str(WORKLOADS / "torch_profiled.py"), str(traces), "--gzip", "--delay", "4", "--linger", "60"],
+        env={**os.environ, "SLURM_JOB_ID": "trace-e2e"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        agent = run_agent(
+            ["attach", "--pid", str(job.pid), "--listen", f"127.0.0.1:{port}", "--trace-dir", str(traces),
+             "--no-stacks", "--interval", "0.5"],
+            env={"PROFAGENT_STATE_DIR": str(tmp_path / "state"), "PROFAGENT_GPU_BACKEND": "off"},
+        )
+        agent.wait_healthy(base)
+        # the job's own trace (streamed .json.gz), attributed to its rank through its pid
+        text = wait_for(lambda: (t := http_get(base + "/metrics")) and _metric(t, "profagent_trace_step_seconds") and t,
+                        40, what="trace metrics from the job")
+        assert _metric(text, "profagent_trace_steps", job_id="trace-e2e", rank="0") == [3.0]
+        assert _metric(text, "profagent_traces_total", status="ingested") == [1.0]
+        assert _metric(text, "profagent_trace_step_breakdown_ratio", rank="0", category="cpu_exec")[0] > 0.2
+        assert not _metric(text, "profagent_trace_gpu_idle_ratio")  # CPU-only: absent, not 0
+
+        # a GPU trace dropped in by hand (atomic rename): visible within ~2 s
+        tmp = traces / "rank1.pt.trace.json.gz.part.tmp"
+        shutil.copy(shared_traces() / "v100-rank0.pt.trace.json.gz", tmp)
+        began = time.monotonic()
+        os.replace(tmp, traces / "gpu.pt.trace.json.gz")
+        text = wait_for(lambda: (t := http_get(base + "/metrics")) and _metric(t, "profagent_trace_gpu_idle_ratio") and t,
+                        15, interval=0.05, what="GPU trace metrics")
+        latency = time.monotonic() - began
+        assert latency < 3.0, latency  # settle 0.5 s + parse; the budget is 2 s, slack for a loaded CI
+        assert _metric(text, "profagent_traces_total", status="ingested") == [2.0]
+        assert promtool_check_metrics(text) == ""
+        assert agent.proc.poll() is None
+    finally:
+        job.kill()
+        job.wait(10)

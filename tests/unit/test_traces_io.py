@@ -1,0 +1,151 @@
+"""Reading Kineto traces: chunked decoding, odd inputs, clear errors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helpers.paths import shared_traces
+from profagent.analysis.trace.report import analyze
+from profagent.sources.traces import reader as traceio
+from profagent.sources.traces.reader import TraceError, read_trace
+
+SMALL = shared_traces() / "mi250-rocm.pt.trace.json.gz"
+V100 = shared_traces() / "v100-rank0.pt.trace.json.gz"
+
+
+def _events(trace: traceio.Trace) -> list[tuple]:
+    names = [trace.names[i] for i in trace.name]
+    threads = [trace.threads[i] for i in trace.thread]
+    return list(zip(trace.kind.tolist(), names, trace.ts.tolist(), trace.end.tolist(), threads,
+                    trace.corr.tolist(), trace.device.tolist(), strict=True))
+
+
+def _write(path: Path, data: dict | str | bytes) -> Path:
+    if isinstance(data, dict):
+        data = json.dumps(data)
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    return path
+
+
+def test_chunked_decoding_equals_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = read_trace(V100)
+    monkeypatch.setattr(traceio, "CHUNK", 64 * 1024)  # hundreds of pieces
+    pieces = read_trace(V100)
+    assert _events(pieces) == _events(whole)
+    assert pieces.bytes_read == whole.bytes_read
+    assert (pieces.rank, pieces.device_count, pieces.base_time_ns) == (whole.rank, whole.device_count, whole.base_time_ns)
+
+
+def test_float_nanosecond_timestamps_are_kept() -> None:
+    trace = read_trace(V100)
+    assert (trace.ts != trace.ts.astype(int)).any()
+
+
+def test_kept_events_match_a_plain_json_count() -> None:
+    with gzip.open(V100, "rt") as fh:
+        raw = json.load(fh)["traceEvents"]
+    expected = sum(1 for e in raw if e.get("ph") == "X" and e.get("cat") in traceio.KINDS)
+    assert len(read_trace(V100)) == expected
+
+
+def test_huge_integers_in_args_and_minified_json(tmp_path: Path) -> None:
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 10, "dur": 5,
+         "args": {"Addr": 2**80, "External id": 2**70}},
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 12, "dur": 3,
+         "args": {"correlation": 5, "device": 0, "stream": 7, "huge": -(2**90)}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": 11, "dur": 1,
+         "args": {"correlation": 5}},
+        {"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "pid": 1, "tid": 1, "ts": 11,
+         "args": {"Total Allocated": 4096, "Device Type": 1, "Device Id": 0, "Addr": 2**100}},
+    ]
+    path = _write(tmp_path / "big.json", json.dumps({"traceEvents": events}, separators=(",", ":")))
+    trace = read_trace(path)
+    assert [trace.names[i] for i in trace.name] == ["aten::mm", "k", "cudaLaunchKernel"]
+    assert trace.corr.tolist() == [-1, 5, 5] and trace.device.tolist() == [-1, 0, -1]
+    report = analyze(trace)
+    assert report.memory_peak == {"cuda:0": 4096}
+    assert report.launch_delay["max"] == pytest.approx(1e-6)
+    assert report.rank is None and report.steps_inferred
+
+
+def test_base_time_and_missing_metadata(tmp_path: Path) -> None:
+    path = _write(tmp_path / "t.json", {"baseTimeNanoseconds": 1700000000000000000,
+                                        "traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "a", "ts": 1.5, "dur": 2.25, "pid": 3, "tid": 3}]})
+    trace = read_trace(path)
+    assert trace.base_time_ns == 1700000000000000000
+    assert trace.device_count is None and trace.rank is None
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        ('{"traceEvents": [{"ph": "X", "cat": "cpu_op", "ts": 1', "truncated"),
+        ('{"traceEvents": [{"ph": "X",, }]}', "corrupt"),
+        ('{"schemaVersion": 1, "other": []}', "not_a_trace"),
+        ("[1, 2, 3]", "not_a_trace"),
+        ("", "truncated"),
+        ('{"traceEvents": [{"ph": "X", "ts": "soon"}]}', "corrupt"),
+    ],
+)
+def test_bad_json_gives_a_reason(tmp_path: Path, content: str, reason: str) -> None:
+    with pytest.raises(TraceError) as err:
+        read_trace(_write(tmp_path / "bad.json", content))
+    assert err.value.reason == reason
+    assert "\n" not in str(err.value)
+
+
+def test_truncated_and_corrupt_gzip(tmp_path: Path) -> None:
+    data = SMALL.read_bytes()
+    with pytest.raises(TraceError) as err:
+        read_trace(_write(tmp_path / "cut.json.gz", data[: len(data) // 2]))
+    assert err.value.reason == "truncated"
+    broken = bytearray(data)
+    broken[len(broken) // 2 : len(broken) // 2 + 64] = b"\x00" * 64
+    with pytest.raises(TraceError) as err:
+        read_trace(_write(tmp_path / "bad.json.gz", bytes(broken)))
+    assert err.value.reason in ("corrupt", "truncated")
+
+
+def test_missing_file_is_unreadable(tmp_path: Path) -> None:
+    with pytest.raises(TraceError) as err:
+        read_trace(tmp_path / "nope.json")
+    assert err.value.reason == "unreadable"
+
+
+def test_empty_events_list(tmp_path: Path) -> None:
+    trace = read_trace(_write(tmp_path / "e.json", {"traceEvents": []}))
+    assert len(trace) == 0 and trace.memory == []
+    report = analyze(trace)
+    assert report.steps == () and report.gpu is None and report.step_mean is None
+
+
+SMALL_TEXT = gzip.decompress(SMALL.read_bytes())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(st.tuples(st.integers(0, len(SMALL_TEXT) - 1), st.binary(min_size=0, max_size=4)), min_size=1, max_size=6),
+    st.integers(1, len(SMALL_TEXT)),
+)
+def test_mutated_real_traces_never_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edits: list[tuple[int, bytes]], keep: int
+) -> None:
+    monkeypatch.setattr(traceio, "CHUNK", 8192)  # go through the piece-by-piece path too
+    data = bytearray(SMALL_TEXT)
+    for pos, repl in edits:
+        data[pos : pos + len(repl) or pos + 1] = repl
+    path = tmp_path / "m.json"
+    path.write_bytes(bytes(data[:keep]))
+    try:
+        trace = read_trace(path)
+    except TraceError as exc:
+        assert exc.reason in ("truncated", "corrupt", "not_a_trace")
+        return
+    analyze(trace)  # whatever parsed must analyse without raising

@@ -1,0 +1,290 @@
+"""The traces source and its watcher: completeness rules, statuses, restarts, rendering."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from helpers.agent import parse_metrics
+from helpers.paths import shared_traces
+from helpers.processes import wait_for
+from helpers.prometheus import promtool_check_metrics
+from profagent.exporters.families import Families
+from profagent.exporters.families.traces import render
+from profagent.sources.traces.source import TracesSnapshot, TracesSource, resolve_rank
+from profagent.target import ProcessInfo, ProcessTree
+
+NCCL = shared_traces() / "a100-2gpu-nccl.pt.trace.json.gz"
+SMALL = shared_traces() / "mi250-rocm.pt.trace.json.gz"
+TREE = ProcessTree("job1", 100, (
+    ProcessInfo(100, 1, 0.0, "launcher", "", "", "", "torchrun"),
+    ProcessInfo(4242, 100, 0.0, "main", "3", "3", "4", "python train.py"),
+    ProcessInfo(4243, 100, 0.0, "main", "2", "2", "4", "python train.py"),
+), alive=True)
+
+
+class Running:
+    """A started TracesSource plus a thread calling collect() like the runtime does."""
+
+    def __init__(self, folder: Path, state: Path, **kw) -> None:
+        kw.setdefault("settle_seconds", 0.3)
+        kw.setdefault("invalid_after", 30.0)
+        self.source = TracesSource([folder], state, interval=0.1, **kw)
+        self.source.start()
+        self.snapshot: TracesSnapshot | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.source.interval):  # as the runtime ticks
+            self.snapshot = self.source.collect(TREE)
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        snap = self.snapshot
+        return {} if snap is None else {(s, r): n for s, r, n in snap.counts if n}
+
+    def total(self, status: str) -> int:
+        return sum(n for (s, _), n in self.counts().items() if s == status)
+
+    def prove_it_looked(self, folder: Path) -> None:
+        """Drop one more good trace and wait until it is ingested and nothing is waiting.
+
+        Files are handled in the order they appear, so once this newer file is counted the
+        source has looked at every file written before it: a "nothing else changed" assertion
+        made afterwards cannot pass just because the source was slow (the marker adds one
+        ``("ingested", "ok")``)."""
+        self._markers = getattr(self, "_markers", 0) + 1
+        before = self.total("ingested")
+        (folder / f"marker{self._markers}.pt.trace.json.gz").write_bytes(SMALL.read_bytes())
+        wait_for(lambda: self.total("ingested") == before + 1 and self.snapshot.waiting == 0, 15,
+                 what="the marker trace ingested and nothing waiting")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.source.stop()
+        self._thread.join(2)
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> tuple[Path, Path]:
+    folder, state = tmp_path / "traces", tmp_path / "state"
+    folder.mkdir()
+    return folder, state
+
+
+@pytest.fixture
+def running(dirs):
+    started: list[Running] = []
+
+    def start(**kw) -> Running:
+        r = Running(*dirs, **kw)
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.stop()
+
+
+def _fingerprint(folder: Path) -> dict[str, tuple[int, int, str]]:
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            out[str(p)] = (st.st_size, st.st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+def test_slow_gzip_writer_is_ingested_once_never_half(dirs, running) -> None:
+    folder, _ = dirs
+    data = gzip.decompress(NCCL.read_bytes())
+    r = running()
+    target = folder / "sub" / "rank0.pt.trace.json.gz"
+    target.parent.mkdir()
+
+    def writer() -> None:
+        with gzip.open(target, "wb") as fh:
+            step = len(data) // 20
+            for i in range(0, len(data), step):
+                fh.write(data[i : i + step])
+                fh.flush()
+                time.sleep(0.8 if i == 10 * step else 0.03)  # one pause longer than settle
+
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join(30)
+    wait_for(lambda: r.total("ingested") == 1, 15, what="slow gzip ingested")
+    (rank,) = r.snapshot.ranks
+    assert rank.rank == "0" and len(rank.report.steps) == 3  # the whole trace, not a prefix
+    r.prove_it_looked(folder)  # and the source still works
+    assert r.counts() == {("ingested", "ok"): 2}  # the slow file once, plus the marker
+
+
+def test_statuses_of_bad_files(dirs, running) -> None:
+    folder, _ = dirs
+    (folder / "corrupt.json").write_text('{"traceEvents": [{"ph": "X",, ]}')
+    (folder / "empty.pt.trace.json").write_text('{"traceEvents": []}')
+    (folder / "big.pt.trace.json.gz").write_bytes(NCCL.read_bytes())
+    (folder / "cut.json").write_text('{"traceEvents": [{"ph": "X", "ts": 1')
+    (folder / "x.pt.trace.json.tmp").write_text("{}")
+    (folder / "notes.json").write_text('{"hello": 1}')
+    r = running(max_file_bytes=100_000, invalid_after=1.5)
+    expected = {("invalid", "corrupt"): 1, ("skipped", "empty"): 1, ("skipped", "too_large"): 1,
+                ("invalid", "truncated"): 1, ("skipped", "not_a_trace"): 1}
+    wait_for(lambda: r.counts() == expected, 15, what=f"statuses {expected}")
+    assert r.snapshot.ranks == ()
+    r.prove_it_looked(folder)  # the worker survived them
+    # still working afterwards
+    (folder / "ok.pt.trace.json.gz").write_bytes(SMALL.read_bytes())
+    wait_for(lambda: r.total("ingested") == 1, 10, what="a good trace after bad ones")
+
+
+def test_tmp_then_rename_and_files_untouched(dirs, running) -> None:
+    folder, _ = dirs
+    r = running()
+    tmp = folder / "w.pt.trace.json.tmp"
+    tmp.write_bytes(gzip.decompress(SMALL.read_bytes()))
+    r.prove_it_looked(folder)
+    assert r.counts() == {("ingested", "ok"): 1}  # the marker only: the .tmp file is not a trace yet
+    before = _fingerprint(folder)
+    os.replace(tmp, folder / "w.pt.trace.json")
+    # complete -> visible: the bound is generous (a loaded machine); the settle rule is unit-tested
+    wait_for(lambda: r.total("ingested") == 2, 30, what="renamed trace ingested")
+    after = _fingerprint(folder)
+    assert list(after.values()) == list(before.values())  # same bytes, size, mtime
+
+
+def test_restart_does_not_count_twice(dirs, running) -> None:
+    folder, state = dirs
+    (folder / "a.pt.trace.json.gz").write_bytes(SMALL.read_bytes())
+    (folder / "b.json").write_text("{not json}")
+    first = running()
+    wait_for(lambda: first.total("ingested") == 1 and first.total("invalid") == 1, 10, what="first pass")
+    before = _fingerprint(folder)
+    first.stop()
+    assert (state / "traces-processed.json").exists()
+    second = running()
+    # a, b and corrupt were on disk before the marker: once the marker is counted, they were looked at
+    second.prove_it_looked(folder)
+    assert second.counts() == {("ingested", "ok"): 1}  # the marker only: nothing counted twice
+    assert all(_fingerprint(folder)[k] == v for k, v in before.items())
+
+
+def test_polling_fallback(dirs, running) -> None:
+    folder, _ = dirs
+    r = running(polling=True)
+    (folder / "p.pt.trace.json.gz").write_bytes(SMALL.read_bytes())
+    wait_for(lambda: r.total("ingested") == 1, 10, what="ingested while polling")
+
+
+def test_rank_resolution() -> None:
+    from profagent.analysis.trace.report import analyze
+    from profagent.sources.traces.reader import read_trace
+
+    with_rank = analyze(read_trace(NCCL))
+    assert resolve_rank(with_rank, "x.json", TREE) == "0"  # distributedInfo wins
+    rocm = analyze(read_trace(SMALL))  # no distributedInfo; pid 597913
+    assert resolve_rank(rocm, "/t/host_1.123.pt.trace.json", TREE) == "unknown"
+    assert resolve_rank(rocm, "/t/rank-7.json.gz", TREE) == "7"
+    assert resolve_rank(rocm, "/t/host_4243.1700.pt.trace.json", TREE) == "2"
+    mapped = ProcessTree("j", 1, (ProcessInfo(597913, 1, 0.0, "main", "5", "", "", "py"),), True)
+    assert resolve_rank(rocm, "/t/anything.json", mapped) == "5"
+    single = ProcessTree("j", 1, (ProcessInfo(1, 0, 0.0, "main", "0", "0", "1", "py"),), True)
+    assert resolve_rank(rocm, "/t/anything.json", single) == "0"
+
+
+def test_metrics_are_clean_and_bounded(dirs, running) -> None:
+    folder, _ = dirs
+    r = running(top_k=3)
+    for name in ("a100-2gpu-nccl", "cpu-only-rank34", "v100-rank0"):
+        (folder / f"{name}.pt.trace.json.gz").write_bytes((shared_traces() / f"{name}.pt.trace.json.gz").read_bytes())
+    (folder / "bad.json").write_text("[")
+    wait_for(lambda: r.total("ingested") == 3, 20, what="three traces")
+    wait_for(lambda: r.total("invalid") == 1 or r.total("skipped") == 1 or r.snapshot.waiting, 5)
+    out = Families()
+    render(r.snapshot, out)
+
+    class One:
+        def collect(self):
+            return iter(out)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(One())
+    text = generate_latest(registry).decode()
+    assert promtool_check_metrics(text) == ""
+    m = parse_metrics(text)
+    # rank 0 (v100 or nccl, whichever came last) and rank 34 (CPU only: no GPU series)
+    ranks = {labels["rank"] for labels, _ in m["profagent_trace_step_seconds"]}
+    assert ranks == {"0", "34"}
+    assert {labels["rank"] for labels, _ in m["profagent_trace_gpu_idle_ratio"]} == {"0"}
+    kernels = [labels for labels, _ in m["profagent_trace_top_kernel_seconds"] if labels["rank"] == "0"]
+    assert len(kernels) == 4 and {"other"} <= {k["kernel"] for k in kernels}
+    totals = {labels["status"]: v for labels, v in m["profagent_traces_total"]}
+    assert totals["ingested"] == 3 and set(totals) == {"ingested", "invalid", "skipped"}
+    ratios = [v for labels, v in m["profagent_trace_step_breakdown_ratio"] if labels["rank"] == "0"]
+    assert len(ratios) == 8 and sum(ratios) == pytest.approx(1.0)
+    assert json.dumps(r.snapshot.ranks[0].report.to_dict())  # JSON-able
+
+
+def test_mutated_real_traces_each_end_in_a_status(dirs, running) -> None:
+    import random
+
+    folder, _ = dirs
+    text = gzip.decompress(SMALL.read_bytes())
+    rng = random.Random(5)
+    for i in range(8):
+        data = bytearray(text)
+        for _ in range(rng.randint(1, 5)):
+            pos = rng.randrange(len(data))
+            data[pos : pos + rng.randint(0, 3)] = bytes(rng.randrange(256) for _ in range(rng.randint(0, 3)))
+        if i % 2:
+            data = data[: rng.randrange(1, len(data))]
+        (folder / f"m{i}.pt.trace.json").write_bytes(bytes(data))
+    r = running(invalid_after=1.0)
+    wait_for(lambda: sum(r.counts().values()) == 8, 20, what="every mutated file counted once")
+    r.prove_it_looked(folder)  # the source still works
+    assert sum(r.counts().values()) == 9
+
+
+def test_folder_created_later_is_watched(tmp_path: Path) -> None:
+    later = tmp_path / "later" / "traces"
+    r = Running(later, tmp_path / "state")
+    try:
+        wait_for(lambda: r.snapshot is not None, 10, what="the source running before the folder exists")
+        later.mkdir(parents=True)
+        (later / "x.pt.trace.json.gz").write_bytes(SMALL.read_bytes())
+        wait_for(lambda: r.total("ingested") == 1, 10, what="trace in a folder created after start")
+    finally:
+        r.stop()
+
+
+def test_traces_of_other_processes_are_skipped(dirs, running, caplog) -> None:
+    """A shared folder (one agent per job): only the target's traces are ingested."""
+    folder, _ = dirs
+    text = gzip.decompress(SMALL.read_bytes()).decode()
+    (folder / "profagent_aa_4243.json").write_text(text)  # on-demand, from rank 2 of the job
+    (folder / "profagent_bb_999999.json").write_text(text)  # on-demand, from another job
+    # a trace taken from a live process outside the job (this test process)
+    (folder / "other.pt.trace.json").write_text(text.replace('"pid": 597913', f'"pid": {os.getpid()}'))
+    (folder / "old.pt.trace.json").write_text(text)  # pid 597913: no such process here; kept
+    import logging
+
+    caplog.set_level(logging.DEBUG, "profagent.sources.traces.source")
+    r = running()
+    wait_for(lambda: r.total("ingested") + r.total("skipped") == 4, 20, what="four traces handled")
+    assert r.counts() == {("ingested", "ok"): 2, ("skipped", "other_process"): 2}
+    ranks = {rt.rank for rt in r.snapshot.ranks}
+    assert ranks == {"2", "unknown"}  # pid 4243 is rank 2; the old trace has no rank
+    infos = [rec for rec in caplog.records if rec.levelno == logging.INFO and "ingested" in rec.getMessage()]
+    assert len(infos) == 1  # the first ingest at INFO, the next at DEBUG
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.WARNING]
