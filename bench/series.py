@@ -42,9 +42,9 @@ from profagent.state import State
 from profagent.target import ProcessInfo, ProcessTree
 
 ROOT = Path(__file__).resolve().parents[1]
-# The shared fixtures: $PROFAGENT_SHARED_DIR, else the first shared/ walking up from the
+# The shared fixtures: $SHARED_FIXTURES_DIR, else the first shared/ walking up from the
 # checkout (next to it, or further up for a git worktree); the rule of tests/helpers/paths.py.
-SHARED_ENV = "PROFAGENT_SHARED_DIR"
+SHARED_ENV = "SHARED_FIXTURES_DIR"
 SHARED = Path(os.environ[SHARED_ENV]) if os.environ.get(SHARED_ENV) else next(
     (d / "shared" for d in ROOT.parents if (d / "shared").is_dir()), ROOT.parent / "shared")
 DEFAULT_TRACE = SHARED / "traces" / "gpu" / "a100-80gb-rank0.pt.trace.json.gz"

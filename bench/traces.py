@@ -12,7 +12,7 @@ Two ratios side by side, on the same files:
   dicts), each in its own process after its imports, best of ``--repeat``.
 
 Peak RSS is each process's own high-water mark (VmHWM; for the whole-process runs, the
-child's ru_maxrss from wait4). Cases: every trace in shared/traces/gpu ($PROFAGENT_SHARED_DIR,
+child's ru_maxrss from wait4). Cases: every trace in shared/traces/gpu ($SHARED_FIXTURES_DIR,
 else the first shared/ walking up from the checkout, as tests/helpers/paths.py), and a synthetic large
 trace (``--synthetic-mb``, 0 to skip) made by replicating the A100-80GB trace's events
 with shifted timestamps, correlation ids and step numbers, in a temporary folder.
@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The shared fixtures: $PROFAGENT_SHARED_DIR, else the first shared/ walking up from the
+# The shared fixtures: $SHARED_FIXTURES_DIR, else the first shared/ walking up from the
 # checkout (next to it, or further up for a git worktree); the rule of tests/helpers/paths.py.
-SHARED_ENV = "PROFAGENT_SHARED_DIR"
+SHARED_ENV = "SHARED_FIXTURES_DIR"
 SHARED = (Path(os.environ[SHARED_ENV]) if os.environ.get(SHARED_ENV) else next(
     (d / "shared" for d in ROOT.parents if (d / "shared").is_dir()), ROOT.parent / "shared")) / "traces" / "gpu"
 SOURCE = "a100-80gb-rank0"

@@ -12,13 +12,8 @@ from pathlib import Path
 import pytest
 
 from helpers.agent import AgentProcess
-from helpers.paths import take_shared_env
 from helpers.processes import Children
 from helpers.prometheus import Prometheus
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    take_shared_env()  # before any child starts: the agent refuses unknown PROFAGENT_* variables
 
 
 @pytest.fixture

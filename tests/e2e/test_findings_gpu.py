@@ -26,11 +26,7 @@ MOCK_DIR = nvml_mock_dir()  # NVML_MOCK_DIR, else shared/nvml-mock (helpers.path
 PROFILE = MOCK_DIR / "configs" / "mock-nvml-config-h100.yaml"
 ERRORS_SECONDS = 8
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not (MOCK_DIR / "libnvidia-ml.so.1").exists(),
-                       reason=f"NVIDIA's mock NVML is not at {MOCK_DIR} (outside this project's CI)"),
-]
+pytestmark = [pytest.mark.slow]
 
 # A launcher with two ranks. Rank 0 iterates a DataLoader whose __getitem__ computes (the
 # CPU is busy in torch/utils/data); rank 1 sleeps. Both are bounded by lifeline.

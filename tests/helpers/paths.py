@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
@@ -14,28 +13,19 @@ WORKLOADS = ROOT / "tests" / "workloads"
 # The shared fixtures (traces/gpu, nvml-mock) are not in the repository: they sit in a
 # ``shared/`` folder next to the checkout, or further up for a git worktree, or anywhere
 # this variable says.
-SHARED_ENV = "PROFAGENT_SHARED_DIR"
+# (Not PROFAGENT_*: the agent reads every such variable as a config key and refuses unknown ones.)
+SHARED_ENV = "SHARED_FIXTURES_DIR"
 NVML_MOCK_ENV = "NVML_MOCK_DIR"  # NVIDIA's mock NVML alone, anywhere (overrides shared/nvml-mock)
 
 
-@functools.cache
-def take_shared_env() -> str:
-    """$PROFAGENT_SHARED_DIR ("" if unset), taken out of the environment on the first call.
-
-    Every PROFAGENT_* variable is a config key to the agent, which refuses unknown ones
-    (exit 2), and the tests' children inherit the environment: conftest.py calls this as
-    the session starts, so no agent a test starts ever sees it.
-    """
-    return os.environ.pop(SHARED_ENV, "")
-
 
 def shared_dir() -> Path:
-    """$PROFAGENT_SHARED_DIR if set, else the first ``shared/`` walking up from the checkout.
+    """$SHARED_FIXTURES_DIR if set, else the first ``shared/`` walking up from the checkout.
 
     Fails the calling test (or the collection of the module that calls it at import) with
     one line naming the expected folder and the variable when there is none.
     """
-    env = take_shared_env()
+    env = os.environ.get(SHARED_ENV, "")
     if env:
         if Path(env).is_dir():
             return Path(env)
@@ -54,6 +44,14 @@ def shared_traces() -> Path:
 
 
 def nvml_mock_dir() -> Path:
-    """NVIDIA's mock NVML: $NVML_MOCK_DIR if set, else shared/nvml-mock."""
+    """NVIDIA's mock NVML: $NVML_MOCK_DIR if set, else shared/nvml-mock.
+
+    Fails (one line) when ``libnvidia-ml.so.1`` is not there: the GPU tests must not pass
+    by being skipped.
+    """
     env = os.environ.get(NVML_MOCK_ENV)
-    return Path(env) if env else shared_dir() / "nvml-mock"
+    folder = Path(env) if env else shared_dir() / "nvml-mock"
+    if not (folder / "libnvidia-ml.so.1").is_file():
+        pytest.fail(f"NVIDIA's mock NVML not found: no libnvidia-ml.so.1 in {folder} "
+                    f"(set {NVML_MOCK_ENV} or {SHARED_ENV})", pytrace=False)
+    return folder
