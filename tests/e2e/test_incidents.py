@@ -64,7 +64,10 @@ def test_hang_captures_one_incident_with_every_rank_and_rate_limits_the_repeat(t
         config.write_text(
             f"state_dir = '{tmp_path / 'state'}'\n"
             f"[stacks]\nstall_seconds = {STALL_SECONDS}\nwindow = 2\nrate = 20\n"
+            # A private on-demand folder: the default /tmp/profagent-ondemand may belong to another
+            # user's agent (root's service), and then on-demand, with the control socket, is off.
             f"[ondemand]\nsocket_dir = '{tmp_path / 's'}'\ncontrol_socket = '{tmp_path / 'c.sock'}'\n"
+            f"trace_dir = '{tmp_path / 'ondemand'}'\n"
             f"[incidents]\ndir = '{inc_dir}'\nrate_limit_seconds = 3600\n"
         )
         (tmp_path / "s").mkdir()
