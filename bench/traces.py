@@ -172,7 +172,7 @@ def _whole_run(argv: list[str], env: dict[str, str]) -> tuple[float, float, int]
     wall = time.perf_counter() - began
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        raise RuntimeError(f"{argv[:4]} exited {proc.returncode}")
+        raise RuntimeError(f"exit {proc.returncode}")
     return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
 
 
