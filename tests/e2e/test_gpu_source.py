@@ -21,9 +21,10 @@ from profagent.exporters.families.gpu import render
 from profagent.sources.gpu.nvml import Nvml
 from profagent.sources.gpu.profiles import A100, H100, H100_MIG
 from profagent.sources.gpu.simulated import SimulatedNvml
-from profagent.sources.gpu.source import GpuSnapshot, GpuSource, read_nspid
+from profagent.sources.gpu.source import GpuSnapshot, GpuSource
 from profagent.sources.host import HostSource
 from profagent.state import State
+from profagent.system.procfs import read_nspid
 from profagent.target import ROLE_LAUNCHER, ROLE_MAIN, PidTarget, ProcessInfo, ProcessTree
 
 

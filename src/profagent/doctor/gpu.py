@@ -20,6 +20,7 @@ from profagent.sources.gpu.nvml import (
     parse_backend,
     text,
 )
+from profagent.system.procfs import read_nspid
 
 AREA = "gpu"
 
@@ -90,20 +91,12 @@ def _namespace_row(pids: set[int], proc_root: Path) -> Check:
     if not pids:
         return Check(AREA, name, OK, "no process on the GPUs right now (nothing to match)")
     hidden = sorted(pid for pid in pids if not (proc_root / str(pid)).exists())
-    if hidden and _nested_pid_namespace(proc_root):
+    if hidden and len(read_nspid(proc_root, os.getpid())) > 1:  # the agent in a nested PID namespace
         return Check(AREA, name, WARN, f"{len(hidden)} of {len(pids)} GPU processes are not visible here (PID namespace)",
                      "run the agent with --pid=host (Kubernetes: hostPID: true) for per-rank GPU metrics")
     if hidden:  # in the host's namespace an invisible PID has simply exited
         return Check(AREA, name, OK, f"{len(pids) - len(hidden)} GPU processes visible ({len(hidden)} just exited)")
     return Check(AREA, name, OK, f"all {len(pids)} GPU processes visible")
-
-
-def _nested_pid_namespace(proc_root: Path) -> bool:
-    try:
-        status = (proc_root / str(os.getpid()) / "status").read_text(errors="replace")
-    except OSError:
-        return False
-    return any(line.startswith("NSpid:") and len(line.split()) > 2 for line in status.splitlines())
 
 
 def _mig_attribution_row(nvml: Nvml, dev: DeviceHandle) -> Check:

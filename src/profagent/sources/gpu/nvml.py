@@ -37,6 +37,7 @@ from typing import Any
 import pynvml
 
 from profagent.errors import NotApplicable, SourceUnavailable, UserError
+from profagent.logs import LogOnce
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ class Nvml:
         self._opened = False
         self._lock = threading.Lock()
         self._unsupported: set[tuple[str, str]] = set()
-        self._logged: set[str] = set()
+        self._log_once = LogOnce(log)
         self._errors: Counter[str] = Counter()  # field errors since take_errors()
 
     # -- lifecycle ------------------------------------------------------------------
@@ -308,9 +309,7 @@ class Nvml:
             self.lib.simulatedSetTargetProcesses(procs)
 
     def _once(self, key: str, message: str) -> None:
-        if key not in self._logged:
-            self._logged.add(key)
-            log.info(message)
+        self._log_once(logging.INFO, key, "%s", message)
 
 
 # valueType -> the c_nvmlValue_t member holding it (older pynvml lacks some type names).

@@ -35,10 +35,10 @@ import yaml
 from profagent.errors import UserError
 from profagent.sources.gpu.simulated import (
     NOT_AVAILABLE_UINT,
-    _error,
-    _EventData,
-    _EventSet,
-    _Handle,
+    EventData,
+    EventSet,
+    Handle,
+    nvml_error,
 )
 
 MIB = 1024 * 1024
@@ -117,9 +117,9 @@ class ScriptedNvml:
         self._merged: dict[int, dict] = {}  # device index -> merged configuration
         self._read_at: float | None = None
         self._refcount = 0
-        self._handles = [_Handle(i) for i in range(self.count)]
+        self._handles = [Handle(i) for i in range(self.count)]
         self._state = [_State() for _ in range(self.count)]
-        self._event_sets: list[_EventSet] = []
+        self._event_sets: list[EventSet] = []
 
     # -- configuration -----------------------------------------------------------------
     def _refresh(self) -> None:
@@ -148,9 +148,9 @@ class ScriptedNvml:
     def _guard(self, handle: Any, counted: bool = True) -> dict:
         """The device's configuration, after applying its failure injection."""
         if self._refcount <= 0:
-            raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
-        if not isinstance(handle, _Handle) or not 0 <= handle.index < self.count:
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_UNINITIALIZED)
+        if not isinstance(handle, Handle) or not 0 <= handle.index < self.count:
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         cfg = self.device_config(handle.index)
         st = self._state[handle.index]
         failure = cfg.get("failure") or {}
@@ -168,7 +168,7 @@ class ScriptedNvml:
             elif (failure.get("xid") or {}).get("code") is not None:
                 st.xid_pending = True
         if st.tripped and mode in _LOST_MODES:
-            raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+            raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
         if st.tripped and mode == "ecc_uncorrectable":
             st.ecc_extra += 1
         return cfg
@@ -183,12 +183,12 @@ class ScriptedNvml:
 
     def nvmlShutdown(self) -> None:
         if self._refcount <= 0:
-            raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
+            raise nvml_error(pynvml.NVML_ERROR_UNINITIALIZED)
         self._refcount -= 1
 
     def _system(self, key: str, default: Any) -> Any:
         if self._refcount <= 0:
-            raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
+            raise nvml_error(pynvml.NVML_ERROR_UNINITIALIZED)
         return (self.config.get("system") or {}).get(key, default)
 
     def nvmlSystemGetDriverVersion(self) -> str:
@@ -204,47 +204,47 @@ class ScriptedNvml:
         self._system("driver_version", "")
         return self.count
 
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Handle:
         if not 0 <= index < self.count:
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         self._guard(self._handles[index], counted=False)
         return self._handles[index]
 
     # -- identity ------------------------------------------------------------------------
-    def nvmlDeviceGetUUID(self, handle: _Handle) -> str:
+    def nvmlDeviceGetUUID(self, handle: Handle) -> str:
         return str(self._guard(handle).get("uuid") or f"GPU-{handle.index:08d}")
 
-    def nvmlDeviceGetName(self, handle: _Handle) -> str:
+    def nvmlDeviceGetName(self, handle: Handle) -> str:
         return str(self._guard(handle).get("name") or "NVIDIA GPU")
 
-    def nvmlDeviceGetPciInfo(self, handle: _Handle) -> pynvml.nvmlPciInfo_t:
+    def nvmlDeviceGetPciInfo(self, handle: Handle) -> pynvml.nvmlPciInfo_t:
         bus_id = str((self._guard(handle).get("pci") or {}).get("bus_id") or f"0000:{handle.index:02X}:00.0")
         info = pynvml.nvmlPciInfo_t()
         info.busIdLegacy = bus_id.encode()
         info.busId = ("0000" + bus_id).encode()  # NVML's 8-digit domain
         return info
 
-    def nvmlDeviceGetMigMode(self, handle: _Handle) -> list[int]:
+    def nvmlDeviceGetMigMode(self, handle: Handle) -> list[int]:
         mig = self._guard(handle).get("mig") or {}
         cur = pynvml.NVML_DEVICE_MIG_ENABLE if mig.get("mode_current") == "enabled" else pynvml.NVML_DEVICE_MIG_DISABLE
         pend = pynvml.NVML_DEVICE_MIG_ENABLE if mig.get("mode_pending") == "enabled" else pynvml.NVML_DEVICE_MIG_DISABLE
         return [cur, pend]
 
-    def nvmlDeviceGetMaxMigDeviceCount(self, handle: _Handle) -> int:
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: Handle) -> int:
         return int((self._guard(handle).get("mig") or {}).get("max_gpu_instances", 7))
 
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: _Handle, index: int) -> _Handle:
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Handle, index: int) -> Handle:
         self._guard(handle)
-        raise _error(pynvml.NVML_ERROR_NOT_FOUND)  # MIG devices are not scripted (as in the mock)
+        raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)  # MIG devices are not scripted (as in the mock)
 
     # -- values --------------------------------------------------------------------------
-    def nvmlDeviceGetUtilizationRates(self, handle: _Handle) -> pynvml.c_nvmlUtilization_t:
+    def nvmlDeviceGetUtilizationRates(self, handle: Handle) -> pynvml.c_nvmlUtilization_t:
         util = self._guard(handle).get("utilization") or {}
         out = pynvml.c_nvmlUtilization_t()
         out.gpu, out.memory = int(util.get("gpu", 0)), int(util.get("memory", 0))
         return out
 
-    def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None):  # noqa: ANN201 - v1 or v2 struct
+    def nvmlDeviceGetMemoryInfo(self, handle: Handle, version: int | None = None):  # noqa: ANN201 - v1 or v2 struct
         mem = self._guard(handle).get("memory") or {}
         total, reserved = int(mem.get("total_bytes", 0)), int(mem.get("reserved_bytes", 0))
         used = int(mem.get("used_bytes", 0))
@@ -257,52 +257,52 @@ class ScriptedNvml:
         v1.total, v1.used, v1.free = total, used, free
         return v1
 
-    def nvmlDeviceGetPowerUsage(self, handle: _Handle) -> int:
+    def nvmlDeviceGetPowerUsage(self, handle: Handle) -> int:
         return int((self._guard(handle).get("power") or {}).get("current_draw_mw", 0))
 
-    def nvmlDeviceGetEnforcedPowerLimit(self, handle: _Handle) -> int:
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: Handle) -> int:
         power = self._guard(handle).get("power") or {}
         return int(power.get("enforced_limit_mw", power.get("default_limit_mw", 0)))
 
-    def nvmlDeviceGetTotalEnergyConsumption(self, handle: _Handle) -> int:
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: Handle) -> int:
         return int((self._guard(handle).get("power") or {}).get("total_energy_consumption_mj", 0))
 
-    def nvmlDeviceGetTemperature(self, handle: _Handle, sensor: int) -> int:
+    def nvmlDeviceGetTemperature(self, handle: Handle, sensor: int) -> int:
         return int((self._guard(handle).get("thermal") or {}).get("temperature_gpu_c", 0))
 
-    def nvmlDeviceGetClockInfo(self, handle: _Handle, clock_type: int) -> int:
+    def nvmlDeviceGetClockInfo(self, handle: Handle, clock_type: int) -> int:
         clocks = self._guard(handle).get("clocks") or {}
         key = {pynvml.NVML_CLOCK_SM: "sm_current", pynvml.NVML_CLOCK_MEM: "memory_current",
                pynvml.NVML_CLOCK_GRAPHICS: "graphics_current"}.get(clock_type)
         if key is None or key not in clocks:
-            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return int(clocks[key])
 
-    def nvmlDeviceGetPerformanceState(self, handle: _Handle) -> int:
+    def nvmlDeviceGetPerformanceState(self, handle: Handle) -> int:
         state = str(self._guard(handle).get("performance_state", "P0"))
         return int(state.lstrip("P")) if state.lstrip("P").isdigit() else 32
 
-    def nvmlDeviceGetFanSpeed(self, handle: _Handle) -> int:
+    def nvmlDeviceGetFanSpeed(self, handle: Handle) -> int:
         fan = self._guard(handle).get("fan") or {}
         if not fan.get("count") or not str(fan.get("speed_percent", "")).isdigit():
-            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return int(fan["speed_percent"])
 
-    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: _Handle) -> int:
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Handle) -> int:
         reasons = self._guard(handle).get("clocks_throttle_reasons") or {}
         return sum(bit for name, bit in _REASON_BITS.items() if reasons.get(name))
 
-    def nvmlDeviceGetPcieThroughput(self, handle: _Handle, counter: int) -> int:
+    def nvmlDeviceGetPcieThroughput(self, handle: Handle, counter: int) -> int:
         """KB/s, as NVML documents."""
         pcie = self._guard(handle).get("pcie") or {}
         key = "tx_throughput_kbps" if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES else "rx_throughput_kbps"
         return int(pcie.get(key, 0))
 
-    def nvmlDeviceGetTotalEccErrors(self, handle: _Handle, error_type: int, counter_type: int) -> int:
+    def nvmlDeviceGetTotalEccErrors(self, handle: Handle, error_type: int, counter_type: int) -> int:
         cfg = self._guard(handle)
         ecc = cfg.get("ecc") or {}
         if ecc.get("mode_current", "enabled") != "enabled":
-            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         scope = "volatile" if counter_type == pynvml.NVML_VOLATILE_ECC else "aggregate"
         kind = "single_bit" if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED else "double_bit"
         base = int((((ecc.get("errors") or {}).get(scope) or {}).get(kind) or {}).get("total", 0))
@@ -310,17 +310,17 @@ class ScriptedNvml:
             base += self._state[handle.index].ecc_extra
         return base
 
-    def nvmlDeviceGetRetiredPages(self, handle: _Handle, cause: int) -> list[int]:
+    def nvmlDeviceGetRetiredPages(self, handle: Handle, cause: int) -> list[int]:
         pages = self._guard(handle).get("retired_pages") or {}
         kind = "double_bit_retirement" if cause == pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR else "single_bit_retirement"
         return list((pages.get(kind) or {}).get("addresses") or [])
 
-    def nvmlDeviceGetRemappedRows(self, handle: _Handle) -> tuple[int, int, int, int]:
+    def nvmlDeviceGetRemappedRows(self, handle: Handle) -> tuple[int, int, int, int]:
         rows = self._guard(handle).get("remapped_rows") or {}
         unc = int(rows.get("uncorrectable", 0)) + (1 if self._state[handle.index].ecc_extra else 0)
         return (int(rows.get("correctable", 0)), unc, int(bool(rows.get("pending"))), int(bool(rows.get("failure_occurred"))))
 
-    def nvmlDeviceGetFieldValues(self, handle: _Handle, field_ids: list) -> Any:  # noqa: ANN401 - ctypes array
+    def nvmlDeviceGetFieldValues(self, handle: Handle, field_ids: list) -> Any:  # noqa: ANN401 - ctypes array
         cfg = self._guard(handle)
         out = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
         for v, fid in zip(out, field_ids, strict=True):
@@ -338,7 +338,7 @@ class ScriptedNvml:
         return out
 
     # -- processes ---------------------------------------------------------------------------
-    def _processes(self, handle: _Handle, kind: str) -> list:
+    def _processes(self, handle: Handle, kind: str) -> list:
         out = []
         for p in self._guard(handle).get("processes") or []:
             if str(p.get("type", "C")).upper() != kind:
@@ -349,17 +349,17 @@ class ScriptedNvml:
             out.append(pynvml.nvmlStructToFriendlyObject(info))
         return out
 
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: _Handle) -> list:
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Handle) -> list:
         return self._processes(handle, "C")
 
-    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: _Handle) -> list:
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Handle) -> list:
         return self._processes(handle, "G")
 
-    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: _Handle) -> list:
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: Handle) -> list:
         self._guard(handle)
-        raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)  # MPS is not scripted (nor in the mock)
+        raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)  # MPS is not scripted (nor in the mock)
 
-    def nvmlDeviceGetProcessUtilization(self, handle: _Handle, last_seen: int) -> list:
+    def nvmlDeviceGetProcessUtilization(self, handle: Handle, last_seen: int) -> list:
         """A sample per process that did work, stamped now; NOT_FOUND when none did."""
         now_us = int(self._wall() * 1e6)
         out = []
@@ -370,22 +370,22 @@ class ScriptedNvml:
                 s.pid, s.timeStamp, s.smUtil, s.memUtil = int(p["pid"]), now_us, sm, mem
                 out.append(s)
         if not out:
-            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
         return out
 
     # -- events ----------------------------------------------------------------------------------
-    def nvmlEventSetCreate(self) -> _EventSet:
+    def nvmlEventSetCreate(self) -> EventSet:
         self._system("driver_version", "")
-        es = _EventSet()
+        es = EventSet()
         self._event_sets.append(es)
         return es
 
-    def nvmlDeviceRegisterEvents(self, handle: _Handle, event_types: int, event_set: _EventSet) -> None:
+    def nvmlDeviceRegisterEvents(self, handle: Handle, event_types: int, event_set: EventSet) -> None:
         self._guard(handle)
         if event_types & pynvml.nvmlEventTypeXidCriticalError:
             event_set.devices.add(handle.index)
 
-    def nvmlEventSetWait_v2(self, event_set: _EventSet, timeout_ms: int) -> _EventData:
+    def nvmlEventSetWait_v2(self, event_set: EventSet, timeout_ms: int) -> EventData:
         """The pending XID of a registered device, once; else NVMLError_Timeout."""
         self._system("driver_version", "")
         for index in sorted(event_set.devices):
@@ -393,10 +393,10 @@ class ScriptedNvml:
             if st.xid_pending:
                 st.xid_pending = False
                 code = int(((self.device_config(index).get("failure") or {}).get("xid") or {}).get("code", 0))
-                return _EventData(self._handles[index], pynvml.nvmlEventTypeXidCriticalError, code,
+                return EventData(self._handles[index], pynvml.nvmlEventTypeXidCriticalError, code,
                                   NOT_AVAILABLE_UINT, NOT_AVAILABLE_UINT)
-        raise _error(pynvml.NVML_ERROR_TIMEOUT)
+        raise nvml_error(pynvml.NVML_ERROR_TIMEOUT)
 
-    def nvmlEventSetFree(self, event_set: _EventSet) -> None:
+    def nvmlEventSetFree(self, event_set: EventSet) -> None:
         if event_set in self._event_sets:
             self._event_sets.remove(event_set)

@@ -64,27 +64,27 @@ _PARENT_NEEDS_ROOT_UNDER_MIG = frozenset(
 _PROCESS_INFO = getattr(pynvml, "c_nvmlProcessInfo_v3_t", None) or pynvml.c_nvmlProcessInfo_t
 
 
-def _error(code: int) -> pynvml.NVMLError:
+def nvml_error(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)  # maps to the real subclass, e.g. NVMLError_NotSupported
 
 
 @dataclass(eq=False)
-class _Handle:
+class Handle:
     index: int
     mig: MigSlice | None = None
 
 
 @dataclass
-class _EventSet:
+class EventSet:
     devices: set[int] = field(default_factory=set)
-    queue: list[_EventData] = field(default_factory=list)
+    queue: list[EventData] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
-class _EventData:
+class EventData:
     """Same attribute names as pynvml's c_nvmlEventData_t."""
 
-    device: _Handle
+    device: Handle
     eventType: int
     eventData: int
     gpuInstanceId: int
@@ -94,7 +94,7 @@ class _EventData:
 @dataclass
 class _Device:
     index: int
-    handle: _Handle
+    handle: Handle
     uuid: str
     lost: bool = False
     not_supported: set[str] = field(default_factory=set)
@@ -128,11 +128,11 @@ class SimulatedNvml:
         self._refcount = 0
         self._init_error: int | None = None
         self._targets: dict[int, int] = {}  # pid -> local rank
-        self._event_sets: list[_EventSet] = []
+        self._event_sets: list[EventSet] = []
         self._devices = [
             _Device(
                 index=i,
-                handle=_Handle(i),
+                handle=Handle(i),
                 uuid="GPU-" + _uuid(f"{profile.key}/{i}"),
                 energy_mj=1.0e9 + 3.7e7 * i,
                 last_t=self._t0,
@@ -155,7 +155,7 @@ class SimulatedNvml:
     def simulatedInjectXid(self, index: int, xid: int) -> None:
         for es in self._event_sets:
             if index in es.devices:
-                es.queue.append(_EventData(self._devices[index].handle, pynvml.nvmlEventTypeXidCriticalError, xid, NOT_AVAILABLE_UINT, NOT_AVAILABLE_UINT))
+                es.queue.append(EventData(self._devices[index].handle, pynvml.nvmlEventTypeXidCriticalError, xid, NOT_AVAILABLE_UINT, NOT_AVAILABLE_UINT))
 
     def simulatedFailInit(self, code: int | None) -> None:
         """Make nvmlInit fail with this NVML error code (None: succeed again)."""
@@ -164,25 +164,25 @@ class SimulatedNvml:
     # -- helpers ------------------------------------------------------------------
     def _ready(self) -> None:
         if self._refcount <= 0:
-            raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
+            raise nvml_error(pynvml.NVML_ERROR_UNINITIALIZED)
 
-    def _dev(self, handle: _Handle, function: str) -> _Device:
+    def _dev(self, handle: Handle, function: str) -> _Device:
         self._ready()
-        if not isinstance(handle, _Handle) or not 0 <= handle.index < self.count:
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if not isinstance(handle, Handle) or not 0 <= handle.index < self.count:
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         self.calls[(function, handle.index)] += 1
         dev = self._devices[handle.index]
         if dev.lost:
-            raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+            raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
         if handle.mig is not None and function not in _MIG_HANDLE_FUNCTIONS:
-            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         unsupported = self.profile.not_supported | dev.not_supported
         if self.profile.mig:
             unsupported = unsupported | self.profile.mig_not_supported
         if function in unsupported:
-            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         if self.profile.mig and handle.mig is None and function in _PARENT_NEEDS_ROOT_UNDER_MIG:
-            raise _error(pynvml.NVML_ERROR_NO_PERMISSION)
+            raise nvml_error(pynvml.NVML_ERROR_NO_PERMISSION)
         return dev
 
     def _t(self) -> float:
@@ -224,7 +224,7 @@ class SimulatedNvml:
     # -- system ---------------------------------------------------------------------
     def nvmlInit(self) -> None:
         if self._init_error is not None:
-            raise _error(self._init_error)
+            raise nvml_error(self._init_error)
         self._refcount += 1
 
     def nvmlShutdown(self) -> None:
@@ -247,28 +247,28 @@ class SimulatedNvml:
         self._ready()
         return self.count
 
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Handle:
         self._ready()
         if not 0 <= index < self.count:
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if self._devices[index].lost:
-            raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+            raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
         return self._devices[index].handle
 
     # -- identity -------------------------------------------------------------------
-    def nvmlDeviceGetName(self, handle: _Handle) -> str:
+    def nvmlDeviceGetName(self, handle: Handle) -> str:
         self._dev(handle, "nvmlDeviceGetName")
         if handle.mig is not None:
             return f"{self.profile.name} MIG {handle.mig.profile}"
         return self.profile.name
 
-    def nvmlDeviceGetUUID(self, handle: _Handle) -> str:
+    def nvmlDeviceGetUUID(self, handle: Handle) -> str:
         dev = self._dev(handle, "nvmlDeviceGetUUID")
         if handle.mig is not None:
             return "MIG-" + _uuid(f"{dev.uuid}/{handle.mig.gi}/{handle.mig.ci}")
         return dev.uuid
 
-    def nvmlDeviceGetPciInfo(self, handle: _Handle) -> pynvml.nvmlPciInfo_t:
+    def nvmlDeviceGetPciInfo(self, handle: Handle) -> pynvml.nvmlPciInfo_t:
         self._dev(handle, "nvmlDeviceGetPciInfo")
         buses = self.profile.pci_buses
         bus = buses[handle.index % len(buses)] + 0x100 * (handle.index // len(buses))
@@ -280,44 +280,44 @@ class SimulatedNvml:
         return info
 
     # -- MIG --------------------------------------------------------------------------
-    def nvmlDeviceGetMigMode(self, handle: _Handle) -> list[int]:
+    def nvmlDeviceGetMigMode(self, handle: Handle) -> list[int]:
         self._dev(handle, "nvmlDeviceGetMigMode")
         mode = pynvml.NVML_DEVICE_MIG_ENABLE if self.profile.mig else pynvml.NVML_DEVICE_MIG_DISABLE
         return [mode, mode]
 
-    def nvmlDeviceGetMaxMigDeviceCount(self, handle: _Handle) -> int:
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: Handle) -> int:
         self._dev(handle, "nvmlDeviceGetMaxMigDeviceCount")
         return 7
 
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: _Handle, index: int) -> _Handle:
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Handle, index: int) -> Handle:
         self._dev(handle, "nvmlDeviceGetMigDeviceHandleByIndex")
         if not self.profile.mig:
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if not 0 <= index < len(self.profile.mig):
-            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
-        return _Handle(handle.index, self.profile.mig[index])
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+        return Handle(handle.index, self.profile.mig[index])
 
-    def nvmlDeviceGetGpuInstanceId(self, handle: _Handle) -> int:
+    def nvmlDeviceGetGpuInstanceId(self, handle: Handle) -> int:
         self._dev(handle, "nvmlDeviceGetGpuInstanceId")
         if handle.mig is None:
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return handle.mig.gi
 
-    def nvmlDeviceGetComputeInstanceId(self, handle: _Handle) -> int:
+    def nvmlDeviceGetComputeInstanceId(self, handle: Handle) -> int:
         self._dev(handle, "nvmlDeviceGetComputeInstanceId")
         if handle.mig is None:
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return handle.mig.ci
 
     # -- utilisation, memory ------------------------------------------------------------
-    def nvmlDeviceGetUtilizationRates(self, handle: _Handle) -> pynvml.c_nvmlUtilization_t:
+    def nvmlDeviceGetUtilizationRates(self, handle: Handle) -> pynvml.c_nvmlUtilization_t:
         self._dev(handle, "nvmlDeviceGetUtilizationRates")
         u = self._util(handle.index)
         out = pynvml.c_nvmlUtilization_t()
         out.gpu, out.memory = round(100 * u), round(100 * u * 0.55)
         return out
 
-    def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None):  # noqa: ANN201 - v1 or v2 struct
+    def nvmlDeviceGetMemoryInfo(self, handle: Handle, version: int | None = None):  # noqa: ANN201 - v1 or v2 struct
         self._dev(handle, "nvmlDeviceGetMemoryInfo")
         if handle.mig is not None:
             total = handle.mig.memory_total
@@ -338,26 +338,26 @@ class SimulatedNvml:
         return v1
 
     # -- power, thermals, clocks ------------------------------------------------------------
-    def nvmlDeviceGetPowerUsage(self, handle: _Handle) -> int:
+    def nvmlDeviceGetPowerUsage(self, handle: Handle) -> int:
         self._dev(handle, "nvmlDeviceGetPowerUsage")
         return int(self._power_mw(handle.index))
 
-    def nvmlDeviceGetEnforcedPowerLimit(self, handle: _Handle) -> int:
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: Handle) -> int:
         self._dev(handle, "nvmlDeviceGetEnforcedPowerLimit")
         return self.profile.power_limit_mw
 
-    def nvmlDeviceGetTotalEnergyConsumption(self, handle: _Handle) -> int:
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: Handle) -> int:
         dev = self._dev(handle, "nvmlDeviceGetTotalEnergyConsumption")
         self._advance(dev)
         return int(dev.energy_mj)
 
-    def nvmlDeviceGetTemperature(self, handle: _Handle, sensor: int) -> int:
+    def nvmlDeviceGetTemperature(self, handle: Handle, sensor: int) -> int:
         self._dev(handle, "nvmlDeviceGetTemperature")
         if sensor != pynvml.NVML_TEMPERATURE_GPU:
-            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return round(31 + 2 * handle.index % 5 + 40 * self._util(handle.index))
 
-    def nvmlDeviceGetClockInfo(self, handle: _Handle, clock_type: int) -> int:
+    def nvmlDeviceGetClockInfo(self, handle: Handle, clock_type: int) -> int:
         self._dev(handle, "nvmlDeviceGetClockInfo")
         p = self.profile
         if clock_type == pynvml.NVML_CLOCK_SM:
@@ -365,24 +365,24 @@ class SimulatedNvml:
             return p.sm_clock_max_mhz if u > 0.2 else p.sm_clock_idle_mhz
         if clock_type == pynvml.NVML_CLOCK_MEM:
             return p.memory_clock_mhz
-        raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
-    def nvmlDeviceGetPerformanceState(self, handle: _Handle) -> int:
+    def nvmlDeviceGetPerformanceState(self, handle: Handle) -> int:
         self._dev(handle, "nvmlDeviceGetPerformanceState")
         return 0  # datacenter boards in persistence mode stay in P0
 
-    def nvmlDeviceGetFanSpeed(self, handle: _Handle) -> int:
+    def nvmlDeviceGetFanSpeed(self, handle: Handle) -> int:
         self._dev(handle, "nvmlDeviceGetFanSpeed")
         return round(30 + 50 * self._util(handle.index))
 
-    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: _Handle) -> int:
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Handle) -> int:
         self._dev(handle, "nvmlDeviceGetCurrentClocksEventReasons")
         u = self._util(handle.index)
         if u == 0.0:
             return pynvml.nvmlClocksEventReasonGpuIdle
         return pynvml.nvmlClocksEventReasonSwPowerCap if u > 0.9 else pynvml.nvmlClocksEventReasonNone
 
-    def nvmlDeviceGetPcieThroughput(self, handle: _Handle, counter: int) -> int:
+    def nvmlDeviceGetPcieThroughput(self, handle: Handle, counter: int) -> int:
         """KB/s over the last 20 ms, as in NVML."""
         self._dev(handle, "nvmlDeviceGetPcieThroughput")
         u = self._util(handle.index)
@@ -390,21 +390,21 @@ class SimulatedNvml:
         return int(self.profile.pcie_bytes_per_second * share * u / 1000) + 120
 
     # -- reliability ---------------------------------------------------------------------
-    def nvmlDeviceGetTotalEccErrors(self, handle: _Handle, error_type: int, counter_type: int) -> int:
+    def nvmlDeviceGetTotalEccErrors(self, handle: Handle, error_type: int, counter_type: int) -> int:
         self._dev(handle, "nvmlDeviceGetTotalEccErrors")
         if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED:
             return int(self._t() // 900) + (1 if counter_type == pynvml.NVML_AGGREGATE_ECC else 0)
         return 0
 
-    def nvmlDeviceGetRetiredPages(self, handle: _Handle, cause: int) -> list[int]:
+    def nvmlDeviceGetRetiredPages(self, handle: Handle, cause: int) -> list[int]:
         self._dev(handle, "nvmlDeviceGetRetiredPages")
         return []
 
-    def nvmlDeviceGetRemappedRows(self, handle: _Handle) -> tuple[int, int, int, int]:
+    def nvmlDeviceGetRemappedRows(self, handle: Handle) -> tuple[int, int, int, int]:
         self._dev(handle, "nvmlDeviceGetRemappedRows")
         return (0, 0, 0, 0)
 
-    def nvmlDeviceGetFieldValues(self, handle: _Handle, field_ids: list) -> list:  # noqa: ANN401
+    def nvmlDeviceGetFieldValues(self, handle: Handle, field_ids: list) -> list:  # noqa: ANN401
         dev = self._dev(handle, "nvmlDeviceGetFieldValues")
         self._advance(dev)
         out = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
@@ -426,7 +426,7 @@ class SimulatedNvml:
         return out
 
     # -- processes ---------------------------------------------------------------------------
-    def _process_infos(self, handle: _Handle) -> list:
+    def _process_infos(self, handle: Handle) -> list:
         out = []
         for pid, lr in self._procs_on(handle.index):
             gi = ci = NOT_AVAILABLE_UINT
@@ -444,26 +444,26 @@ class SimulatedNvml:
             out.append(friendly)
         return out
 
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: _Handle) -> list:
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Handle) -> list:
         self._dev(handle, "nvmlDeviceGetComputeRunningProcesses")
         return self._process_infos(handle)
 
-    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: _Handle) -> list:
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Handle) -> list:
         self._dev(handle, "nvmlDeviceGetGraphicsRunningProcesses")
         return []  # training processes are compute contexts
 
-    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: _Handle) -> list:
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: Handle) -> list:
         self._dev(handle, "nvmlDeviceGetMPSComputeRunningProcesses")
         return []  # no MPS daemon on the simulated node
 
-    def nvmlDeviceGetProcessUtilization(self, handle: _Handle, last_seen: int) -> list:
+    def nvmlDeviceGetProcessUtilization(self, handle: Handle, last_seen: int) -> list:
         """Samples newer than ``last_seen`` (µs); NVMLError_NotFound when there are none."""
         self._dev(handle, "nvmlDeviceGetProcessUtilization")
         now_us = int(self._wall() * 1e6)
         procs = self._procs_on(handle.index)
         u = self._util(handle.index)
         if not procs or now_us <= last_seen or u == 0.0:
-            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
         out = []
         for pid, _ in procs:
             s = pynvml.c_nvmlProcessUtilizationSample_t()
@@ -473,25 +473,25 @@ class SimulatedNvml:
         return out
 
     # -- events --------------------------------------------------------------------------------
-    def nvmlEventSetCreate(self) -> _EventSet:
+    def nvmlEventSetCreate(self) -> EventSet:
         self._ready()
-        es = _EventSet()
+        es = EventSet()
         self._event_sets.append(es)
         return es
 
-    def nvmlDeviceRegisterEvents(self, handle: _Handle, event_types: int, event_set: _EventSet) -> None:
+    def nvmlDeviceRegisterEvents(self, handle: Handle, event_types: int, event_set: EventSet) -> None:
         self._dev(handle, "nvmlDeviceRegisterEvents")
         if event_types & pynvml.nvmlEventTypeXidCriticalError:
             event_set.devices.add(handle.index)
 
-    def nvmlEventSetWait_v2(self, event_set: _EventSet, timeout_ms: int) -> _EventData:
+    def nvmlEventSetWait_v2(self, event_set: EventSet, timeout_ms: int) -> EventData:
         """Never blocks: the next queued event, else NVMLError_Timeout."""
         self._ready()
         if not event_set.queue:
-            raise _error(pynvml.NVML_ERROR_TIMEOUT)
+            raise nvml_error(pynvml.NVML_ERROR_TIMEOUT)
         return event_set.queue.pop(0)
 
-    def nvmlEventSetFree(self, event_set: _EventSet) -> None:
+    def nvmlEventSetFree(self, event_set: EventSet) -> None:
         self._ready()
         if event_set in self._event_sets:
             self._event_sets.remove(event_set)

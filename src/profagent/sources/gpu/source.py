@@ -52,6 +52,7 @@ from profagent.sources.gpu.nvml import (
     parse_gpus,
     text,
 )
+from profagent.system.procfs import read_nspid
 from profagent.target import ProcessInfo, ProcessTree
 
 log = logging.getLogger(__name__)
@@ -123,18 +124,6 @@ class GpuSnapshot:
         if verdicts and all(v is False for v in verdicts):
             return False
         return None
-
-
-def read_nspid(proc_root: Path, pid: int) -> tuple[int, ...]:
-    """Every PID the process has, outermost namespace first (/proc/PID/status NSpid)."""
-    try:
-        with open(proc_root / str(pid) / "status", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("NSpid:"):
-                    return tuple(int(x) for x in line.split()[1:] if x.isdigit())
-    except OSError:
-        pass  # exited or unreadable: its own PID is all we know
-    return (pid,)
 
 
 @dataclass
