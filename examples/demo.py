@@ -3,7 +3,7 @@
 Starts examples/train.py as a torchrun-like launcher (2 ranks, DataLoader workers,
 profiler traces into a temporary folder), attaches `profagent attach` to the launcher,
 prints the metrics URL, takes one on-demand trace of rank 0 once it polls the Kineto
-endpoint, then shows `profagent top --url` against the agent: full screen when stdout is
+endpoint, runs `profagent diagnose` and captures one incident bundle on request, then shows `profagent top --url` against the agent: full screen when stdout is
 a terminal (q or Ctrl-C stops the demo), else a `profagent top --once` snapshot every
 --every seconds plus the list of capabilities seen on /metrics. Everything it started is
 stopped on Ctrl-C (or after --seconds).
@@ -116,6 +116,18 @@ def on_demand_trace(launcher: int, config: Path) -> None:
         print("demo: the on-demand trace did not finish in time", flush=True)
 
 
+def diagnose_and_capture(base: str, config: Path) -> None:
+    """What is wrong right now (findings), then an incident bundle taken on request, as a
+    user would when something looks off (a hang or a regression triggers one by itself)."""
+    print(f"\ndemo: profagent diagnose --url {base}", flush=True)
+    subprocess.run([*PROFAGENT, "diagnose", "--url", base], timeout=60, check=False)
+    print("\ndemo: profagent incidents capture --reason 'demo' (stacks of every rank, findings, metrics, traces)",
+          flush=True)
+    subprocess.run([*PROFAGENT, "incidents", "capture", "--config", str(config), "--reason", "demo"],
+                   timeout=90, check=False)
+    subprocess.run([*PROFAGENT, "incidents", "list", "--url", base], timeout=60, check=False)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=0, help="stop by itself after this long (0 = until Ctrl-C)")
@@ -177,6 +189,8 @@ def main() -> int:
             on_demand_trace(job.pid, config)
         elif not stop[0]:
             print("demo: rank 0 did not poll the Kineto endpoint in time: no on-demand trace", flush=True)
+        if not stop[0]:
+            diagnose_and_capture(base, config)
         top_cmd = [*PROFAGENT, "top", "--url", base]
         if sys.stdout.isatty() and not stop[0]:
             print(f"\ndemo: {' '.join(['profagent', *top_cmd[3:]])}  (q or Ctrl-C stops the demo)", flush=True)

@@ -69,6 +69,10 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
     assert f"curl -s {url}" in out  # the URL and the hint to curl it
     assert "profagent_ondemand_processes" in out and "profagent trace --pid" in out
     assert re.search(r"ondemand/profagent_\S+\.json", out + stderr), "the on-demand trace was not written"
+    assert "profagent diagnose --url" in out and ("no findings" in out or re.search(r"^(INFO|WARNING|CRITICAL) ", out, re.M))
+    captured = re.search(r"^incident (\S+-manual): (\S+)$", out, re.M)
+    assert captured, out[-3000:]  # the bundle taken on request, then listed
+    assert out.count(captured.group(1)) >= 2
     # `profagent top --once` snapshots: the header, the findings, one row per rank.
     snapshots = out.split("--- profagent top --once --url ")[1:]
     assert snapshots, out[-3000:]

@@ -106,7 +106,7 @@ def show_cmd(incident_id: Annotated[str, typer.Argument(help="the id printed by 
         detail = {**meta, **incident_detail(meta)}
     out = Console()
     out.print(detail.get("summary") or f"(no summary yet: status {detail.get('status')})", markup=False, highlight=False)
-    out.print(f"files in {detail['path']}:", highlight=False)
+    out.print(f"files in {detail['path']}:", highlight=False, soft_wrap=True)
     for f in detail.get("files", []):
         out.print(f"  {f['name']} ({f['bytes']} bytes)", highlight=False)
 
@@ -139,7 +139,7 @@ def capture_cmd(
             raise UserError("this agent cannot capture incidents", "set incidents.enabled = true and restart it")
         raise UserError(f"the agent did not capture: {error}", "see `profagent incidents list`")
     out = Console()
-    out.print(f"incident {reply['id']}: {reply['path']}", highlight=False)
+    out.print(f"incident {reply['id']}: {reply['path']}", highlight=False, soft_wrap=True)
     deadline = time.monotonic() + wait
     meta_path = Path(reply["path"]) / "incident.json"
     while time.monotonic() < deadline:
