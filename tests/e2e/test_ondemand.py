@@ -203,6 +203,7 @@ def test_name_taken_turns_the_source_off_and_the_rest_runs(tmp_path: Path, run_a
     squatter.bind(str(sockets / "dynolog"))  # another daemon holds the name
     try:
         agent, target, port, cfg = _isolated_agent(tmp_path, run_agent, children)
+        # /healthz said ok: every source has started or been turned off by now.
         samples = parse_metrics(http_get(f"http://127.0.0.1:{port}/metrics"))
         up = {lab["collector"]: v for lab, v in samples["profagent_collector_up"]}
         assert up["ondemand"] == 0 and up["host"] == 1

@@ -167,13 +167,16 @@ class Agent:
         self.server.add_route("/api/ranks", self.ranks_api.route)
 
     def start(self) -> None:
-        """Bind first (a taken port fails before anything runs), then start the job."""
+        """Bind first (a taken port fails before anything runs), then start the job;
+        /healthz says "ok" once every source has started or been turned off."""
+        self.server.ready.clear()
         self.server.start()
         try:
             self.job.start()
         except BaseException:
             self.stop()
             raise
+        self.server.ready.set()
 
     def stop(self) -> None:
         self.job.stop()

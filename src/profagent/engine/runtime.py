@@ -53,7 +53,8 @@ class Runtime:
         self.state.set_tree(tree)
         self._spawn("target", self._target_loop)
         for source in self.sources:
-            self.state.register(source.name)
+            # Registered (collector_up 1) only once started: /metrics is served while the
+            # sources start, and must not show one up that is about to be turned off.
             try:
                 source.start()
             except SourceUnavailable as exc:
@@ -62,6 +63,7 @@ class Runtime:
             except Exception as exc:
                 self._off(source, f"{source.name} source failed to start: {exc}", at_start=True)
                 continue
+            self.state.register(source.name)
             self._spawn(source.name, lambda s=source: self._source_loop(s))
         return tree
 

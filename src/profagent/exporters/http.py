@@ -250,9 +250,16 @@ class AgentHTTPServer:
         self.host, self.port = host, port
         self.render_metrics = metrics.render
         self.web_config = web_config or WebConfig()
-        self.routes: dict[str, Route] = {"/healthz": lambda q: (200, "text/plain", b"ok\n")}
+        # Cleared by an owner while its sources start: /healthz then answers 503 "starting",
+        # so nobody reads a half-started agent as ready.
+        self.ready = threading.Event()
+        self.ready.set()
+        self.routes: dict[str, Route] = {"/healthz": self._healthz}
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
+
+    def _healthz(self, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
+        return (200, "text/plain", b"ok\n") if self.ready.is_set() else (503, "text/plain", b"starting\n")
 
     def add_route(self, path: str, route: Route) -> None:
         self.routes[path] = route
