@@ -47,6 +47,7 @@ bench: venv
 	$(PY) bench/scrape.py
 	$(PY) bench/gpu_tick.py
 	$(PY) bench/traces.py
+	$(PY) bench/startup.py
 	$(PY) bench/pyspy_modes.py --seconds 30
 	$(PY) bench/overhead.py --pairs 10 --steps 4000
 

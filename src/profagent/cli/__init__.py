@@ -10,7 +10,6 @@ do not pay for the agent's sources, exporters and engine.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
@@ -40,6 +39,8 @@ GpuBackendOpt = Annotated[str | None, typer.Option("--gpu-backend", help="nvml (
 
 
 def _setup_logging(level: str) -> None:
+    import logging  # here, not at start-up: `--help` and `analyze` never log
+
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
         format="profagent %(levelname)s: %(message)s",
