@@ -61,12 +61,20 @@ def test_fake_torchrun_is_one_job_with_launcher_and_ranks(children) -> None:
 def test_ended_job_stays_for_grace_then_disappears(children) -> None:
     tok = token()
     now = [1000.0]
-    launcher = children.python(FAKE_TORCHRUN, env=job_env(tok, SLURM_JOB_ID="g-1"))
     target = _target(tok, clock=lambda: now[0], grace_seconds=10.0)
-    wait_for(lambda: _jobs(target.refresh()) == {"g-1": True}, what="job found")
+    assert _jobs(target.refresh()) == {}  # a first scan before the job exists, every time
+    launcher = children.python(FAKE_TORCHRUN, env=job_env(tok, SLURM_JOB_ID="g-1"))
+
+    def jobs_after_a_scan() -> dict[str, bool]:
+        # The target rescans only once its (injected) clock has moved by scan_interval: the
+        # job, started after the first scan, is found by a later one.
+        now[0] += 0.2
+        return _jobs(target.refresh())
+
+    wait_for(lambda: jobs_after_a_scan() == {"g-1": True}, what="job found")
     os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and its ranks
     launcher.wait()
-    wait_for(lambda: _jobs(target.refresh()) == {"g-1": False}, what="job ended")
+    wait_for(lambda: jobs_after_a_scan() == {"g-1": False}, what="job ended")
     tree = target.refresh()
     assert tree.processes == ()
     now[0] += 9.0
