@@ -40,7 +40,8 @@ def _ask(control_socket: str, request: dict[str, Any]) -> dict[str, Any]:
     except FileNotFoundError:
         raise UserError(
             f"no profagent agent is running here (no control socket at {control_socket})",
-            "start `profagent attach --pid N` (or the profagent service) first",
+            "start `profagent attach --pid N` (or the profagent service) first; if one runs, its on-demand "
+            "source is off (its log and `profagent doctor` say why) or it has another ondemand.control_socket",
         ) from None
     except (ConnectionRefusedError, OSError) as exc:
         raise UserError(f"cannot talk to the agent at {control_socket} ({exc})", "check that it runs and that you are its user (or root)") from None
