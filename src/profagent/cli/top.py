@@ -547,7 +547,10 @@ def run_top(config: Any, pid: int | None, url: str | None, auth: HttpAuth, once:
     feed: Feed = HttpFeed(url, auth) if url is not None else local_feed(config, pid)  # type: ignore[arg-type]
     stop = threading.Event()
     restore = install_stop_signals(stop)
-    warmup = 3.0 if url is not None else 6.0  # our own agent needs a py-spy window first
+    # Our own agent needs a whole py-spy window before the first stack categories, longer
+    # on a loaded node; the wait ends as soon as every rank has them.
+    own_wait = config.stacks.window * 2 + 2 if config.stacks.enabled else 3.0
+    warmup = 3.0 if url is not None else own_wait
     try:
         if once:
             print_once(feed, console, warmup)
