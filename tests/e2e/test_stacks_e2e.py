@@ -132,20 +132,14 @@ def test_ptrace_denied_turns_stacks_off_with_one_line_and_the_rest_goes_on(tmp_p
     """
 
 
+# HOT, with a second thread that only sleeps.
 HOT_WITH_IDLE_THREAD = """
-import sys, threading, time
+import threading, time
 def e2e_idle_waiter():
     while True:
         time.sleep(0.5)
 threading.Thread(target=e2e_idle_waiter, name="Waiter", daemon=True).start()
-def e2e_named_hot_function():
-    x = 0
-    while True:
-        for i in range(1000):
-            x += i
-open(sys.argv[0] + ".ready", "w").close()
-e2e_named_hot_function()
-"""
+""" + HOT
 
 
 def test_stacks_command_leaves_idle_threads_out_unless_asked(children, tmp_path) -> None:
