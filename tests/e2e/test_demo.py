@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -54,13 +55,21 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
             seen.update(name for name, samples in parse_metrics(http_get(url)).items() if samples)
             return all(f in seen for f in FAMILIES)
 
-        wait_for(every_family, 90, interval=1,
-                 what=f"every capability's family on the demo's /metrics (missing: {[f for f in FAMILIES if f not in seen]})")
+        try:
+            wait_for(every_family, 90, interval=1, what="every capability's family on the demo's /metrics")
+        except BaseException:
+            pytest.fail(f"missing on the demo's /metrics after 90 s: {[f for f in FAMILIES if f not in seen]}")
         demo.wait(timeout=180)
     finally:
         if demo.poll() is None:
-            demo.kill()
-            demo.wait()
+            # SIGINT first: the demo then stops its agent and job (its own sessions), which a
+            # SIGKILL of the demo alone would leave running.
+            demo.send_signal(signal.SIGINT)
+            try:
+                demo.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                demo.kill()
+                demo.wait()
     reader.join(10)
     out = "".join(lines)
     stderr = (tmp_path / "stderr").read_text()
