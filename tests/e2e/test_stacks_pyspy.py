@@ -9,9 +9,21 @@ import sys
 import time
 from pathlib import Path
 
-from profagent.config import Config
+from helpers.processes import wait_for
+from profagent.config import Config, StacksConfig
 from profagent.doctor.stacks import check_pyspy
 from profagent.sources.stacks import pyspy
+from profagent.sources.stacks.sampler import TORN_READS_TOLERATED, Sampler
+
+# What py-spy 0.4 prints when a non-blocking dump races an interpreter that is still
+# starting up (seen against a python just spawned, and in the watch churn test).
+TORN_STDERR = """Error: Failed to get stack traces
+
+Caused by:
+    0: Failed to call get_stack_trace for thread 140124002208640
+    1: Failed to copy PyCodeObject
+    2: Bad address (os error 14)
+"""
 
 
 def test_find_pyspy_uses_the_installed_package() -> None:
@@ -28,6 +40,7 @@ def test_failure_reasons_are_bounded() -> None:
     assert pyspy.failure_reason("Error: Failed to find python version from target process", me) == "pyspy_failed"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
+    assert pyspy.failure_reason(TORN_STDERR, me) == "torn_read"
     assert pyspy.failure_reason("anything at all", dead.pid) == "target_gone"
     assert pyspy.first_line("\npy-spy> Sampling\nError: boom\nStack backtrace:\n 0: x") == "Error: boom"
 
@@ -76,3 +89,64 @@ def test_doctor_check_reports_py_spy_and_a_live_dump() -> None:
     assert rows["py-spy"].status == "ok"
     assert rows["ptrace policy"].status in ("ok", "warn", "fail")
     assert rows["py-spy dump"].status == "ok", rows["py-spy dump"]
+
+
+def _scripted_pyspy(tmp_path: Path, torn_dumps: int) -> tuple[Path, Path]:
+    """A stand-in py-spy: its first ``torn_dumps`` dumps fail with py-spy's torn-read
+    error, later ones print an empty thread list; a record window just waits to be stopped.
+    Every dump appends a line to the returned log."""
+    log = tmp_path / "dumps.log"
+    script = tmp_path / "py-spy"
+    script.write_text(f"""#!{sys.executable}
+import sys, time
+if sys.argv[1] == "dump":
+    with open({str(log)!r}, "a") as fh:
+        fh.write("dump\\n")
+    n = sum(1 for _ in open({str(log)!r}))
+    if n <= {torn_dumps}:
+        sys.stderr.write({TORN_STDERR!r})
+        sys.exit(1)
+    print("[]")
+else:
+    time.sleep(60)
+""")
+    script.chmod(0o755)
+    return script, log
+
+
+def _drain_until(sampler: Sampler, done, what: str) -> list:
+    got: list = []
+    wait_for(lambda: (got.extend(sampler.drain()), done(got))[1], timeout=20, what=what)
+    return got
+
+
+def test_a_few_torn_dumps_are_retried_at_once_and_not_reported(children, tmp_path: Path) -> None:
+    torn = TORN_READS_TOLERATED - 1
+    binary, log = _scripted_pyspy(tmp_path, torn_dumps=torn)
+    target = children.python("import time; time.sleep(60)")
+    sampler = Sampler(str(binary), StacksConfig(window=1.0))
+    sampler.start()
+    try:
+        sampler.set_targets({target.pid: ("0", "main")})
+        got = _drain_until(sampler, lambda rs: any(r.kind == "dump" and not r.error for r in rs),
+                           "a clean dump after the torn ones")
+    finally:
+        sampler.stop()
+    assert len(log.read_text().splitlines()) == torn + 1  # the torn ones were really read, then retried
+    assert [r for r in got if r.error] == []
+
+
+def test_torn_dumps_that_never_stop_are_reported_as_a_failure(children, tmp_path: Path) -> None:
+    binary, log = _scripted_pyspy(tmp_path, torn_dumps=10**6)
+    target = children.python("import time; time.sleep(60)")
+    sampler = Sampler(str(binary), StacksConfig(window=1.0))
+    sampler.start()
+    try:
+        sampler.set_targets({target.pid: ("0", "main")})
+        got = _drain_until(sampler, lambda rs: any(r.error for r in rs), "the torn reads reported")
+    finally:
+        sampler.stop()
+    errors = [r for r in got if r.error]
+    assert len(log.read_text().splitlines()) == TORN_READS_TOLERATED
+    assert [(r.kind, r.error) for r in errors] == [("dump", "pyspy_failed")]
+    assert errors[0].detail.startswith(f"{TORN_READS_TOLERATED} torn reads in a row: Error: Failed to get stack traces")

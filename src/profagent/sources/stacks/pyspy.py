@@ -185,7 +185,7 @@ def dump_text_args(binary: str, pid: int, mode: str) -> list[str]:
 
 
 def failure_reason(stderr: str, pid: int) -> str:
-    """Map a failed py-spy run to a bounded reason: permission, target_gone or pyspy_failed."""
+    """Map a failed py-spy run to a bounded reason: permission, target_gone, torn_read or pyspy_failed."""
     if not psutil.pid_exists(pid):
         return "target_gone"
     # py-spy says "Permission Denied", or "Permission denied (os error 13)" under an error
@@ -195,6 +195,10 @@ def failure_reason(stderr: str, pid: int) -> str:
         return "permission"
     if "Check that the process is running" in stderr or "No such process" in stderr:
         return "target_gone"
+    # a non-blocking read raced the target rewriting its frames: common in an interpreter
+    # still starting up ("Failed to copy PyCodeObject ... Bad address"); the next read is fine
+    if "Failed to get stack traces" in stderr or "Bad address (os error 14)" in stderr:
+        return "torn_read"
     return "pyspy_failed"
 
 

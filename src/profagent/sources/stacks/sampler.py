@@ -35,6 +35,7 @@ POLL = 0.05  # seconds between checks of the py-spy children
 RETRY_AFTER = 5.0  # seconds before sampling a process again after py-spy failed on it,
 RETRY_MAX = 300.0  # doubling on each consecutive failure up to this
 MAX_PENDING = 1000  # results kept until drained
+TORN_READS_TOLERATED = 3  # consecutive torn non-blocking reads retried at once, unreported
 STATE_EVERY = 15.0  # seconds between thread-state dumps per process (a dump costs ~10 ms CPU)
 # py-spy output folders: profagent-stacks-<agent pid>-<agent start, ms>-<random>. The creator
 # is in the name so a later agent can remove the folders of one that was SIGKILLed.
@@ -206,8 +207,14 @@ class Sampler:
         if child.proc.returncode != 0 and not text.strip():
             reason = pyspy.failure_reason(stderr, child.pid)
             fails = self._fails[key] = self._fails.get(key, 0) + 1
+            detail = pyspy.first_line(stderr)
+            if reason == "torn_read":
+                if fails < TORN_READS_TOLERATED:
+                    self._next[key] = now  # a race, not a failure: read again on the next poll
+                    return extra
+                reason, detail = "pyspy_failed", f"{fails} torn reads in a row: {detail}"
             self._next[key] = now + min(RETRY_AFTER * 2 ** (fails - 1), RETRY_MAX)
-            return [*extra, Result(**base, error=reason, detail=pyspy.first_line(stderr))]
+            return [*extra, Result(**base, error=reason, detail=detail)]
         self._fails.pop(key, None)
         if child.kind == "dump":
             try:
