@@ -145,7 +145,12 @@ def main() -> int:
         f"state_dir = '{work / 'state'}'\n"
         f"[ondemand]\nsocket_dir = '{work / 'kineto'}'\ncontrol_socket = '{work / 'control.sock'}'\n"
         f"trace_dir = '{work / 'ondemand'}'\n"
+        # rank 1 profiles itself, so its on-demand trace never comes: wait less than 60 s for it
+        "[incidents]\ncapture_timeout = 20\n"
     )
+    # The socket folder must exist before the job starts: libkineto binds its client socket
+    # there once, at start-up, and never polls if it cannot ("FabricManager not initialized").
+    (work / "kineto").mkdir(mode=0o755)
     print(f"demo: starting a 2-rank torch CPU training job; rank 1 writes profiler traces to {trace_dir},"
           " rank 0 is traced on demand", flush=True)
     # KINETO_USE_DAEMON=1 lets `profagent trace` take traces with no code change.
