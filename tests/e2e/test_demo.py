@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import psutil
 import pytest
@@ -82,6 +84,9 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
     captured = re.search(r"^incident (\S+-manual): (\S+)$", out, re.M)
     assert captured, out[-3000:]  # the bundle taken on request, then listed
     assert out.count(captured.group(1)) >= 2
+    summary = (Path(captured.group(2)) / "summary.md").read_text()
+    # rank 1 profiles itself, so libkineto drops on-demand requests: the bundle says why
+    assert re.search(r"^- no on-demand trace (of|from) rank 1\b.*: it profiles itself \(its torch\.profiler wrote", summary, re.M), summary
     # `profagent top --once` snapshots: the header, the findings, one row per rank.
     snapshots = out.split("--- profagent top --once --url ")[1:]
     assert snapshots, out[-3000:]
@@ -102,3 +107,4 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
                                              or url.removesuffix("/metrics") in " ".join(p.info["cmdline"] or [])
                                              or ("py-spy" in " ".join(p.info["cmdline"] or []) and p.info["ppid"] == 1))]
     assert not leftovers, leftovers
+    shutil.rmtree(work, ignore_errors=True)  # the demo keeps its folder for the user to read

@@ -208,7 +208,7 @@ def test_step_time_regression_captures_an_incident_with_an_on_demand_trace(tmp_p
         assert any(p.name.endswith(".json") for p in (tmp_path / "ondemand").iterdir())  # the original stays
         summary = (folder / "summary.md").read_text()
         assert "step time regressed" in summary and "rank 0" in summary
-        assert "not polling Kineto" in summary  # rank 0 profiles itself: said, not hidden
+        assert "no on-demand trace of rank 0: not polling Kineto" in summary  # rank 0 does not poll: said, not hidden
     finally:
         slow_file.unlink(missing_ok=True)
         kill_tree(job)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from profagent.analysis.findings import Finding, FindingsSnapshot
 from profagent.analysis.incidents import (
     IncidentGate,
+    LatestTrace,
     RegressionDetector,
     Stored,
     Trigger,
     hang_triggers,
+    self_profiling,
     to_remove,
 )
 
@@ -108,3 +110,17 @@ def test_retention_removes_the_oldest_first_within_count_and_bytes() -> None:
     assert to_remove(stored, max_count=10, max_bytes=40) == []
     assert to_remove([Stored("big", 1.0, 10**9)], max_count=1, max_bytes=10) == []  # the newest stays
     assert to_remove([Stored("old", 1.0, 5), Stored("big", 2.0, 10**9)], 5, 10) == ["old"]
+
+
+def test_self_profiling_ranks_are_those_whose_own_profiler_wrote_recently() -> None:
+    now = 10_000.0
+    latest = [
+        LatestTrace("job", "0", "/t/profagent_r_11.json", True, now - 5),  # on demand: not its own profiler
+        LatestTrace("job", "1", "/t/rank1.123.pt.trace.json.gz", False, now - 30),
+        LatestTrace("job", "2", "/t/rank2.1.pt.trace.json.gz", False, now - 601),  # too long ago
+        LatestTrace("other", "3", "/t/rank3.1.pt.trace.json.gz", False, now - 1),  # another job
+        LatestTrace("", "4", "/t/rank4.1.pt.trace.json.gz", False, now),  # attach mode: no job label
+    ]
+    assert sorted(self_profiling(latest, "job", now)) == ["1", "4"]
+    assert sorted(self_profiling(latest, "job", now, window=700)) == ["1", "2", "4"]
+    assert self_profiling(latest, "job", now)["1"].file.endswith("rank1.123.pt.trace.json.gz")

@@ -7,6 +7,7 @@
   an episode (a trigger kind for a job, active from one tick to the next) fires once,
   only while no capture runs, and at most once per job and kind per ``period``.
 - ``to_remove``: which stored incidents go so that count and bytes stay bounded.
+- ``self_profiling``: the ranks that profile themselves, whose on-demand traces never come.
 
 Every clock is injected: callers pass ``now``.
 """
@@ -24,6 +25,7 @@ from profagent.analysis.findings import FindingsSnapshot
 KINDS = ("hang", "regression", "manual")
 BASELINE_TRACES = 8  # normal traces a rank's baseline is the median of
 MIN_BASELINE = 3  # traces needed before a rank can regress
+SELF_PROFILING_SECONDS = 600.0  # a rank whose own profiler wrote a trace this recently profiles itself
 
 
 @dataclass(frozen=True)
@@ -182,3 +184,24 @@ def to_remove(stored: Sequence[Stored], max_count: int, max_bytes: int) -> list[
         total -= old.bytes
         out.append(old.id)
     return out
+
+
+@dataclass(frozen=True)
+class LatestTrace:
+    """A rank's latest ingested trace: ``on_demand`` if the agent requested it, else the
+    job's own torch.profiler wrote it (the watched folder)."""
+
+    job_id: str
+    rank: str
+    file: str
+    on_demand: bool
+    ingested_at: float  # wall clock
+
+
+def self_profiling(latest: Iterable[LatestTrace], job_id: str, now: float,
+                   window: float = SELF_PROFILING_SECONDS) -> dict[str, LatestTrace]:
+    """rank -> its latest trace, for the job's ranks whose own profiler wrote a trace in the
+    last ``window`` seconds. libkineto runs one profiler at a time: such a rank takes an
+    on-demand request (its polls say it can trace between its own windows) and drops it."""
+    return {t.rank: t for t in latest
+            if t.job_id in ("", job_id) and not t.on_demand and 0 <= now - t.ingested_at <= window}

@@ -105,7 +105,8 @@ def request_trace(
                 missing = ", ".join(names[p] for p in names if p not in done)
                 raise UserError(
                     f"no trace from {missing} within {args.timeout:.0f} s",
-                    "the process may be idle between iterations or not calling the profiler hooks; "
+                    "the process may be idle between iterations, not calling the profiler hooks, or profiling "
+                    "itself with torch.profiler (libkineto runs one profiler at a time); "
                     "retry with a longer --timeout, or --duration-ms instead of --iterations",
                 )
             state = _ask(control_socket, {"op": "status", "id": rid})

@@ -37,10 +37,12 @@ from profagent.analysis.findings import FindingsSnapshot
 from profagent.analysis.incidents import (
     KINDS,
     IncidentGate,
+    LatestTrace,
     RegressionDetector,
     Stored,
     Trigger,
     hang_triggers,
+    self_profiling,
     to_remove,
 )
 from profagent.config import IncidentsConfig
@@ -49,6 +51,7 @@ from profagent.exporters.exposition import Exposition
 from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.endpoint import NoPollers
 from profagent.sources.stacks import pyspy
+from profagent.sources.traces.source import traced_pids
 from profagent.sources.traces.watcher import default_state_dir
 from profagent.state import State, StateView
 from profagent.target import ProcessInfo, ProcessTree
@@ -369,6 +372,7 @@ class Capture:
         self.notes: list[str] = []
         self.files: list[str] = []
         self.stacks: dict[str, str] = {}  # rank -> dump text
+        self.busy_at_request: set[int] = set()  # ranks' PIDs already tracing when the capture asked
         self.meta = {"id": folder.name, "kind": trigger.kind, "job_id": trigger.job_id, "time": now,
                      "rank": trigger.rank, "reason": trigger.reason, "status": "capturing"}
 
@@ -453,18 +457,30 @@ class Capture:
         ondemand = self.source.ondemand
         if ondemand is None:
             return None
-        pids = {p.pid for p in self.ranks}
-        polling = {p.pid for p in ondemand.endpoint.pollers() if p.can_trace}
-        silent = [p.rank for p in self.ranks if p.pid not in polling]
-        if silent and len(silent) < len(self.ranks):
-            self.notes.append(f"no on-demand trace of rank {', '.join(silent)}: not polling Kineto "
-                              "(KINETO_USE_DAEMON=1 unset, or busy profiling itself)")
+        pollers = {p.pid: p for p in ondemand.endpoint.pollers()}
+        own = self._self_profiling(self.now)
+        wanted = set()
+        some_poll = any(info.pid in pollers for info in self.ranks)
+        for info in self.ranks:
+            poller = pollers.get(info.pid)
+            if poller is None:
+                if some_poll:
+                    self.notes.append(f"no on-demand trace of rank {info.rank}: not polling Kineto (KINETO_USE_DAEMON=1 unset)")
+            elif not poller.can_trace and info.rank in own:
+                self.notes.append(f"no on-demand trace of rank {info.rank}{self._profiles_itself(own[info.rank], self.now)}")
+            else:
+                # A rank busy with a trace now gets the request at its first free poll: the
+                # endpoint sends a config only to a poll that can trace.
+                wanted.add(info.pid)
+                if not poller.can_trace:
+                    self.busy_at_request.add(info.pid)
         try:
-            return ondemand.request(lambda p: p.pid in pids and p.can_trace,
+            return ondemand.request(lambda p: p.pid in wanted,
                                     kineto.TraceOptions(duration_ms=ONDEMAND_TRACE_MS),
                                     self.source.config.capture_timeout)
         except NoPollers:
-            self.notes.append("no on-demand traces: the job does not poll Kineto (start it with KINETO_USE_DAEMON=1)")
+            if not some_poll:
+                self.notes.append("no on-demand traces: the job does not poll Kineto (start it with KINETO_USE_DAEMON=1)")
             return None
 
     def _collect_traces(self, request: Any, deadline: float) -> None:
@@ -479,9 +495,28 @@ class Capture:
                     del waiting[pid]
             if waiting:
                 time.sleep(0.25)
+        now = self.source._wall()  # the ranks went on writing their own traces during the capture
+        own = self._self_profiling(now)
         for pid in waiting:
-            self.notes.append(f"no on-demand trace from rank {rank_of.get(pid, pid)} (PID {pid}) within "
-                              f"{self.source.config.capture_timeout:g} s")
+            rank = rank_of.get(pid, str(pid))
+            why = ""
+            if rank in own:
+                why = self._profiles_itself(own[rank], now)
+            elif pid in self.busy_at_request:
+                why = ": it was busy with another trace when asked, and stayed so"
+            self.notes.append(f"no on-demand trace from rank {rank} (PID {pid}) within "
+                              f"{self.source.config.capture_timeout:g} s{why}")
+
+    @staticmethod
+    def _profiles_itself(t: LatestTrace, now: float) -> str:
+        return (f": it profiles itself (its torch.profiler wrote {Path(t.file).name} {now - t.ingested_at:.0f} s "
+                f"earlier, analysed in trace-analysis-rank{_safe(t.rank)}.json), and libkineto runs one profiler at a time")
+
+    def _self_profiling(self, now: float) -> dict[str, LatestTrace]:
+        traces = self.source.state.view().snapshots.get("traces")
+        latest = [LatestTrace(rt.job_id, rt.rank, rt.report.path, traced_pids(rt.report, rt.report.path)[1],
+                              rt.ingested_at) for rt in getattr(traces, "ranks", ())]
+        return self_profiling(latest, self.trigger.job_id, now)
 
     # -- summary -------------------------------------------------------------------------
     def _summary(self) -> str:
