@@ -11,6 +11,7 @@ dashboards_app = typer.Typer(
     name="dashboards",
     help="Export profagent's Grafana dashboards as provisioning files, or push them to a Grafana.",
     no_args_is_help=True,
+    rich_markup_mode=None,  # plain help, as the main app
 )
 
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from profagent.engine.incidents import IncidentStore
 
 incidents_app = typer.Typer(help="Incident bundles: evidence captured on every rank when a job hangs or slows down.",
-                            no_args_is_help=True)
+                            no_args_is_help=True, rich_markup_mode=None)  # plain help, as the main app
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file (for incidents.dir, agent.state_dir)")]
 UrlOpt = Annotated[str | None, typer.Option("--url", help="ask a running agent instead, e.g. http://127.0.0.1:19400")]
@@ -111,7 +111,7 @@ def show_cmd(incident_id: Annotated[str, typer.Argument(help="the id printed by 
         out.print(f"  {f['name']} ({f['bytes']} bytes)", highlight=False)
 
 
-@incidents_app.command("capture")
+@incidents_app.command("capture", short_help="Capture an incident of a running job now, through the local agent.")
 def capture_cmd(
     job: Annotated[str | None, typer.Option("--job", help="the job_id (needed when the agent watches several jobs)")] = None,
     reason: Annotated[str, typer.Option("--reason", help="why, written into the summary")] = "",
