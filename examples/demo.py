@@ -146,7 +146,7 @@ def main() -> int:
         f"[ondemand]\nsocket_dir = '{work / 'kineto'}'\ncontrol_socket = '{work / 'control.sock'}'\n"
         f"trace_dir = '{work / 'ondemand'}'\n"
         # rank 1 profiles itself, so its on-demand trace never comes: wait less than 60 s for it
-        "[incidents]\ncapture_timeout = 20\n"
+        "[incidents]\ncapture_timeout = 30\n"
     )
     # The socket folder must exist before the job starts: libkineto binds its client socket
     # there once, at start-up, and never polls if it cannot ("FabricManager not initialized").

@@ -84,7 +84,10 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
     captured = re.search(r"^incident (\S+-manual): (\S+)$", out, re.M)
     assert captured, out[-3000:]  # the bundle taken on request, then listed
     assert out.count(captured.group(1)) >= 2
-    summary = (Path(captured.group(2)) / "summary.md").read_text()
+    bundle = Path(captured.group(2))
+    summary = (bundle / "summary.md").read_text()
+    # rank 0 polls Kineto (just traced on demand, maybe still busy): its trace is in the bundle
+    assert (bundle / "trace-rank0.pt.trace.json.gz").is_file(), summary
     # rank 1 profiles itself, so libkineto drops on-demand requests: the bundle says why
     assert re.search(r"^- no on-demand trace (of|from) rank 1\b.*: it profiles itself \(its torch\.profiler wrote", summary, re.M), summary
     # `profagent top --once` snapshots: the header, the findings, one row per rank.
