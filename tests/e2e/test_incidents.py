@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -213,3 +214,39 @@ def test_step_time_regression_captures_an_incident_with_an_on_demand_trace(tmp_p
         slow_file.unlink(missing_ok=True)
         kill_tree(job)
         shutil.rmtree(sockets, ignore_errors=True)
+
+
+def test_manual_capture_works_with_on_demand_tracing_off(tmp_path: Path, run_agent, children) -> None:
+    """The control socket no longer depends on the on-demand source: `incidents capture`
+    works with it off, and `profagent trace` says in one line why it cannot."""
+    job = children.python("import time\nwhile True:\n    time.sleep(0.05)\n")
+    inc_dir, sock = tmp_path / "incidents", tmp_path / "c.sock"
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        f"state_dir = '{tmp_path / 'state'}'\n"
+        f"[stacks]\nwindow = 1\n"
+        f"[ondemand]\nenabled = false\ncontrol_socket = '{sock}'\n"
+        f"[incidents]\ndir = '{inc_dir}'\ncapture_timeout = 20\n"
+    )
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    agent = run_agent(["attach", "--pid", str(job.pid), "--listen", f"127.0.0.1:{port}",
+                       "--config", str(config), "--gpu-backend", "off"])
+    agent.wait_healthy(url, timeout=60)
+    assert sock.is_socket()
+
+    res = run_cli("incidents", "capture", "--config", str(config), "--reason", "by hand", "--wait", "60")
+    assert res.returncode == 0, res.stderr
+    m = re.search(r"^incident (\S+-manual): (\S+)$", res.stdout, re.M)
+    assert m and "captured" in res.stdout, res.stdout
+    folder = Path(m.group(2))
+    assert folder.parent == inc_dir
+    assert f"Process {job.pid}" in next(folder.glob("stacks-rank*.txt")).read_text()
+    summary = (folder / "summary.md").read_text()
+    assert "by hand" in summary
+    assert not list(folder.glob("trace-rank*"))  # nothing on demand: it is off
+
+    res = run_cli("trace", "--pid", str(job.pid), "--config", str(config))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().count("\n") == 0, res.stderr
+    assert f"on-demand tracing is off in the profagent agent PID {agent.proc.pid} (ondemand.enabled = false)" in res.stderr

@@ -209,6 +209,16 @@ def test_name_taken_turns_the_source_off_and_the_rest_runs(tmp_path: Path, run_a
         assert up["ondemand"] == 0 and up["host"] == 1
         wait_for(lambda: "held by another daemon" in agent.output, what="the one-line reason")
         assert "Traceback" not in agent.output
+        # The control socket stays (for `incidents capture`); a trace request gets the reason.
+        res = _trace_cli({"config": cfg}, "--all", timeout=30)
+        assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+        assert f"on-demand tracing is off in the profagent agent PID {agent.proc.pid} (" in res.stderr
+        assert "held by another daemon" in res.stderr
+        from profagent.config import load_config
+        from profagent.doctor.ondemand import check_ondemand as doctor_check
+
+        rows = list(doctor_check(load_config(cfg, {}, {})))
+        assert rows[0].status == "warn" and "has on-demand tracing off" in rows[0].detail, rows
     finally:
         squatter.close()
 

@@ -130,8 +130,8 @@ def capture_cmd(
         reply = call(path, {"op": "incident", "job": job, "reason": reason})
     except FileNotFoundError:
         raise UserError(f"no profagent agent is running here (no control socket at {path})",
-                        "start `profagent attach --pid N` (or the profagent service) first; if one runs, its on-demand "
-            "source is off (its log and `profagent doctor` say why) or it has another ondemand.control_socket") from None
+                        "start `profagent attach --pid N` (or the profagent service) first; if one runs, it has "
+                        "incidents.enabled = false or another ondemand.control_socket") from None
     except OSError as exc:
         raise UserError(f"cannot talk to the agent at {path} ({exc})", "check that it runs and that you are its user (or root)") from None
     if not reply.get("ok"):

@@ -80,6 +80,10 @@ def request_trace(
         req["job"] = args.job
     reply = _ask(control_socket, req)
     if not reply.get("ok"):
+        if reply.get("error") == "ondemand_off":
+            raise UserError(f"on-demand tracing is off in the profagent agent PID {reply.get('agent_pid')} "
+                            f"({reply.get('reason') or 'see its log'})",
+                            "fix that and restart the agent; `profagent doctor` checks the Kineto endpoint")
         if reply.get("error") == "no_pollers":
             polling = ", ".join(str(p["pid"]) for p in reply.get("pollers", [])) or "none"
             raise UserError(f"no process matching the request polls the agent (processes polling: {polling})", HOW_TO_POLL)

@@ -30,6 +30,12 @@ def check_ondemand(config: Config) -> Iterator[Check]:
         yield Check("ondemand", "Kineto endpoint", WARN, f"{where} is held by another daemon (dynolog?)",
                     "stop it, or trace through that daemon; profagent's on-demand source stays off")
         return
+    if reply.get("error") == "ondemand_off":  # our agent runs, with its on-demand source off
+        yield Check("ondemand", "Kineto endpoint", WARN,
+                    f"{where} is held by another daemon (dynolog?); the profagent agent at {control} has on-demand "
+                    f"tracing off ({reply.get('reason') or 'see its log'})",
+                    "stop that daemon and restart the agent, or trace through that daemon")
+        return
     pollers = reply.get("pollers", [])
     yield Check("ondemand", "Kineto endpoint", OK, f"{where} is hosted by a running profagent agent ({control})")
     if pollers:

@@ -15,11 +15,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from rich.console import Console
 
 from profagent.config import Config, parse_listen
-from profagent.engine.control import ControlledOndemand
+from profagent.engine.control import ControlledOndemand, EngineControl
 from profagent.engine.findings import FindingsEngine, findings_route
 from profagent.engine.incidents import (
     IncidentsSource,
@@ -28,6 +29,7 @@ from profagent.engine.incidents import (
     incidents_route,
 )
 from profagent.engine.runtime import Runtime
+from profagent.errors import SourceUnavailable
 from profagent.exporters.api import RanksApi
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.http import AgentHTTPServer, load_web_config
@@ -103,6 +105,9 @@ class Job:
         self.state = State()
         self.target = target if target is not None else PidTarget(pid, cmdline_args=config.agent.cmdline_args)
         self.sources, self.disabled = build_sources(config)
+        self.control_path = config.ondemand.control_socket or default_control_socket()
+        self.engine_ops: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}  # served on the control socket
+        self.engine_control: EngineControl | None = None
         for source in self.sources:
             if isinstance(source, StacksSource):
                 source.gpu_busy = self.gpu_busy  # a stall needs the rank's GPUs idle too
@@ -126,9 +131,10 @@ class Job:
             config.incidents, incidents_dir(config.incidents, config.agent.state_dir), self.state,
             interval=config.agent.interval, ondemand=control.source if control else None,
         )
+        self.engine_ops["incident"] = lambda req: source.request(
+            str(req["job"]) if req.get("job") else None, str(req.get("reason") or ""))
         if control is not None:
-            control.control.handlers["incident"] = lambda req: source.request(
-                str(req["job"]) if req.get("job") else None, str(req.get("reason") or ""))
+            control.control.handlers.update(self.engine_ops)
         self.sources.append(source)
         return source
 
@@ -139,9 +145,29 @@ class Job:
 
     def start(self) -> None:
         self.runtime.start()
+        self._serve_engine_ops()
+
+    def _serve_engine_ops(self) -> None:
+        """The engine's ops (``incident``) ride on the on-demand source's control socket;
+        with that source off, they get a control socket of their own."""
+        control = next((s for s in self.sources if isinstance(s, ControlledOndemand)), None)
+        if not self.engine_ops or (control is not None and control.control.bound):
+            return
+        health = self.state.view().health.get("ondemand")
+        reason = (health.detail if health is not None and health.detail else
+                  next((d.why for d in self.disabled if d.name == "ondemand"), "on-demand tracing is off"))
+        engine_control = EngineControl(self.control_path, reason, self.engine_ops)
+        try:
+            engine_control.start()
+        except SourceUnavailable as exc:
+            log.info("no control socket for `profagent incidents capture`: %s", exc)
+            return
+        self.engine_control = engine_control
 
     def stop(self) -> None:
         self.runtime.stop()
+        if self.engine_control is not None:
+            self.engine_control.stop()
 
 
 class Agent:

@@ -31,10 +31,17 @@ log = logging.getLogger(__name__)
 MAX_LINE = 64 * 1024
 
 
+ONDEMAND_OPS = ("registry", "status", "trace")
+
+
 class ControlServer:
-    def __init__(self, path: str, source: OndemandSource) -> None:
+    """``source`` None: on-demand tracing is off in this agent (``off_reason`` says why),
+    and the socket serves the engine's own ops (``incident``) alone."""
+
+    def __init__(self, path: str, source: OndemandSource | None, off_reason: str = "") -> None:
         self.path = path
         self.source = source
+        self.off_reason = off_reason
         self._sock: socket.socket | None = None
         # More ops from the engine: name -> handler(request) -> reply (e.g. "incident").
         self.handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
@@ -61,6 +68,10 @@ class ControlServer:
         sock.listen(8)
         sock.settimeout(0.2)
         self._sock = sock
+
+    @property
+    def bound(self) -> bool:
+        return self._sock is not None
 
     def close(self) -> None:
         close_unix_socket(self._sock, self.path)
@@ -104,6 +115,8 @@ class ControlServer:
         op = req.get("op")
         if op == "ping":
             return {"ok": True}
+        if op in ONDEMAND_OPS and self.source is None:
+            return {"ok": False, "error": "ondemand_off", "reason": self.off_reason, "agent_pid": os.getpid()}
         if op == "registry":
             return {"ok": True, "pollers": [self._describe(p) for p in self.source.endpoint.pollers()],
                     "trace_dir": self.source.trace_dir}
@@ -205,3 +218,28 @@ class ControlledOndemand:
             self._thread.join(1.0)
         self.control.close()
         self.source.stop()
+
+
+class EngineControl:
+    """The control socket of an agent whose on-demand source is off (disabled, the Kineto
+    endpoint held by dynolog, a refused folder): `profagent incidents capture` still
+    reaches the agent; `profagent trace` gets ``ondemand_off`` with the reason."""
+
+    def __init__(self, path: str, off_reason: str, handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]) -> None:
+        self.server = ControlServer(path, None, off_reason)
+        self.server.handlers.update(handlers)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Raises SourceUnavailable (NotApplicable when another live agent holds the socket)."""
+        self.server.bind()
+        self._thread = threading.Thread(target=self.server.serve, args=(self._stop,),
+                                        name="profagent-control", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(1.0)
+        self.server.close()
