@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console
 
 from profagent.config import Config, parse_listen
-from profagent.engine.control import ControlledOndemand, EngineControl
+from profagent.engine.control import ControlledOndemand, ControlServer
 from profagent.engine.findings import FindingsEngine, findings_route
 from profagent.engine.incidents import (
     IncidentsSource,
@@ -107,7 +107,7 @@ class Job:
         self.sources, self.disabled = build_sources(config)
         self.control_path = config.ondemand.control_socket or default_control_socket()
         self.engine_ops: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}  # served on the control socket
-        self.engine_control: EngineControl | None = None
+        self.engine_control: ControlServer | None = None  # the socket's own server, with on-demand off
         for source in self.sources:
             if isinstance(source, StacksSource):
                 source.gpu_busy = self.gpu_busy  # a stall needs the rank's GPUs idle too
@@ -156,10 +156,11 @@ class Job:
         health = self.state.view().health.get("ondemand")
         reason = (health.detail if health is not None and health.detail else
                   next((d.why for d in self.disabled if d.name == "ondemand"), "on-demand tracing is off"))
-        engine_control = EngineControl(self.control_path, reason, self.engine_ops)
+        engine_control = ControlServer(self.control_path, None, reason)
+        engine_control.handlers.update(self.engine_ops)
         try:
             engine_control.start()
-        except SourceUnavailable as exc:
+        except (SourceUnavailable, OSError) as exc:  # never fatal: the sources run on without it
             log.info("no control socket for `profagent incidents capture`: %s", exc)
             return
         self.engine_control = engine_control

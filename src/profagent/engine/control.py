@@ -29,9 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_LINE = 64 * 1024
-
-
-ONDEMAND_OPS = ("registry", "status", "trace")
+ONDEMAND_OPS = ("registry", "status", "trace")  # need the on-demand source; "ping" and the engine's do not
 
 
 class ControlServer:
@@ -45,6 +43,22 @@ class ControlServer:
         self._sock: socket.socket | None = None
         # More ops from the engine: name -> handler(request) -> reply (e.g. "incident").
         self.handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Bind, then serve in a thread. Raises SourceUnavailable (NotApplicable when
+        another live agent holds the socket) or OSError."""
+        self.bind()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.serve, args=(self._stop,), name="profagent-control", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(1.0)
+        self.close()
 
     def bind(self) -> None:
         """Raises SourceUnavailable when another live agent already holds the socket."""
@@ -194,52 +208,19 @@ class ControlledOndemand:
         self.name = source.name
         self.interval = source.interval
         self.control = ControlServer(control_socket, source)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         self.source.start()
         try:
-            self.control.bind()
+            self.control.start()
         except SourceUnavailable:
             self.source.stop()
             raise
-        self._stop.clear()
-        self._thread = threading.Thread(target=self.control.serve, args=(self._stop,),
-                                        name="profagent-control", daemon=True)
-        self._thread.start()
 
     def collect(self, tree: ProcessTree) -> OndemandSnapshot:
         return self.source.collect(tree)
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(1.0)
-        self.control.close()
+        self.control.stop()
         self.source.stop()
 
-
-class EngineControl:
-    """The control socket of an agent whose on-demand source is off (disabled, the Kineto
-    endpoint held by dynolog, a refused folder): `profagent incidents capture` still
-    reaches the agent; `profagent trace` gets ``ondemand_off`` with the reason."""
-
-    def __init__(self, path: str, off_reason: str, handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]) -> None:
-        self.server = ControlServer(path, None, off_reason)
-        self.server.handlers.update(handlers)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Raises SourceUnavailable (NotApplicable when another live agent holds the socket)."""
-        self.server.bind()
-        self._thread = threading.Thread(target=self.server.serve, args=(self._stop,),
-                                        name="profagent-control", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(1.0)
-        self.server.close()
