@@ -11,6 +11,10 @@ Two ratios side by side, on the same files:
   ``get_temporal_breakdown`` (and ``orjson.loads``, the floor for anything that builds
   dicts), each in its own process after its imports, best of ``--repeat``.
 
+The whole-process "ceiling" is HTA's time over the start-up floor (``profagent analyze --json``
+on an empty trace: interpreter, imports, command line, output): the best ratio any reader and
+engine could reach with this start-up, reading and analysis taking no time at all.
+
 Peak RSS is each process's own high-water mark (VmHWM; for the whole-process runs, the
 child's ru_maxrss from wait4). Cases: every trace in shared/traces/gpu ($SHARED_FIXTURES_DIR,
 else the first shared/ walking up from the checkout, as tests/helpers/paths.py), and a synthetic large
@@ -256,11 +260,19 @@ def main() -> None:
         print(f"synthetic trace: {files[-1].stat().st_size / 1e6:.0f} MB in {time.perf_counter() - began:.0f}s",
               file=sys.stderr)
 
+    # The start-up floor: the whole process on an empty trace (interpreter, imports, command
+    # line, output; no reading, no analysis). HTA's time over it is the best whole-process
+    # ratio any reader and engine could reach with this start-up ("ceiling" below).
+    empty = out / "empty.pt.trace.json"
+    empty.write_bytes(b'{"traceEvents": []}')
+    floor = measure_whole("profagent", empty, max(args.repeat, 5))
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; best of {args.repeat}; "
           "seconds are wall time; ratios are HTA's time over profagent's, wall (CPU)")
+    print(f"start-up floor: profagent analyze --json on an empty trace takes {_secs(floor)} s; "
+          "ceiling = HTA's whole-process time over that floor, the best ratio with this start-up")
     print(f"{'':<24} {'':>6} | {'whole process: profagent analyze --json vs HTA script':^62} | "
           f"{'in-process: read+analyze vs HTA load+breakdown':^58} |")
-    print(f"{'trace':<24} {'MB':>6} | {'profagent':>9} {'RSS':>8} {'HTA':>7} {'RSS':>9} {'ratio':>15} {'':>8} | "
+    print(f"{'trace':<24} {'MB':>6} | {'profagent':>9} {'RSS':>8} {'HTA':>7} {'RSS':>9} {'ratio':>15} {'ceiling':>8} | "
           f"{'profagent':>9} {'RSS':>8} {'HTA':>7} {'RSS':>9} {'ratio':>15} {'orjson':>7} |")
     for path in files:
         mb = uncompressed_size(path) / 1e6
@@ -270,14 +282,17 @@ def main() -> None:
         whole = {t: ({"error": "skipped"} if t == "hta" and skip_hta else measure_whole(t, path, repeat))
                  for t in ("profagent", "hta")}
         inproc = {t: ({"error": "skipped"} if t == "hta" and skip_hta else measure(t, path, repeat)) for t in TOOLS}
-        floor = "-"
+        vs_orjson = "-"
         if "seconds" in inproc["orjson"] and "seconds" in inproc["profagent"]:
-            floor = f"{inproc['orjson']['seconds'] / inproc['profagent']['seconds']:.1f}x"
+            vs_orjson = f"{inproc['orjson']['seconds'] / inproc['profagent']['seconds']:.1f}x"
+        ceiling = "-"
+        if "seconds" in whole["hta"] and "seconds" in floor:
+            ceiling = f"{whole['hta']['seconds'] / floor['seconds']:.1f}x"
         name = path.name.replace(".pt.trace.json.gz", "").replace(".pt.trace.json", "")
         print(f"{name:<24} {mb:>6.1f} | {_secs(whole['profagent']):>9} {_rss(whole['profagent']):>8} "
-              f"{_secs(whole['hta']):>7} {_rss(whole['hta']):>9} {_ratio(whole['profagent'], whole['hta']):>15} {'':>8} | "
+              f"{_secs(whole['hta']):>7} {_rss(whole['hta']):>9} {_ratio(whole['profagent'], whole['hta']):>15} {ceiling:>8} | "
               f"{_secs(inproc['profagent']):>9} {_rss(inproc['profagent']):>8} {_secs(inproc['hta']):>7} "
-              f"{_rss(inproc['hta']):>9} {_ratio(inproc['profagent'], inproc['hta']):>15} {floor:>7} |", flush=True)
+              f"{_rss(inproc['hta']):>9} {_ratio(inproc['profagent'], inproc['hta']):>15} {vs_orjson:>7} |", flush=True)
     tmp.cleanup()
 
 

@@ -1,7 +1,5 @@
 """``profagent dashboards``: a thin typer layer over ``exporters.grafana.publish``."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated
 

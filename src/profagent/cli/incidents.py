@@ -5,8 +5,6 @@ root) or ask a running agent over HTTP (``--url``); ``capture`` asks the local a
 over its control socket.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import time
@@ -32,7 +30,7 @@ DirOpt = Annotated[Path | None, typer.Option("--dir", help="the incidents folder
 # commands must not pay for them at start-up.
 
 
-def _store(config: Path | None, folder: Path | None) -> IncidentStore:
+def _store(config: Path | None, folder: Path | None) -> "IncidentStore":
     from profagent.config import load_config
     from profagent.engine.incidents import IncidentStore, incidents_dir
 
