@@ -128,6 +128,17 @@ def diagnose_and_capture(base: str, config: Path) -> None:
     subprocess.run([*PROFAGENT, "incidents", "list", "--url", base], timeout=60, check=False)
 
 
+def _interrupt(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGINT (profagent's clean stop), then SIGKILL if it is still running after ``timeout`` s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=0, help="stop by itself after this long (0 = until Ctrl-C)")
@@ -224,18 +235,9 @@ def main() -> int:
         return 0
     finally:
         print("\ndemo: stopping profagent top, the agent and the training job", flush=True)
-        if top is not None and top.poll() is None:
-            top.send_signal(signal.SIGINT)
-            try:
-                top.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                top.kill()
-        if agent.poll() is None:
-            agent.send_signal(signal.SIGINT)
-            try:
-                agent.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                agent.kill()
+        if top is not None:
+            _interrupt(top, timeout=5)
+        _interrupt(agent, timeout=10)
         agent_log.close()
         try:
             os.killpg(job.pid, signal.SIGTERM)

@@ -15,7 +15,7 @@ import pytest
 
 from helpers.agent import http_get, parse_metrics
 from helpers.paths import ROOT
-from helpers.processes import wait_for
+from helpers.processes import stop_process, wait_for
 
 # The metric family that proves each capability works on the demo job.
 FAMILIES = (
@@ -63,15 +63,9 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
             pytest.fail(f"missing on the demo's /metrics after 90 s: {[f for f in FAMILIES if f not in seen]}")
         demo.wait(timeout=180)
     finally:
-        if demo.poll() is None:
-            # SIGINT first: the demo then stops its agent and job (its own sessions), which a
-            # SIGKILL of the demo alone would leave running.
-            demo.send_signal(signal.SIGINT)
-            try:
-                demo.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                demo.kill()
-                demo.wait()
+        # SIGINT first: the demo then stops its agent and job (its own sessions), which a
+        # SIGKILL of the demo alone would leave running.
+        stop_process(demo, signal.SIGINT, timeout=30)
     reader.join(10)
     out = "".join(lines)
     stderr = (tmp_path / "stderr").read_text()

@@ -57,6 +57,19 @@ def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 10) -> int:
+    """Send ``sig`` (the process's own clean stop), wait ``timeout`` s, then SIGKILL; reaped
+    either way. Returns the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 def kill_tree(proc: subprocess.Popen, timeout: float = 10) -> None:
     """SIGKILL a child and every descendant, then reap them.
 

@@ -13,7 +13,7 @@ from urllib.parse import quote
 import pytest
 
 from helpers.agent import free_port, http_get
-from helpers.processes import wait_for
+from helpers.processes import stop_process, wait_for
 
 
 class Prometheus:
@@ -55,11 +55,7 @@ class Prometheus:
         return body["data"]["result"]
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
 
 
 def promtool_check_metrics(text: str) -> str:
