@@ -1,8 +1,7 @@
 """The agent's HTTP endpoint: /metrics, /healthz and small read-only APIs.
 
-TLS and basic auth come from an exporter-toolkit ``web-config.yml`` (the file
-node_exporter users already have): ``tls_server_config.cert_file/key_file`` (optionally
-``client_ca_file`` + ``client_auth_type``) and ``basic_auth_users`` with bcrypt hashes.
+TLS, basic auth and extra headers come from an exporter-toolkit ``web-config.yml`` (the
+file node_exporter users already have), read with exporter-toolkit's meaning in webconfig.py.
 
 The endpoint may face the network and every local user. One I/O thread reads each whole
 request (TLS handshake, head and body) without blocking, under a deadline for the whole
@@ -35,18 +34,19 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
-from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import bcrypt
-import yaml
 
 from profagent.errors import UserError
 from profagent.exporters.exposition import Exposition
+from profagent.exporters.webconfig import WebConfig, load_web_config, peer_check, ssl_context
 
 log = logging.getLogger(__name__)
+
+__all__ = ["AgentHTTPServer", "HttpLimits", "WebConfig", "load_web_config"]
 
 # A route gets the parsed query string and returns (status, content type, body).
 Route = Callable[[dict[str, list[str]]], tuple[int, str, bytes]]
@@ -55,107 +55,6 @@ MAX_REQUEST_BYTES = 64 * 1024  # head and body of one request; we only serve GET
 AUTH_BACKOFF_FIRST = 0.1  # seconds the first failed login's answer is held; doubles per failure
 AUTH_WINDOW = 60.0  # a client's failures are forgotten after this long without one
 AUTH_CLIENTS_TRACKED = 4096  # oldest forgotten first: memory stays bounded under a spray
-
-_CLIENT_AUTH = {
-    "": ssl.CERT_NONE,
-    "NoClientCert": ssl.CERT_NONE,
-    "RequestClientCert": ssl.CERT_OPTIONAL,
-    "RequireAnyClientCert": ssl.CERT_REQUIRED,
-    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
-    "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
-}
-
-
-@dataclass(frozen=True)
-class WebConfig:
-    cert_file: str = ""
-    key_file: str = ""
-    client_ca_file: str = ""
-    client_auth_type: str = ""
-    users: dict[str, bytes] = field(default_factory=dict)
-    headers: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def tls(self) -> bool:
-        return bool(self.cert_file)
-
-
-def load_web_config(path: str | Path) -> WebConfig:
-    """Parse web-config.yml. Raises UserError when it is unreadable or malformed."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise UserError(f"web config {path} not found", "check the --web-config path") from None
-    except IsADirectoryError:
-        raise UserError(f"web config {path} is a directory", "pass the web-config.yml file itself") from None
-    except PermissionError:
-        raise UserError(f"cannot read web config {path}", "fix its permissions") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read web config {path} ({exc})", "pass a readable YAML file") from None
-    except yaml.YAMLError as exc:
-        detail = str(exc).splitlines()[0]
-        raise UserError(f"malformed web config {path} ({detail})", "fix the YAML syntax") from None
-    if not isinstance(data, dict):
-        raise UserError(f"malformed web config {path}", "expected tls_server_config and/or basic_auth_users")
-    unknown = set(data) - {"tls_server_config", "basic_auth_users", "http_server_config"}
-    if unknown:
-        raise UserError(
-            f"unknown key '{sorted(unknown)[0]}' in web config {path}",
-            "supported: tls_server_config, basic_auth_users, http_server_config",
-        )
-    tls = data.get("tls_server_config") or {}
-    users = data.get("basic_auth_users") or {}
-    if not isinstance(tls, dict) or not isinstance(users, dict):
-        raise UserError(f"malformed web config {path}", "tls_server_config and basic_auth_users are mappings")
-    cert, key = str(tls.get("cert_file", "")), str(tls.get("key_file", ""))
-    if bool(cert) != bool(key):
-        raise UserError(f"web config {path} sets only one of cert_file/key_file", "set both")
-    auth_type = str(tls.get("client_auth_type", ""))
-    if auth_type not in _CLIENT_AUTH:
-        raise UserError(f"unknown client_auth_type {auth_type!r} in {path}", f"use one of {', '.join(k for k in _CLIENT_AUTH if k)}")
-    base = path.parent
-
-    def resolve(p: str) -> str:  # relative paths are relative to the web config, as in exporter-toolkit
-        return str(base / p) if p and not Path(p).is_absolute() else p
-
-    for user, hashed in users.items():
-        if not str(hashed).startswith("$2"):
-            raise UserError(f"password of user {user!r} in {path} is not a bcrypt hash", "generate one with `htpasswd -nBC 10 USER`")
-        try:  # a malformed hash would otherwise fail on every authenticated request
-            bcrypt.checkpw(b"", str(hashed).encode())
-        except ValueError:
-            raise UserError(f"the bcrypt hash of user {user!r} in {path} is malformed", "generate one with `htpasswd -nBC 10 USER`") from None
-    verified = auth_type in ("RequireAndVerifyClientCert", "VerifyClientCertIfGiven")
-    if verified and not tls.get("client_ca_file"):
-        raise UserError(f"client_auth_type {auth_type} in {path} needs client_ca_file", "set client_ca_file to the CA that signs client certificates")
-    if auth_type and auth_type != "NoClientCert" and not cert:
-        raise UserError(f"client_auth_type in {path} needs TLS", "set cert_file and key_file")
-    return WebConfig(
-        cert_file=resolve(cert),
-        key_file=resolve(key),
-        client_ca_file=resolve(str(tls.get("client_ca_file", ""))),
-        client_auth_type=auth_type,
-        users={str(u): str(h).encode() for u, h in users.items()},
-    )
-
-
-def _ssl_context(cfg: WebConfig) -> ssl.SSLContext:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
-        if cfg.client_ca_file:
-            ctx.load_verify_locations(cfg.client_ca_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise UserError(f"cannot load TLS certificate or key ({exc})", "check cert_file/key_file in the web config") from None
-    ctx.verify_mode = _CLIENT_AUTH[cfg.client_auth_type]
-    return ctx
-
-
-def _peer_check(cfg: WebConfig) -> Callable[[ssl.SSLSocket], bool] | None:
-    return None
-
 
 class _Authenticator:
     """bcrypt is deliberately slow, so successful checks are remembered (as node_exporter
@@ -635,7 +534,7 @@ class AgentHTTPServer:
 
     def start(self) -> None:
         """Bind and serve in a thread. Raises UserError if the port is taken or not allowed."""
-        ctx = _ssl_context(self.web_config) if self.web_config.tls else None
+        ctx = ssl_context(self.web_config) if self.web_config.tls else None
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -654,7 +553,7 @@ class AgentHTTPServer:
             raise UserError(f"cannot listen on {self.host}:{self.port} ({exc.strerror})", "check --listen") from None
         self.port = listener.getsockname()[1]  # resolves port 0
         auth = _Authenticator(self.web_config.users, self.limits.auth_backoff_max)
-        self._server = _EventServer(listener, _make_handler(self, auth), self.limits, ctx, auth, _peer_check(self.web_config))
+        self._server = _EventServer(listener, _make_handler(self, auth), self.limits, ctx, auth, peer_check(self.web_config))
         self._server.start()
 
     def shutdown(self) -> None:
