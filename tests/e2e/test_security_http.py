@@ -129,6 +129,31 @@ def test_connection_cap_closes_the_slowest_to_make_room() -> None:
         server.shutdown()
 
 
+def test_answers_not_taken_by_their_clients_are_bounded(monkeypatch) -> None:
+    """Clients that ask for a big answer and never read it cannot make the agent hold
+    more than MAX_PENDING_OUTPUT (plus the newest answer): the slowest are closed."""
+    monkeypatch.setattr(http_module, "MAX_PENDING_OUTPUT", 16 * 1024**2)
+    server = _server(max_connections_per_client=100)
+    big = b"x" * (16 * 1024**2)  # well over what the kernel buffers per socket
+    server.add_route("/big", lambda query: (200, "text/plain", big))
+    readers: list[socket.socket] = []
+    try:
+        for _ in range(12):  # 192 MiB asked for, none read
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", server.port))
+            s.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+            readers.append(s)
+        wait_for(lambda: server.refused["output"] >= 4, 60, what="non-reading clients closed over the output budget")
+        pending = sum(sum(len(m) for m in c.out) for c in list(server._server._conns.values()))
+        assert pending <= http_module.MAX_PENDING_OUTPUT + len(big)
+        assert _get(server) == 200
+    finally:
+        for s in readers:
+            s.close()
+        server.shutdown()
+
+
 SLOWLORIS = r"""
 import socket, sys, time
 import os

@@ -52,6 +52,7 @@ __all__ = ["AgentHTTPServer", "HttpLimits", "WebConfig", "load_web_config"]
 Route = Callable[[dict[str, list[str]]], tuple[int, str, bytes]]
 
 MAX_REQUEST_BYTES = 64 * 1024  # head and body of one request; we only serve GET and HEAD
+MAX_PENDING_OUTPUT = 256 * 1024**2  # answers written but not yet taken by their clients, all together
 AUTH_BACKOFF_FIRST = 0.1  # seconds the first failed login's answer is held; doubles per failure
 AUTH_WINDOW = 60.0  # a client's failures are forgotten after this long without one
 AUTH_CLIENTS_TRACKED = 4096  # oldest forgotten first: memory stays bounded under a spray
@@ -177,7 +178,7 @@ _PRIORITY_PATHS = (b"/metrics", b"/healthz")
 
 
 class _Conn:
-    __slots__ = ("sock", "address", "client", "state", "buf", "out", "sent", "close_after", "deadline", "release_at")
+    __slots__ = ("sock", "address", "client", "state", "buf", "out", "close_after", "deadline", "release_at")
 
     def __init__(self, sock: socket.socket, address: tuple, deadline: float) -> None:
         self.sock = sock
@@ -185,11 +186,24 @@ class _Conn:
         self.client = client_key(str(address[0]))
         self.state = _READING
         self.buf = bytearray()
-        self.out = b""
-        self.sent = 0
+        self.out: list[memoryview] = []  # the answer still to send (the body is the shared exposition, not a copy)
         self.close_after = False
         self.deadline = deadline  # reading the whole request, or writing the whole answer, ends by then
         self.release_at = 0.0  # a held (delayed) answer goes out then
+
+
+class _Chunks:
+    """A write-only file that keeps what is written by reference (no copy of the body)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+
+    def write(self, data: bytes) -> int:
+        self.chunks.append(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
 
 
 class _EventServer:
@@ -204,7 +218,7 @@ class _EventServer:
         self.ssl_context = ssl_context
         self.auth = auth
         self.peer_check = peer_check
-        self.refused: dict[str, int] = {"per_client": 0, "evicted": 0, "deadline": 0, "too_large": 0, "tls": 0}
+        self.refused: dict[str, int] = {"per_client": 0, "evicted": 0, "deadline": 0, "too_large": 0, "tls": 0, "output": 0}
         self._conns: dict[int, _Conn] = {}
         self._per_client: dict[str, int] = {}
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
@@ -253,7 +267,7 @@ class _EventServer:
         while not self._stop:
             for key, _ in self._sel.select(0.25):
                 if key.data == "accept":
-                    self._accept()
+                    self._guarded(self._accept, None)
                 elif key.data == "wake":
                     try:
                         while self._wake_r.recv(4096):
@@ -261,15 +275,24 @@ class _EventServer:
                     except (BlockingIOError, OSError):
                         pass
                 else:
-                    self._on_ready(key.data)
+                    self._guarded(self._on_ready, key.data)
             self._take_answers()
             now = time.monotonic()
             for conn in list(self._conns.values()):
                 if conn.state == _HELD and now >= conn.release_at:
-                    self._start_write(conn)
+                    self._guarded(self._start_write, conn)
                 elif conn.state in (_HANDSHAKE, _READING, _WRITING) and now >= conn.deadline:
                     self.refused["deadline"] += 1
                     self._close(conn)
+
+    def _guarded(self, step: Callable, conn: _Conn | None) -> None:
+        """One connection's surprise never stops the I/O thread: that connection is closed."""
+        try:
+            step() if conn is None else step(conn)
+        except Exception as exc:
+            log.warning("HTTP connection %s failed: %r", conn.address if conn else "accept", exc)
+            if conn is not None:
+                self._close(conn)
 
     def _accept(self) -> None:
         for _ in range(64):
@@ -381,7 +404,7 @@ class _EventServer:
     def _read(self, conn: _Conn) -> None:
         while True:
             try:
-                chunk = conn.sock.recv(65536)
+                chunk = conn.sock.recv(16384)
             except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 break
             except OSError:
@@ -433,7 +456,7 @@ class _EventServer:
 
     def _error(self, conn: _Conn, status: int, reason: str) -> None:
         self.refused["too_large"] += 1
-        conn.out = f"HTTP/1.1 {status} {reason}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode()
+        conn.out = [memoryview(f"HTTP/1.1 {status} {reason}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())]
         conn.close_after = True
         self._start_write(conn)
 
@@ -445,23 +468,43 @@ class _EventServer:
                 return
             if id(conn) not in self._conns:
                 continue
-            conn.out, conn.close_after = out, close
+            conn.out, conn.close_after = [memoryview(b) for b in out if b], close
+            self._bound_output(conn)
             if delay > 0:
                 conn.state, conn.release_at = _HELD, time.monotonic() + delay
             else:
                 self._start_write(conn)
 
+    def _bound_output(self, newest: _Conn) -> None:
+        """Answers not yet taken by their clients stay under MAX_PENDING_OUTPUT: clients
+        that do not read are closed, the one writing longest first."""
+        pending = {id(c): sum(len(m) for m in c.out) for c in self._conns.values() if c.out}
+        total = sum(pending.values())
+        while total > MAX_PENDING_OUTPUT:
+            writers = [c for c in self._conns.values() if c.out and c is not newest and c.state in (_WRITING, _HELD)]
+            if not writers:
+                return
+            slowest = min(writers, key=lambda c: c.deadline)
+            total -= pending[id(slowest)]
+            self.refused["output"] += 1
+            if self.refused["output"] % 100 == 1:
+                log.warning("HTTP answers not taken by their clients hold over %d bytes: closing the slowest (%d so far)",
+                            MAX_PENDING_OUTPUT, self.refused["output"])
+            self._close(slowest)
+
     def _start_write(self, conn: _Conn) -> None:
-        conn.state, conn.sent = _WRITING, 0
+        conn.state = _WRITING
         conn.deadline = time.monotonic() + self.limits.request_deadline
         self._set_events(conn, selectors.EVENT_WRITE)
         self._write(conn)
 
     def _write(self, conn: _Conn) -> None:
-        view = memoryview(conn.out)
         try:
-            while conn.sent < len(view):
-                conn.sent += conn.sock.send(view[conn.sent: conn.sent + 262144])
+            while conn.out:
+                sent = conn.sock.send(conn.out[0][:262144])
+                conn.out[0] = conn.out[0][sent:]
+                if not conn.out[0]:
+                    conn.out.pop(0)
         except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
             return
         except OSError:
@@ -470,7 +513,7 @@ class _EventServer:
         if conn.close_after:
             self._close(conn)
             return
-        conn.out, conn.state = b"", _READING  # keep-alive: the next request has a new deadline
+        conn.state = _READING  # keep-alive: the next request has a new deadline
         conn.deadline = time.monotonic() + self.limits.request_deadline
         self._set_events(conn, selectors.EVENT_READ)
         self._dispatch(conn)  # a pipelined request may already be buffered
@@ -483,10 +526,10 @@ class _EventServer:
                 return
             try:
                 handler = self.handler((conn.sock, request), conn.address, self)  # type: ignore[arg-type]
-                answer = (conn, handler.wfile.getvalue(), handler.close_connection, handler.hold)
+                answer = (conn, handler.wfile.chunks, handler.close_connection, handler.hold)
             except Exception as exc:  # never lose a worker
                 log.warning("HTTP worker failed: %s", exc)
-                answer = (conn, b"", True, 0.0)
+                answer = (conn, [], True, 0.0)
             self._done.put(answer)
             self._wake()
 
@@ -521,7 +564,7 @@ class AgentHTTPServer:
 
     @property
     def refused(self) -> dict[str, int]:
-        """Connections closed by a cap, per reason (per_client, evicted, deadline, too_large, tls)."""
+        """Connections closed by a cap, per reason (per_client, evicted, deadline, too_large, tls, output)."""
         return dict(self._server.refused) if self._server else {}
 
     @property
@@ -574,7 +617,7 @@ def _make_handler(server: AgentHTTPServer, auth: _Authenticator) -> type[BaseHTT
         def setup(self) -> None:
             self.connection, request = self.request
             self.rfile = io.BytesIO(request)
-            self.wfile = io.BytesIO()
+            self.wfile = _Chunks()
 
         def handle(self) -> None:
             self.close_connection = True
