@@ -154,6 +154,20 @@ def test_answers_not_taken_by_their_clients_are_bounded(monkeypatch) -> None:
         server.shutdown()
 
 
+def test_pipelined_requests_then_half_close_are_all_answered() -> None:
+    server = _server()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 3 + b"GET /nope HTTP/1.0\r\n\r\n")
+            s.shutdown(socket.SHUT_WR)  # as `nc -N` does
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        assert data.count(b"HTTP/1.1 200") == 3 and data.count(b"ok\n") == 3 and data.count(b" 404 ") == 1
+    finally:
+        server.shutdown()
+
+
 SLOWLORIS = r"""
 import socket, sys, time
 import os

@@ -178,7 +178,7 @@ _PRIORITY_PATHS = (b"/metrics", b"/healthz")
 
 
 class _Conn:
-    __slots__ = ("sock", "address", "client", "state", "buf", "out", "close_after", "deadline", "release_at")
+    __slots__ = ("sock", "address", "client", "state", "buf", "out", "close_after", "eof", "deadline", "release_at")
 
     def __init__(self, sock: socket.socket, address: tuple, deadline: float) -> None:
         self.sock = sock
@@ -188,6 +188,7 @@ class _Conn:
         self.buf = bytearray()
         self.out: list[memoryview] = []  # the answer still to send (the body is the shared exposition, not a copy)
         self.close_after = False
+        self.eof = False  # the client has shut its side: answer what it sent, then close
         self.deadline = deadline  # reading the whole request, or writing the whole answer, ends by then
         self.release_at = 0.0  # a held (delayed) answer goes out then
 
@@ -411,12 +412,14 @@ class _EventServer:
                 self._close(conn)
                 return
             if not chunk:
-                self._close(conn)
-                return
+                conn.eof = True
+                break
             conn.buf += chunk
             if len(conn.buf) > MAX_REQUEST_BYTES:
                 break
         self._dispatch(conn)
+        if conn.eof and conn.state == _READING:  # nothing (more) to answer
+            self._close(conn)
 
     def _dispatch(self, conn: _Conn) -> None:
         """Queue the request once its head and body are in; answer errors here."""
@@ -517,6 +520,8 @@ class _EventServer:
         conn.deadline = time.monotonic() + self.limits.request_deadline
         self._set_events(conn, selectors.EVENT_READ)
         self._dispatch(conn)  # a pipelined request may already be buffered
+        if conn.eof and conn.state == _READING:
+            self._close(conn)
 
     # -- workers ---------------------------------------------------------------------
     def _work(self) -> None:
