@@ -7,6 +7,7 @@ import base64
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -165,6 +166,35 @@ def test_pipelined_requests_then_half_close_are_all_answered() -> None:
                 data += chunk
         assert data.count(b"HTTP/1.1 200") == 3 and data.count(b"ok\n") == 3 and data.count(b" 404 ") == 1
     finally:
+        server.shutdown()
+
+
+def test_stalled_tls_handshakes_hold_no_worker_and_end_at_the_deadline(tmp_path: Path) -> None:
+    key, crt = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(crt),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    server = AgentHTTPServer("127.0.0.1", 0, Exposition(State().view), WebConfig(cert_file=str(crt), key_file=str(key)),
+                             HttpLimits(request_deadline=5.0, workers=1))
+    server.start()
+    stalled = []
+    try:
+        for _ in range(12):  # the first bytes of a TLS record, then nothing
+            stalled.append(socket.create_connection(("127.0.0.1", server.port), timeout=30))
+            stalled[-1].sendall(b"\x16\x03\x01")
+        wait_for(lambda: len(server._server._conns) == 12, 30, what="12 stalled handshakes held")
+        ctx = ssl.create_default_context(cafile=str(crt))
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as raw, \
+                ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:  # one worker, and it is free
+            tls.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert tls.recv(64).startswith(b"HTTP/1.1 200")
+        for s in stalled:
+            s.settimeout(30)
+            assert _closed_by_server(s)
+        assert server.refused["deadline"] >= 12
+    finally:
+        for s in stalled:
+            s.close()
         server.shutdown()
 
 
