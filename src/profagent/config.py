@@ -57,6 +57,15 @@ class AgentConfig:
 
 
 @dataclass
+class HttpConfig:
+    request_deadline: float = _opt(10.0, "seconds a client has to send a whole request (TLS handshake, headers and body) or to take a whole answer; keep-alive idle time counts")
+    max_connections: int = _opt(256, "HTTP connections open at once; at the cap the one that has been sending its request longest is closed")
+    max_connections_per_client: int = _opt(16, "HTTP connections open at once from one client address (an IPv6 client: its /64)")
+    workers: int = _opt(4, "threads that compute answers; requests are read without them, scrapes first")
+    auth_backoff_max: float = _opt(5.0, "a failed basic-auth login holds that client's failing answers 0.1 s, doubling per failure up to this; a correct password is never refused (0 = no delay)")
+
+
+@dataclass
 class HostConfig:
     enabled: bool = _opt(True, "per-rank CPU, memory, threads, fds, IO and context switches (psutil)")
     interval: float = _opt(0.0, "seconds between samples; 0 = the agent interval")
@@ -157,6 +166,7 @@ class WatchConfig:
 
 SECTIONS: dict[str, type] = {
     "": AgentConfig,
+    "http": HttpConfig,
     "host": HostConfig,
     "gpu": GpuConfig,
     "stacks": StacksConfig,
@@ -171,6 +181,7 @@ SECTIONS: dict[str, type] = {
 @dataclass
 class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
     host: HostConfig = field(default_factory=HostConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     stacks: StacksConfig = field(default_factory=StacksConfig)
@@ -347,6 +358,15 @@ def validate(config: Config) -> None:
     _validate_watch(config.watch)
     _validate_stacks(config.stacks)
     _validate_incidents(config.incidents)
+    _validate_http(config.http)
+
+
+def _validate_http(h: HttpConfig) -> None:
+    if h.request_deadline < 0.5:
+        raise UserError(f"'http.request_deadline' is {h.request_deadline}s, below the minimum", "use at least 0.5 s")
+    for name, top in (("max_connections", 65536), ("max_connections_per_client", 65536), ("workers", 64)):
+        if not 1 <= getattr(h, name) <= top:
+            raise UserError(f"'http.{name}' is {getattr(h, name)}", f"use 1 to {top}")
 
 
 def _validate_incidents(inc: IncidentsConfig) -> None:

@@ -394,8 +394,9 @@ def main() -> None:
     """Console-script entry point: user errors and usage errors end in one line, exit 2."""
     def error_line(text: str) -> None:
         from rich.console import Console  # only on the error path: start-up stays lean
+        from rich.markup import escape
 
-        Console(stderr=True).print(f"[red]error[/red]: {text}", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"[red]error[/red]: {escape(text)}", highlight=False, soft_wrap=True)
 
     # numpy's OpenBLAS starts a thread per core when numpy is imported, although profagent
     # does no linear algebra: one thread makes `profagent analyze` start faster on big nodes.

@@ -14,11 +14,12 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any
-from urllib.parse import urlencode, urlsplit, urlunsplit
+from urllib.parse import urlencode, urlunsplit
 
 from rich.console import Console
 from rich.markup import escape
 
+from profagent.cli.urls import parse_agent_url
 from profagent.config import DEFAULT_PORT, Config
 from profagent.errors import UserError
 
@@ -29,9 +30,7 @@ RANKED = {"critical": 0, "warning": 1, "info": 2}
 
 def findings_url(url: str, job: str | None) -> str:
     """The /api/findings URL of an agent given as its root or its /metrics URL."""
-    parts = urlsplit(url if "://" in url else f"http://{url}")
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise UserError(f"invalid agent URL {url!r}", "use http(s)://HOST:PORT, e.g. http://node1:19400")
+    parts = parse_agent_url(url)
     path = parts.path.rstrip("/")
     path = path[: -len("/metrics")] if path.endswith("/metrics") else path
     return urlunsplit((parts.scheme, parts.netloc, path + "/api/findings", urlencode({"job": job}) if job else "", ""))

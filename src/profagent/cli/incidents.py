@@ -48,7 +48,10 @@ def _get(url: str, query: dict[str, str] | None = None) -> Any:
     import urllib.parse
     import urllib.request
 
-    base = url.rstrip("/").removesuffix("/metrics")
+    from profagent.cli.urls import parse_agent_url
+
+    parts = parse_agent_url(url)
+    base = f"{parts.scheme}://{parts.netloc}" + parts.path.rstrip("/").removesuffix("/metrics")
     full = f"{base}/api/incidents" + (f"?{urllib.parse.urlencode(query)}" if query else "")
     try:
         with urllib.request.urlopen(full, timeout=10) as resp:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import orjson
 from rich.console import Console, Group, RenderableType
@@ -32,6 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from profagent.analysis.stacks import CATEGORIES, parse_folded
+from profagent.cli.urls import parse_agent_url
 from profagent.errors import UserError
 
 # One letter per stack category, so the bar reads without colour too (plain output).
@@ -321,9 +322,7 @@ class HttpFeed:
     """A running agent's /api/ranks and /api/stacks."""
 
     def __init__(self, url: str, auth: HttpAuth, timeout: float = 5.0) -> None:
-        parts = urlsplit(url if "://" in url else f"http://{url}")
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise UserError(f"bad --url {url!r}", "give the agent's address, e.g. http://127.0.0.1:19400")
+        parts = parse_agent_url(url)
         self.base = f"{parts.scheme}://{parts.netloc}"
         self.timeout = timeout
         self.headers: dict[str, str] = {}

@@ -32,7 +32,7 @@ from profagent.engine.runtime import Runtime
 from profagent.errors import SourceUnavailable
 from profagent.exporters.api import RanksApi
 from profagent.exporters.exposition import Exposition
-from profagent.exporters.http import AgentHTTPServer, load_web_config
+from profagent.exporters.http import AgentHTTPServer, HttpLimits, load_web_config
 from profagent.sources import Source
 from profagent.sources.gpu.source import GpuSource, build_gpu_source
 from profagent.sources.host import HostSource
@@ -181,7 +181,8 @@ class Agent:
         host, port = parse_listen(config.agent.listen)
         self.exposition = Exposition(job.state.view)
         job.state.subscribe(self.exposition.prerender)  # encode in the source's thread, not on scrape
-        self.server = AgentHTTPServer(host, port, self.exposition, web)
+        limits = HttpLimits(**dataclasses.asdict(config.http))
+        self.server = AgentHTTPServer(host, port, self.exposition, web, limits)
         self.server.add_route("/api/stacks", stacks_route(
             lambda: [s for s in job.sources if isinstance(s, StacksSource)]
         ))

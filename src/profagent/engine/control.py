@@ -65,7 +65,7 @@ class ControlServer:
         path = Path(self.path)
         path.parent.parent.mkdir(parents=True, exist_ok=True)
         try:  # e.g. /tmp/profagent-<uid>: a folder another user created first is not ours
-            own_directory(str(path.parent), 0o700, keep_mode=True)
+            own_directory(str(path.parent), 0o700)
         except UnsafePath as exc:
             raise SourceUnavailable(f"refusing the control socket folder: {exc}; remove it or set ondemand.control_socket") from None
         if path.exists():

@@ -1,12 +1,17 @@
 """The agent's HTTP endpoint: /metrics, /healthz and small read-only APIs.
 
-TLS and basic auth come from an exporter-toolkit ``web-config.yml`` (the file
-node_exporter users already have): ``tls_server_config.cert_file/key_file`` (optionally
-``client_ca_file`` + ``client_auth_type``) and ``basic_auth_users`` with bcrypt hashes.
+TLS, basic auth and extra headers come from an exporter-toolkit ``web-config.yml`` (the
+file node_exporter users already have), read with exporter-toolkit's meaning in webconfig.py.
 
-The endpoint may face the network: every connection has a timeout, at most
-``MAX_CONNECTIONS`` are served at once (more are closed at once), and a client that keeps
-failing basic auth is answered 429 without spending bcrypt time on it.
+The endpoint may face the network and every local user. One I/O thread reads each whole
+request (TLS handshake, head and body) without blocking, under a deadline for the whole
+request (``http.request_deadline``); only then does one of a few workers compute the answer,
+scrapes and already-proven credentials first. A slow client therefore holds a socket and a
+buffer, never a worker. Connections are capped in all and per client
+(``http.max_connections``, ``http.max_connections_per_client``); at the cap, the connection
+that has been reading its request longest is closed to make room. Failed logins delay the
+failing answers of that client only (``http.auth_backoff_max``); a correct password is
+always accepted.
 """
 
 from __future__ import annotations
@@ -16,225 +21,522 @@ import errno
 import gzip
 import hashlib
 import hmac
+import io
+import ipaddress
+import itertools
 import logging
+import queue
+import re
+import selectors
 import socket
 import ssl
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlsplit
 
 import bcrypt
-import yaml
 
 from profagent.errors import UserError
 from profagent.exporters.exposition import Exposition
+from profagent.exporters.webconfig import WebConfig, load_web_config, peer_check, ssl_context
 
 log = logging.getLogger(__name__)
+
+__all__ = ["AgentHTTPServer", "HttpLimits", "WebConfig", "load_web_config"]
 
 # A route gets the parsed query string and returns (status, content type, body).
 Route = Callable[[dict[str, list[str]]], tuple[int, str, bytes]]
 
-CONNECTION_TIMEOUT = 10.0  # seconds a connection may stay silent (half-sent request, idle keep-alive)
-MAX_CONNECTIONS = 32  # handler threads; Prometheus needs one or two
-AUTH_FAILURES_ALLOWED = 10  # per client address and window, then 429 until the window ends
-AUTH_WINDOW = 60.0
+MAX_REQUEST_BYTES = 64 * 1024  # head and body of one request; we only serve GET and HEAD
+MAX_PENDING_OUTPUT = 256 * 1024**2  # answers written but not yet taken by their clients, all together
+AUTH_BACKOFF_FIRST = 0.1  # seconds the first failed login's answer is held; doubles per failure
+AUTH_WINDOW = 60.0  # a client's failures are forgotten after this long without one
 AUTH_CLIENTS_TRACKED = 4096  # oldest forgotten first: memory stays bounded under a spray
-
-_CLIENT_AUTH = {
-    "": ssl.CERT_NONE,
-    "NoClientCert": ssl.CERT_NONE,
-    "RequestClientCert": ssl.CERT_OPTIONAL,
-    "RequireAnyClientCert": ssl.CERT_REQUIRED,
-    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
-    "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
-}
-
-
-@dataclass(frozen=True)
-class WebConfig:
-    cert_file: str = ""
-    key_file: str = ""
-    client_ca_file: str = ""
-    client_auth_type: str = ""
-    users: dict[str, bytes] = field(default_factory=dict)
-
-    @property
-    def tls(self) -> bool:
-        return bool(self.cert_file)
-
-
-def load_web_config(path: str | Path) -> WebConfig:
-    """Parse web-config.yml. Raises UserError when it is unreadable or malformed."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise UserError(f"web config {path} not found", "check the --web-config path") from None
-    except IsADirectoryError:
-        raise UserError(f"web config {path} is a directory", "pass the web-config.yml file itself") from None
-    except PermissionError:
-        raise UserError(f"cannot read web config {path}", "fix its permissions") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read web config {path} ({exc})", "pass a readable YAML file") from None
-    except yaml.YAMLError as exc:
-        detail = str(exc).splitlines()[0]
-        raise UserError(f"malformed web config {path} ({detail})", "fix the YAML syntax") from None
-    if not isinstance(data, dict):
-        raise UserError(f"malformed web config {path}", "expected tls_server_config and/or basic_auth_users")
-    unknown = set(data) - {"tls_server_config", "basic_auth_users", "http_server_config"}
-    if unknown:
-        raise UserError(
-            f"unknown key '{sorted(unknown)[0]}' in web config {path}",
-            "supported: tls_server_config, basic_auth_users, http_server_config",
-        )
-    tls = data.get("tls_server_config") or {}
-    users = data.get("basic_auth_users") or {}
-    if not isinstance(tls, dict) or not isinstance(users, dict):
-        raise UserError(f"malformed web config {path}", "tls_server_config and basic_auth_users are mappings")
-    cert, key = str(tls.get("cert_file", "")), str(tls.get("key_file", ""))
-    if bool(cert) != bool(key):
-        raise UserError(f"web config {path} sets only one of cert_file/key_file", "set both")
-    auth_type = str(tls.get("client_auth_type", ""))
-    if auth_type not in _CLIENT_AUTH:
-        raise UserError(f"unknown client_auth_type {auth_type!r} in {path}", f"use one of {', '.join(k for k in _CLIENT_AUTH if k)}")
-    base = path.parent
-
-    def resolve(p: str) -> str:  # relative paths are relative to the web config, as in exporter-toolkit
-        return str(base / p) if p and not Path(p).is_absolute() else p
-
-    for user, hashed in users.items():
-        if not str(hashed).startswith("$2"):
-            raise UserError(f"password of user {user!r} in {path} is not a bcrypt hash", "generate one with `htpasswd -nBC 10 USER`")
-        try:  # a malformed hash would otherwise fail on every authenticated request
-            bcrypt.checkpw(b"", str(hashed).encode())
-        except ValueError:
-            raise UserError(f"the bcrypt hash of user {user!r} in {path} is malformed", "generate one with `htpasswd -nBC 10 USER`") from None
-    verified = auth_type in ("RequireAndVerifyClientCert", "VerifyClientCertIfGiven")
-    if verified and not tls.get("client_ca_file"):
-        raise UserError(f"client_auth_type {auth_type} in {path} needs client_ca_file", "set client_ca_file to the CA that signs client certificates")
-    if auth_type and auth_type != "NoClientCert" and not cert:
-        raise UserError(f"client_auth_type in {path} needs TLS", "set cert_file and key_file")
-    return WebConfig(
-        cert_file=resolve(cert),
-        key_file=resolve(key),
-        client_ca_file=resolve(str(tls.get("client_ca_file", ""))),
-        client_auth_type=auth_type,
-        users={str(u): str(h).encode() for u, h in users.items()},
-    )
-
-
-def _ssl_context(cfg: WebConfig) -> ssl.SSLContext:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
-        if cfg.client_ca_file:
-            ctx.load_verify_locations(cfg.client_ca_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise UserError(f"cannot load TLS certificate or key ({exc})", "check cert_file/key_file in the web config") from None
-    ctx.verify_mode = _CLIENT_AUTH[cfg.client_auth_type]
-    return ctx
-
 
 class _Authenticator:
     """bcrypt is deliberately slow, so successful checks are remembered (as node_exporter
-    does), and a client address failing too often is refused before bcrypt runs."""
+    does). A failed login is never a reason to refuse a correct password: failures only
+    delay the failing answers of the client that fails (doubling up to ``backoff_max``).
+    An unknown user is checked against a dummy hash of the same cost, so the answer time
+    does not tell which user names exist."""
 
-    def __init__(self, users: dict[str, bytes], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, users: dict[str, bytes], backoff_max: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._users = users
         self._ok: set[bytes] = set()
         self._lock = threading.Lock()
         self._clock = clock
-        self._failures: OrderedDict[str, tuple[float, int]] = OrderedDict()  # client -> (window start, count)
+        self.backoff_max = backoff_max
+        self._failures: OrderedDict[str, tuple[float, int]] = OrderedDict()  # client -> (last failure, count)
+        cost = max((_bcrypt_cost(h) for h in users.values()), default=4)
+        self._dummy = bcrypt.hashpw(b"profagent-no-such-user", bcrypt.gensalt(rounds=cost)) if users else b""
 
-    def throttled(self, client: str) -> bool:
-        """True while ``client`` has failed more than AUTH_FAILURES_ALLOWED times this window."""
+    @property
+    def enabled(self) -> bool:
+        return bool(self._users)
+
+    def _parse(self, header: str | None) -> tuple[str, bytes] | None:
+        if not header or not header.startswith("Basic "):
+            return None
+        try:
+            user, _, password = base64.b64decode(header[6:], validate=True).decode().partition(":")
+        except (ValueError, UnicodeDecodeError):
+            return None
+        return user, password.encode()
+
+    def _token(self, hashed: bytes, password: bytes) -> bytes:
+        return hashlib.sha256(hashed + b"\0" + password).digest()
+
+    def cached(self, header: str | None) -> bool:
+        """True when the answer needs no bcrypt: no users, or credentials already proven."""
         if not self._users:
+            return True
+        parsed = self._parse(header)
+        if parsed is None or parsed[0] not in self._users:
             return False
+        token = self._token(self._users[parsed[0]], parsed[1])
         with self._lock:
-            entry = self._failures.get(client)
-            if entry is None:
-                return False
-            if self._clock() - entry[0] >= AUTH_WINDOW:
-                del self._failures[client]
-                return False
-            return entry[1] >= AUTH_FAILURES_ALLOWED
-
-    def failed(self, client: str) -> None:
-        now = self._clock()
-        with self._lock:
-            start, count = self._failures.pop(client, (now, 0))
-            if now - start >= AUTH_WINDOW:
-                start, count = now, 0
-            self._failures[client] = (start, count + 1)
-            while len(self._failures) > AUTH_CLIENTS_TRACKED:
-                self._failures.popitem(last=False)
+            return token in self._ok
 
     def check(self, header: str | None) -> bool:
         if not self._users:
             return True
-        if not header or not header.startswith("Basic "):
+        parsed = self._parse(header)
+        if parsed is None:
             return False
-        try:
-            user, _, password = base64.b64decode(header[6:]).decode().partition(":")
-        except (ValueError, UnicodeDecodeError):
-            return False
+        user, password = parsed
         hashed = self._users.get(user)
         if hashed is None:
+            bcrypt.checkpw(password, self._dummy)  # same work as a known user: no user enumeration
             return False
-        token = hashlib.sha256(hashed + b"\0" + password.encode()).digest()
+        token = self._token(hashed, password)
         with self._lock:
             if any(hmac.compare_digest(token, t) for t in self._ok):
                 return True
-        if not bcrypt.checkpw(password.encode(), hashed):
+        if not bcrypt.checkpw(password, hashed):
             return False
         with self._lock:
             self._ok.add(token)
         return True
 
+    def failed(self, client: str) -> float:
+        """Record a failure of ``client``; return how long to hold its answer (seconds)."""
+        now = self._clock()
+        with self._lock:
+            last, count = self._failures.pop(client, (now, 0))
+            if now - last >= AUTH_WINDOW:  # quiet for a window: start over
+                count = 0
+            count += 1
+            self._failures[client] = (now, count)
+            while len(self._failures) > AUTH_CLIENTS_TRACKED:
+                self._failures.popitem(last=False)
+        return min(self.backoff_max, AUTH_BACKOFF_FIRST * 2 ** min(count - 1, 30))
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    ssl_context: ssl.SSLContext | None = None
-    request_queue_size = 64
-    slots = threading.BoundedSemaphore(MAX_CONNECTIONS)  # replaced per server in AgentHTTPServer.start
-    refused = 0
 
-    def process_request(self, request, client_address):  # type: ignore[override]
-        if not self.slots.acquire(blocking=False):
-            self.refused += 1  # over the cap: closed at once, no thread
-            if self.refused % 100 == 1:
-                log.warning("more than %d HTTP connections at once: closing new ones (%d so far)", MAX_CONNECTIONS, self.refused)
-            self.shutdown_request(request)
-            return
+def _bcrypt_cost(hashed: bytes) -> int:
+    try:
+        return int(hashed.split(b"$")[2])
+    except (IndexError, ValueError):
+        return 10
+
+
+def client_key(address: str) -> str:
+    """Who a peer is, for the per-client caps: the IPv4 address, or the /64 of an IPv6
+    one (a single host commonly holds a whole /64)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """The endpoint's caps (keys ``http.*``); the defaults are the config's."""
+
+    request_deadline: float = 10.0
+    max_connections: int = 256
+    max_connections_per_client: int = 16
+    workers: int = 4
+    auth_backoff_max: float = 5.0
+
+
+# Connection states. Reading and writing happen in the one I/O thread, never in a worker,
+# so a slow client costs a socket and a buffer, never a thread.
+_HANDSHAKE, _READING, _QUEUED, _HELD, _WRITING = range(5)
+_CONTENT_LENGTH = re.compile(rb"^content-length[ \t]*:[ \t]*(\d{1,12})[ \t]*\r?$", re.I | re.M)
+_TRANSFER_ENCODING = re.compile(rb"^transfer-encoding[ \t]*:", re.I | re.M)
+_REQUEST_PATH = re.compile(rb"^[A-Z]+ ([^ ?\r\n]*)")
+_PRIORITY_PATHS = (b"/metrics", b"/healthz")
+
+
+class _Conn:
+    __slots__ = ("sock", "address", "client", "state", "buf", "out", "close_after", "eof", "deadline", "release_at")
+
+    def __init__(self, sock: socket.socket, address: tuple, deadline: float) -> None:
+        self.sock = sock
+        self.address = address
+        self.client = client_key(str(address[0]))
+        self.state = _READING
+        self.buf = bytearray()
+        self.out: list[memoryview] = []  # the answer still to send (the body is the shared exposition, not a copy)
+        self.close_after = False
+        self.eof = False  # the client has shut its side: answer what it sent, then close
+        self.deadline = deadline  # reading the whole request, or writing the whole answer, ends by then
+        self.release_at = 0.0  # a held (delayed) answer goes out then
+
+
+class _Chunks:
+    """A write-only file that keeps what is written by reference (no copy of the body)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+
+    def write(self, data: bytes) -> int:
+        self.chunks.append(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+class _EventServer:
+    """One I/O thread reads whole requests (and TLS handshakes) without blocking; a
+    fixed pool of workers only computes answers, scrapes and proven credentials first."""
+
+    def __init__(self, listener: socket.socket, handler: type[BaseHTTPRequestHandler], limits: HttpLimits,
+                 ssl_context: ssl.SSLContext | None, auth: _Authenticator, peer_check: Callable[[ssl.SSLSocket], bool] | None) -> None:
+        self.listener = listener
+        self.handler = handler
+        self.limits = limits
+        self.ssl_context = ssl_context
+        self.auth = auth
+        self.peer_check = peer_check
+        self.refused: dict[str, int] = {"per_client": 0, "evicted": 0, "deadline": 0, "too_large": 0, "tls": 0, "output": 0}
+        self._conns: dict[int, _Conn] = {}
+        self._per_client: dict[str, int] = {}
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._seq = itertools.count()
+        self._stop = False
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        self.listener.setblocking(False)
+        self._sel.register(self.listener, selectors.EVENT_READ, "accept")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._threads = [threading.Thread(target=self._loop, name="profagent-http", daemon=True)]
+        self._threads += [threading.Thread(target=self._work, name=f"profagent-http-{i}", daemon=True)
+                          for i in range(max(1, self.limits.workers))]
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake()
+        for _ in range(max(1, self.limits.workers)):
+            self._queue.put((-1, next(self._seq), None, b""))
+        for t in self._threads:
+            t.join(timeout=10)
+        for conn in list(self._conns.values()):
+            self._close(conn)
+        self._sel.close()
+        self.listener.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _wake(self) -> None:
         try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.slots.release()
-            raise
+            self._wake_w.send(b"x")
+        except (BlockingIOError, OSError):
+            pass  # already pending, or closing
 
-    def process_request_thread(self, request, client_address):  # type: ignore[override]
+    # -- the I/O thread -------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            for key, _ in self._sel.select(0.25):
+                if key.data == "accept":
+                    self._guarded(self._accept, None)
+                elif key.data == "wake":
+                    try:
+                        while self._wake_r.recv(4096):
+                            pass
+                    except (BlockingIOError, OSError):
+                        pass
+                else:
+                    self._guarded(self._on_ready, key.data)
+            self._take_answers()
+            now = time.monotonic()
+            for conn in list(self._conns.values()):
+                if conn.state == _HELD and now >= conn.release_at:
+                    self._guarded(self._start_write, conn)
+                elif conn.state in (_HANDSHAKE, _READING, _WRITING) and now >= conn.deadline:
+                    self.refused["deadline"] += 1
+                    self._close(conn)
+
+    def _guarded(self, step: Callable, conn: _Conn | None) -> None:
+        """One connection's surprise never stops the I/O thread: that connection is closed."""
         try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+            step() if conn is None else step(conn)
+        except Exception as exc:
+            log.warning("HTTP connection %s failed: %r", conn.address if conn else "accept", exc)
+            if conn is not None:
+                self._close(conn)
 
-    def finish_request(self, request, client_address):  # type: ignore[override]
-        if self.ssl_context is not None:
-            # Handshake in the request thread, so a slow client cannot stall accept().
-            request.settimeout(CONNECTION_TIMEOUT)
+    def _accept(self) -> None:
+        for _ in range(64):
             try:
-                request = self.ssl_context.wrap_socket(request, server_side=True)
-            except (ssl.SSLError, OSError) as exc:
-                log.debug("TLS handshake from %s failed: %s", client_address, exc)
+                sock, address = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
                 return
-        super().finish_request(request, client_address)
+            except OSError as exc:  # EMFILE and the like: try again on the next event
+                log.warning("accepting an HTTP connection failed: %s", exc)
+                return
+            client = client_key(str(address[0]))
+            # At a cap, the connection that has been sending its request longest makes room
+            # (a scrape sends its request at once, a slow client is the oldest); a client
+            # sharing its address with an attacker (loopback) is thus still served.
+            if self._per_client.get(client, 0) >= self.limits.max_connections_per_client and not self._evict_slowest(client):
+                self._refuse("per_client", sock, f"more than {self.limits.max_connections_per_client} connections from {client}")
+                continue
+            if len(self._conns) >= self.limits.max_connections and not self._evict_slowest(None):
+                self._refuse("evicted", sock, f"more than {self.limits.max_connections} HTTP connections")
+                continue
+            sock.setblocking(False)
+            try:  # headers and body go out as two writes; Nagle + delayed ACK would add ~40 ms
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+            conn = _Conn(sock, address, time.monotonic() + self.limits.request_deadline)
+            if self.ssl_context is not None:
+                conn.sock = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                conn.state = _HANDSHAKE
+            self._conns[id(conn)] = conn
+            self._per_client[client] = self._per_client.get(client, 0) + 1
+            self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+            self._on_ready(conn)  # a prompt client's request is usually here already
+
+    def _refuse(self, reason: str, sock: socket.socket, what: str) -> None:
+        self.refused[reason] += 1
+        if self.refused[reason] % 100 == 1:
+            log.warning("%s: closing new ones (%d so far)", what, self.refused[reason])
+        sock.close()
+
+    def _evict_slowest(self, client: str | None) -> bool:
+        """Close the connection (of ``client``, or of anyone) that has been reading its request longest."""
+        waiting = [c for c in self._conns.values()
+                   if c.state in (_HANDSHAKE, _READING) and (client is None or c.client == client)]
+        if not waiting:
+            return False
+        reason = "per_client" if client else "evicted"
+        self.refused[reason] += 1
+        if self.refused[reason] % 100 == 1:
+            cap = f"{self.limits.max_connections_per_client} connections from {client}" if client else f"{self.limits.max_connections} HTTP connections"
+            log.warning("%s at once: closing the slowest to make room (%d so far)", cap, self.refused[reason])
+        self._close(min(waiting, key=lambda c: c.deadline))
+        return True
+
+    def _close(self, conn: _Conn) -> None:
+        if self._conns.pop(id(conn), None) is None:
+            return
+        left = self._per_client.get(conn.client, 1) - 1
+        if left > 0:
+            self._per_client[conn.client] = left
+        else:
+            self._per_client.pop(conn.client, None)
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+
+    def _set_events(self, conn: _Conn, events: int) -> None:
+        try:
+            self._sel.modify(conn.sock, events, conn)
+        except KeyError:
+            self._sel.register(conn.sock, events, conn)
+
+    def _on_ready(self, conn: _Conn) -> None:
+        if conn.state == _HANDSHAKE:
+            self._handshake(conn)
+        elif conn.state == _READING:
+            self._read(conn)
+        elif conn.state == _WRITING:
+            self._write(conn)
+
+    def _handshake(self, conn: _Conn) -> None:
+        try:
+            conn.sock.do_handshake()  # type: ignore[attr-defined]
+        except ssl.SSLWantReadError:
+            self._set_events(conn, selectors.EVENT_READ)
+            return
+        except ssl.SSLWantWriteError:
+            self._set_events(conn, selectors.EVENT_WRITE)
+            return
+        except (ssl.SSLError, OSError) as exc:
+            log.debug("TLS handshake from %s failed: %s", conn.address, exc)
+            self.refused["tls"] += 1
+            self._close(conn)
+            return
+        if self.peer_check is not None and not self.peer_check(conn.sock):  # type: ignore[arg-type]
+            log.debug("TLS client %s refused: certificate not allowed", conn.address)
+            self.refused["tls"] += 1
+            self._close(conn)
+            return
+        conn.state = _READING
+        self._set_events(conn, selectors.EVENT_READ)
+        self._read(conn)  # the request may have come with the handshake's last flight
+
+    def _read(self, conn: _Conn) -> None:
+        while True:
+            try:
+                chunk = conn.sock.recv(16384)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                break
+            except OSError:
+                self._close(conn)
+                return
+            if not chunk:
+                conn.eof = True
+                break
+            conn.buf += chunk
+            if len(conn.buf) > MAX_REQUEST_BYTES:
+                break
+        self._dispatch(conn)
+        if conn.eof and conn.state == _READING:  # nothing (more) to answer
+            self._close(conn)
+
+    def _dispatch(self, conn: _Conn) -> None:
+        """Queue the request once its head and body are in; answer errors here."""
+        end = conn.buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(conn.buf) > MAX_REQUEST_BYTES:
+                self._error(conn, 431, "Request Header Fields Too Large")
+            return
+        head = bytes(conn.buf[: end + 4])
+        if _TRANSFER_ENCODING.search(head):
+            self._error(conn, 501, "Not Implemented")
+            return
+        length = _CONTENT_LENGTH.search(head)
+        total = len(head) + (int(length.group(1)) if length else 0)
+        if total > MAX_REQUEST_BYTES:
+            self._error(conn, 413, "Content Too Large")
+            return
+        if len(conn.buf) < total:
+            return
+        request = bytes(conn.buf[:total])
+        del conn.buf[:total]
+        conn.state = _QUEUED
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        self._queue.put((self._priority(head), next(self._seq), conn, request))
+
+    def _priority(self, head: bytes) -> int:
+        """0: a scrape needing no bcrypt; 1: another cheap request; 2: a password to check."""
+        if self.auth.enabled:
+            m = re.search(rb"^authorization[ \t]*:[ \t]*(.*?)[ \t]*\r?$", head, re.I | re.M)
+            if not self.auth.cached(m.group(1).decode("latin-1") if m else None):
+                return 2
+        path = _REQUEST_PATH.match(head)
+        return 0 if path and path.group(1) in _PRIORITY_PATHS else 1
+
+    def _error(self, conn: _Conn, status: int, reason: str) -> None:
+        self.refused["too_large"] += 1
+        conn.out = [memoryview(f"HTTP/1.1 {status} {reason}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())]
+        conn.close_after = True
+        self._start_write(conn)
+
+    def _take_answers(self) -> None:
+        while True:
+            try:
+                conn, out, close, delay = self._done.get_nowait()
+            except queue.Empty:
+                return
+            if id(conn) not in self._conns:
+                continue
+            conn.out, conn.close_after = [memoryview(b) for b in out if b], close
+            self._bound_output(conn)
+            if delay > 0:
+                conn.state, conn.release_at = _HELD, time.monotonic() + delay
+            else:
+                self._start_write(conn)
+
+    def _bound_output(self, newest: _Conn) -> None:
+        """Answers not yet taken by their clients stay under MAX_PENDING_OUTPUT: clients
+        that do not read are closed, the one writing longest first."""
+        pending = {id(c): sum(len(m) for m in c.out) for c in self._conns.values() if c.out}
+        total = sum(pending.values())
+        while total > MAX_PENDING_OUTPUT:
+            writers = [c for c in self._conns.values() if c.out and c is not newest and c.state in (_WRITING, _HELD)]
+            if not writers:
+                return
+            slowest = min(writers, key=lambda c: c.deadline)
+            total -= pending[id(slowest)]
+            self.refused["output"] += 1
+            if self.refused["output"] % 100 == 1:
+                log.warning("HTTP answers not taken by their clients hold over %d bytes: closing the slowest (%d so far)",
+                            MAX_PENDING_OUTPUT, self.refused["output"])
+            self._close(slowest)
+
+    def _start_write(self, conn: _Conn) -> None:
+        conn.state = _WRITING
+        conn.deadline = time.monotonic() + self.limits.request_deadline
+        self._set_events(conn, selectors.EVENT_WRITE)
+        self._write(conn)
+
+    def _write(self, conn: _Conn) -> None:
+        try:
+            while conn.out:
+                sent = conn.sock.send(conn.out[0][:262144])
+                conn.out[0] = conn.out[0][sent:]
+                if not conn.out[0]:
+                    conn.out.pop(0)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        if conn.close_after:
+            self._close(conn)
+            return
+        conn.state = _READING  # keep-alive: the next request has a new deadline
+        conn.deadline = time.monotonic() + self.limits.request_deadline
+        self._set_events(conn, selectors.EVENT_READ)
+        self._dispatch(conn)  # a pipelined request may already be buffered
+        if conn.eof and conn.state == _READING:
+            self._close(conn)
+
+    # -- workers ---------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            _, _, conn, request = self._queue.get()
+            if conn is None:
+                return
+            try:
+                handler = self.handler((conn.sock, request), conn.address, self)  # type: ignore[arg-type]
+                answer = (conn, handler.wfile.chunks, handler.close_connection, handler.hold)
+            except Exception as exc:  # never lose a worker
+                log.warning("HTTP worker failed: %s", exc)
+                answer = (conn, [], True, 0.0)
+            self._done.put(answer)
+            self._wake()
 
 
 class AgentHTTPServer:
@@ -246,23 +548,29 @@ class AgentHTTPServer:
         port: int,
         metrics: Exposition,
         web_config: WebConfig | None = None,
+        limits: HttpLimits | None = None,
     ) -> None:
         self.host, self.port = host, port
         self.render_metrics = metrics.render
         self.web_config = web_config or WebConfig()
+        self.limits = limits or HttpLimits()
         # Cleared by an owner while its sources start: /healthz then answers 503 "starting",
         # so nobody reads a half-started agent as ready.
         self.ready = threading.Event()
         self.ready.set()
         self.routes: dict[str, Route] = {"/healthz": self._healthz}
-        self._httpd: _Server | None = None
-        self._thread: threading.Thread | None = None
+        self._server: _EventServer | None = None
 
     def _healthz(self, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
         return (200, "text/plain", b"ok\n") if self.ready.is_set() else (503, "text/plain", b"starting\n")
 
     def add_route(self, path: str, route: Route) -> None:
         self.routes[path] = route
+
+    @property
+    def refused(self) -> dict[str, int]:
+        """Connections closed by a cap, per reason (per_client, evicted, deadline, too_large, tls, output)."""
+        return dict(self._server.refused) if self._server else {}
 
     @property
     def url(self) -> str:
@@ -274,13 +582,15 @@ class AgentHTTPServer:
 
     def start(self) -> None:
         """Bind and serve in a thread. Raises UserError if the port is taken or not allowed."""
-        handler = _make_handler(self)
-        server_cls = _Server
-        if ":" in self.host:
-            server_cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
+        ctx = ssl_context(self.web_config) if self.web_config.tls else None
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
         try:
-            httpd = server_cls((self.host, self.port), handler)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((self.host, self.port))
+            listener.listen(128)
         except OSError as exc:
+            listener.close()
             if exc.errno == errno.EADDRINUSE:
                 raise UserError(
                     f"port {self.port} on {self.host} is already in use",
@@ -289,39 +599,45 @@ class AgentHTTPServer:
             if exc.errno == errno.EACCES:
                 raise UserError(f"not permitted to listen on port {self.port}", "use a port above 1023 or run as root") from None
             raise UserError(f"cannot listen on {self.host}:{self.port} ({exc.strerror})", "check --listen") from None
-        httpd.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        if self.web_config.tls:
-            httpd.ssl_context = _ssl_context(self.web_config)
-        self.port = httpd.server_address[1]  # resolves port 0
-        self._httpd = httpd
-        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="profagent-http", daemon=True)
-        self._thread.start()
+        self.port = listener.getsockname()[1]  # resolves port 0
+        auth = _Authenticator(self.web_config.users, self.limits.auth_backoff_max)
+        self._server = _EventServer(listener, _make_handler(self, auth), self.limits, ctx, auth, peer_check(self.web_config))
+        self._server.start()
 
     def shutdown(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
 
 
-def _make_handler(server: AgentHTTPServer) -> type[BaseHTTPRequestHandler]:
-    auth = _Authenticator(server.web_config.users)
+def _make_handler(server: AgentHTTPServer, auth: _Authenticator) -> type[BaseHTTPRequestHandler]:
+    headers_out = dict(server.web_config.headers)
 
     class Handler(BaseHTTPRequestHandler):
+        """Answers one whole, already-read request into a buffer; the I/O thread sends it."""
+
         protocol_version = "HTTP/1.1"
-        timeout = CONNECTION_TIMEOUT  # a half-sent request or an idle keep-alive is closed
+        hold = 0.0  # seconds the I/O thread holds this answer (failed logins)
 
         def setup(self) -> None:
-            super().setup()
-            # Headers and body go out as two writes; without NODELAY, Nagle + delayed ACK
-            # add ~40 ms to every keep-alive scrape.
-            try:
-                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+            self.connection, request = self.request
+            self.rfile = io.BytesIO(request)
+            self.wfile = _Chunks()
+
+        def handle(self) -> None:
+            self.close_connection = True
+            self.handle_one_request()
+
+        def finish(self) -> None:
+            pass
 
         def log_message(self, format: str, *args: object) -> None:  # noqa: A002
             log.debug("http: " + format, *args)
+
+        def end_headers(self) -> None:
+            for k, v in headers_out.items():
+                self.send_header(k, v)
+            super().end_headers()
 
         def _send(self, status: int, ctype: str, body: bytes, headers: dict[str, str] | None = None) -> None:
             self.send_response(status)
@@ -337,13 +653,9 @@ def _make_handler(server: AgentHTTPServer) -> type[BaseHTTPRequestHandler]:
             self.do_GET()
 
         def do_GET(self) -> None:  # noqa: N802
-            client = self.client_address[0]
-            if auth.throttled(client):
-                self._send(429, "text/plain", b"too many failed logins; retry later\n", {"Retry-After": str(int(AUTH_WINDOW))})
-                return
             if not auth.check(self.headers.get("Authorization")):
                 if self.headers.get("Authorization"):
-                    auth.failed(client)
+                    self.hold = auth.failed(client_key(str(self.client_address[0])))
                 self._send(401, "text/plain", b"Unauthorized\n", {"WWW-Authenticate": 'Basic realm="profagent"'})
                 return
             url = urlsplit(self.path)
@@ -363,8 +675,6 @@ def _make_handler(server: AgentHTTPServer) -> type[BaseHTTPRequestHandler]:
                     self._send(200, "text/html", f"<h1>profagent</h1><ul>{links}</ul>".encode())
                 else:
                     self._send(404, "text/plain", b"not found\n")
-            except (BrokenPipeError, ConnectionResetError):
-                pass
             except Exception as exc:  # a broken route must not kill the server
                 log.warning("serving %s failed: %s", url.path, exc)
                 self._send(500, "text/plain", f"error: {exc}\n".encode())

@@ -20,12 +20,13 @@ class UnsafePath(Exception):
         self.reason = reason
 
 
-def own_directory(path: str, mode: int, keep_mode: bool = False) -> None:
-    """Make ``path`` a real directory owned by us with ``mode`` (created if absent;
-    with ``keep_mode``, an existing folder of ours keeps its mode).
+def own_directory(path: str, mode: int) -> int:
+    """Make ``path`` a real directory owned by us: created with ``mode`` if absent; an
+    existing folder of ours is used as it is, its mode never changed (it may be /etc).
+    Returns the folder's mode, so a caller can say when an existing one differs.
 
     Raises UnsafePath if it exists as a symlink, as something else than a directory, or
-    owned by another user (its mode is then left alone), OSError if it cannot be created.
+    owned by another user, OSError if it cannot be created.
     """
     created = True
     try:
@@ -46,8 +47,10 @@ def own_directory(path: str, mode: int, keep_mode: bool = False) -> None:
         if st.st_uid != os.geteuid():
             raise UnsafePath(f"{path!r} already exists and belongs to uid {st.st_uid}, not to us (uid {os.geteuid()})",
                              "foreign_owner")
-        if stat.S_IMODE(st.st_mode) != mode and (created or not keep_mode):
+        if created and stat.S_IMODE(st.st_mode) != mode:
             os.fchmod(fd, mode)
+            return mode
+        return stat.S_IMODE(st.st_mode)
     finally:
         os.close(fd)
 

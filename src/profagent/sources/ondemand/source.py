@@ -68,11 +68,15 @@ class OndemandSource:
             os.makedirs(os.path.dirname(os.path.abspath(self.trace_dir)), exist_ok=True)
             # The job may run as another user: world-writable and sticky like /tmp, but only
             # once the folder is known to be ours (a planted symlink or folder is refused).
-            own_directory(self.trace_dir, 0o1777)
+            mode = own_directory(self.trace_dir, 0o1777)
         except UnsafePath as exc:
             raise SourceUnavailable(f"refusing the on-demand trace folder: {exc}; remove it or set ondemand.trace_dir") from None
         except OSError as exc:
             raise SourceUnavailable(f"cannot create the on-demand trace folder {self.trace_dir} ({exc.strerror}): set ondemand.trace_dir") from None
+        if mode != 0o1777:  # an existing folder is used as it is, never chmod-ed
+            log.warning("on-demand trace folder %s exists with mode %04o, used as it is (never changed): jobs of "
+                        "other users can write traces there only if it is 1777; set ondemand.trace_dir to a folder "
+                        "the agent creates", self.trace_dir, mode)
         self.endpoint.bind()
         self._spawn(lambda: self.endpoint.serve(self._stop), "kineto")
 
