@@ -28,6 +28,7 @@ import psutil
 from profagent.analysis.stacks import Sample, parse_folded, thread_states
 from profagent.config import StacksConfig
 from profagent.sources.stacks import pyspy
+from profagent.system.cputime import CPU, reap
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,8 @@ class Sampler:
         try:
             while not self._stop.wait(POLL):
                 try:
-                    self._step()
+                    with CPU.charge("stacks"):
+                        self._step()
                 except Exception as exc:  # keep sampling; the error is counted and logged once
                     with self._lock:
                         self._results.append(Result("record", 0, "", "", 0.0, 0.0, 0.0, error=type(exc).__name__, detail=str(exc)))
@@ -153,7 +155,9 @@ class Sampler:
         now = self._clock()
         done = []
         for key, child in list(children.items()):
-            if child.proc.poll() is not None:
+            child_cpu = reap(child.proc)  # wait4, not poll(): py-spy's own CPU is the stacks source's cost
+            if child_cpu is not None:
+                CPU.add_child("stacks", child_cpu)
                 done.extend(self._harvest(child, now))
                 del children[key]
         for pid, (rank, role) in wanted.items():
