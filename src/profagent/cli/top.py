@@ -384,6 +384,7 @@ class LocalFeed:
         self.job, self.api = job, api
 
     def ranks(self) -> dict[str, Any]:
+        self.job.watched()  # top is watching: full-rate stacks
         return self.api.payload()
 
     def stacks(self, rank: str, job_id: str, seconds: float) -> str | None:

@@ -111,6 +111,7 @@ class Job:
         for source in self.sources:
             if isinstance(source, StacksSource):
                 source.gpu_busy = self.gpu_busy  # a stall needs the rank's GPUs idle too
+                source.job_hot = self.has_findings  # py-spy at the full rate while a finding is active
             if isinstance(source, GpuSource):  # per-field NVML errors -> collector_errors_total
                 source.record_error = functools.partial(self.state.record_error, "gpu")
         self.incidents = self._incidents(config)
@@ -142,6 +143,17 @@ class Job:
         """Whether the rank's GPUs work, from the GPU source's latest snapshot (None: unknown)."""
         snapshot = self.state.snapshot("gpu")
         return snapshot.rank_busy(rank, job_id=job_id or None) if snapshot is not None else None
+
+    def has_findings(self, job_id: str) -> bool:
+        """Whether a finding is active on the job (from the findings engine's latest tick)."""
+        snapshot = self.state.snapshot("findings")
+        return snapshot is not None and any(f.job_id in ("", job_id) for f in snapshot.findings)
+
+    def watched(self) -> None:
+        """Someone looks at the ranks (`profagent top`): sample stacks at the full rate."""
+        for source in self.sources:
+            if isinstance(source, StacksSource):
+                source.watched()
 
     def start(self) -> None:
         self.runtime.start()
@@ -191,7 +203,11 @@ class Agent:
         self.server.add_route("/api/incidents", incidents_route(
             IncidentStore(incidents_dir(config.incidents, config.agent.state_dir))))
         self.ranks_api = RanksApi(lambda: [job.state.view()], socket.gethostname())
-        self.server.add_route("/api/ranks", self.ranks_api.route)
+        self.server.add_route("/api/ranks", self._ranks_route)
+
+    def _ranks_route(self, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
+        self.job.watched()  # `profagent top --url` polls this
+        return self.ranks_api.route(query)
 
     def start(self) -> None:
         """Bind first (a taken port fails before anything runs), then start the job;

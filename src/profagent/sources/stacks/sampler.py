@@ -93,6 +93,7 @@ class Sampler:
         self._thread: threading.Thread | None = None
         self._tmp: Path | None = None
         self._wanted: dict[int, tuple[str, str]] = {}  # pid -> (rank, role)
+        self._pace: dict[int, tuple[int, float]] = {}  # pid -> (rate, window) of its next record window
         self._children: dict[tuple[str, int], PySpyChild] = {}  # (kind, pid) -> running child
         self._next: dict[tuple[str, int], float] = {}  # (kind, pid) -> earliest next start
         self._fails: dict[tuple[str, int], int] = {}  # (kind, pid) -> consecutive failures
@@ -122,6 +123,12 @@ class Sampler:
         """The processes to sample: pid -> (rank, role)."""
         with self._lock:
             self._wanted = dict(wanted)
+
+    def set_pace(self, pace: dict[int, tuple[int, float]]) -> None:
+        """(samples per second, window seconds) of each process' next record windows;
+        a process not named gets the full rate (``config.rate``, ``config.window``)."""
+        with self._lock:
+            self._pace = dict(pace)
 
     def drain(self) -> list[Result]:
         """Results finished since the last call, oldest first."""
@@ -181,9 +188,11 @@ class Sampler:
         self._seq += 1
         out = self._tmp / f"{kind}-{pid}-{self._seq}.out"
         err = self._tmp / f"{kind}-{pid}-{self._seq}.err"
-        window = max(1, round(self.config.window))
+        with self._lock:
+            rate, window_seconds = self._pace.get(pid, (self.config.rate, self.config.window))
+        window = max(1, round(window_seconds))
         if kind == "record":
-            args = pyspy.record_args(self._binary, pid, window, self.config.rate, "raw", out, self.config.nonblocking)
+            args = pyspy.record_args(self._binary, pid, window, rate, "raw", out, self.config.nonblocking)
         else:
             args = pyspy.dump_args(self._binary, pid, True)  # states need no consistent stack
             self._next[(kind, pid)] = now + max(window, STATE_EVERY)

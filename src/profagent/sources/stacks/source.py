@@ -41,6 +41,8 @@ JOB_MEMORY_SECONDS = 60.0  # how long a pid's job is remembered after it left th
 RING_MAX_LINES = 5000  # distinct stacks kept per window
 
 GpuBusy = Callable[[str, str], "bool | None"]  # (rank, job_id) -> GPUs busy? None: unknown
+JobHot = Callable[[str], bool]  # job_id -> a finding is active on the job
+WATCH_HOLD = 30.0  # seconds of full rate after `profagent top` or /api/stacks last asked
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,9 @@ class StacksSource:
         self.config = config
         self.interval = interval
         self.gpu_busy = gpu_busy
+        self.job_hot: JobHot | None = None  # set by the engine: full rate while the job has a finding
+        self._first_seen: dict[int, float] = {}  # pid -> when it was first wanted
+        self._watched_until = float("-inf")
         self._binary = binary
         self._clock, self._wall = clock, wall
         self._proc_root = proc_root
@@ -138,9 +143,11 @@ class StacksSource:
         if self._fatal:
             raise SourceUnavailable(self._fatal)
         assert self._sampler is not None, "start() first"
-        self._sampler.set_targets(self._targets(tree))
+        wanted = self._targets(tree)
+        self._sampler.set_targets(wanted)
         for r in self._sampler.drain():
             self._fold(r)
+        self._sampler.set_pace(self._pace(wanted))
         if self._fatal:
             raise SourceUnavailable(self._fatal)
         self._forget_ended_jobs(tree)
@@ -175,6 +182,36 @@ class StacksSource:
         # A window of a process that just left may still be in flight: remember jobs a while.
         self._job_of = {pid: v for pid, v in self._job_of.items() if now - v[1] < JOB_MEMORY_SECONDS}
         return wanted
+
+    # -- pace -----------------------------------------------------------------------------------
+    def watched(self) -> None:
+        """Someone looks at this job's stacks (`profagent top`, /api/stacks): full rate a while."""
+        self._watched_until = self._clock() + WATCH_HOLD
+
+    def _pace(self, wanted: dict[int, tuple[str, str]]) -> dict[int, tuple[int, float]]:
+        """Each process' next windows: the full rate while it warms up, while its job has a
+        finding or a stall suspected (a window with one unchanged stack), and while watched;
+        the steady rate otherwise. py-spy's cost is mostly per window and per sample."""
+        cfg, now = self.config, self._clock()
+        self._first_seen = {pid: self._first_seen.get(pid, now) for pid in wanted}
+        full, steady = (cfg.rate, cfg.window), (cfg.steady_rate, cfg.steady_window)
+        if cfg.steady_rate <= 0 or now < self._watched_until:
+            return dict.fromkeys(wanted, full)
+        pace = {}
+        for pid, (rank, _) in wanted.items():
+            job = self._job(pid)
+            suspect = self._stall_state.get((job, rank), (False, 0.0, ()))[1] > 0
+            pace[pid] = full if (now - self._first_seen[pid] < cfg.warmup_seconds or suspect
+                                 or self._hot(job)) else steady
+        return pace
+
+    def _hot(self, job: str) -> bool:
+        if self.job_hot is None:
+            return False
+        try:
+            return self.job_hot(job)
+        except Exception:  # the engine's hook: never let it break stacks
+            return False
 
     def _job(self, pid: int) -> str:
         return self._job_of.get(pid, ("", 0.0))[0]
@@ -289,6 +326,7 @@ class StacksSource:
 
     def route(self, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
         """GET /api/stacks?rank=R&seconds=S[&job=J] -> folded stacks as text/plain."""
+        self.watched()
         keys = self.ranks()
         job = (query.get("job") or [None])[0]
         rank = (query.get("rank") or [""])[0]
