@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from profagent.analysis.stacks import Sample, parse_folded, thread_states
+from profagent.analysis.stacks import Sample, main_thread_sample, parse_folded, thread_states
 from profagent.config import StacksConfig
 from profagent.sources.stacks import pyspy
 from profagent.system.cputime import CPU, reap
@@ -231,7 +231,9 @@ class Sampler:
         self._fails.pop(key, None)
         if child.kind == "dump":
             try:
-                return [*extra, Result(**base, states=thread_states(json.loads(text)))]
+                dump = json.loads(text)
+                main = main_thread_sample(dump, child.pid)
+                return [*extra, Result(**base, states=thread_states(dump), samples=(main,) if main else ())]
             except ValueError:
                 return [*extra, Result(**base, error="parse", detail="py-spy dump printed invalid JSON")]
         return [*extra, Result(**base, samples=tuple(parse_folded(text, child.pid)))]

@@ -108,6 +108,7 @@ class StacksSource:
         self._sampler: Sampler | None = None
         self._checked: set[int] = set()  # pids whose Python version was checked
         self._readable: set[int] = set()  # pids py-spy has read at least once
+        self._windowed: set[int] = set()  # pids with a record window folded
         self._fatal = ""
         self._version: tuple[int, ...] = ()
         # aggregates, touched only by collect(); keyed by (job_id, rank, role) or (job_id, rank)
@@ -179,6 +180,7 @@ class StacksSource:
                 raise SourceUnavailable(problem, reason="unsupported_python")
         self._checked &= set(wanted)
         self._readable &= set(wanted)
+        self._windowed &= set(wanted)
         # A window of a process that just left may still be in flight: remember jobs a while.
         self._job_of = {pid: v for pid, v in self._job_of.items() if now - v[1] < JOB_MEMORY_SECONDS}
         return wanted
@@ -226,19 +228,25 @@ class StacksSource:
             counts = self._threads.setdefault(group, {})
             for key, n in r.states.items():
                 counts[key] = counts.get(key, 0) + n
+            if r.pid not in self._windowed:  # a first look, within a second, until the first window
+                self._count_main(group, list(r.samples), r.end - r.start)
             return
+        self._windowed.add(r.pid)
+        main = [s for s in r.samples if s.main]
+        self._count_main(group, main, r.end - r.start)
+        self._remember(r)
+        if r.role == ROLE_MAIN:
+            self._check_stall(r, main)
+
+    def _count_main(self, group: tuple[str, str, str], main: list[Sample], seconds: float) -> None:
+        """Main-thread samples into the category counters and the top-K leaf functions."""
         cats = self._categories.setdefault(group, dict.fromkeys(CATEGORIES, 0))
         functions: dict[str, int] = {}
-        main = [s for s in r.samples if s.main]
         for s in main:
             cats[classify(s.frames)] += s.count
             if s.leaf is not None:
                 functions[s.leaf.function] = functions.get(s.leaf.function, 0) + s.count
-        topk = self._topk.setdefault(group, TopK(self.config.top_k))
-        topk.add(functions, r.end - r.start)
-        self._remember(r)
-        if r.role == ROLE_MAIN:
-            self._check_stall(r, main)
+        self._topk.setdefault(group, TopK(self.config.top_k)).add(functions, seconds)
 
     def _error(self, r: Result) -> None:
         if r.error == "target_gone":
