@@ -82,3 +82,20 @@ def test_a_broken_findings_hook_never_breaks_stacks() -> None:
     source = StacksSource(StacksConfig(warmup_seconds=0), clock=lambda: 100.0)
     source.job_hot = lambda job: 1 / 0
     assert source._pace({1: ("0", "main")}) == {1: (4, 20.0)}
+
+
+def test_only_a_fresh_finding_keeps_the_full_rate() -> None:
+    from types import SimpleNamespace
+
+    from profagent.analysis.findings import Finding, FindingsSnapshot
+    from profagent.engine.agent import FRESH_FINDING, Job
+    from profagent.state import State
+
+    state = State()
+    job = SimpleNamespace(state=state)
+    assert not Job.has_findings(job, "j")  # no findings engine tick yet
+    new = Finding("straggler", "j", "1", "warning", "rank 1 is slow", since=1000.0)
+    state.publish("findings", FindingsSnapshot((new,), time=1000.0 + FRESH_FINDING - 1), 0.0)
+    assert Job.has_findings(job, "j") and not Job.has_findings(job, "other")
+    state.publish("findings", FindingsSnapshot((new,), time=1000.0 + FRESH_FINDING), 0.0)
+    assert not Job.has_findings(job, "j")  # established: the steady pace keeps tracking it

@@ -46,6 +46,8 @@ from profagent.target import PidTarget, check_attachable
 
 log = logging.getLogger(__name__)
 
+FRESH_FINDING = 300.0  # seconds a new finding keeps py-spy at the full rate
+
 
 @dataclass(frozen=True)
 class Disabled:
@@ -145,9 +147,12 @@ class Job:
         return snapshot.rank_busy(rank, job_id=job_id or None) if snapshot is not None else None
 
     def has_findings(self, job_id: str) -> bool:
-        """Whether a finding is active on the job (from the findings engine's latest tick)."""
+        """Whether a finding began on the job in the last FRESH_FINDING seconds (from the
+        findings engine's latest tick): one that has lasted longer is established, and the
+        steady pace keeps it tracked."""
         snapshot = self.state.snapshot("findings")
-        return snapshot is not None and any(f.job_id in ("", job_id) for f in snapshot.findings)
+        return snapshot is not None and any(
+            f.job_id in ("", job_id) and snapshot.time - f.since < FRESH_FINDING for f in snapshot.findings)
 
     def watched(self) -> None:
         """Someone looks at the ranks (`profagent top`): sample stacks at the full rate."""

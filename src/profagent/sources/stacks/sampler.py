@@ -32,7 +32,7 @@ from profagent.system.cputime import CPU, reap
 
 log = logging.getLogger(__name__)
 
-POLL = 0.05  # seconds between checks of the py-spy children
+POLL = 0.1  # seconds between checks of the py-spy children (each check costs the agent CPU)
 RETRY_AFTER = 5.0  # seconds before sampling a process again after py-spy failed on it,
 RETRY_MAX = 300.0  # doubling on each consecutive failure up to this
 MAX_PENDING = 1000  # results kept until drained
