@@ -81,8 +81,11 @@ class GpuConfig:
 @dataclass
 class StacksConfig:
     enabled: bool = _opt(True, "sample Python stacks of every rank with py-spy")
-    rate: int = _opt(20, "samples per second per process")
-    window: float = _opt(5.0, "seconds per py-spy record window (whole seconds); counters move once per window")
+    rate: int = _opt(20, "samples per second per process at the full rate: a process's first warmup_seconds, a finding's first 5 minutes or a suspected stall in its job, and while `profagent top` or /api/stacks watches")
+    window: float = _opt(5.0, "seconds per py-spy record window at the full rate (whole seconds); counters move once per window")
+    steady_rate: int = _opt(4, "samples per second per process while its job is steady; 0 = always the full rate")
+    steady_window: float = _opt(20.0, "seconds per py-spy record window while steady (each window starts a py-spy: fewer, longer windows cost less)")
+    warmup_seconds: float = _opt(60.0, "a newly seen process is sampled at the full rate this long (one findings window)")
     nonblocking: bool = _opt(True, "sample without stopping the target (py-spy --nonblocking)")
     dataloader: bool = _opt(False, "also sample DataLoader worker processes")
     top_k: int = _opt(10, "leaf functions kept per rank; the rest is folded into 'other'")

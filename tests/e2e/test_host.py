@@ -6,7 +6,7 @@ import dataclasses
 
 import psutil
 
-from profagent.sources.host import HostSource, Usage
+from profagent.sources.host import USS_EVERY, HostSource, Usage
 from profagent.target import ProcessInfo, ProcessTree
 
 
@@ -127,3 +127,28 @@ def test_dataloader_workers_get_uss_without_shared_pages() -> None:
             p.kill()
         parent.kill()
         parent.wait()
+
+
+def test_worker_uss_is_read_every_uss_every_seconds_not_every_tick() -> None:
+    reader = FakeReader()
+    reads: list[int] = []
+    now = [0.0]
+
+    def uss(proc) -> int:
+        reads.append(proc.pid)
+        return 1000 + len(reads)
+
+    src = HostSource(reader=reader, process_factory=FakeProcess, uss_reader=uss, clock=lambda: now[0])
+    reader.values = {10: Usage(rss=100), 11: Usage(rss=10)}
+    tree = ProcessTree("j", 10, (_info(10, "main"), _info(11, "dataloader")), True)
+    first = _group(src.collect(tree), "0", "dataloader").usage.uss
+    now[0] = USS_EVERY - 0.1
+    assert _group(src.collect(tree), "0", "dataloader").usage.uss == first  # cached
+    assert reads == [11]  # only the worker pays for smaps, once
+    now[0] = USS_EVERY
+    assert _group(src.collect(tree), "0", "dataloader").usage.uss == first + 1  # read again
+    # A worker that exits takes its cached USS with it; a new one is read at once.
+    reader.values = {10: Usage(rss=100), 12: Usage(rss=10)}
+    tree = ProcessTree("j", 10, (_info(10, "main"), _info(12, "dataloader")), True)
+    src.collect(tree)
+    assert reads == [11, 11, 12]

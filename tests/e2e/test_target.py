@@ -15,6 +15,7 @@ import pytest
 from helpers.processes import wait_for
 from profagent.errors import UserError
 from profagent.target import PidTarget, check_attachable
+from profagent.target.pid import FULL_SCAN_EVERY, SETTLED_AFTER
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -155,3 +156,67 @@ def test_check_attachable_errors() -> None:
     with pytest.raises(UserError, match="no process with PID"):
         check_attachable(2**22 + 12345)
     assert check_attachable(os.getpid()).pid == os.getpid()
+
+
+def test_between_full_scans_the_tree_is_walked_from_children_files(children, tmp_path: Path) -> None:
+    """A child of a main thread is found at once, without a full scan; a child started by
+    another thread is found at the next full scan, and its own children by the walk after."""
+    main_flag, thread_flag = tmp_path / "main", tmp_path / "thread"
+    proc = children.python(
+        f"""
+        import os, subprocess, sys, threading, time
+        def spawn_from_a_thread():
+            while not os.path.exists({str(thread_flag)!r}):
+                time.sleep(0.05)
+            code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+            subprocess.Popen([sys.executable, "-c", code])
+            time.sleep(60)
+        threading.Thread(target=spawn_from_a_thread, daemon=True).start()
+        while not os.path.exists({str(main_flag)!r}):
+            time.sleep(0.05)
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        time.sleep(60)
+        """,
+        env={"RANK": "0"},
+    )
+    now = [0.0]
+    scans: list[int] = []
+    target = PidTarget(proc.pid, clock=lambda: now[0])
+    real_full_scan = target._full_scan
+    target._full_scan = lambda roots: scans.append(1) or real_full_scan(roots)  # type: ignore[method-assign]
+    assert len(target.refresh().processes) == 1 and len(scans) == 1
+    main_flag.touch()
+    assert len(_tree_when(target, 2).processes) == 2
+    assert len(scans) == 1  # found by the walk: no second scan of the whole node
+
+    thread_flag.touch()
+
+    def threads_child_started() -> bool:
+        return len(psutil.Process(proc.pid).children(recursive=True)) >= 3
+
+    wait_for(threads_child_started, what="the thread's child and its grandchild")
+    assert len(target.refresh().processes) == 2  # not seen by the walk: started by another thread
+    now[0] += FULL_SCAN_EVERY
+    tree = target.refresh()
+    assert len(tree.processes) == 4 and len(scans) == 2  # the full scan finds both
+    assert {p.role for p in tree.processes} == {"main", "dataloader"}, tree
+    assert len(target.refresh().processes) == 4 and len(scans) == 2  # and the walk keeps them
+
+
+def test_a_process_caught_before_exec_is_read_again_until_it_settles(children) -> None:
+    """Between fork and exec a rank shows its launcher's environment: not cached then."""
+    proc = children.python("import time; time.sleep(60)")
+    born = psutil.Process(proc.pid).create_time()
+    wall = [born + 0.01]
+    envs = [{}, {"RANK": "3", "WORLD_SIZE": "4"}, {"RANK": "9"}]  # pre-exec, after exec, (never cached over)
+    reads: list[int] = []
+
+    def environ(_root: Path, pid: int) -> dict[str, str]:
+        reads.append(pid)
+        return envs[min(len(reads) - 1, len(envs) - 1)]
+
+    target = PidTarget(proc.pid, environ_reader=environ, wall=lambda: wall[0])
+    assert target.refresh().processes[0].rank == "0"  # no rank yet: the single-process default
+    wall[0] = born + SETTLED_AFTER
+    assert target.refresh().processes[0].rank == "3"  # read again: it has exec'd now
+    assert target.refresh().processes[0].rank == "3" and len(reads) == 2  # settled: cached

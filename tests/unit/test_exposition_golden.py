@@ -16,7 +16,7 @@ Regenerate them only when a family legitimately changes, and say so in the commi
 (``PYTHONPATH=src python tests/unit/test_exposition_golden.py --write``). Since the layout
 change they were regenerated once, on purpose, for: the pod/Slurm/user labels of
 ``profagent_target_info`` (#18), the trace accelerator and incomplete-step families and no
-step time for a trace without steps (#14), worker USS and collectors not applicable (#15).
+step time for a trace without steps (#14), worker USS and collectors not applicable (#15), CPU per collector (#26).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from pathlib import Path
 from types import MappingProxyType, ModuleType
 
 import pytest
+
+from profagent.system.cputime import CpuAccount
 
 GOLDEN = Path(__file__).parent / "golden"
 FORMATS = {
@@ -162,12 +164,22 @@ def golden_state():  # -> profagent.state.State
     return state
 
 
+def golden_cpu() -> CpuAccount:
+    """Fixed CPU seconds per collector (the process-wide account holds the test run's own)."""
+    cpu = CpuAccount(thread_clock=lambda: 0.0)
+    for name, seconds in (("target", 0.25), ("host", 1.5), ("gpu", 0.75), ("traces", 3.0), ("findings", 0.5)):
+        cpu.add(name, seconds)
+    cpu.add("stacks", 0.5)
+    cpu.add_child("stacks", 4.0)
+    return cpu
+
+
 def render(content_type: str) -> str:
     module = _module("profagent.exporters.exposition")
     state = golden_state()
     # 2202f00's Exposition took a function returning a list of views (one per job).
     view = (lambda: [state.view()]) if module.__name__.endswith(".prometheus") else state.view
-    body, _ = module.Exposition(view).render(content_type)
+    body, _ = module.Exposition(view, golden_cpu()).render(content_type)
     lines = body.decode().splitlines(keepends=True)
     return "".join(line for line in lines if "profagent_" in line or line == "# EOF\n")
 

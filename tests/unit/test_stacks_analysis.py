@@ -9,6 +9,7 @@ from profagent.analysis.stacks import (
     StallTracker,
     TopK,
     classify,
+    main_thread_sample,
     parse_folded,
     parse_frame,
     thread_states,
@@ -201,3 +202,23 @@ def test_pyspy_version_fits_the_target_python(pyspy, target, ok) -> None:
     assert (problem is None) == ok
     if problem:
         assert "\n" not in problem and ("pip install" in problem or "free-threaded" in problem)
+
+
+# py-spy 0.4 `dump --json --nonblocking` of a real process (frames innermost first).
+REAL_DUMP = [{"pid": 31296, "thread_id": 140394962754432, "thread_name": None, "os_thread_id": 31296,
+              "active": True, "owns_gil": False, "frames": [
+                  {"name": "f", "filename": "<string>", "module": None, "short_filename": "<string>", "line": 4,
+                   "locals": None, "is_entry": False, "is_shim_entry": False},
+                  {"name": "<module>", "filename": "<string>", "module": None, "short_filename": "<string>",
+                   "line": 5, "locals": None, "is_entry": True, "is_shim_entry": True}],
+              "process_info": None},
+             {"pid": 31296, "thread_id": 2, "thread_name": "pin_memory", "os_thread_id": 31300, "active": False,
+              "owns_gil": False, "frames": [{"name": "wait", "short_filename": "threading.py", "line": 320}]}]
+
+
+def test_main_thread_sample_of_a_real_dump_is_root_first() -> None:
+    sample = main_thread_sample(REAL_DUMP, 31296)
+    assert sample is not None and sample.main and sample.count == 1
+    assert [(f.name, f.line) for f in sample.frames] == [("<module>", 5), ("f", 4)]
+    assert main_thread_sample(REAL_DUMP[1:], 31296) is None  # no main thread in it
+    assert main_thread_sample({"not": "a list"}, 1) is None

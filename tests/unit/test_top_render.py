@@ -8,6 +8,7 @@ from rich.console import Console
 
 from profagent.cli.top import (
     ViewState,
+    _first_payload,
     category_bar,
     human_bytes,
     human_seconds,
@@ -140,3 +141,37 @@ def test_no_job_yet() -> None:
 def test_units() -> None:
     assert [human_bytes(x) for x in (None, 512, 1536, 12 << 20, 3 << 30)] == ["-", "512", "1.5K", "12M", "3.0G"]
     assert [human_seconds(x) for x in (None, 0.0123, 1.5, 42.0, 600.0, 10000.0)] == ["-", "12ms", "1.5s", "42s", "10m", "3h"]
+
+
+class ScriptedFeed:
+    """/api/ranks payloads in order; the last one repeats."""
+
+    def __init__(self, payloads: list[dict]) -> None:
+        self.payloads, self.calls = payloads, 0
+
+    def ranks(self) -> dict:
+        self.calls += 1
+        return self.payloads[min(self.calls, len(self.payloads)) - 1]
+
+    def stacks(self, rank: str, job_id: str, seconds: float) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def test_first_payload_waits_at_most_its_budget_then_prints_what_it_has() -> None:
+    now = [0.0]
+    incomplete = {"jobs": [{"ranks": [rank(0, cpu_percent=None, categories={})]}]}
+    feed = ScriptedFeed([incomplete])
+    got = _first_payload(feed, 1.0, sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0])
+    assert got is incomplete and now[0] <= 1.1 and feed.calls >= 5  # asks often, gives up at the budget
+
+
+def test_first_payload_returns_as_soon_as_rates_and_categories_arrive() -> None:
+    now = [0.0]
+    incomplete = {"jobs": [{"ranks": [rank(0, categories={})]}]}
+    complete = {"jobs": [{"ranks": [rank(0)]}]}
+    feed = ScriptedFeed([incomplete, incomplete, complete])
+    got = _first_payload(feed, 1.0, sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0])
+    assert got is complete and feed.calls == 3 and now[0] < 0.5

@@ -25,7 +25,7 @@ BOARD = BY_KEY["agent"]
 
 
 def build() -> Dashboard:
-    d = dashboard(BOARD, "Is profagent itself healthy: collectors, errors, collection and scrape cost.")
+    d = dashboard(BOARD, "Is profagent itself healthy: collectors, errors, collection and scrape cost, CPU per collector.")
     d = (
         d.with_row(row("Collectors"))
         .with_panel(stat_panel(
@@ -76,6 +76,18 @@ def build() -> Dashboard:
             "Agent CPU", CORES,
             [q(f"rate(process_cpu_seconds_total{{{INST}}}[$__rate_interval])", "{{instance}}")],
             "CPU used by the profagent process itself (py-spy runs are separate processes)", width=6,
+        ))
+        .with_panel(ts(
+            "Agent CPU by collector", CORES,
+            [q(f"sum by (instance, collector) (rate(profagent_collector_cpu_seconds_total{{{INST}}}[$__rate_interval]))",
+               "{{instance}} {{collector}}")],
+            "where the agent's CPU goes: each collector's threads (thread CPU clock) and, for stacks, "
+            "its py-spy children", width=6,
+        ))
+        .with_panel(ts(
+            "py-spy CPU", CORES,
+            [q(f"rate(profagent_pyspy_cpu_seconds_total{{{INST}}}[$__rate_interval])", "{{instance}}")],
+            "CPU of the py-spy children (also inside stacks in the panel beside)", width=6,
         ))
         .with_panel(ts(
             "Agent memory", BYTES,

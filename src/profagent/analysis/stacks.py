@@ -177,6 +177,21 @@ def classify(frames: tuple[Frame, ...]) -> str:
 
 # -- thread states (from `py-spy dump --json`) --------------------------------------------
 
+def main_thread_sample(dump: object, pid: int) -> Sample | None:
+    """The main thread's stack in py-spy's ``dump --json`` as one sample (frames root first),
+    or None when the dump has no main thread with frames."""
+    for t in dump if isinstance(dump, list) else ():
+        if not isinstance(t, dict) or not (t.get("os_thread_id") == pid or t.get("thread_name") == "MainThread"):
+            continue
+        frames = tuple(
+            Frame(str(f.get("name", "")), str(f.get("short_filename") or f.get("filename") or ""), int(f.get("line") or 0))
+            for f in reversed(t.get("frames") or []) if isinstance(f, dict)
+        )
+        if frames:
+            return Sample(str(t.get("thread_name") or ""), True, frames, 1, ";".join(map(str, frames)))
+    return None
+
+
 def thread_states(dump: object) -> dict[tuple[str, str], int]:
     """Count threads by (state, gil): state active|idle, gil held|not_held.
     ``dump`` is py-spy's parsed JSON: a list of threads with ``active`` and ``owns_gil``."""

@@ -9,6 +9,7 @@ so they are tested without a terminal.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 import select
 import ssl
@@ -48,6 +49,7 @@ assert set(CATEGORY_KEYS) == set(CATEGORIES)
 SORTS = ("rank", "state", "cpu", "mem", "gpu", "step")
 BAR_WIDTH = 10
 STACK_SECONDS = 12.0  # "current" stack: the last two or three py-spy windows
+LOCAL_INTERVAL = 0.25  # host and stacks ticks of the agent `top --pid` runs for itself
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
 
@@ -383,6 +385,7 @@ class LocalFeed:
         self.job, self.api = job, api
 
     def ranks(self) -> dict[str, Any]:
+        self.job.watched()  # top is watching: full-rate stacks
         return self.api.payload()
 
     def stacks(self, rank: str, job_id: str, seconds: float) -> str | None:
@@ -398,13 +401,14 @@ class LocalFeed:
 
 
 # -- the loops -------------------------------------------------------------------------------
-def _first_payload(feed: Feed, wait: float, sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
+def _first_payload(feed: Feed, wait: float, sleep: Callable[[float], None] = time.sleep,
+                   clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
     """A payload with rates: the agent needs two host readings for CPU %, so ask again a
     little later when a rank has none yet (at most ``wait`` seconds)."""
     payload = feed.ranks()
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline and _missing_rates(payload):
-        sleep(0.5)
+    deadline = clock() + wait
+    while clock() < deadline and _missing_rates(payload):
+        sleep(0.1)
         payload = feed.ranks()
     return payload
 
@@ -533,6 +537,13 @@ def local_feed(config: Any, pid: int) -> LocalFeed:
     from profagent.target import check_attachable
 
     check_attachable(pid)
+    # Our own agent, for as long as top shows it: quick ticks, so the first screen has CPU
+    # rates and a first look at each rank's stack within a second.
+    config = dataclasses.replace(
+        config,
+        host=dataclasses.replace(config.host, interval=config.host.interval or LOCAL_INTERVAL),
+        stacks=dataclasses.replace(config.stacks, interval=config.stacks.interval or LOCAL_INTERVAL),
+    )
     job = Job(config, pid)
     job.start()
     return LocalFeed(job, RanksApi(lambda: [job.state.view()], socket.gethostname()))
@@ -546,10 +557,9 @@ def run_top(config: Any, pid: int | None, url: str | None, auth: HttpAuth, once:
     feed: Feed = HttpFeed(url, auth) if url is not None else local_feed(config, pid)  # type: ignore[arg-type]
     stop = threading.Event()
     restore = install_stop_signals(stop)
-    # Our own agent needs a whole py-spy window before the first stack categories, longer
-    # on a loaded node; the wait ends as soon as every rank has them.
-    own_wait = config.stacks.window * 2 + 2 if config.stacks.enabled else 3.0
-    warmup = 3.0 if url is not None else own_wait
+    # Our own agent has CPU rates and a first look at the stacks (a thread-state dump) within
+    # a second; the py-spy windows fill the categories in after that.
+    warmup = 3.0 if url is not None else 1.0
     try:
         if once:
             print_once(feed, console, warmup)

@@ -46,6 +46,8 @@ from profagent.target import PidTarget, check_attachable
 
 log = logging.getLogger(__name__)
 
+FRESH_FINDING = 300.0  # seconds a new finding keeps py-spy at the full rate
+
 
 @dataclass(frozen=True)
 class Disabled:
@@ -111,6 +113,7 @@ class Job:
         for source in self.sources:
             if isinstance(source, StacksSource):
                 source.gpu_busy = self.gpu_busy  # a stall needs the rank's GPUs idle too
+                source.job_hot = self.has_findings  # py-spy at the full rate while a finding is active
             if isinstance(source, GpuSource):  # per-field NVML errors -> collector_errors_total
                 source.record_error = functools.partial(self.state.record_error, "gpu")
         self.incidents = self._incidents(config)
@@ -142,6 +145,20 @@ class Job:
         """Whether the rank's GPUs work, from the GPU source's latest snapshot (None: unknown)."""
         snapshot = self.state.snapshot("gpu")
         return snapshot.rank_busy(rank, job_id=job_id or None) if snapshot is not None else None
+
+    def has_findings(self, job_id: str) -> bool:
+        """Whether a finding began on the job in the last FRESH_FINDING seconds (from the
+        findings engine's latest tick): one that has lasted longer is established, and the
+        steady pace keeps it tracked."""
+        snapshot = self.state.snapshot("findings")
+        return snapshot is not None and any(
+            f.job_id in ("", job_id) and snapshot.time - f.since < FRESH_FINDING for f in snapshot.findings)
+
+    def watched(self) -> None:
+        """Someone looks at the ranks (`profagent top`): sample stacks at the full rate."""
+        for source in self.sources:
+            if isinstance(source, StacksSource):
+                source.watched()
 
     def start(self) -> None:
         self.runtime.start()
@@ -192,7 +209,11 @@ class Agent:
         self.server.add_route("/api/incidents", incidents_route(
             IncidentStore(incidents_dir(config.incidents, config.agent.state_dir))))
         self.ranks_api = RanksApi(lambda: [job.state.view()], socket.gethostname())
-        self.server.add_route("/api/ranks", self.ranks_api.route)
+        self.server.add_route("/api/ranks", self._ranks_route)
+
+    def _ranks_route(self, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
+        self.job.watched()  # `profagent top --url` polls this
+        return self.ranks_api.route(query)
 
     def start(self) -> None:
         """Bind first (a taken port fails before anything runs), then start the job;

@@ -54,6 +54,7 @@ from profagent.sources.stacks import pyspy
 from profagent.sources.traces.source import traced_pids
 from profagent.sources.traces.watcher import default_state_dir
 from profagent.state import State, StateView
+from profagent.system.cputime import CPU
 from profagent.target import ProcessInfo, ProcessTree
 
 log = logging.getLogger(__name__)
@@ -349,7 +350,8 @@ class IncidentsSource:
 
     def _capture(self, trigger: Trigger, tree: ProcessTree, folder: Path, now: float) -> None:
         try:
-            Capture(self, trigger, tree, folder, now).run()
+            with CPU.charge("incidents"):  # its py-spy dumps are reaped by communicate(): not counted
+                Capture(self, trigger, tree, folder, now).run()
         except Exception:
             log.exception("incident capture into %s failed", folder)
         finally:

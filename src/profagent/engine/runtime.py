@@ -16,6 +16,7 @@ from profagent.errors import SourceError, SourceUnavailable, TargetGone
 from profagent.logs import LogOnce
 from profagent.sources import Source
 from profagent.state import State
+from profagent.system.cputime import CPU, CpuAccount
 from profagent.target import PidTarget, ProcessTree
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,10 @@ class Runtime:
         state: State,
         interval: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        cpu: CpuAccount = CPU,
     ) -> None:
         self.target = target
+        self._cpu = cpu
         self.sources = list(sources)
         self.state = state
         self.interval = interval
@@ -110,7 +113,8 @@ class Runtime:
     def _target_loop(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                tree = self.target.refresh()
+                with self._cpu.charge("target"):
+                    tree = self.target.refresh()
             except Exception as exc:  # psutil races; keep the last tree
                 message = f"refreshing the process tree failed: {exc}"
                 self._log_once(logging.WARNING, ("target", message), message)
@@ -125,7 +129,8 @@ class Runtime:
     def _run_hooks(self) -> None:
         for name, hook in self._hooks:
             try:
-                hook()
+                with self._cpu.charge(name):
+                    hook()
             except Exception as exc:  # a failing hook never stops the target refresh
                 reason = type(exc).__name__
                 self.state.record_error(name, reason)
@@ -139,8 +144,9 @@ class Runtime:
             tree = self.state.tree
             try:
                 if tree is not None and tree.alive:
-                    snapshot = source.collect(tree)
-                    self.state.publish(name, snapshot, self._clock() - began)
+                    with self._cpu.charge(name):  # publishing encodes the snapshot: part of its cost
+                        snapshot = source.collect(tree)
+                        self.state.publish(name, snapshot, self._clock() - began)
             except TargetGone:
                 self.state.record_error(name, TargetGone.reason, self._clock() - began)
             except SourceUnavailable as exc:

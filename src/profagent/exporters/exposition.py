@@ -20,6 +20,7 @@ from profagent.exporters.families import Families, agent, gpu, host, incidents, 
 from profagent.exporters.families import findings as findings_families
 from profagent.exporters.families import traces as traces_families
 from profagent.state import StateView
+from profagent.system.cputime import CPU, CpuAccount
 
 Renderer = Callable[[Any, Families], None]
 
@@ -74,8 +75,9 @@ class Exposition:
     and the agent's own process_* families.
     """
 
-    def __init__(self, view: Callable[[], StateView]) -> None:
+    def __init__(self, view: Callable[[], StateView], cpu: CpuAccount = CPU) -> None:
         self._view = view
+        self._cpu = cpu
         self._own = _own_collectors(CollectorRegistry(auto_describe=False))
         self._lock = threading.Lock()
         self._formats: dict[str, Callable[[Any], bytes]] = {}  # content type -> encoder
@@ -114,6 +116,7 @@ class Exposition:
         agent.render_build(head)
         agent.render_target(view, head)
         agent.render_health(view, head)
+        agent.render_cpu(self._cpu.totals(), self._cpu.children(), head)
         parts = [_encode(encoder, _Families(head))]
         for name, snapshot in sorted(view.snapshots.items()):
             if name in RENDERERS and snapshot is not None:

@@ -7,6 +7,7 @@ move into a "retired" total for its group.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
@@ -15,6 +16,9 @@ import psutil
 from profagent.target import ROLE_DATALOADER, ProcessInfo, ProcessTree
 
 Group = tuple[str, str, str]  # (job_id, rank, role)
+# A worker's USS walks its smaps (1-3 ms for a process that mapped torch): read it this
+# often, not every tick. A leak grows over minutes; its alert reads a 2-minute floor.
+USS_EVERY = 10.0
 
 COUNTER_FIELDS = (
     "cpu_user",
@@ -123,12 +127,15 @@ class HostSource:
         reader: Callable[[psutil.Process], Usage] = read_usage,
         process_factory: Callable[[int], psutil.Process] = psutil.Process,
         uss_reader: Callable[[psutil.Process], int | None] = read_uss,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``reader``, ``uss_reader`` and ``process_factory`` are injectable so tests can feed readings."""
         self.interval = interval
         self._read = reader
         self._read_uss = uss_reader
         self._new_process = process_factory
+        self._clock = clock
+        self._uss: dict[tuple[int, float], tuple[float, int | None]] = {}  # key -> (read at, USS)
         self._procs: dict[tuple[int, float], psutil.Process] = {}
         self._last: dict[tuple[int, float], tuple[Group, Usage]] = {}
         self._retired: dict[Group, Usage] = {}
@@ -146,6 +153,13 @@ class HostSource:
             proc = self._procs[key] = self._new_process(info.pid)
         return proc
 
+    def _worker_uss(self, key: tuple[int, float], proc: psutil.Process) -> int | None:
+        now = self._clock()
+        cached = self._uss.get(key)
+        if cached is None or now - cached[0] >= USS_EVERY:
+            cached = self._uss[key] = (now, self._read_uss(proc))
+        return cached[1]
+
     def collect(self, tree: ProcessTree) -> HostSnapshot:
         current: dict[tuple[int, float], tuple[Group, Usage]] = {}
         counts: dict[Group, int] = {}
@@ -159,7 +173,7 @@ class HostSource:
                 proc = self._process(info)
                 usage = self._read(proc)
                 if info.role == ROLE_DATALOADER and usage.uss is None:
-                    usage = replace(usage, uss=self._read_uss(proc))
+                    usage = replace(usage, uss=self._worker_uss(key, proc))
             except psutil.Error:
                 continue  # exited between the tree refresh and now: retired below
             current[key] = (group, usage)
@@ -171,6 +185,7 @@ class HostSource:
                 counter_part = Usage(**{f: getattr(usage, f) for f in COUNTER_FIELDS})
                 self._retired[group] = _add(self._retired.get(group, Usage()), counter_part)
                 self._procs.pop(key, None)
+                self._uss.pop(key, None)
         self._last = current
         self._retired = {g: u for g, u in self._retired.items() if g[0] in live_jobs}
 

@@ -54,6 +54,19 @@ def python_paths(proc_root: Path, pid: int) -> list[str]:
     return names
 
 
+def read_children(proc_root: Path, pid: int) -> list[int] | None:
+    """PIDs of the children started by the process' main thread (/proc/PID/task/PID/children).
+
+    None when the file cannot be read: the process is gone, or the kernel was built
+    without CONFIG_PROC_CHILDREN. Children started by other threads are not listed.
+    """
+    try:
+        with open(proc_root / str(pid) / "task" / str(pid) / "children", "rb") as fh:
+            return [int(x) for x in fh.read().split()]
+    except (OSError, ValueError):
+        return None
+
+
 def read_text_or_empty(path: str | Path) -> str:
     """A small /proc or /sys file, or "" if it cannot be read."""
     try:

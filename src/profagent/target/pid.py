@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import psutil
 from profagent.analysis.labels import shorten
 from profagent.errors import UserError
 from profagent.logs import LogOnce
-from profagent.system.procfs import PROC, read_environ
+from profagent.system.procfs import PROC, read_children, read_environ
 from profagent.target.cmdline import label_cmdline
 from profagent.target.placement import Placement, placement_of
 from profagent.target.tree import (
@@ -38,6 +39,16 @@ from profagent.target.tree import (
 )
 
 log = logging.getLogger(__name__)
+
+# psutil's children(recursive=True) reads /proc/*/stat of every process on the node (its
+# parent map): 2-15 ms a tick on a node with hundreds of processes. Between full scans, the
+# tree is walked from /proc/PID/task/PID/children of the processes already known; a child
+# started by another thread than its parent's main one is found at the next full scan.
+FULL_SCAN_EVERY = 10.0
+# A process younger than this may not have exec'd yet: between fork and exec it shows its
+# parent's environment and command line (a rank caught there looked like a second launcher,
+# for good). Its reads are used but not cached until it is this old.
+SETTLED_AFTER = 2.0
 
 
 def check_attachable(pid: int) -> psutil.Process:
@@ -81,8 +92,16 @@ class PidTarget:
         proc_root: str | Path = PROC,
         environ_reader: Callable[[Path, int], dict[str, str]] = read_environ,
         cmdline_args: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        children_reader: Callable[[Path, int], list[int] | None] = read_children,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.pid = pid
+        self._clock = clock
+        self._wall = wall
+        self._read_children = children_reader
+        self._full_scan_at: float | None = None
+        self._cmdlines: dict[tuple[int, float], str] = {}  # (pid, create_time) -> label
         self.cmdline_args = cmdline_args  # agent.cmdline_args: arguments in the label (redacted)
         self.proc_root = Path(proc_root)
         self._read_environ = environ_reader
@@ -112,6 +131,18 @@ class PidTarget:
             roots.append(root)
         else:
             roots = [p for pid, ct in self._known.items() if (p := self._alive(pid, ct))]
+        now = self._clock()
+        if self._full_scan_at is None or now - self._full_scan_at >= FULL_SCAN_EVERY:
+            self._full_scan_at = now
+            return self._full_scan(roots)
+        walked = self._walk(roots)
+        if walked is None:  # no children file here: full scans only
+            self._full_scan_at = None
+            return self._full_scan(roots)
+        return walked
+
+    @staticmethod
+    def _full_scan(roots: list[psutil.Process]) -> list[psutil.Process]:
         seen: dict[int, psutil.Process] = {}
         for proc in roots:
             seen[proc.pid] = proc
@@ -122,22 +153,50 @@ class PidTarget:
                 continue
         return list(seen.values())
 
+    def _walk(self, roots: list[psutil.Process]) -> list[psutil.Process] | None:
+        """The roots, every process known from the last tree that is still the same one,
+        and their main threads' children, recursively; None if no children file reads."""
+        seen: dict[int, psutil.Process] = {p.pid: p for p in roots}
+        for pid, create_time in self._known.items():
+            if pid not in seen and (proc := self._alive(pid, create_time)) is not None:
+                seen[pid] = proc
+        todo, readable = list(seen), False
+        while todo:
+            kids = self._read_children(self.proc_root, todo.pop())
+            if kids is None:
+                continue
+            readable = True
+            for pid in kids:
+                if pid not in seen and (proc := self._alive(pid, None)) is not None:
+                    seen[pid] = proc
+                    todo.append(pid)
+        return list(seen.values()) if readable else None
+
+    def _settled(self, create_time: float) -> bool:
+        return self._wall() - create_time >= SETTLED_AFTER
+
     def _environ(self, pid: int, create_time: float) -> dict[str, str] | None:
         key = (pid, create_time)
-        if key not in self._env_cache:
-            try:
-                self._env_cache[key] = self._read_environ(self.proc_root, pid)
-            except PermissionError:
-                self._log_once(
-                    logging.WARNING, "environ",
-                    "cannot read /proc/%d/environ (permission denied): ranks and job id "
-                    "fall back to rank 0 / the launcher PID; run as the job's user or root",
-                    pid,
-                )
-                self._env_cache[key] = None
-            except OSError:
-                self._env_cache[key] = None
-        return self._env_cache[key]
+        if key in self._env_cache:
+            return self._env_cache[key]
+        env = self._read_environ_once(pid)
+        if self._settled(create_time):
+            self._env_cache[key] = env
+        return env
+
+    def _read_environ_once(self, pid: int) -> dict[str, str] | None:
+        try:
+            return self._read_environ(self.proc_root, pid)
+        except PermissionError:
+            self._log_once(
+                logging.WARNING, "environ",
+                "cannot read /proc/%d/environ (permission denied): ranks and job id "
+                "fall back to rank 0 / the launcher PID; run as the job's user or root",
+                pid,
+            )
+        except OSError:
+            pass
+        return None
 
     # -- classification ------------------------------------------------------------
     def refresh(self) -> ProcessTree:
@@ -148,7 +207,7 @@ class PidTarget:
                 with proc.oneshot():
                     if proc.status() == psutil.STATUS_ZOMBIE:
                         continue  # exited, not yet reaped by its parent
-                    info[proc.pid] = (proc.ppid(), proc.create_time(), _short_cmdline(proc, self.cmdline_args))
+                    info[proc.pid] = (proc.ppid(), proc.create_time(), self._cmdline(proc))
             except psutil.Error:
                 continue
         if not info:
@@ -186,12 +245,24 @@ class PidTarget:
         for top in tops:
             visit(top, None)
         self._known = {p.pid: p.create_time for p in out}
+        self._cmdlines = {k: v for k, v in self._cmdlines.items() if k[0] in self._known}
         self._placements = {k: v for k, v in self._placements.items() if k[0] in self._known}
         job_id = self._resolve_job_id(out, envs)
         processes = tuple(
             dataclasses.replace(p, job_id=job_id, placement=self._placement(p, envs.get(p.pid, {}))) for p in out
         )
         return ProcessTree(job_id, self.pid, processes, alive=True)
+
+    def _cmdline(self, proc: psutil.Process) -> str:
+        """The command-line label, read once per settled process (reading it every tick
+        was a third of the refresh)."""
+        key = (proc.pid, proc.create_time())
+        label = self._cmdlines.get(key)
+        if label is None:
+            label = _short_cmdline(proc, self.cmdline_args)
+            if self._settled(key[1]):
+                self._cmdlines[key] = label
+        return label
 
     def _placement(self, proc: ProcessInfo, environ: dict[str, str]) -> Placement:
         key = (proc.pid, proc.create_time)

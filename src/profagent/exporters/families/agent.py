@@ -1,6 +1,8 @@
-"""The agent's own families: build, target and collector health."""
+"""The agent's own families: build, target, collector health and the CPU each collector costs."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from profagent import __version__
 from profagent.exporters.families import Families
@@ -62,3 +64,18 @@ def render_health(view: StateView, out: Families) -> None:
             duration.add_metric([name], health.last_duration)
         if health.last_success is not None:
             last.add_metric([name], health.last_success)
+
+
+def render_cpu(seconds: Mapping[str, float], children: Mapping[str, float], out: Families) -> None:
+    """CPU the agent spends per collector (thread CPU clock; py-spy children in ``stacks``)."""
+    cpu = out.counter(
+        "profagent_collector_cpu_seconds",
+        "CPU time spent by each part of the agent (its threads' CPU clock; for stacks, py-spy's too)",
+        ("collector",),
+    )
+    for name, value in sorted(seconds.items()):
+        cpu.add_metric([name], value)
+    if "stacks" in children:
+        out.counter(
+            "profagent_pyspy_cpu_seconds", "CPU time of the py-spy children the stacks collector ran", ()
+        ).add_metric([], children["stacks"])

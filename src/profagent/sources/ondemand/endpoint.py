@@ -27,6 +27,7 @@ import psutil
 
 from profagent.errors import NotApplicable, SourceUnavailable, UserError
 from profagent.sources.ondemand import kineto
+from profagent.system.cputime import CPU
 from profagent.system.safefs import UnsafePath, own_directory
 from profagent.system.unixsock import (
     abstract_address,
@@ -158,7 +159,8 @@ class Endpoint:
                 if stop.is_set() or self._sock is None:
                     return
                 continue
-            reply = self.handle(data, _sender(ancdata))
+            with CPU.charge("ondemand"):
+                reply = self.handle(data, _sender(ancdata))
             if reply is not None and addr:
                 try:
                     self._sock.sendto(reply, socket.MSG_DONTWAIT, addr)

@@ -25,13 +25,14 @@ from pathlib import Path
 
 import psutil
 
-from profagent.analysis.stacks import Sample, parse_folded, thread_states
+from profagent.analysis.stacks import Sample, main_thread_sample, parse_folded, thread_states
 from profagent.config import StacksConfig
 from profagent.sources.stacks import pyspy
+from profagent.system.cputime import CPU, reap
 
 log = logging.getLogger(__name__)
 
-POLL = 0.05  # seconds between checks of the py-spy children
+POLL = 0.1  # seconds between checks of the py-spy children (each check costs the agent CPU)
 RETRY_AFTER = 5.0  # seconds before sampling a process again after py-spy failed on it,
 RETRY_MAX = 300.0  # doubling on each consecutive failure up to this
 MAX_PENDING = 1000  # results kept until drained
@@ -92,6 +93,7 @@ class Sampler:
         self._thread: threading.Thread | None = None
         self._tmp: Path | None = None
         self._wanted: dict[int, tuple[str, str]] = {}  # pid -> (rank, role)
+        self._pace: dict[int, tuple[int, float]] = {}  # pid -> (rate, window) of its next record window
         self._children: dict[tuple[str, int], PySpyChild] = {}  # (kind, pid) -> running child
         self._next: dict[tuple[str, int], float] = {}  # (kind, pid) -> earliest next start
         self._fails: dict[tuple[str, int], int] = {}  # (kind, pid) -> consecutive failures
@@ -122,6 +124,12 @@ class Sampler:
         with self._lock:
             self._wanted = dict(wanted)
 
+    def set_pace(self, pace: dict[int, tuple[int, float]]) -> None:
+        """(samples per second, window seconds) of each process' next record windows;
+        a process not named gets the full rate (``config.rate``, ``config.window``)."""
+        with self._lock:
+            self._pace = dict(pace)
+
     def drain(self) -> list[Result]:
         """Results finished since the last call, oldest first."""
         with self._lock:
@@ -132,7 +140,8 @@ class Sampler:
         try:
             while not self._stop.wait(POLL):
                 try:
-                    self._step()
+                    with CPU.charge("stacks"):
+                        self._step()
                 except Exception as exc:  # keep sampling; the error is counted and logged once
                     with self._lock:
                         self._results.append(Result("record", 0, "", "", 0.0, 0.0, 0.0, error=type(exc).__name__, detail=str(exc)))
@@ -153,7 +162,9 @@ class Sampler:
         now = self._clock()
         done = []
         for key, child in list(children.items()):
-            if child.proc.poll() is not None:
+            child_cpu = reap(child.proc)  # wait4, not poll(): py-spy's own CPU is the stacks source's cost
+            if child_cpu is not None:
+                CPU.add_child("stacks", child_cpu)
                 done.extend(self._harvest(child, now))
                 del children[key]
         for pid, (rank, role) in wanted.items():
@@ -177,9 +188,11 @@ class Sampler:
         self._seq += 1
         out = self._tmp / f"{kind}-{pid}-{self._seq}.out"
         err = self._tmp / f"{kind}-{pid}-{self._seq}.err"
-        window = max(1, round(self.config.window))
+        with self._lock:
+            rate, window_seconds = self._pace.get(pid, (self.config.rate, self.config.window))
+        window = max(1, round(window_seconds))
         if kind == "record":
-            args = pyspy.record_args(self._binary, pid, window, self.config.rate, "raw", out, self.config.nonblocking)
+            args = pyspy.record_args(self._binary, pid, window, rate, "raw", out, self.config.nonblocking)
         else:
             args = pyspy.dump_args(self._binary, pid, True)  # states need no consistent stack
             self._next[(kind, pid)] = now + max(window, STATE_EVERY)
@@ -218,7 +231,9 @@ class Sampler:
         self._fails.pop(key, None)
         if child.kind == "dump":
             try:
-                return [*extra, Result(**base, states=thread_states(json.loads(text)))]
+                dump = json.loads(text)
+                main = main_thread_sample(dump, child.pid)
+                return [*extra, Result(**base, states=thread_states(dump), samples=(main,) if main else ())]
             except ValueError:
                 return [*extra, Result(**base, error="parse", detail="py-spy dump printed invalid JSON")]
         return [*extra, Result(**base, samples=tuple(parse_folded(text, child.pid)))]

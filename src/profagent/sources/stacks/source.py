@@ -41,6 +41,8 @@ JOB_MEMORY_SECONDS = 60.0  # how long a pid's job is remembered after it left th
 RING_MAX_LINES = 5000  # distinct stacks kept per window
 
 GpuBusy = Callable[[str, str], "bool | None"]  # (rank, job_id) -> GPUs busy? None: unknown
+JobHot = Callable[[str], bool]  # job_id -> a finding is active on the job
+WATCH_HOLD = 30.0  # seconds of full rate after `profagent top` or /api/stacks last asked
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,9 @@ class StacksSource:
         self.config = config
         self.interval = interval
         self.gpu_busy = gpu_busy
+        self.job_hot: JobHot | None = None  # set by the engine: full rate while the job has a finding
+        self._first_seen: dict[int, float] = {}  # pid -> when it was first wanted
+        self._watched_until = float("-inf")
         self._binary = binary
         self._clock, self._wall = clock, wall
         self._proc_root = proc_root
@@ -103,6 +108,7 @@ class StacksSource:
         self._sampler: Sampler | None = None
         self._checked: set[int] = set()  # pids whose Python version was checked
         self._readable: set[int] = set()  # pids py-spy has read at least once
+        self._windowed: set[int] = set()  # pids with a record window folded
         self._fatal = ""
         self._version: tuple[int, ...] = ()
         # aggregates, touched only by collect(); keyed by (job_id, rank, role) or (job_id, rank)
@@ -138,9 +144,11 @@ class StacksSource:
         if self._fatal:
             raise SourceUnavailable(self._fatal)
         assert self._sampler is not None, "start() first"
-        self._sampler.set_targets(self._targets(tree))
+        wanted = self._targets(tree)
+        self._sampler.set_targets(wanted)
         for r in self._sampler.drain():
             self._fold(r)
+        self._sampler.set_pace(self._pace(wanted))
         if self._fatal:
             raise SourceUnavailable(self._fatal)
         self._forget_ended_jobs(tree)
@@ -172,9 +180,40 @@ class StacksSource:
                 raise SourceUnavailable(problem, reason="unsupported_python")
         self._checked &= set(wanted)
         self._readable &= set(wanted)
+        self._windowed &= set(wanted)
         # A window of a process that just left may still be in flight: remember jobs a while.
         self._job_of = {pid: v for pid, v in self._job_of.items() if now - v[1] < JOB_MEMORY_SECONDS}
         return wanted
+
+    # -- pace -----------------------------------------------------------------------------------
+    def watched(self) -> None:
+        """Someone looks at this job's stacks (`profagent top`, /api/stacks): full rate a while."""
+        self._watched_until = self._clock() + WATCH_HOLD
+
+    def _pace(self, wanted: dict[int, tuple[str, str]]) -> dict[int, tuple[int, float]]:
+        """Each process' next windows: the full rate while it warms up, while its job has a
+        finding or a stall suspected (a window with one unchanged stack), and while watched;
+        the steady rate otherwise. py-spy's cost is mostly per window and per sample."""
+        cfg, now = self.config, self._clock()
+        self._first_seen = {pid: self._first_seen.get(pid, now) for pid in wanted}
+        full, steady = (cfg.rate, cfg.window), (cfg.steady_rate, cfg.steady_window)
+        if cfg.steady_rate <= 0 or now < self._watched_until:
+            return dict.fromkeys(wanted, full)
+        pace = {}
+        for pid, (rank, _) in wanted.items():
+            job = self._job(pid)
+            suspect = self._stall_state.get((job, rank), (False, 0.0, ()))[1] > 0
+            pace[pid] = full if (now - self._first_seen[pid] < cfg.warmup_seconds or suspect
+                                 or self._hot(job)) else steady
+        return pace
+
+    def _hot(self, job: str) -> bool:
+        if self.job_hot is None:
+            return False
+        try:
+            return self.job_hot(job)
+        except Exception:  # the engine's hook: never let it break stacks
+            return False
 
     def _job(self, pid: int) -> str:
         return self._job_of.get(pid, ("", 0.0))[0]
@@ -189,19 +228,25 @@ class StacksSource:
             counts = self._threads.setdefault(group, {})
             for key, n in r.states.items():
                 counts[key] = counts.get(key, 0) + n
+            if r.pid not in self._windowed:  # a first look, within a second, until the first window
+                self._count_main(group, list(r.samples), r.end - r.start)
             return
+        self._windowed.add(r.pid)
+        main = [s for s in r.samples if s.main]
+        self._count_main(group, main, r.end - r.start)
+        self._remember(r)
+        if r.role == ROLE_MAIN:
+            self._check_stall(r, main)
+
+    def _count_main(self, group: tuple[str, str, str], main: list[Sample], seconds: float) -> None:
+        """Main-thread samples into the category counters and the top-K leaf functions."""
         cats = self._categories.setdefault(group, dict.fromkeys(CATEGORIES, 0))
         functions: dict[str, int] = {}
-        main = [s for s in r.samples if s.main]
         for s in main:
             cats[classify(s.frames)] += s.count
             if s.leaf is not None:
                 functions[s.leaf.function] = functions.get(s.leaf.function, 0) + s.count
-        topk = self._topk.setdefault(group, TopK(self.config.top_k))
-        topk.add(functions, r.end - r.start)
-        self._remember(r)
-        if r.role == ROLE_MAIN:
-            self._check_stall(r, main)
+        self._topk.setdefault(group, TopK(self.config.top_k)).add(functions, seconds)
 
     def _error(self, r: Result) -> None:
         if r.error == "target_gone":
@@ -289,6 +334,7 @@ class StacksSource:
 
     def route(self, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
         """GET /api/stacks?rank=R&seconds=S[&job=J] -> folded stacks as text/plain."""
+        self.watched()
         keys = self.ranks()
         job = (query.get("job") or [None])[0]
         rank = (query.get("rank") or [""])[0]

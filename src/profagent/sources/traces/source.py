@@ -47,6 +47,7 @@ from profagent.sources.traces.watcher import (
     default_state_dir,
     resolve_dirs,
 )
+from profagent.system.cputime import CPU
 from profagent.target import ProcessTree
 
 log = logging.getLogger(__name__)
@@ -234,7 +235,8 @@ class TracesSource:
                 if self._stop.is_set():
                     return
                 try:
-                    self._handle(verdict)
+                    with CPU.charge("traces"):
+                        self._handle(verdict)
                 except Exception as exc:  # a bug must not end the worker: count the file
                     log.debug("handling %s failed", verdict.path, exc_info=True)
                     self._count(verdict, "invalid", "internal_error", f"{type(exc).__name__}: {exc}")
