@@ -32,9 +32,10 @@ def test_cpu_per_collector_covers_pyspy_and_stays_within_the_process(children, r
     def pyspy_counted() -> str:
         text = http_get(base + "/metrics")
         pyspy = parse_metrics(text).get("profagent_pyspy_cpu_seconds_total", [])
-        return text if pyspy and pyspy[0][1] > 0 and _by_collector(text).get("host", 0) > 0 else ""
+        cpu = _by_collector(text)
+        return text if pyspy and pyspy[0][1] > 0 and cpu.get("host", 0) > 0 and cpu.get("http", 0) > 0 else ""
 
-    text = wait_for(pyspy_counted, timeout=60, what="py-spy's CPU and the host collector's to be counted")
+    text = wait_for(pyspy_counted, timeout=60, what="the CPU of py-spy, the host collector and the HTTP server (these scrapes) to be counted")
     metrics = parse_metrics(text)
     cpu = _by_collector(text)
     pyspy = metrics["profagent_pyspy_cpu_seconds_total"][0][1]

@@ -43,6 +43,7 @@ import bcrypt
 from profagent.errors import UserError
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.webconfig import WebConfig, load_web_config, peer_check, ssl_context
+from profagent.system.cputime import CPU
 
 log = logging.getLogger(__name__)
 
@@ -266,25 +267,31 @@ class _EventServer:
     # -- the I/O thread -------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop:
-            for key, _ in self._sel.select(0.25):
-                if key.data == "accept":
-                    self._guarded(self._accept, None)
-                elif key.data == "wake":
-                    try:
-                        while self._wake_r.recv(4096):
-                            pass
-                    except (BlockingIOError, OSError):
+            ready = self._sel.select(0.25)
+            with CPU.charge("http"):
+                self._step(ready)
+
+    def _step(self, ready: list) -> None:
+        """One turn of the I/O thread: what select() found, answers to send, deadlines."""
+        for key, _ in ready:
+            if key.data == "accept":
+                self._guarded(self._accept, None)
+            elif key.data == "wake":
+                try:
+                    while self._wake_r.recv(4096):
                         pass
-                else:
-                    self._guarded(self._on_ready, key.data)
-            self._take_answers()
-            now = time.monotonic()
-            for conn in list(self._conns.values()):
-                if conn.state == _HELD and now >= conn.release_at:
-                    self._guarded(self._start_write, conn)
-                elif conn.state in (_HANDSHAKE, _READING, _WRITING) and now >= conn.deadline:
-                    self.refused["deadline"] += 1
-                    self._close(conn)
+                except (BlockingIOError, OSError):
+                    pass
+            else:
+                self._guarded(self._on_ready, key.data)
+        self._take_answers()
+        now = time.monotonic()
+        for conn in list(self._conns.values()):
+            if conn.state == _HELD and now >= conn.release_at:
+                self._guarded(self._start_write, conn)
+            elif conn.state in (_HANDSHAKE, _READING, _WRITING) and now >= conn.deadline:
+                self.refused["deadline"] += 1
+                self._close(conn)
 
     def _guarded(self, step: Callable, conn: _Conn | None) -> None:
         """One connection's surprise never stops the I/O thread: that connection is closed."""
@@ -530,7 +537,8 @@ class _EventServer:
             if conn is None:
                 return
             try:
-                handler = self.handler((conn.sock, request), conn.address, self)  # type: ignore[arg-type]
+                with CPU.charge("http"):
+                    handler = self.handler((conn.sock, request), conn.address, self)  # type: ignore[arg-type]
                 answer = (conn, handler.wfile.chunks, handler.close_connection, handler.hold)
             except Exception as exc:  # never lose a worker
                 log.warning("HTTP worker failed: %s", exc)
