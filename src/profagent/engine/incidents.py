@@ -552,6 +552,7 @@ class Capture:
         with self._lock:
             self._write(SUMMARY, self._summary().encode())
             self.meta["status"] = "complete"
+            self.meta["completed"] = self.source._wall()
             self.meta["files"] = sorted(self.files)
             self._write(META, _json(self.meta), replace=True)
         log.warning("incident %s captured: %s", self.folder.name, self.folder / SUMMARY)
