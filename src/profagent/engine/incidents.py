@@ -3,8 +3,12 @@
 ``IncidentsSource`` runs in the runtime like a source: each tick it reads the job's
 state (the ``findings`` snapshot, else stalled ranks from ``stacks``; the ``traces``
 snapshot for step-time regressions), asks the pure ``IncidentGate`` whether to capture,
-and starts at most one ``capture`` thread. It publishes ``IncidentsSnapshot`` (counts
-for ``profagent_incidents_total``).
+and starts ``Capture`` threads within ``CaptureSlots`` (one per job, one per user, a
+global cap), each ended by ``incidents.capture_timeout``. The gate's last captures are
+kept in the state folder (``RateLimitFile``) so a restart does not capture the same hang
+again. While a trigger lasts, its bundle follows it: a changed diagnosis rewrites the
+summary. It publishes ``IncidentsSnapshot`` (counts for ``profagent_incidents_total``,
+rate-limited triggers, refused on-demand trace files).
 
 A bundle is one 0700 folder under the agent's state folder (never where users' files
 live), written with O_NOFOLLOW|O_EXCL so a planted symlink is never followed:
@@ -286,6 +290,7 @@ class IncidentsSource:
         self._wall = wall
         self.max_trace_bytes = max_trace_bytes
         self._uid_of = uid_of or _real_uid
+        self._uids: dict[tuple[int, float], int] = {}  # (pid, create_time) -> real uid, read once
         self._gate = IncidentGate(config.rate_limit_seconds)
         self._rate_file = RateLimitFile(rate_file) if rate_file is not None else None
         self._regression = RegressionDetector(config.regression_factor, config.regression_seconds)
@@ -394,10 +399,15 @@ class IncidentsSource:
     def _job_uids(self, tree: ProcessTree) -> dict[str, int]:
         """job_id -> real uid of its first rank (or process): whose incidents these are."""
         out: dict[str, int] = {}
+        if len(self._uids) > 4096:
+            self._uids.clear()
         for p in sorted(tree.processes, key=lambda p: p.role != "main"):
             job = p.job_id or tree.job_id
             if job not in out:
-                out[job] = self._uid_of(p.pid)
+                key = (p.pid, p.create_time)
+                if key not in self._uids:
+                    self._uids[key] = self._uid_of(p.pid)
+                out[job] = self._uids[key]
         return out
 
     def count_rejected(self, reason: str) -> None:
