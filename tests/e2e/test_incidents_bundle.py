@@ -132,5 +132,19 @@ def test_summary_follows_the_finding_and_the_rate_limit_survives_a_restart(child
         assert (job, "hang", 1) in snap.suppressed and (job, "hang", 0) in snap.counts
         time.sleep(0.2)  # a capture would have created its folder synchronously, in collect()
         assert len(restarted.store.list()) == 1
+        # The same hang goes on, so its bundle is still open: a new diagnosis after the
+        # restart rewrites it, stacks, notes and files kept.
+        mismatch = {"rank": None, "culprit_ranks": [], "collectives": {"0": "broadcast (c10d.py:1)", "1": "all_reduce (c10d.py:2)"}}
+        later = "ranks wait in different collectives for 140 s (mismatched collective order): rank 0 in broadcast"
+        state.publish("findings", _hang(job, later, mismatch, 1000.0), 0.0)
+        restarted.collect(tree)
+        rewritten = (bundle / SUMMARY).read_text()
+        assert f"**What happened**: {later}" in rewritten, rewritten
+        assert "it first said: rank 0 is stuck at graph.py:979" in rewritten
+        assert "**Which rank**: the whole job" in rewritten
+        assert f"| {main.rank} | {main.pid} | `spin (child_0.py:{SPIN_LINE})` |" in rewritten  # its own stacks, kept
+        assert "`stacks-rank0.txt`" in rewritten
+        saved = json.loads((bundle / "findings.json").read_text())
+        assert saved["trigger"]["reason"] == later and saved["first_trigger"]["evidence"]["location"] == "graph.py:979"
     finally:
         restarted.stop()

@@ -378,6 +378,8 @@ class IncidentsSource:
         for d in decisions:
             if d.action == "capture":
                 self._start(d.trigger, tree, now, uids.get(d.trigger.job_id, -1))
+            elif d.action == "rate_limited" and d.trigger.kind == "hang":
+                self._reopen(d.trigger, tree)
         self._follow(offered)
         with self._lock:  # every series exists from the start, so changes() sees the first incident
             for job_id in live:
@@ -395,6 +397,23 @@ class IncidentsSource:
         for capture, trigger in following:
             if diagnosis(trigger) != diagnosis(capture.trigger):
                 capture.update(trigger, self._wall())
+
+    def _reopen(self, trigger: Trigger, tree: ProcessTree) -> None:
+        """The same hang, still on after a restart: the bundle captured before it is open
+        again, so it follows the finding as if the agent had never stopped."""
+        with self._lock:
+            if trigger.key in self._open:
+                return
+        stored = [m for m in self.store.list() if m.get("kind") == trigger.kind
+                  and m.get("job_id") == trigger.job_id and m.get("status") == "complete"]
+        if not stored:
+            return
+        capture = Capture.reopen(self, stored[-1], tree)
+        if capture is None:
+            return
+        with self._lock:
+            self._open[trigger.key] = capture
+        log.info("incident %s is open again: the same %s goes on", capture.folder.name, trigger.kind)
 
     def _job_uids(self, tree: ProcessTree) -> dict[str, int]:
         """job_id -> real uid of its first rank (or process): whose incidents these are."""
@@ -542,9 +561,10 @@ class Capture:
             if note:
                 self.notes.append(f"rank {info.rank} (PID {info.pid}): {note}")
         findings = view.snapshots.get("findings") or FindingsSnapshot((), self.now)
+        with self._lock:
+            trigger = self._trigger_dict()
         self._write("findings.json", _json({
-            "trigger": {"kind": self.trigger.kind, "job_id": self.trigger.job_id, "rank": self.trigger.rank,
-                        "reason": self.trigger.reason, "evidence": dict(self.trigger.evidence)},
+            "trigger": trigger,
             "findings": [f.as_dict() for f in findings.findings if f.job_id == self.trigger.job_id],
         }))
         body, _ = Exposition(lambda: view).render("text/plain")
@@ -561,11 +581,37 @@ class Capture:
             self._collect_traces(request)
         with self._lock:
             self._write(SUMMARY, self._summary().encode())
+            if self._updated is not None:  # the trigger changed while the capture ran
+                self._rewrite_trigger()
             self.meta["status"] = "complete"
             self.meta["completed"] = self.source._wall()
             self.meta["files"] = sorted(self.files)
             self._write(META, _json(self.meta), replace=True)
         log.warning("incident %s captured: %s", self.folder.name, self.folder / SUMMARY)
+
+    @classmethod
+    def reopen(cls, source: IncidentsSource, meta: dict[str, Any], tree: ProcessTree) -> Capture | None:
+        """A complete bundle, read back from its folder (a restart): its stacks, files and
+        notes, with the trigger it last said. None if it cannot be read."""
+        folder = Path(meta["path"])
+        try:
+            said = json.loads(read_nofollow(folder / "findings.json"))["trigger"]
+            summary = read_nofollow(folder / SUMMARY).decode(errors="replace")
+            trigger = Trigger(str(said["kind"]), str(said["job_id"]), said.get("rank"), str(said.get("reason", "")),
+                              dict(said.get("evidence") or {}))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        capture = cls(source, trigger, tree, folder, _number(meta.get("time")), int(_number(meta.get("uid"), -1)))
+        capture.meta = {k: v for k, v in meta.items() if k != "path"}
+        capture.files = [str(f) for f in meta.get("files") or ()]
+        for info in capture.ranks:
+            with contextlib.suppress(OSError):
+                capture.stacks[info.rank] = read_nofollow(folder / f"stacks-rank{_safe(info.rank)}.txt").decode(errors="replace")
+        notes = summary.split("\n## Notes\n", 1)
+        capture.notes = [line[2:] for line in notes[1].splitlines() if line.startswith("- ")] if len(notes) == 2 else []
+        first = re.search(r"it first said: (.*)\)$", summary, re.M)
+        capture._first_reason = first.group(1) if first else trigger.reason
+        return capture
 
     def update(self, trigger: Trigger, now: float) -> None:
         """The finding that caused the incident changed while it is open: from now on the
@@ -579,10 +625,23 @@ class Capture:
             try:
                 self._write(SUMMARY, self._summary().encode(), replace=True)
                 self._write(META, _json(self.meta), replace=True)
-            except OSError as exc:  # the bundle was removed meanwhile (retention)
+                self._rewrite_trigger()
+            except (OSError, ValueError) as exc:  # the bundle was removed meanwhile (retention)
                 log.info("cannot update incident %s: %s", self.folder.name, exc)
                 return
         log.warning("incident %s updated: %s", self.folder.name, trigger.reason)
+
+    def _rewrite_trigger(self) -> None:
+        """findings.json says the trigger as it is now; the one it was captured on stays as
+        ``first_trigger``, the job's findings as they were at the capture."""
+        saved = json.loads(read_nofollow(self.folder / "findings.json"))
+        saved.setdefault("first_trigger", saved.get("trigger"))
+        saved["trigger"] = self._trigger_dict()
+        self._write("findings.json", _json(saved), replace=True)
+
+    def _trigger_dict(self) -> dict[str, Any]:
+        t = self.trigger
+        return {"kind": t.kind, "job_id": t.job_id, "rank": t.rank, "reason": t.reason, "evidence": dict(t.evidence)}
 
     def _remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -761,7 +820,7 @@ class Capture:
         t = self.trigger
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.now))
         by_rank = {p.rank: p for p in self.ranks}
-        rank = t.rank if t.rank in by_rank else (self.ranks[0].rank if self.ranks and t.rank is None else None)
+        rank = t.rank if t.rank in by_rank else None
         culprits = [r for r in (str(c) for c in t.evidence.get("culprit_ranks") or ()) if r in by_rank]
         where = innermost_frame(self.stacks.get(rank, "")) if rank is not None else None
         title = {"hang": "a rank hangs", "regression": "step time regressed", "manual": "capture on request"}[t.kind]
@@ -770,7 +829,7 @@ class Capture:
             line = f"`{where}` (innermost Python frame of its main thread)" if where else "unknown (no stacks)"
         else:
             which = f"rank {t.rank} (not on this node)" if t.rank is not None else "the whole job"
-            line = "unknown (no stacks of that rank)" if t.rank is not None else "-"
+            line = "unknown (no stacks of that rank)" if t.rank is not None else "each rank's below"
         lines = [f"# Incident {self.folder.name}: {title} (job {t.job_id})", "",
                  f"- **What happened**: {t.reason}", f"- **When**: {when}"]
         if self._updated is not None:
