@@ -138,7 +138,7 @@ class IncidentsConfig:
     rate_limit_seconds: float = _opt(900.0, "at most one incident per job and trigger kind (hang, regression, manual) in this many seconds")
     regression_factor: float = _opt(2.0, "a rank's trace step time above this multiple of its own recent baseline is a regression")
     regression_seconds: float = _opt(60.0, "...once it has stayed above for this many seconds (0 = at the first slow trace)")
-    capture_timeout: float = _opt(60.0, "seconds a capture waits for py-spy and for on-demand traces before writing what it has")
+    capture_timeout: float = _opt(60.0, "seconds a capture may take: py-spy dumps still running are killed and on-demand traces no longer waited for, then it writes what it has")
 
 
 # Python running torchrun / torch.distributed.run|launch, or a script or module named *train*.
