@@ -3,10 +3,13 @@
 - ``hang_triggers``: one trigger per job with an active ``hang`` finding.
 - ``RegressionDetector``: a rank's trace step time above ``factor`` x its own recent
   baseline (median of its last normal traces) for ``seconds``.
-- ``IncidentGate``: turns the triggers seen at each tick into at most one capture:
-  an episode (a trigger kind for a job, active from one tick to the next) fires once,
-  only while no capture runs, and at most once per job and kind per ``period``.
-- ``to_remove``: which stored incidents go so that count and bytes stay bounded.
+- ``IncidentGate``: turns the triggers seen at each tick into captures: an episode (a
+  trigger kind for a job, active from one tick to the next) fires once, only when a
+  capture slot is free, and at most once per job and kind per ``period``; its last
+  captures can be exported and restored (they survive a restart).
+- ``diagnosis``: what a trigger says, less the seconds it has lasted.
+- ``to_remove``: which stored incidents go so that count and bytes stay bounded, per job,
+  per user and in all (``Retention``), one user's evicting only its own.
 - ``self_profiling``: the ranks that profile themselves, whose on-demand traces never come.
 
 Every clock is injected: callers pass ``now``.
