@@ -208,6 +208,7 @@ class RateLimitFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._lock = threading.Lock()  # captures start from the tick and from control requests
 
     def load(self) -> dict[tuple[str, str], float]:
         try:
@@ -229,7 +230,8 @@ class RateLimitFile:
             data = orjson.dumps({"last": entries})
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            replace_nofollow(self.path, data)
+            with self._lock:
+                replace_nofollow(self.path, data)
         except OSError as exc:
             log.warning("cannot save the incidents' rate-limit state to %s (%s): a restart forgets it", self.path, exc)
 
