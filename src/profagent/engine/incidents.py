@@ -492,9 +492,8 @@ class IncidentsSource:
         with self._lock:
             key = (trigger.job_id, trigger.kind)
             self._counts[key] = self._counts.get(key, 0) + 1
-            last = self._gate.export(now)
-        if self._rate_file is not None:
-            self._rate_file.save(last)
+            if self._rate_file is not None:  # under the lock: saves never go out of order
+                self._rate_file.save(self._gate.export(now))
         log.warning("incident %s: %s in job %s (%s); capturing into %s",
                     folder.name, trigger.kind, trigger.job_id, trigger.reason, folder)
         capture = Capture(self, trigger, tree, folder, now, uid)
