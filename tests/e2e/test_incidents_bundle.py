@@ -27,11 +27,10 @@ def idle():
 threading.Thread(target=idle, name="idler", daemon=True).start()
 def spin():
     x = 0
-    while True:
-        x += 1
+    while True: x += 1  # one line: py-spy may catch the loop at its test or its body
 spin()
 """
-SPIN_LINE = 9  # `x += 1`
+SPIN_LINE = 8
 
 
 def _pyspy() -> str:
@@ -148,3 +147,55 @@ def test_summary_follows_the_finding_and_the_rate_limit_survives_a_restart(child
         assert saved["trigger"]["reason"] == later and saved["first_trigger"]["evidence"]["location"] == "graph.py:979"
     finally:
         restarted.stop()
+
+
+def test_on_demand_trace_copy_refuses_what_is_not_the_ranks_trace(children, tmp_path: Path) -> None:
+    """A capture copies the rank's trace only once complete, as a regular file of the rank's
+    user (or root) within traces.max_file_bytes; a planted symlink or another user's file
+    is refused for good (TraceError with the reason counted by the caller)."""
+    import gzip
+    import os
+
+    from profagent.engine.incidents import Capture
+    from profagent.sources.traces.reader import TraceError
+
+    child = children.python("import time\nwhile True:\n    time.sleep(0.05)\n", env={"RANK": "0", "WORLD_SIZE": "1"})
+    tree = wait_for(lambda: (t := PidTarget(child.pid).refresh()) and t.mains() and t, 30, what="the child's tree")
+    source = IncidentsSource(IncidentsConfig(), tmp_path / "incidents", State(), max_trace_bytes=4 * 1024 * 1024)
+    source.store.ensure_root()
+    from profagent.analysis.incidents import Trigger
+
+    capture = Capture(source, Trigger("manual", tree.job_id, None, "test"), tree, source.store.create("manual", "j", 0.0), 0.0, 0)
+    seen: dict = {}
+    trace = tmp_path / "trace.json"
+    whole = json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1,
+                                         "ts": float(i), "dur": 0.5} for i in range(2000)]}).encode()
+    assert capture._copy_trace(trace, "a.json.gz", 0, seen, 1) is False  # not there yet
+    trace.write_bytes(whole[: len(whole) // 2])
+    assert capture._copy_trace(trace, "a.json.gz", 0, seen, 1) is False  # still being written
+    assert not list(capture.folder.glob(".*.part"))
+    trace.write_bytes(whole)
+    assert capture._copy_trace(trace, "a.json.gz", 0, seen, 1) is True
+    assert gzip.decompress((capture.folder / "a.json.gz").read_bytes()) == whole
+
+    gz = tmp_path / "small.json.gz"  # a gzip trace is copied as it is
+    gz.write_bytes(gzip.compress(whole))
+    assert capture._copy_trace(gz, "b.json.gz", 0, {}, 2) is True
+    assert (capture.folder / "b.json.gz").read_bytes() == gz.read_bytes()
+    bomb = tmp_path / "bomb.json.gz"  # 6 MiB of blanks once inflated, a few kB on disk
+    bomb.write_bytes(gzip.compress(b'{"traceEvents": [' + b" " * (6 * 1024 * 1024) + b"]}"))
+
+    link = tmp_path / "link.json"
+    link.symlink_to(trace)
+    foreign = tmp_path / "foreign.json"
+    foreign.write_bytes(whole)
+    os.chown(foreign, 65534, 65534)
+    big = tmp_path / "big.json"
+    with big.open("wb") as fh:
+        fh.truncate(5 * 1024 * 1024)
+    for path, reason in ((link, "symlink"), (foreign, "foreign_owner"), (big, "too_large"), (bomb, "too_large")):
+        with pytest.raises(TraceError) as err:
+            capture._copy_trace(path, "c.json.gz", 0, {}, 3)
+        assert err.value.reason == reason
+    assert capture._copy_trace(foreign, "d.json.gz", 65534, {}, 4) is True  # the rank's own user: fine
+    assert not (capture.folder / "c.json.gz").exists()

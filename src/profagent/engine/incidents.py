@@ -784,12 +784,15 @@ class Capture:
                 os.unlink(tmp)
             out = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), "wb")
             copied = 0
-            with out, gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6) as gz:
-                while chunk := fh.read(COPY_CHUNK):
+            chunk = fh.read(COPY_CHUNK)
+            already = chunk[:2] == b"\x1f\x8b"  # a gzip trace is copied as it is
+            with out, (contextlib.nullcontext(out) if already else gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6)) as sink:
+                while chunk:
                     copied += len(chunk)
                     if copied > cap:  # it grew after fstat
                         break
-                    gz.write(chunk)
+                    sink.write(chunk)
+                    chunk = fh.read(COPY_CHUNK)
         try:
             if copied > cap:
                 raise TraceError(f"over traces.max_file_bytes ({cap}) while read", "too_large")
