@@ -119,6 +119,15 @@ def test_summary_follows_the_finding_and_the_rate_limit_survives_a_restart(child
         assert f"**Which line**: `spin (child_0.py:{SPIN_LINE})`" in updated
         assert json.loads(updated.split("```json\n", 1)[1].split("```", 1)[0])["waiting_ranks"] == ["1"]
         assert json.loads((bundle / "incident.json").read_text())["reason"] == reason
+
+        # It recovers (the incident closes), then hangs elsewhere within the rate limit: that
+        # is another episode, rate-limited, and the closed bundle stays as it was.
+        state.publish("findings", FindingsSnapshot((), 1100.0), 0.0)
+        source.collect(tree)
+        state.publish("findings", _hang(job, "rank 0 is stuck at other.py:1 (stack unchanged for 30 s, not in a collective)",
+                                        {**first, "location": "other.py:1"}, 1200.0), 0.0)
+        assert (job, "hang", 1) in source.collect(tree).suppressed
+        assert (bundle / SUMMARY).read_text() == updated
     finally:
         source.stop()
 
@@ -128,7 +137,7 @@ def test_summary_follows_the_finding_and_the_rate_limit_survives_a_restart(child
     restarted.start()
     try:
         snap = restarted.collect(tree)
-        assert (job, "hang", 1) in snap.suppressed and (job, "hang", 0) in snap.counts
+        assert (job, "hang", 1) in snap.suppressed and (job, "hang", 0) in snap.counts  # counts: this process's
         time.sleep(0.2)  # a capture would have created its folder synchronously, in collect()
         assert len(restarted.store.list()) == 1
         # The same hang goes on, so its bundle is still open: a new diagnosis after the

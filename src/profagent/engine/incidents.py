@@ -301,6 +301,7 @@ class IncidentsSource:
         self._suppressed: dict[tuple[str, str], int] = {}
         self._rejected: dict[str, int] = {}
         self._open: dict[tuple[str, str], Capture] = {}  # (kind, job) -> its bundle while the trigger lasts
+        self._restored: set[tuple[str, str]] = set()  # captured before a restart: may be open again once
         self._threads: set[threading.Thread] = set()
         self._binary: str | None = None
         self.last_error = ""
@@ -314,7 +315,9 @@ class IncidentsSource:
         except OSError as exc:
             raise SourceUnavailable(f"cannot use the incidents folder {self.store.root} ({exc}): set incidents.dir") from None
         if self._rate_file is not None:
-            self._gate.restore(self._rate_file.load(), self._wall())
+            restored = self._rate_file.load()
+            self._gate.restore(restored, self._wall())
+            self._restored = set(restored)
         try:
             self._binary = pyspy.find_pyspy()
         except pyspy.PySpyProblem as exc:
@@ -402,10 +405,12 @@ class IncidentsSource:
 
     def _reopen(self, trigger: Trigger, tree: ProcessTree) -> None:
         """The same hang, still on after a restart: the bundle captured before it is open
-        again, so it follows the finding as if the agent had never stopped."""
+        again, so it follows the finding as if the agent had never stopped. Only the first
+        episode after the restart: a later one is another hang, not that bundle's."""
         with self._lock:
-            if trigger.key in self._open:
+            if trigger.key in self._open or trigger.key not in self._restored:
                 return
+            self._restored.discard(trigger.key)
         stored = [m for m in self.store.list() if m.get("kind") == trigger.kind
                   and m.get("job_id") == trigger.job_id and m.get("status") == "complete"]
         if not stored:
