@@ -59,8 +59,9 @@ def hang_triggers(snapshot: FindingsSnapshot | None) -> list[Trigger]:
         found.sort(key=lambda f: (f.since, f.rank or ""))
         ranks = [f.rank for f in found if f.rank is not None]
         first = found[0]
-        # The finding's whole evidence (roles, frames, stall seconds...), then who and since when.
-        evidence: dict[str, Any] = {**dict(first.evidence), "ranks": ranks, "since": first.since}
+        # Who and since when, then the finding's whole evidence (roles, frames, stall
+        # seconds...), which wins where both name a key.
+        evidence: dict[str, Any] = {"ranks": ranks, "since": first.since, **dict(first.evidence)}
         if len(found) > 1:
             evidence["other_findings"] = [f.as_dict() for f in found[1:]]
         culprits = [str(r) for r in evidence.get("culprit_ranks") or ()]
