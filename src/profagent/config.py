@@ -142,10 +142,15 @@ class IncidentsConfig:
     dir: str = _opt("", "folder of incident bundles, one 0700 folder each (default: STATE_DIR/incidents, /var/lib/profagent/incidents as root)")
     max_count: int = _opt(20, "incidents kept; the oldest are removed first")
     max_bytes: int = _opt(512 * 1024**2, "total bytes of incidents kept; the oldest are removed first (the newest is always kept)")
+    max_count_per_job: int = _opt(5, "incidents kept per job; its oldest are removed first (0 = no cap but max_count)")
+    max_count_per_user: int = _opt(8, "incidents kept per user (the real uid of the job's processes): one user's incidents evict only that user's own (0 = no cap)")
+    max_bytes_per_user: int = _opt(192 * 1024**2, "bytes of incidents kept per user; that user's oldest are removed first (0 = no cap)")
+    max_captures: int = _opt(4, "captures running at once on the node (each ends by capture_timeout); one per job at a time")
+    max_captures_per_user: int = _opt(1, "captures of one user's jobs running at once, so one user cannot hold every capture slot")
     rate_limit_seconds: float = _opt(900.0, "at most one incident per job and trigger kind (hang, regression, manual) in this many seconds")
     regression_factor: float = _opt(2.0, "a rank's trace step time above this multiple of its own recent baseline is a regression")
     regression_seconds: float = _opt(60.0, "...once it has stayed above for this many seconds (0 = at the first slow trace)")
-    capture_timeout: float = _opt(60.0, "seconds a capture waits for py-spy and for on-demand traces before writing what it has")
+    capture_timeout: float = _opt(60.0, "seconds a capture may take: py-spy dumps still running are killed and on-demand traces no longer waited for, then it writes what it has")
 
 
 # Python running torchrun / torch.distributed.run|launch, or a script or module named *train*.
@@ -375,6 +380,8 @@ def _validate_http(h: HttpConfig) -> None:
 def _validate_incidents(inc: IncidentsConfig) -> None:
     if inc.max_count < 1 or inc.max_bytes < 1:
         raise UserError("'incidents.max_count' and 'incidents.max_bytes' must be at least 1", "raise them, or set incidents.enabled = false")
+    if inc.max_captures < 1 or inc.max_captures_per_user < 1:
+        raise UserError("'incidents.max_captures' and 'incidents.max_captures_per_user' must be at least 1", "raise them, or set incidents.enabled = false")
     if inc.regression_factor <= 1:
         raise UserError(f"'incidents.regression_factor' is {inc.regression_factor}", "use a factor above 1, e.g. 2")
     for name in ("rate_limit_seconds", "regression_seconds", "capture_timeout"):

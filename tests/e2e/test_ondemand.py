@@ -166,7 +166,26 @@ def test_iteration_trace_of_one_rank(traced_job, ondemand_env) -> None:
     import json
 
     report = json.loads(res.stdout)
-    assert report  # the JSON report of the new trace
+    [trace] = report["traces"]  # the JSON report of the new trace
+    assert trace["step_source"] == "optimizer" and len(trace["steps"]) == 3  # --iterations 3: 3 steps
+
+
+@pytest.mark.slow
+def test_json_of_a_launcher_is_one_document_with_the_cross_rank_summary(traced_job, ondemand_env) -> None:
+    """--json prints ONE document for the whole request (every rank, then the cross-rank
+    summary), not one per rank; --iterations 2 gives 2 steps on each rank."""
+    import json
+
+    res = _trace_cli(ondemand_env, "--pid", str(traced_job["job"].pid), "--iterations", "2", "--json", "--timeout", "60")
+    assert res.returncode == 0, res.stderr + res.stdout
+    doc = json.loads(res.stdout)  # one document: no "Extra data"
+    assert sorted(t["rank"] for t in doc["traces"]) == ["0", "1"]
+    assert [len(t["steps"]) for t in doc["traces"]] == [2, 2]
+    ranks = doc["summary"]["ranks"]
+    assert sorted(ranks) == ["0", "1"] and all(r["steps"] == 2 for r in ranks.values())
+    timed = {r: v["step_seconds"] for r, v in ranks.items()}
+    assert doc["summary"]["straggler_rank"] == max(timed, key=timed.get)
+    assert doc["summary"]["spread"] == pytest.approx(max(timed.values()) / min(timed.values()) - 1)
 
 
 def _isolated_agent(tmp_path: Path, run_agent, children):

@@ -7,8 +7,10 @@ from profagent.analysis.incidents import (
     IncidentGate,
     LatestTrace,
     RegressionDetector,
+    Retention,
     Stored,
     Trigger,
+    diagnosis,
     hang_triggers,
     self_profiling,
     to_remove,
@@ -27,7 +29,59 @@ def test_hang_triggers_one_per_job_naming_the_earliest_hung_rank() -> None:
     triggers = hang_triggers(snap)
     assert [(t.kind, t.job_id, t.rank) for t in triggers] == [("hang", "j1", "1"), ("hang", "j2", "3")]
     assert triggers[0].evidence["ranks"] == ["1", "0"]
+    assert [f["rank"] for f in triggers[0].evidence["other_findings"]] == ["0"]
     assert hang_triggers(None) == [] and hang_triggers(FindingsSnapshot()) == []
+
+
+def test_hang_trigger_holds_the_findings_whole_evidence_and_names_a_job_level_culprit() -> None:
+    evidence = {"culprit_ranks": ["2"], "culprit_locations": {"2": "train.py:125"}, "waiting_ranks": ["0", "1"],
+                "unchanged_seconds": 130.0, "stacks": {"0": ["all_reduce (distributed_c10d.py:3252)"]}}
+    [t] = hang_triggers(FindingsSnapshot((Finding("hang", "j", None, "critical", "ranks 0, 1 wait", evidence, 7.0),), 9.0))
+    assert t.rank == "2"  # a job-level finding: its first culprit
+    assert {k: t.evidence[k] for k in evidence} == evidence and t.evidence["since"] == 7.0
+
+
+def test_diagnosis_ignores_what_only_ages() -> None:
+    a = Trigger("hang", "j", "1", "rank 1 is stuck at f (t.py:3) (stack unchanged for 120 s, not in a collective)")
+    older = Trigger("hang", "j", "1", a.reason.replace("120 s", "131 s"), {"unchanged_seconds": 131})
+    assert diagnosis(a) == diagnosis(older)
+    assert diagnosis(a) != diagnosis(Trigger("hang", "j", "1", "ranks 0 wait in all_reduce; the culprit is not in it: rank 1"))
+    assert diagnosis(a) != diagnosis(Trigger("hang", "j", "0", a.reason))
+
+
+def test_gate_restored_after_a_restart_still_rate_limits() -> None:
+    gate = IncidentGate(period=900.0)
+    h = Trigger("hang", "j", "1", "hang")
+    assert actions(gate, [h], 1000.0) == [("j", "capture")]
+    saved = gate.export(1200.0)
+    assert saved == {("hang", "j"): 1000.0}
+    restarted = IncidentGate(period=900.0)
+    restarted.restore(saved, 1270.0)  # 4.5 min later, the same hang still on
+    assert actions(restarted, [h], 1270.0) == [("j", "rate_limited")]
+    assert gate.export(1900.0) == {}  # past the period: nothing to keep
+    future = IncidentGate(period=900.0)
+    future.restore({("hang", "j"): 10**12}, 1000.0)  # a time in the future counts as now
+    assert future.retry_after(("hang", "j"), 1000.0) == 900.0
+
+
+def test_gate_with_per_trigger_slots_captures_several_jobs_at_once() -> None:
+    gate = IncidentGate(period=100.0)
+    taken: list[str] = []
+
+    def busy(key: tuple[str, str]) -> bool:
+        if key[1] == "b":  # b's user already has a capture running
+            return True
+        taken.append(key[1])
+        return False
+
+    a, b, c = (Trigger("hang", j, "0", "") for j in "abc")
+    assert actions(gate, [a, b, c], 0.0, busy=busy) == [("a", "capture"), ("b", "busy"), ("c", "capture")]
+    assert taken == ["a", "c"]
+    assert actions(gate, [a, b, c], 1.0, busy=busy) == [("b", "busy")]
+    gate2 = IncidentGate(period=100.0)
+    assert actions(gate2, [a], 0.0) == [("a", "capture")]
+    assert actions(gate2, [], 1.0) == [] and actions(gate2, [a], 2.0, busy=busy) == [("a", "rate_limited")]
+    assert taken == ["a", "c"]  # a rate-limited trigger never takes a slot
 
 
 def actions(gate: IncidentGate, triggers: list[Trigger], now: float, busy: bool = False) -> list[tuple[str, str]]:
@@ -110,6 +164,21 @@ def test_retention_removes_the_oldest_first_within_count_and_bytes() -> None:
     assert to_remove(stored, max_count=10, max_bytes=40) == []
     assert to_remove([Stored("big", 1.0, 10**9)], max_count=1, max_bytes=10) == []  # the newest stays
     assert to_remove([Stored("old", 1.0, 5), Stored("big", 2.0, 10**9)], 5, 10) == ["old"]
+
+
+def test_retention_per_job_and_per_user_evicts_only_the_heavy_users_own() -> None:
+    victim = Stored("v", 1.0, 10, "victim", 0)
+    attack = [Stored(f"a{i}", 2.0 + i, 10, f"job{i % 5}", 65534) for i in range(10)]
+    caps = Retention(max_count=4, max_bytes=10**6, max_count_per_job=1, max_count_per_user=3)
+    removed = to_remove([victim, *attack], caps)
+    assert "v" not in removed and sorted(set(s.id for s in attack) - set(removed)) == ["a7", "a8", "a9"]
+    # no per-user cap: over the global cap, the user holding the most loses its oldest
+    removed = to_remove([victim, *attack], Retention(max_count=4, max_bytes=10**6))
+    assert "v" not in removed and len(removed) == 7
+    # bytes: the user holding the most bytes pays, each user's newest stays under its own cap
+    big = [Stored(f"b{i}", 2.0 + i, 100, "j", 65534) for i in range(3)]
+    assert to_remove([victim, *big], Retention(max_count=10, max_bytes=150)) == ["b0", "b1"]
+    assert to_remove([victim, *big], Retention(10, 10**6, max_bytes_per_user=150)) == ["b0", "b1"]
 
 
 def test_self_profiling_ranks_are_those_whose_own_profiler_wrote_recently() -> None:

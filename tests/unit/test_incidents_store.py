@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from profagent.analysis.incidents import Retention
 from profagent.engine.incidents import (
     META,
+    CaptureSlots,
     IncidentStore,
+    RateLimitFile,
     innermost_frame,
     write_nofollow,
 )
@@ -56,9 +59,9 @@ def test_planted_symlinks_are_never_followed(tmp_path: Path) -> None:
 def test_prune_keeps_count_and_bytes_removing_the_oldest_first(tmp_path: Path) -> None:
     store = IncidentStore(tmp_path / "incidents")
     folders = [add(store, "hang", float(t), 1000) for t in (5, 1, 3, 4, 2)]
-    assert sorted(store.prune(max_count=3, max_bytes=10**9)) == sorted(f.name for f in (folders[1], folders[4]))
+    assert sorted(store.prune(Retention(max_count=3, max_bytes=10**9))) == sorted(f.name for f in (folders[1], folders[4]))
     assert [m["time"] for m in store.list()] == [3.0, 4.0, 5.0]
-    removed = store.prune(max_count=10, max_bytes=2500)  # each folder ~1.1 kB
+    removed = store.prune(Retention(max_count=10, max_bytes=2500))  # each folder ~1.1 kB
     assert len(removed) == 1 and [m["time"] for m in store.list()] == [4.0, 5.0]
     assert not (store.root / removed[0]).exists()
 
@@ -82,3 +85,83 @@ def test_innermost_python_frame_of_the_main_thread_skips_native_frames() -> None
     assert innermost_frame("") is None
 
 
+
+
+# Captured from a real process (py-spy 0.4, Python 3.11): its main thread spins in
+# ``spin`` (busy: "active+gil"), a second thread sleeps (idle). tests/e2e/test_incidents.py
+# checks the same against a live py-spy dump.
+BUSY_DUMP = """Process 8753: /work/wt/ddp-bundles/.venv/bin/python /tmp/busy_idle.py
+Python v3.11.7 (/work/wt/ddp-bundles/.venv/bin/python)
+
+Thread 8753 (active+gil): "MainThread"
+    spin (busy_idle.py:8)
+    <module> (busy_idle.py:9)
+    0x7fc97fc4524a (libc.so.6)
+Thread 8755 (idle): "idler"
+    clock_nanosleep (libc.so.6)
+    time_sleep (libpython3.11.so.1.0)
+    idle (busy_idle.py:3)
+    Thread.run (threading.py:982)
+    Thread._bootstrap_inner (threading.py:1045)
+    Thread._bootstrap (threading.py:1002)
+    thread_run (libpython3.11.so.1.0)
+"""
+
+
+def test_a_busy_main_thread_keeps_its_line() -> None:
+    """py-spy marks a running thread "(active+gil)" (or "(active)", "(gil)"): not only "(idle)"."""
+    assert innermost_frame(BUSY_DUMP) == "spin (busy_idle.py:8)"
+    idle_first = BUSY_DUMP.replace('(active+gil): "MainThread"', '(active): "MainThread"')
+    assert innermost_frame(idle_first) == "spin (busy_idle.py:8)"
+
+
+def add_for(store: IncidentStore, job: str, uid: int, t: float) -> Path:
+    folder = store.create("hang", job, t)
+    meta = {"id": folder.name, "kind": "hang", "job_id": job, "time": t, "uid": uid}
+    write_nofollow(folder / META, json.dumps(meta).encode())
+    return folder
+
+
+def test_prune_lets_one_user_evict_only_its_own(tmp_path: Path) -> None:
+    """Five jobs of uid 65534 capture one after the other; root's older bundle stays."""
+    store = IncidentStore(tmp_path / "incidents")
+    victim = add_for(store, "victim", 0, 1.0)
+    for i in range(20):
+        add_for(store, f"attacker{i % 5}", 65534, 2.0 + i)
+        store.prune(Retention(max_count=6, max_bytes=10**9, max_count_per_job=2, max_count_per_user=4))
+    kept = store.list()
+    assert victim.name in [m["id"] for m in kept]
+    assert sum(1 for m in kept if m["uid"] == 65534) == 4
+    assert [m["time"] for m in kept if m["uid"] == 65534] == [18.0, 19.0, 20.0, 21.0]  # the newest of theirs
+
+
+def test_rate_limits_survive_a_restart_and_a_corrupt_file_is_ignored(tmp_path: Path, caplog) -> None:
+    path = tmp_path / "state" / "incidents-rate-limits.json"
+    RateLimitFile(path).save({("hang", "job1"): 100.0, ("manual", "job2"): 50.0})
+    assert (os.lstat(path).st_mode & 0o777) == 0o600
+    assert RateLimitFile(path).load() == {("hang", "job1"): 100.0, ("manual", "job2"): 50.0}
+    path.write_bytes(b"{not json")
+    assert RateLimitFile(path).load() == {}
+    assert sum("ignoring the incidents' rate-limit state" in r.getMessage() for r in caplog.records) == 1
+    path.unlink()
+    (tmp_path / "secret").write_text('{"last": [["hang", "x", 1.0]]}')
+    path.symlink_to(tmp_path / "secret")  # a planted symlink is not followed, read or written through
+    assert RateLimitFile(path).load() == {}
+    RateLimitFile(path).save({("hang", "job1"): 1.0})
+    assert not path.is_symlink() and (tmp_path / "secret").read_text() == '{"last": [["hang", "x", 1.0]]}'
+    path.unlink()
+    os.mkfifo(path)  # a FIFO is not waited on
+    assert RateLimitFile(path).load() == {}
+    assert RateLimitFile(tmp_path / "none.json").load() == {}
+
+
+def test_capture_slots_are_per_job_and_per_user_within_a_global_cap() -> None:
+    slots = CaptureSlots(total=3, per_user=1)
+    assert slots.acquire("attacker1", 65534)
+    assert not slots.acquire("attacker1", 65534)  # one per job
+    assert not slots.acquire("attacker2", 65534)  # one per user
+    assert slots.acquire("victim", 0)  # another user's is never blocked by it
+    assert slots.acquire("third", 1000)
+    assert not slots.acquire("fourth", 1001)  # the global cap
+    slots.release("attacker1")
+    assert slots.acquire("attacker2", 65534) and slots.running == 3

@@ -72,7 +72,7 @@ def test_job_of_another_agent_names_the_agent_holding_the_endpoint(tmp_path: Pat
     try:
         with pytest.raises(UserError) as caught:
             request_trace(server.path, TraceRequestArgs(job="other"), Console(stderr=True),
-                          report=lambda path, rank: None)
+                          report=lambda ranks: None)
     finally:
         stop.set()
         serving.join()

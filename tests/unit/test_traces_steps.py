@@ -273,3 +273,23 @@ def test_analyze_folder_ends_with_a_cross_rank_summary(tmp_path: Path) -> None:
     empty.mkdir()
     res = _run_analyze(str(empty))
     assert res.returncode == 2 and "no trace" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_window_of_n_iterations_holds_n_steps(tmp_path: Path) -> None:
+    """libkineto starts an ACTIVITIES_ITERATIONS=N window at an iteration boundary and
+    stops it at the N-th step() after: N optimizer steps, N whole iterations (as a real
+    `profagent trace --iterations 5` of examples/train.py gave: 5 Optimizer.step ranges,
+    the first 28.7 ms after the window's start). A duration window keeps N-1."""
+    def x(name: str, cat: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur}
+
+    events = [x("aten::mm", "cpu_op", 1000.0, 5.0)]
+    for k, ts in enumerate((1030.0, 1065.0, 1100.0)):
+        events += [x("aten::mm", "cpu_op", ts - 20, 10.0), x("Optimizer.step#SGD.step", "user_annotation", ts, 2.0)]
+        events.append(x("aten::add_", "cpu_op", ts + 0.5, 1.0 + k))
+    path = _write(tmp_path, {"traceEvents": events})
+    by_duration = analyze(read_trace(path))
+    by_iterations = analyze(read_trace(path), iteration_window=True)
+    assert [s.seconds * 1e6 for s in by_duration.steps] == pytest.approx([35.0, 35.0])
+    assert [s.seconds * 1e6 for s in by_iterations.steps] == pytest.approx([30.0, 35.0, 35.0])
+    assert by_iterations.step_source == "optimizer"

@@ -24,6 +24,7 @@ def recorded_names(path: Path = RECORDING_RULES) -> dict[str, str]:
 NOT_ON_A_DASHBOARD: dict[str, str] = {
     "profagent_incidents_total": "drawn as the Incidents annotation of the Job overview (changes() of it)",
     "profagent_incidents_rate_limited_total": "incident triggers skipped by the rate limit: for ad-hoc queries",
+    "profagent_incidents_traces_rejected_total": "trace files a capture refused (attacks or broken files): for ad-hoc queries",
     "profagent_traces_dir_configured": "keys the ProfagentNoTraces alert; always 1 while present",
     "profagent_collector_not_applicable": "keys the ProfagentCollectorDown alert (an off source with nothing to do here)",
     "profagent_process_threads": "threads of a rank's processes: for ad-hoc queries",

@@ -3,10 +3,13 @@
 - ``hang_triggers``: one trigger per job with an active ``hang`` finding.
 - ``RegressionDetector``: a rank's trace step time above ``factor`` x its own recent
   baseline (median of its last normal traces) for ``seconds``.
-- ``IncidentGate``: turns the triggers seen at each tick into at most one capture:
-  an episode (a trigger kind for a job, active from one tick to the next) fires once,
-  only while no capture runs, and at most once per job and kind per ``period``.
-- ``to_remove``: which stored incidents go so that count and bytes stay bounded.
+- ``IncidentGate``: turns the triggers seen at each tick into captures: an episode (a
+  trigger kind for a job, active from one tick to the next) fires once, only when a
+  capture slot is free, and at most once per job and kind per ``period``; its last
+  captures can be exported and restored (they survive a restart).
+- ``diagnosis``: what a trigger says, less the seconds it has lasted.
+- ``to_remove``: which stored incidents go so that count and bytes stay bounded, per job,
+  per user and in all (``Retention``), one user's evicting only its own.
 - ``self_profiling``: the ranks that profile themselves, whose on-demand traces never come.
 
 Every clock is injected: callers pass ``now``.
@@ -14,9 +17,10 @@ Every clock is injected: callers pass ``now``.
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +48,8 @@ class Trigger:
 
 
 def hang_triggers(snapshot: FindingsSnapshot | None) -> list[Trigger]:
-    """One ``hang`` trigger per job with hang findings, naming the first hung rank."""
+    """One ``hang`` trigger per job with hang findings, naming the first hung rank (or, for a
+    job-level finding, its first culprit), with the finding's whole evidence."""
     by_job: dict[str, list] = {}
     for f in snapshot.findings if snapshot is not None else ():
         if f.finding == "hang":
@@ -53,9 +58,25 @@ def hang_triggers(snapshot: FindingsSnapshot | None) -> list[Trigger]:
     for job_id, found in sorted(by_job.items()):
         found.sort(key=lambda f: (f.since, f.rank or ""))
         ranks = [f.rank for f in found if f.rank is not None]
-        out.append(Trigger("hang", job_id, found[0].rank, found[0].summary,
-                           {"ranks": ranks, "since": found[0].since}))
+        first = found[0]
+        # Who and since when, then the finding's whole evidence (roles, frames, stall
+        # seconds...), which wins where both name a key.
+        evidence: dict[str, Any] = {"ranks": ranks, "since": first.since, **dict(first.evidence)}
+        if len(found) > 1:
+            evidence["other_findings"] = [f.as_dict() for f in found[1:]]
+        culprits = [str(r) for r in evidence.get("culprit_ranks") or ()]
+        rank = first.rank if first.rank is not None else (culprits[0] if culprits else None)
+        out.append(Trigger("hang", job_id, rank, first.summary, evidence))
     return out
+
+
+_SECONDS = re.compile(r"\b\d+(?:\.\d+)? s\b")
+
+
+def diagnosis(t: Trigger) -> tuple[Any, ...]:
+    """What a trigger says, less what only ages (seconds stalled): a bundle whose trigger's
+    diagnosis changes while its incident is open gets its summary rewritten."""
+    return (t.rank, _SECONDS.sub("N s", t.reason), tuple(t.evidence.get("culprit_ranks") or ()))
 
 
 @dataclass
@@ -124,17 +145,24 @@ class Decision:
     action: str  # capture, rate_limited, busy
 
 
+Busy = bool | Callable[[tuple[str, str]], bool]  # whether a capture for (kind, job) must wait now
+
+
 class IncidentGate:
-    """At most one capture at a time, one per (kind, job) per ``period`` seconds, and
-    one per episode: a trigger that stays active does not fire again."""
+    """At most one capture per (kind, job) per ``period`` seconds, one per episode (a
+    trigger that stays active does not fire again), and none while ``busy`` says the
+    capture slots are taken. ``busy`` is a bool (one capture at a time: after a capture
+    decision the rest of the tick is busy) or a callable asked per trigger, which may
+    reserve a slot when it answers False: it is asked only for a trigger that would
+    otherwise be captured."""
 
     def __init__(self, period: float) -> None:
         self.period = period
         self._last: dict[tuple[str, str], float] = {}  # (kind, job) -> time of the last capture
         self._active: dict[tuple[str, str], bool] = {}  # episode key -> fired or suppressed already
 
-    def offer(self, triggers: Sequence[Trigger], busy: bool, now: float) -> list[Decision]:
-        """Decide on this tick's active triggers. At most one decision says ``capture``."""
+    def offer(self, triggers: Sequence[Trigger], busy: Busy, now: float) -> list[Decision]:
+        """Decide on this tick's active triggers."""
         current = {t.key for t in triggers}
         self._active = {k: v for k, v in self._active.items() if k in current}
         out = []
@@ -146,18 +174,19 @@ class IncidentGate:
                 out.append(Decision(t, action))  # still pending: retried next tick
                 continue
             self._active[t.key] = True
-            busy = busy or action == "capture"
+            if not callable(busy):
+                busy = busy or action == "capture"
             out.append(Decision(t, action))
         return out
 
-    def ask(self, key: tuple[str, str], busy: bool, now: float) -> str:
+    def ask(self, key: tuple[str, str], busy: Busy, now: float) -> str:
         """capture (and remember it), rate_limited or busy. A `manual` request asks here
         directly: each request is its own episode."""
-        if busy:
-            return "busy"
         last = self._last.get(key)
         if last is not None and now - last < self.period:
             return "rate_limited"
+        if busy(key) if callable(busy) else busy:
+            return "busy"
         self._last[key] = now
         return "capture"
 
@@ -165,24 +194,75 @@ class IncidentGate:
         last = self._last.get(key)
         return 0.0 if last is None else max(0.0, self.period - (now - last))
 
+    def export(self, now: float) -> dict[tuple[str, str], float]:
+        """The captures still inside their period (what must survive a restart)."""
+        return {k: t for k, t in self._last.items() if now - t < self.period}
+
+    def restore(self, last: Mapping[tuple[str, str], float], now: float) -> None:
+        """Captures remembered from before a restart; a time in the future (clock set back,
+        or a forged file) counts as now, so it delays one period at most."""
+        for key, t in last.items():
+            self._last[key] = max(self._last.get(key, 0.0), min(float(t), now))
+
 
 @dataclass(frozen=True)
 class Stored:
     id: str
     time: float
     bytes: int
+    job_id: str = ""
+    uid: int = -1  # the real uid of the job's processes (-1: unknown)
 
 
-def to_remove(stored: Sequence[Stored], max_count: int, max_bytes: int) -> list[str]:
-    """Ids of the oldest incidents to delete so at most ``max_count`` remain and their
-    total stays within ``max_bytes``. The newest incident is always kept."""
-    ordered = sorted(stored, key=lambda s: (s.time, s.id))
-    total = sum(s.bytes for s in ordered)
-    out = []
-    while len(ordered) > 1 and (len(ordered) > max_count or total > max_bytes):
-        old = ordered.pop(0)
-        total -= old.bytes
-        out.append(old.id)
+@dataclass(frozen=True)
+class Retention:
+    """How many incidents, and bytes, are kept: in all, per job, and per user. 0 = no cap."""
+
+    max_count: int
+    max_bytes: int
+    max_count_per_job: int = 0
+    max_count_per_user: int = 0
+    max_bytes_per_user: int = 0
+
+
+def to_remove(stored: Sequence[Stored], max_count: int | Retention, max_bytes: int = 0) -> list[str]:
+    """Ids of the incidents to delete, oldest first, so that every cap holds. The newest
+    incident is always kept (also each job's and each user's newest, under their caps).
+
+    A job or a user over its own cap loses its own oldest. Over the global caps, the user
+    holding the most (count, then bytes) loses its oldest: one user's incidents can evict
+    only that user's own while another user holds fewer."""
+    caps = max_count if isinstance(max_count, Retention) else Retention(max_count, max_bytes)
+    kept = sorted(stored, key=lambda s: (s.time, s.id))
+    out: list[str] = []
+
+    def drop(victim: Stored) -> None:
+        kept.remove(victim)
+        out.append(victim.id)
+
+    def over(group: Callable[[Stored], object], count: int, nbytes: int) -> None:
+        groups: dict[object, list[Stored]] = {}
+        for s in kept:
+            groups.setdefault(group(s), []).append(s)
+        for items in groups.values():  # each oldest first
+            while len(items) > 1 and ((count and len(items) > count) or (nbytes and sum(i.bytes for i in items) > nbytes)):
+                drop(items.pop(0))
+
+    if caps.max_count_per_job:
+        over(lambda s: (s.uid, s.job_id), caps.max_count_per_job, 0)
+    if caps.max_count_per_user or caps.max_bytes_per_user:
+        over(lambda s: s.uid, caps.max_count_per_user, caps.max_bytes_per_user)
+    while len(kept) > 1 and (len(kept) > caps.max_count or sum(s.bytes for s in kept) > caps.max_bytes):
+        newest = kept[-1]
+        by_user: dict[int, list[Stored]] = {}
+        for s in kept:
+            if s is not newest:
+                by_user.setdefault(s.uid, []).append(s)
+        by_count = len(kept) > caps.max_count
+        heaviest = max(by_user.values(), key=lambda items: (
+            (len(items), sum(i.bytes for i in items)) if by_count else (sum(i.bytes for i in items), len(items)),
+            -items[0].time))
+        drop(heaviest[0])
     return out
 
 

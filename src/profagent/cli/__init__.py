@@ -320,7 +320,8 @@ def trace(
     args = TraceRequestArgs(pid, job, all_, duration_ms, iterations, record_shapes, profile_memory, with_stack, timeout)
     request_trace(
         cfg.ondemand.control_socket or default_control_socket(), args, console,
-        report=lambda path, rank: analyze_files([path], json_out, cfg.traces.top_k, out, ranks={path: rank}),
+        report=lambda ranks: analyze_files(list(ranks), json_out, cfg.traces.top_k, out, ranks=ranks,
+                                           iteration_window=iterations > 0),
     )
 
 

@@ -195,11 +195,13 @@ def _render_row(table: Table, r: TraceReport, rank: str | None) -> None:
 
 
 def analyze_files(paths: Sequence[Path], as_json: bool, top_k: int, console: Console | None,
-                  ranks: Mapping[Path, str | None] | None = None, details: bool = False) -> int:
+                  ranks: Mapping[Path, str | None] | None = None, details: bool = False,
+                  iteration_window: bool = False) -> int:
     """Analyse each file (folders: the traces in them) and print the reports, then a
     cross-rank summary when there are several. Returns 0; raises UserError if any failed.
     ``ranks``: the rank the caller knows for a path (``profagent trace``); ``console``:
-    where tables go (None: standard output)."""
+    where tables go (None: standard output); ``iteration_window``: the traces were taken
+    for N iterations (``profagent trace --iterations N``), so they hold N steps."""
     files = expand(paths)
     failed = 0
     done: list[tuple[TraceReport, str | None]] = []
@@ -218,7 +220,7 @@ def analyze_files(paths: Sequence[Path], as_json: bool, top_k: int, console: Con
         rows.add_column("findings", justify="right")  # how many; --details says what
     for path in files:
         try:
-            report = analyze(read_trace(path), top_k)
+            report = analyze(read_trace(path), top_k, iteration_window)
         except TraceError as exc:
             from rich.console import Console
 

@@ -63,7 +63,7 @@ def request_trace(
     control_socket: str,
     args: TraceRequestArgs,
     console: Console,
-    report: Callable[[Path, str | None], None],  # (trace file, its rank when known)
+    report: Callable[[dict[Path, str | None]], None],  # every trace file -> its rank when known, at once
     clock: Callable[[], float] = time.monotonic,
 ) -> list[Path]:
     """Request, follow and report. Returns the trace files. Raises UserError on failure."""
@@ -135,5 +135,7 @@ def request_trace(
     rank_of = {t["pid"]: (str(t["rank"]) if t.get("rank") else None) for t in targets}
     for pid, path in done.items():
         console.print(f"[bold]{names[pid]}[/bold]: {path}", highlight=False, soft_wrap=True)
-        report(path, rank_of[pid])
+    # One report of the whole request (one JSON document with --json): every rank, then
+    # the cross-rank summary.
+    report({path: rank_of[pid] for pid, path in done.items()})
     return list(done.values())

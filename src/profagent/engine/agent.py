@@ -27,6 +27,7 @@ from profagent.engine.incidents import (
     IncidentStore,
     incidents_dir,
     incidents_route,
+    rate_limits_path,
 )
 from profagent.engine.runtime import Runtime
 from profagent.errors import SourceUnavailable
@@ -133,6 +134,7 @@ class Job:
         source = IncidentsSource(
             config.incidents, incidents_dir(config.incidents, config.agent.state_dir), self.state,
             interval=config.agent.interval, ondemand=control.source if control else None,
+            rate_file=rate_limits_path(config.agent.state_dir), max_trace_bytes=config.traces.max_file_bytes,
         )
         self.engine_ops["incident"] = lambda req: source.request(
             str(req["job"]) if req.get("job") else None, str(req.get("reason") or ""))

@@ -3,8 +3,12 @@
 ``IncidentsSource`` runs in the runtime like a source: each tick it reads the job's
 state (the ``findings`` snapshot, else stalled ranks from ``stacks``; the ``traces``
 snapshot for step-time regressions), asks the pure ``IncidentGate`` whether to capture,
-and starts at most one ``capture`` thread. It publishes ``IncidentsSnapshot`` (counts
-for ``profagent_incidents_total``).
+and starts ``Capture`` threads within ``CaptureSlots`` (one per job, one per user, a
+global cap), each ended by ``incidents.capture_timeout``. The gate's last captures are
+kept in the state folder (``RateLimitFile``) so a restart does not capture the same hang
+again. While a trigger lasts, its bundle follows it: a changed diagnosis rewrites the
+summary. It publishes ``IncidentsSnapshot`` (counts for ``profagent_incidents_total``,
+rate-limited triggers, refused on-demand trace files).
 
 A bundle is one 0700 folder under the agent's state folder (never where users' files
 live), written with O_NOFOLLOW|O_EXCL so a planted symlink is never followed:
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import psutil
 
 from profagent.analysis.findings import FindingsSnapshot
 from profagent.analysis.incidents import (
@@ -39,36 +44,53 @@ from profagent.analysis.incidents import (
     IncidentGate,
     LatestTrace,
     RegressionDetector,
+    Retention,
     Stored,
     Trigger,
+    diagnosis,
     hang_triggers,
     self_profiling,
     to_remove,
 )
-from profagent.config import IncidentsConfig
+from profagent.config import IncidentsConfig, TracesConfig
 from profagent.errors import SourceUnavailable, UserError
 from profagent.exporters.exposition import Exposition
 from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.endpoint import NoPollers
 from profagent.sources.stacks import pyspy
+from profagent.sources.traces.reader import TraceError, read_trace
 from profagent.sources.traces.source import traced_pids
 from profagent.sources.traces.watcher import default_state_dir
 from profagent.state import State, StateView
 from profagent.system.cputime import CPU
+from profagent.system.safefs import UnsafePath, open_regular
 from profagent.target import ProcessInfo, ProcessTree
 
 log = logging.getLogger(__name__)
 
 META = "incident.json"
 SUMMARY = "summary.md"
-DUMP_TIMEOUT = 20.0  # seconds per py-spy dump attempt
+DUMP_TIMEOUT = 20.0  # seconds per py-spy dump attempt (and never past the capture's deadline)
 ONDEMAND_TRACE_MS = 1000
+RATE_LIMITS = "incidents-rate-limits.json"  # in the agent's state folder: survives restarts
+MAX_RATE_LIMITS_BYTES = 1024 * 1024
+COPY_CHUNK = 1024 * 1024
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
 def incidents_dir(config: IncidentsConfig, state_dir: str) -> Path:
     """incidents.dir, else <agent state folder>/incidents (/var/lib/profagent/incidents as root)."""
     return Path(config.dir) if config.dir else default_state_dir(state_dir) / "incidents"
+
+
+def rate_limits_path(state_dir: str) -> Path:
+    """<agent state folder>/incidents-rate-limits.json: the captures still inside their period."""
+    return default_state_dir(state_dir) / RATE_LIMITS
+
+
+def retention(config: IncidentsConfig) -> Retention:
+    return Retention(config.max_count, config.max_bytes, config.max_count_per_job,
+                     config.max_count_per_user, config.max_bytes_per_user)
 
 
 # -- storage --------------------------------------------------------------------------------
@@ -119,10 +141,11 @@ class IncidentStore:
                 out.append(meta)
         return sorted(out, key=lambda m: (m.get("time", 0), m["id"]))
 
-    def prune(self, max_count: int, max_bytes: int) -> list[str]:
-        """Remove the oldest incidents beyond the limits; returns the ids removed."""
-        stored = [Stored(m["id"], float(m.get("time", 0)), _folder_bytes(Path(m["path"]))) for m in self.list()]
-        removed = to_remove(stored, max_count, max_bytes)
+    def prune(self, caps: Retention) -> list[str]:
+        """Remove incidents beyond the caps (``to_remove``); returns the ids removed."""
+        stored = [Stored(m["id"], _number(m.get("time")), _folder_bytes(Path(m["path"])), str(m.get("job_id", "")),
+                         int(_number(m.get("uid"), -1))) for m in self.list()]
+        removed = to_remove(stored, caps)
         for incident_id in removed:
             shutil.rmtree(self.root / incident_id, ignore_errors=True)  # rmtree never follows symlinks
         return removed
@@ -144,10 +167,22 @@ def replace_nofollow(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def read_nofollow(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def read_nofollow(path: Path, limit: int = 16 * 1024 * 1024) -> bytes:
+    """A regular file's bytes (never a symlink followed, never a FIFO waited on); OSError
+    past ``limit`` bytes."""
+    try:
+        fd = open_regular(str(path))
+    except UnsafePath as exc:
+        raise OSError(f"{path}: {exc}") from None
     with os.fdopen(fd, "rb") as fh:
-        return fh.read()
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(f"{path}: more than {limit} bytes")
+    return data
+
+
+def _number(value: Any, default: float = 0.0) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
 
 
 def _folder_bytes(path: Path) -> int:
@@ -164,23 +199,71 @@ def _folder_bytes(path: Path) -> int:
 class IncidentsSnapshot:
     counts: tuple[tuple[str, str, int], ...]  # (job_id, kind, incidents captured)
     suppressed: tuple[tuple[str, str, int], ...] = ()  # (job_id, kind, triggers rate-limited)
+    rejected: tuple[tuple[str, int], ...] = ()  # (reason, on-demand trace files a capture refused)
 
 
-class CaptureSlot:
-    """Only one capture runs at a time (shared by every job of an agent)."""
+class RateLimitFile:
+    """The gate's last captures, kept across restarts: a 0600 file in the state folder,
+    written through a fresh temporary file (O_EXCL|O_NOFOLLOW) and read without following
+    a symlink or waiting on a FIFO. A corrupt file is logged in one line and ignored."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()  # captures start from the tick and from control requests
+
+    def load(self) -> dict[tuple[str, str], float]:
+        try:
+            data = orjson.loads(read_nofollow(self.path, MAX_RATE_LIMITS_BYTES))
+            out = {(str(kind), str(job)): float(t) for kind, job, t in data["last"]
+                   if kind in KINDS and isinstance(t, int | float)}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            log.warning("ignoring the incidents' rate-limit state %s (%s): limits start afresh", self.path, exc)
+            return {}
+        return out
+
+    def save(self, last: dict[tuple[str, str], float]) -> None:
+        entries = sorted(([k, j, t] for (k, j), t in last.items()), key=lambda e: -e[2])
+        data = orjson.dumps({"last": entries})
+        while len(data) > MAX_RATE_LIMITS_BYTES and entries:  # huge job ids: keep the newest
+            entries = entries[: len(entries) // 2]
+            data = orjson.dumps({"last": entries})
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            with self._lock:
+                replace_nofollow(self.path, data)
+        except OSError as exc:
+            log.warning("cannot save the incidents' rate-limit state to %s (%s): a restart forgets it", self.path, exc)
+
+
+class CaptureSlots:
+    """Captures run at once: one per job, at most ``per_user`` per user (the real uid of the
+    job's processes) and ``total`` in all, so one user's stalled captures never block
+    another user's. Each capture ends by its deadline, which frees its slot."""
+
+    def __init__(self, total: int = 4, per_user: int = 1) -> None:
+        self.total = max(1, total)
+        self.per_user = max(1, per_user)
         self._lock = threading.Lock()
+        self._held: dict[str, int] = {}  # job -> uid
 
-    def acquire(self) -> bool:
-        return self._lock.acquire(blocking=False)
+    def acquire(self, job_id: str, uid: int) -> bool:
+        with self._lock:
+            if (job_id in self._held or len(self._held) >= self.total
+                    or sum(1 for u in self._held.values() if u == uid) >= self.per_user):
+                return False
+            self._held[job_id] = uid
+            return True
 
-    def release(self) -> None:
-        self._lock.release()
+    def release(self, job_id: str) -> None:
+        with self._lock:
+            self._held.pop(job_id, None)
 
     @property
-    def busy(self) -> bool:
-        return self._lock.locked()
+    def running(self) -> int:
+        with self._lock:
+            return len(self._held)
 
 
 class IncidentsSource:
@@ -195,22 +278,32 @@ class IncidentsSource:
         state: State,
         interval: float = 1.0,
         ondemand: Any = None,  # the OndemandSource, for traces when the job polls Kineto
-        slot: CaptureSlot | None = None,
+        slots: CaptureSlots | None = None,
         wall: Callable[[], float] = time.time,
+        rate_file: Path | None = None,  # None: rate limits are forgotten on restart
+        max_trace_bytes: int = TracesConfig.max_file_bytes,  # traces.max_file_bytes
+        uid_of: Callable[[int], int] | None = None,  # PID -> real uid (-1: unknown)
     ) -> None:
         self.config = config
         self.store = IncidentStore(root)
         self.state = state
         self.interval = interval
         self.ondemand = ondemand
-        self.slot = slot or CaptureSlot()
+        self.slots = slots or CaptureSlots(config.max_captures, config.max_captures_per_user)
         self._wall = wall
+        self.max_trace_bytes = max_trace_bytes
+        self._uid_of = uid_of or _real_uid
+        self._uids: dict[tuple[int, float], int] = {}  # (pid, create_time) -> real uid, read once
         self._gate = IncidentGate(config.rate_limit_seconds)
+        self._rate_file = RateLimitFile(rate_file) if rate_file is not None else None
         self._regression = RegressionDetector(config.regression_factor, config.regression_seconds)
         self._lock = threading.Lock()  # the gate and the counts (control requests come from another thread)
         self._counts: dict[tuple[str, str], int] = {}
         self._suppressed: dict[tuple[str, str], int] = {}
-        self._thread: threading.Thread | None = None
+        self._rejected: dict[str, int] = {}
+        self._open: dict[tuple[str, str], Capture] = {}  # (kind, job) -> its bundle while the trigger lasts
+        self._restored: set[tuple[str, str]] = set()  # captured before a restart: may be open again once
+        self._threads: set[threading.Thread] = set()
         self._binary: str | None = None
         self.last_error = ""
         self.stopping = threading.Event()
@@ -222,26 +315,33 @@ class IncidentsSource:
             self.store.ensure_root()
         except OSError as exc:
             raise SourceUnavailable(f"cannot use the incidents folder {self.store.root} ({exc}): set incidents.dir") from None
+        if self._rate_file is not None:
+            restored = self._rate_file.load()
+            self._gate.restore(restored, self._wall())
+            self._restored = set(restored)
         try:
             self._binary = pyspy.find_pyspy()
         except pyspy.PySpyProblem as exc:
             log.warning("incidents will have no stacks: %s", exc)
 
     def stop(self) -> None:
-        """Abandon a running capture: its py-spy dumps are killed (a dump can take many
-        seconds under load) and its daemon thread is not waited for beyond a second."""
+        """Abandon running captures: their py-spy dumps are killed (a dump can take many
+        seconds under load) and their daemon threads are not waited for beyond a second."""
         self.stopping.set()
         with self._dumps_lock:
             dumps = list(self._dumps)
         pyspy.stop_all(dumps, grace=0.2)
-        if self._thread is not None:
-            self._thread.join(1.0)
+        deadline = time.monotonic() + 1.0
+        for t in list(self._threads):
+            t.join(max(0.0, deadline - time.monotonic()))
 
-    def run_dump(self, args: list[str]) -> tuple[str, str]:
+    def run_dump(self, args: list[str], timeout: float = DUMP_TIMEOUT) -> tuple[str, str]:
         """(stdout, first error line) of one py-spy dump; killed and reaped if it overruns
-        or the agent stops."""
+        ``timeout`` or the agent stops."""
         if self.stopping.is_set():
             return "", "the agent is stopping"
+        if timeout <= 0:
+            return "", "no time left before incidents.capture_timeout"
         try:
             proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
@@ -251,10 +351,10 @@ class IncidentsSource:
         with self._dumps_lock:
             self._dumps.add(proc)
         try:
-            out, err = proc.communicate(timeout=DUMP_TIMEOUT)
+            out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             pyspy.stop_all([proc], grace=0.2)
-            return "", f"timed out after {DUMP_TIMEOUT:g} s"
+            return "", f"timed out after {timeout:.3g} s"
         finally:
             with self._dumps_lock:
                 self._dumps.discard(proc)
@@ -269,8 +369,13 @@ class IncidentsSource:
         now = self._wall()
         triggers = hang_triggers(self._findings(view, now)) + self._regressions(view, tree, now)
         live = tree.job_status()
+        uids = self._job_uids(tree)
+        offered = [t for t in triggers if live.get(t.job_id, True)]
         with self._lock:
-            decisions = self._gate.offer([t for t in triggers if live.get(t.job_id, True)], self.slot.busy, now)
+            # A slot is taken in busy() itself, which the gate asks only for a trigger it
+            # would capture: the capture below then owns that slot.
+            decisions = self._gate.offer(
+                offered, lambda key: not self.slots.acquire(key[1], uids.get(key[1], -1)), now)
             for d in decisions:
                 if d.action == "rate_limited":
                     self._suppressed[d.trigger.key[::-1]] = self._suppressed.get(d.trigger.key[::-1], 0) + 1
@@ -278,18 +383,70 @@ class IncidentsSource:
                              d.trigger.kind, d.trigger.job_id, self.config.rate_limit_seconds)
         for d in decisions:
             if d.action == "capture":
-                self._start(d.trigger, tree, now)
+                self._start(d.trigger, tree, now, uids.get(d.trigger.job_id, -1))
+            elif d.action == "rate_limited" and d.trigger.kind == "hang":
+                self._reopen(d.trigger, tree)
+        self._follow(offered)
         with self._lock:  # every series exists from the start, so changes() sees the first incident
             for job_id in live:
                 for kind in KINDS:
                     self._counts.setdefault((job_id, kind), 0)
         return self._snapshot(set(live))
 
+    def _follow(self, triggers: list[Trigger]) -> None:
+        """Open incidents follow their trigger: a changed diagnosis rewrites the summary;
+        a trigger gone closes the incident."""
+        current = {t.key: t for t in triggers}
+        with self._lock:
+            self._open = {k: c for k, c in self._open.items() if k in current}
+            following = [(c, current[k]) for k, c in self._open.items()]
+        for capture, trigger in following:
+            if diagnosis(trigger) != diagnosis(capture.trigger):
+                capture.update(trigger, self._wall())
+
+    def _reopen(self, trigger: Trigger, tree: ProcessTree) -> None:
+        """The same hang, still on after a restart: the bundle captured before it is open
+        again, so it follows the finding as if the agent had never stopped. Only the first
+        episode after the restart: a later one is another hang, not that bundle's."""
+        with self._lock:
+            if trigger.key in self._open or trigger.key not in self._restored:
+                return
+            self._restored.discard(trigger.key)
+        stored = [m for m in self.store.list() if m.get("kind") == trigger.kind
+                  and m.get("job_id") == trigger.job_id and m.get("status") == "complete"]
+        if not stored:
+            return
+        capture = Capture.reopen(self, stored[-1], tree)
+        if capture is None:
+            return
+        with self._lock:
+            self._open[trigger.key] = capture
+        log.info("incident %s is open again: the same %s goes on", capture.folder.name, trigger.kind)
+
+    def _job_uids(self, tree: ProcessTree) -> dict[str, int]:
+        """job_id -> real uid of its first rank (or process): whose incidents these are."""
+        out: dict[str, int] = {}
+        if len(self._uids) > 4096:
+            self._uids.clear()
+        for p in sorted(tree.processes, key=lambda p: p.role != "main"):
+            job = p.job_id or tree.job_id
+            if job not in out:
+                key = (p.pid, p.create_time)
+                if key not in self._uids:
+                    self._uids[key] = self._uid_of(p.pid)
+                out[job] = self._uids[key]
+        return out
+
+    def count_rejected(self, reason: str) -> None:
+        with self._lock:
+            self._rejected[reason] = self._rejected.get(reason, 0) + 1
+
     def _snapshot(self, live: set[str]) -> IncidentsSnapshot:
         with self._lock:
             counts = tuple((j, k, n) for (j, k), n in sorted(self._counts.items()) if j in live)
             suppressed = tuple((j, k, n) for (j, k), n in sorted(self._suppressed.items()) if j in live)
-        return IncidentsSnapshot(counts, suppressed)
+            rejected = tuple(sorted(self._rejected.items()))
+        return IncidentsSnapshot(counts, suppressed, rejected)
 
     def _findings(self, view: StateView, now: float) -> FindingsSnapshot:
         snap = view.snapshots.get("findings")  # published by the findings engine every tick
@@ -309,79 +466,99 @@ class IncidentsSource:
         tree = self.state.tree
         jobs = [j for j, alive in (tree.job_status() if tree else {}).items() if alive]
         job = job_id or (jobs[0] if len(jobs) == 1 else None)
-        if job is None or job not in jobs:
+        if tree is None or job is None or job not in jobs:
             return {"ok": False, "error": f"no live job {job_id!r} (jobs: {', '.join(jobs) or 'none'})"}
         now = self._wall()
+        uid = self._job_uids(tree).get(job, -1)
         trigger = Trigger("manual", job, None, reason or "requested with `profagent incidents capture`")
         with self._lock:
-            action = self._gate.ask(trigger.key, self.slot.busy, now)
+            action = self._gate.ask(trigger.key, lambda key: not self.slots.acquire(job, uid), now)
             wait = self._gate.retry_after(trigger.key, now)
         if action == "busy":
-            return {"ok": False, "error": "busy: another capture is running, try again in a few seconds"}
+            return {"ok": False, "error": "busy: a capture of this job (or another of its user's) is running, "
+                    "try again in a few seconds"}
         if action == "rate_limited":
             return {"ok": False, "error": f"rate limited: one manual incident per job every {self.config.rate_limit_seconds:g} s "
                     f"(incidents.rate_limit_seconds); next in {wait:.0f} s"}
-        path = self._start(trigger, tree, now)
+        path = self._start(trigger, tree, now, uid)
         if path is None:
             return {"ok": False, "error": f"could not start the capture: {self.last_error}"}
         return {"ok": True, "id": path.name, "path": str(path)}
 
     # -- capture ---------------------------------------------------------------------------
-    def _start(self, trigger: Trigger, tree: ProcessTree | None, now: float) -> Path | None:
-        if tree is None or not self.slot.acquire():
-            self.last_error = "another capture is running"
-            return None
+    def _start(self, trigger: Trigger, tree: ProcessTree, now: float, uid: int) -> Path | None:
+        """Start a capture in the slot the gate reserved for it."""
         try:
             folder = self.store.create(trigger.kind, trigger.job_id, now)
         except OSError as exc:
-            self.slot.release()
+            self.slots.release(trigger.job_id)
             self.last_error = str(exc)
             log.warning("cannot create an incident folder under %s: %s", self.store.root, exc)
             return None
         with self._lock:
             key = (trigger.job_id, trigger.kind)
             self._counts[key] = self._counts.get(key, 0) + 1
+            if self._rate_file is not None:  # under the lock: saves never go out of order
+                self._rate_file.save(self._gate.export(now))
         log.warning("incident %s: %s in job %s (%s); capturing into %s",
                     folder.name, trigger.kind, trigger.job_id, trigger.reason, folder)
-        self._thread = threading.Thread(target=self._capture, args=(trigger, tree, folder, now),
-                                        name="profagent-incident", daemon=True)
-        self._thread.start()
+        capture = Capture(self, trigger, tree, folder, now, uid)
+        if trigger.kind != "manual":
+            with self._lock:
+                self._open[trigger.key] = capture
+        thread = threading.Thread(target=self._capture, args=(capture,), name="profagent-incident", daemon=True)
+        self._threads.add(thread)
+        thread.start()
         return folder
 
-    def _capture(self, trigger: Trigger, tree: ProcessTree, folder: Path, now: float) -> None:
+    def _capture(self, capture: Capture) -> None:
         try:
             with CPU.charge("incidents"):  # its py-spy dumps are reaped by communicate(): not counted
-                Capture(self, trigger, tree, folder, now).run()
+                capture.run()
         except Exception:
-            log.exception("incident capture into %s failed", folder)
+            log.exception("incident capture into %s failed", capture.folder)
         finally:
-            self.slot.release()
+            self.slots.release(capture.trigger.job_id)
+            self._threads.discard(threading.current_thread())
             with contextlib.suppress(OSError):
-                removed = self.store.prune(self.config.max_count, self.config.max_bytes)
+                removed = self.store.prune(retention(self.config))
                 if removed:
                     log.info("removed old incidents: %s", ", ".join(removed))
 
 
-class Capture:
-    """One bundle: every rank's stacks (in parallel), the state, traces, then the summary."""
+def _real_uid(pid: int) -> int:
+    """The real uid of a process (a job cannot fake it as it can the owner of /proc/PID)."""
+    try:
+        return psutil.Process(pid).uids().real
+    except (psutil.Error, OSError):
+        return -1
 
-    def __init__(self, source: IncidentsSource, trigger: Trigger, tree: ProcessTree, folder: Path, now: float) -> None:
+
+class Capture:
+    """One bundle: every rank's stacks (in parallel), the state, traces, then the summary.
+    Everything is written by ``incidents.capture_timeout`` whatever the ranks or their files do."""
+
+    def __init__(self, source: IncidentsSource, trigger: Trigger, tree: ProcessTree, folder: Path, now: float,
+                 uid: int = -1) -> None:
         self.source = source
         self.trigger = trigger
         self.folder = folder
         self.now = now
+        self.deadline = time.monotonic() + source.config.capture_timeout
         self.ranks = sorted((p for p in tree.mains() if p.job_id in ("", trigger.job_id)), key=_rank_order)
         self.notes: list[str] = []
         self.files: list[str] = []
         self.stacks: dict[str, str] = {}  # rank -> dump text
         self.busy_at_request: set[int] = set()  # ranks' PIDs already tracing when the capture asked
         self.meta = {"id": folder.name, "kind": trigger.kind, "job_id": trigger.job_id, "time": now,
-                     "rank": trigger.rank, "reason": trigger.reason, "status": "capturing"}
+                     "rank": trigger.rank, "reason": trigger.reason, "uid": uid, "status": "capturing"}
+        self._lock = threading.Lock()  # the trigger and the summary: updated from the agent's tick
+        self._updated: float | None = None
+        self._first_reason = trigger.reason
 
     def run(self) -> None:
         self._write(META, _json(self.meta), replace=True)
         view = self.source.state.view()
-        deadline = time.monotonic() + self.source.config.capture_timeout
         request = self._request_traces()  # first: ranks pick it up at their next poll
         dumps = self._dump_all()
         if self.source.stopping.is_set():
@@ -392,9 +569,10 @@ class Capture:
             if note:
                 self.notes.append(f"rank {info.rank} (PID {info.pid}): {note}")
         findings = view.snapshots.get("findings") or FindingsSnapshot((), self.now)
+        with self._lock:
+            trigger = self._trigger_dict()
         self._write("findings.json", _json({
-            "trigger": {"kind": self.trigger.kind, "job_id": self.trigger.job_id, "rank": self.trigger.rank,
-                        "reason": self.trigger.reason, "evidence": dict(self.trigger.evidence)},
+            "trigger": trigger,
             "findings": [f.as_dict() for f in findings.findings if f.job_id == self.trigger.job_id],
         }))
         body, _ = Exposition(lambda: view).render("text/plain")
@@ -402,15 +580,79 @@ class Capture:
         traces = view.snapshots.get("traces")
         for rt in getattr(traces, "ranks", ()):
             if rt.job_id in ("", self.trigger.job_id):
+                # The rank the agent knows (from the process), not the trace's distributedInfo,
+                # which a job without torch.distributed lacks.
                 self._write(f"trace-analysis-rank{_safe(rt.rank)}.json",
-                            _json({"ingested_at": rt.ingested_at, **rt.report.to_dict()}))
+                            _json({"ingested_at": rt.ingested_at, **rt.report.to_dict(),
+                                   "rank": rt.rank or rt.report.rank}))
         if request is not None:
-            self._collect_traces(request, deadline)
-        self._write(SUMMARY, self._summary().encode())
-        self.meta["status"] = "complete"
-        self.meta["files"] = sorted(self.files)
-        self._write(META, _json(self.meta), replace=True)
+            self._collect_traces(request)
+        with self._lock:
+            self._write(SUMMARY, self._summary().encode())
+            if self._updated is not None:  # the trigger changed while the capture ran
+                self._rewrite_trigger()
+            self.meta["status"] = "complete"
+            self.meta["completed"] = self.source._wall()
+            self.meta["files"] = sorted(self.files)
+            self._write(META, _json(self.meta), replace=True)
         log.warning("incident %s captured: %s", self.folder.name, self.folder / SUMMARY)
+
+    @classmethod
+    def reopen(cls, source: IncidentsSource, meta: dict[str, Any], tree: ProcessTree) -> Capture | None:
+        """A complete bundle, read back from its folder (a restart): its stacks, files and
+        notes, with the trigger it last said. None if it cannot be read."""
+        folder = Path(meta["path"])
+        try:
+            said = json.loads(read_nofollow(folder / "findings.json"))["trigger"]
+            summary = read_nofollow(folder / SUMMARY).decode(errors="replace")
+            trigger = Trigger(str(said["kind"]), str(said["job_id"]), said.get("rank"), str(said.get("reason", "")),
+                              dict(said.get("evidence") or {}))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        capture = cls(source, trigger, tree, folder, _number(meta.get("time")), int(_number(meta.get("uid"), -1)))
+        capture.meta = {k: v for k, v in meta.items() if k != "path"}
+        capture.files = [str(f) for f in meta.get("files") or ()]
+        for info in capture.ranks:
+            with contextlib.suppress(OSError):
+                capture.stacks[info.rank] = read_nofollow(folder / f"stacks-rank{_safe(info.rank)}.txt").decode(errors="replace")
+        notes = summary.split("\n## Notes\n", 1)
+        capture.notes = [line[2:] for line in notes[1].splitlines() if line.startswith("- ")] if len(notes) == 2 else []
+        first = re.search(r"it first said: (.*)\)$", summary, re.M)
+        capture._first_reason = first.group(1) if first else trigger.reason
+        return capture
+
+    def update(self, trigger: Trigger, now: float) -> None:
+        """The finding that caused the incident changed while it is open: from now on the
+        summary (rewritten at once if already written) and incident.json say the new one."""
+        with self._lock:
+            self.trigger = trigger
+            self._updated = now
+            self.meta.update(rank=trigger.rank, reason=trigger.reason, updated=now)
+            if self.meta["status"] != "complete":
+                return  # run() writes the summary from the new trigger
+            try:
+                self._write(SUMMARY, self._summary().encode(), replace=True)
+                self._write(META, _json(self.meta), replace=True)
+                self._rewrite_trigger()
+            except (OSError, ValueError) as exc:  # the bundle was removed meanwhile (retention)
+                log.info("cannot update incident %s: %s", self.folder.name, exc)
+                return
+        log.warning("incident %s updated: %s", self.folder.name, trigger.reason)
+
+    def _rewrite_trigger(self) -> None:
+        """findings.json says the trigger as it is now; the one it was captured on stays as
+        ``first_trigger``, the job's findings as they were at the capture."""
+        saved = json.loads(read_nofollow(self.folder / "findings.json"))
+        saved.setdefault("first_trigger", saved.get("trigger"))
+        saved["trigger"] = self._trigger_dict()
+        self._write("findings.json", _json(saved), replace=True)
+
+    def _trigger_dict(self) -> dict[str, Any]:
+        t = self.trigger
+        return {"kind": t.kind, "job_id": t.job_id, "rank": t.rank, "reason": t.reason, "evidence": dict(t.evidence)}
+
+    def _remaining(self) -> float:
+        return self.deadline - time.monotonic()
 
     def _write(self, name: str, data: bytes, replace: bool = False) -> None:
         path = self.folder / name
@@ -432,9 +674,10 @@ class Capture:
                    for i, info in enumerate(self.ranks)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
-        return results
+        for t in threads:  # each dump is killed by the deadline; a second more for the reaping
+            t.join(max(0.0, self._remaining()) + 1.0)
+        return [r if not t.is_alive() else ("", "not finished by incidents.capture_timeout")
+                for r, t in zip(results, threads, strict=True)]
 
     def _dump(self, info: ProcessInfo) -> tuple[str, str]:
         """(dump text, note). Native frames first; a py-spy build without them falls back."""
@@ -445,7 +688,8 @@ class Capture:
         stopped_before = pyspy.is_stopped(info.pid)
         try:
             for mode in pyspy.DUMP_MODES:
-                text, err = self.source.run_dump(pyspy.dump_text_args(binary, info.pid, mode))
+                timeout = min(DUMP_TIMEOUT, self._remaining())
+                text, err = self.source.run_dump(pyspy.dump_text_args(binary, info.pid, mode), timeout)
                 if text:
                     return text, ("" if mode == "native" else f"without native frames ({'; '.join(errors)})")
                 errors.append(f"{mode}: {err}")
@@ -485,18 +729,28 @@ class Capture:
                 self.notes.append("no on-demand traces: the job does not poll Kineto (start it with KINETO_USE_DAEMON=1)")
             return None
 
-    def _collect_traces(self, request: Any, deadline: float) -> None:
+    def _collect_traces(self, request: Any) -> None:
         rank_of = {p.pid: p.rank for p in self.ranks}
+        uid_of = {p.pid: self.source._uid_of(p.pid) for p in self.ranks}
         waiting = dict(request.targets)
-        while waiting and time.monotonic() < deadline and not self.source.stopping.is_set():
+        seen: dict[int, tuple[int, int, int]] = {}  # pid -> (inode, size, mtime) of the last look
+        refused: dict[int, str] = {}
+        while waiting and self._remaining() > 0 and not self.source.stopping.is_set():
             for pid, target in list(waiting.items()):
-                data = _complete_trace(Path(target.file))
-                if data is not None:
-                    # A copy: the user's (and the traces source's) file stays where it is.
-                    self._write(f"trace-rank{_safe(rank_of.get(pid, str(pid)))}.pt.trace.json.gz", gzip.compress(data, 6))
+                name = f"trace-rank{_safe(rank_of.get(pid, str(pid)))}.pt.trace.json.gz"
+                try:
+                    done = self._copy_trace(Path(target.file), name, uid_of.get(pid, -1), seen, pid)
+                except TraceError as exc:  # refused for good: counted, said, not waited for
+                    self.source.count_rejected(exc.reason)
+                    refused[pid] = f"{exc.reason}: {exc}"
+                    del waiting[pid]
+                    continue
+                if done:
                     del waiting[pid]
             if waiting:
-                time.sleep(0.25)
+                time.sleep(min(0.25, max(0.0, self._remaining())))
+        for pid, why in refused.items():
+            self.notes.append(f"on-demand trace of rank {rank_of.get(pid, pid)} (PID {pid}) refused ({why})")
         now = self.source._wall()  # the ranks went on writing their own traces during the capture
         own = self._self_profiling(now)
         for pid in waiting:
@@ -508,6 +762,56 @@ class Capture:
                 why = ": it was busy with another trace when asked, and stayed so"
             self.notes.append(f"no on-demand trace from rank {rank} (PID {pid}) within "
                               f"{self.source.config.capture_timeout:g} s{why}")
+
+    def _copy_trace(self, path: Path, name: str, uid: int, seen: dict[int, tuple[int, int, int]], pid: int) -> bool:
+        """Copy the rank's trace into the bundle (gzip) once libkineto has finished it (it
+        parses). Opened with O_NOFOLLOW|O_NONBLOCK; only a regular file of the rank's user
+        (or root) within traces.max_file_bytes is read, at most that much, then checked by
+        the traces reader (its inflated-size and buffering caps) on our private copy.
+        False: not there or not complete yet. Raises TraceError when refused for good."""
+        cap = self.source.max_trace_bytes
+        try:
+            fd = open_regular(str(path), lambda owner: owner in (0, uid))
+        except FileNotFoundError:
+            return False
+        except UnsafePath as exc:
+            raise TraceError(str(exc), exc.reason) from None
+        except OSError as exc:
+            raise TraceError(f"cannot open it ({exc.strerror or exc})", "unreadable") from None
+        tmp = self.folder / f".{name}.part"
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if st.st_size > cap:
+                raise TraceError(f"{st.st_size} bytes is over traces.max_file_bytes ({cap})", "too_large")
+            sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if not st.st_size or seen.get(pid) == sig:
+                return False  # empty, or unchanged since it was found incomplete
+            seen[pid] = sig
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            out = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), "wb")
+            copied = 0
+            chunk = fh.read(COPY_CHUNK)
+            already = chunk[:2] == b"\x1f\x8b"  # a gzip trace is copied as it is
+            with out, (contextlib.nullcontext(out) if already else gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6)) as sink:
+                while chunk:
+                    copied += len(chunk)
+                    if copied > cap:  # it grew after fstat
+                        break
+                    sink.write(chunk)
+                    chunk = fh.read(COPY_CHUNK)
+        try:
+            if copied > cap:
+                raise TraceError(f"over traces.max_file_bytes ({cap}) while read", "too_large")
+            read_trace(tmp, max_bytes=cap)
+        except TraceError as exc:
+            os.unlink(tmp)
+            if exc.reason == "truncated":
+                return False  # still being written: looked at again once it changes
+            raise
+        os.replace(tmp, self.folder / name)
+        self.files.append(name)
+        return True
 
     @staticmethod
     def _profiles_itself(t: LatestTrace, now: float) -> str:
@@ -522,20 +826,32 @@ class Capture:
 
     # -- summary -------------------------------------------------------------------------
     def _summary(self) -> str:
+        """The first page: what the trigger says now, and the culprit's line from this
+        bundle's own stacks (never from the tick the capture started on)."""
         t = self.trigger
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.now))
         by_rank = {p.rank: p for p in self.ranks}
-        rank = t.rank if t.rank in by_rank else (self.ranks[0].rank if self.ranks else None)
-        where = innermost_frame(self.stacks.get(rank or "", "")) if rank is not None else None
+        rank = t.rank if t.rank in by_rank else None
+        culprits = [r for r in (str(c) for c in t.evidence.get("culprit_ranks") or ()) if r in by_rank]
+        where = innermost_frame(self.stacks.get(rank, "")) if rank is not None else None
         title = {"hang": "a rank hangs", "regression": "step time regressed", "manual": "capture on request"}[t.kind]
-        lines = [
-            f"# Incident {self.folder.name}: {title} (job {t.job_id})", "",
-            f"- **What happened**: {t.reason}",
-            f"- **When**: {when}",
-            f"- **Which rank**: {f'rank {rank} (PID {by_rank[rank].pid})' if rank in by_rank else 'the whole job'}",
-            f"- **Which line**: {f'`{where}` (innermost Python frame of its main thread)' if where else 'unknown (no stacks)'}",
-            "", "## Every rank", "", "| rank | PID | innermost Python frame of the main thread |", "| --- | --- | --- |",
-        ]
+        if rank in by_rank:
+            which = f"rank {rank} (PID {by_rank[rank].pid})"
+            line = f"`{where}` (innermost Python frame of its main thread)" if where else "unknown (no stacks)"
+        else:
+            which = f"rank {t.rank} (not on this node)" if t.rank is not None else "the whole job"
+            line = "unknown (no stacks of that rank)" if t.rank is not None else "each rank's below"
+        lines = [f"# Incident {self.folder.name}: {title} (job {t.job_id})", "",
+                 f"- **What happened**: {t.reason}", f"- **When**: {when}"]
+        if self._updated is not None:
+            lines.append(f"- **Updated**: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(self._updated))}, "
+                         f"when the finding changed (it first said: {self._first_reason})")
+        lines += [f"- **Which rank**: {which}", f"- **Which line**: {line}"]
+        for other in culprits:
+            if other != rank:
+                frame = innermost_frame(self.stacks.get(other, ""))
+                lines.append(f"- **Also culprit**: rank {other} (PID {by_rank[other].pid}) at {f'`{frame}`' if frame else 'an unknown line'}")
+        lines += ["", "## Every rank", "", "| rank | PID | innermost Python frame of the main thread |", "| --- | --- | --- |"]
         for p in self.ranks:
             frame = innermost_frame(self.stacks.get(p.rank, ""))
             lines.append(f"| {p.rank} | {p.pid} | {f'`{frame}`' if frame else '-'} |")
@@ -549,7 +865,8 @@ class Capture:
 
 
 _FRAME = re.compile(r"^\s+(\S.*?) \((\S+\.py):(\d+)\)\s*$")
-_THREAD = re.compile(r'^Thread \S+ \((\w+)\): "([^"]*)"')
+# py-spy's thread line: 'Thread 4242 (idle): "MainThread"', 'Thread 0x7F.. (active+gil): "x"'.
+_THREAD = re.compile(r'^Thread \S+ \(([^)]*)\): "(.*)"\s*$')
 
 
 def innermost_frame(dump: str) -> str | None:
@@ -566,15 +883,6 @@ def innermost_frame(dump: str) -> str | None:
                 blocks[-1][1].append(f"{f.group(1)} ({f.group(2)}:{f.group(3)})")
     main = next((frames for name, frames in blocks if name == "MainThread"), blocks[0][1] if blocks else [])
     return main[0] if main else None
-
-
-def _complete_trace(path: Path) -> bytes | None:
-    """The trace's bytes once libkineto has finished writing it (it parses as JSON)."""
-    try:
-        data = read_nofollow(path)
-        return data if data and isinstance(orjson.loads(data), dict) else None
-    except (OSError, orjson.JSONDecodeError):
-        return None
 
 
 def _json(data: Any) -> bytes:

@@ -107,10 +107,11 @@ def _tops(tops: tuple[Top, ...] | tuple[Annotation, ...]) -> tuple[tuple[str, fl
     return tuple((t.name, t.time * US if isinstance(t, Top) else t.total * US, t.count) for t in tops)
 
 
-def analyze(trace: Trace, top_k: int = 10) -> TraceReport:
-    """Every figure of one trace. Pure: reads ``trace``, returns a new report."""
+def analyze(trace: Trace, top_k: int = 10, iteration_window: bool = False) -> TraceReport:
+    """Every figure of one trace. Pure: reads ``trace``, returns a new report.
+    ``iteration_window``: the trace was asked for N iterations (see ``find_steps``)."""
     c = classify(trace)
-    steps = find_steps(c)
+    steps = find_steps(c, iteration_window)
     frame = Frame(c, steps.spans)
     bd = step_breakdown(frame)
     devices = device_times(c, frame)

@@ -25,7 +25,12 @@ Without ``ProfilerStep`` (an on-demand trace taken through Kineto's daemon has n
 optimizer steps mark the iterations: torch records an ``Optimizer.step#<Class>.step``
 range for every optimizer step, so with N of them (of the most frequent such name) there
 are N-1 steps, each from one optimizer step's start to the next one's (``source`` is
-``optimizer``). Without either, the whole traced window (first to last kept event) is one
+``optimizer``). The span before the first one is left out: a window taken for a duration
+starts anywhere in an iteration. A window taken for N iterations
+(``ACTIVITIES_ITERATIONS=N``, ``iteration_window``) is different: libkineto starts it at an
+iteration boundary (the ``step()`` that follows an optimizer step) and stops it at the N-th
+``step()`` after, so it holds N optimizer steps and N whole iterations; the first step
+then runs from the window's start to the first optimizer step. Without either, the whole traced window (first to last kept event) is one
 span, and ``inferred`` is True: a window is not a step time.
 """
 
@@ -67,8 +72,9 @@ class Steps:
         return [(s.start, s.end) for s in self.steps]
 
 
-def find_steps(c: Classified) -> Steps:
-    """Steps of one trace (empty when the trace has no events at all)."""
+def find_steps(c: Classified, iteration_window: bool = False) -> Steps:
+    """Steps of one trace (empty when the trace has no events at all). ``iteration_window``:
+    the trace was taken for a number of iterations (see the module doc)."""
     t = c.trace
     idx = c.steps[np.lexsort((-t.end[c.steps], t.ts[c.steps]))]  # by start, longest first
     kept: list[Step] = []
@@ -84,7 +90,7 @@ def find_steps(c: Classified) -> Steps:
             start = kept[-1].end
         kept.append(Step(t.names[t.name[i]], start, end))
     if not kept:
-        by_optimizer = _optimizer_steps(c)
+        by_optimizer = _optimizer_steps(c, iteration_window)
         if len(by_optimizer) >= 1:
             return Steps(by_optimizer, False, dropped=dropped, gpu_lag=_gpu_lag(c, by_optimizer[-1]),
                          source="optimizer")
@@ -96,19 +102,23 @@ def find_steps(c: Classified) -> Steps:
     return Steps(tuple(kept), False, incomplete, dropped, _gpu_lag(c, kept[-1]))
 
 
-def _optimizer_steps(c: Classified) -> tuple[Step, ...]:
-    """Iterations between consecutive optimizer steps (the most frequent optimizer name)."""
+def _optimizer_steps(c: Classified, iteration_window: bool = False) -> tuple[Step, ...]:
+    """Iterations between consecutive optimizer steps (the most frequent optimizer name);
+    with ``iteration_window``, the first from the window's start."""
     t = c.trace
     idx = np.concatenate([c.annotations, c.cpu_ops])
     if len(idx) == 0:
         return ()
     opt = np.array([n.startswith(OPTIMIZER_PREFIX) for n in t.names] or [False], dtype=bool)
     idx = idx[opt[t.name[idx]]]
-    if len(idx) < 2:
+    if len(idx) < (1 if iteration_window else 2):
         return ()
     names, counts = np.unique(t.name[idx], return_counts=True)
     top = names[np.argmax(counts)]
     starts = unique(t.ts[idx[t.name[idx] == top]])  # sorted; a range recorded twice counts once
+    window_start = float(t.ts.min())
+    if iteration_window and window_start < starts[0]:
+        starts = np.concatenate([[window_start], starts])
     return tuple(Step(f"iteration {k + 1}", float(a), float(b))
                  for k, (a, b) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)))
 
