@@ -104,8 +104,10 @@ class PidTarget:
         except psutil.Error:
             return None
 
-    def _collect(self) -> list[psutil.Process]:
-        """The root and its descendants; if the root died, whatever we knew that lives on."""
+    def _collect(self, children: dict[int, list[int]] | None = None) -> list[psutil.Process]:
+        """The root and its descendants; if the root died, whatever we knew that lives on.
+        ``children`` (ppid -> pids, read once for all targets) saves psutil's walk of
+        every process of the host for each target."""
         roots = []
         root = self._alive(self.pid, self._known.get(self.pid))
         if root is not None:
@@ -115,6 +117,18 @@ class PidTarget:
         seen: dict[int, psutil.Process] = {}
         for proc in roots:
             seen[proc.pid] = proc
+            if children is not None:
+                stack = list(children.get(proc.pid, ()))
+                while stack:
+                    pid = stack.pop()
+                    if pid in seen:
+                        continue
+                    try:
+                        seen[pid] = psutil.Process(pid)
+                    except psutil.Error:
+                        continue
+                    stack.extend(children.get(pid, ()))
+                continue
             try:
                 for child in proc.children(recursive=True):
                     seen.setdefault(child.pid, child)
@@ -140,8 +154,8 @@ class PidTarget:
         return self._env_cache[key]
 
     # -- classification ------------------------------------------------------------
-    def refresh(self) -> ProcessTree:
-        procs = self._collect()
+    def refresh(self, children: dict[int, list[int]] | None = None) -> ProcessTree:
+        procs = self._collect(children)
         info: dict[int, tuple[int, float, str]] = {}
         for proc in procs:
             try:
