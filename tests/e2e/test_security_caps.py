@@ -1,0 +1,79 @@
+"""Caps that hold inside the agent against an unprivileged neighbour (issue 25, items 3, 4, 5,
+8, 12): a root `profagent watch` or `attach`, an attacker really running as `nobody`, and
+checks that the agent is unharmed (CPU, RSS, children, watchdog pings, the victim's job)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import psutil
+import pytest
+
+from helpers.agent import free_port, http_get, parse_metrics
+from helpers.flood import CAN_PLAY_NOBODY, NEEDS, Flood
+from helpers.processes import wait_for
+from helpers.watch import job_env, token, watch_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CAN_PLAY_NOBODY, reason=NEEDS)]
+SLEEPER = "import time\nwhile True:\n    time.sleep(0.05)\n"
+
+
+def _cpu_seconds(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def _notify_socket():
+    from test_watch_notify import NotifySocket  # the same stand-in for systemd's socket
+
+    return NotifySocket(f"@profagent-caps-{uuid.uuid4().hex}")
+
+
+def test_look_alike_flood_neither_stalls_discovery_nor_the_watchdog(run_agent, children, tmp_path) -> None:
+    """400 `sleep`s of nobody named like a training script (the attack used 3,000 with the
+    default caps; here watch.max_new_per_scan is 8): the victim's new job is found within a
+    few scans, the agent's CPU stays low, and WATCHDOG=1 keeps coming every WatchdogSec/2."""
+    tok = token()
+    port = free_port()
+    notify = _notify_socket()
+    cfg = watch_config(tmp_path, tok, cmdline_regex=rf"train_{tok}\.py", scan_interval=0.5, max_new_per_scan=8)
+    flood = Flood(400, "/bin/sleep", [f"python3 train_{tok}.py", "600"])
+    try:
+        agent = run_agent(["watch", "--config", str(cfg), "--listen", f"127.0.0.1:{port}"],
+                          env={"NOTIFY_SOCKET": notify.address, "WATCHDOG_USEC": "2000000"})
+        url = f"http://127.0.0.1:{port}"
+        agent.wait_healthy(url, timeout=30)
+
+        def attacker_jobs() -> int:
+            rows = parse_metrics(http_get(url + "/metrics")).get("profagent_target_up", [])
+            return sum(1 for lab, v in rows if v == 1)
+
+        # nobody's decoys fill its share of jobs (half of max_jobs) once settled
+        wait_for(lambda: attacker_jobs() >= 8, timeout=60, what="nobody's decoys admitted up to its share")
+        pings_before = notify.count("WATCHDOG")
+        cpu_before, wall_before = _cpu_seconds(agent.proc.pid), time.monotonic()
+
+        victim = children.python(SLEEPER, env=job_env(tok, SLURM_JOB_ID="victim-1"))
+        began = time.monotonic()
+
+        def victim_up() -> bool:
+            rows = parse_metrics(http_get(url + "/metrics")).get("profagent_target_up", [])
+            return any(lab.get("job_id") == "victim-1" and v == 1 for lab, v in rows)
+
+        wait_for(victim_up, timeout=30, what="the victim's job on /metrics")
+        found_after = time.monotonic() - began
+        time.sleep(max(0.0, 6.0 - (time.monotonic() - wall_before)))  # observe at least 6 s
+        cpu = (_cpu_seconds(agent.proc.pid) - cpu_before) / (time.monotonic() - wall_before)
+        pings = notify.count("WATCHDOG") - pings_before
+        elapsed = time.monotonic() - wall_before
+        print(f"found after {found_after:.1f}s cpu {cpu:.0%} pings {pings} in {elapsed:.1f}s")
+        assert victim.poll() is None
+        assert found_after < 10, f"victim's job found after {found_after:.1f} s"
+        assert cpu < 0.2, f"agent used {cpu:.0%} of a core with 400 decoys"
+        # one ping a second while healthy; allow for a loaded machine, never a stall
+        assert pings >= elapsed / 1.0 - 3, f"{pings} watchdog pings in {elapsed:.1f} s"
+        assert "not pinging the watchdog" not in agent.output
+    finally:
+        flood.stop()
+        notify.close()
