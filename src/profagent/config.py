@@ -53,6 +53,7 @@ class AgentConfig:
     log_level: str = _opt("info", "debug, info, warning or error")
     exit_grace: float = _opt(3.0, "seconds attach keeps serving after the whole target tree is gone")
     state_dir: str = _opt("", "folder for small state files (default: $XDG_STATE_HOME/profagent or /var/lib/profagent as root)")
+    max_label_bytes: int = _opt(128, "longest label value taken from a job's environment (job id, rank, Slurm and pod names), in bytes (>= 32); a longer value keeps its start plus a hash of the whole, so distinct values stay distinct")
     cmdline_args: bool = _opt(False, "show arguments in the cmdline label (values of --*key/token/secret/password* options are redacted); off: program and script only")
 
 
@@ -345,6 +346,8 @@ def validate(config: Config) -> None:
                 )
     if config.agent.interval <= 0:
         raise UserError("'interval' must be positive", f"use at least {MIN_INTERVAL}s")
+    if config.agent.max_label_bytes < 32:
+        raise UserError(f"'max_label_bytes' is {config.agent.max_label_bytes}", "use 32 bytes or more")
     _validate_watch(config.watch)
     _validate_stacks(config.stacks)
     _validate_incidents(config.incidents)

@@ -77,3 +77,55 @@ def test_look_alike_flood_neither_stalls_discovery_nor_the_watchdog(run_agent, c
     finally:
         flood.stop()
         notify.close()
+
+
+def _rss_mib(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def test_huge_job_ids_stay_bounded_labels_at_default_caps(run_agent, tmp_path) -> None:
+    """4 jobs of nobody x 4 ranks, each with a distinct 120 KB SLURM_JOB_ID (the attack:
+    8 x 16 gave a 188 MB /metrics and 1 GB RSS): every label value is at most
+    agent.max_label_bytes (128) at its default, the four jobs stay four, /metrics stays
+    small and the agent's RSS does not grow with the ids."""
+    import sys
+
+    from helpers.watch import FAKE_TORCHRUN
+
+    tok = token()
+    port = free_port()
+    cfg = watch_config(tmp_path, tok)  # default caps; only the discovery rule is the test's
+    agent = run_agent(["watch", "--config", str(cfg), "--listen", f"127.0.0.1:{port}"])
+    url = f"http://127.0.0.1:{port}"
+    agent.wait_healthy(url, timeout=30)
+    rss_before = _rss_mib(agent.proc.pid)
+    ids = [f"{i}" + "J" * 120_000 for i in range(4)]
+    flood = Flood(4, sys.executable, [sys.executable, "-c", FAKE_TORCHRUN], env=job_env(tok, NRANKS="4"),
+                  each=[{"SLURM_JOB_ID": j} for j in ids], expect=20)
+    try:
+        def four_jobs():
+            text = http_get(url + "/metrics")
+            rows = parse_metrics(text).get("profagent_target_up", [])
+            return text if sum(1 for lab, v in rows if v == 1) == 4 else None
+
+        text = wait_for(four_jobs, timeout=60, what="nobody's four jobs on /metrics")
+        def ranks_seen() -> int:
+            rows = parse_metrics(http_get(url + "/metrics")).get("profagent_process_cpu_seconds_total", [])
+            return len({(lab["job_id"], lab.get("rank")) for lab, _ in rows if lab.get("role") == "main"})
+
+        wait_for(lambda: ranks_seen() >= 16, timeout=30, what="per-rank series of the 16 ranks")
+        text = http_get(url + "/metrics")
+        parsed = parse_metrics(text)
+        values = {v for rows in parsed.values() for lab, _ in rows for v in lab.values()}
+        assert max(len(v.encode()) for v in values) <= 128
+        job_ids = {lab["job_id"] for lab, v in parsed["profagent_target_up"] if v == 1}
+        assert len(job_ids) == 4  # distinct once bounded: the hash of the whole id
+        assert all(j.endswith(j[-12:]) and "…" in j and len(j.encode()) == 128 for j in job_ids)
+        assert {j[0] for j in job_ids} == {"0", "1", "2", "3"}
+        assert len(text) < 512 * 1024, f"/metrics is {len(text)} bytes"
+        rss = _rss_mib(agent.proc.pid)
+        print(f"/metrics {len(text)} bytes, RSS {rss_before:.0f} -> {rss:.0f} MiB")
+        assert rss - rss_before < 64, f"RSS grew from {rss_before:.0f} to {rss:.0f} MiB"
+        assert "J" * 200 not in agent.output  # nor in a log line
+    finally:
+        flood.stop()

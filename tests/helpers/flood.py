@@ -23,9 +23,10 @@ CAN_PLAY_NOBODY = os.geteuid() == 0 and SETPRIV is not None
 
 _SPAWNER = """
 import json, os, subprocess, sys, time
-n, executable, argv, env = json.loads(os.environ["FLOOD_SPEC"])  # not in argv: no rule may match the spawner
-kids = [subprocess.Popen(argv, executable=executable, env=env, stdin=subprocess.DEVNULL,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(n)]
+n, executable, argv, env, extra = json.loads(sys.stdin.readline())  # not in argv: no rule may match the spawner
+kids = [subprocess.Popen(argv, executable=executable, env={**env, **(extra[i] if extra else {})},
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for i in range(n)]
 print("started", flush=True)
 while True:
     time.sleep(3600)
@@ -38,23 +39,31 @@ def as_nobody(args: Sequence[str]) -> list[str]:
 
 
 class Flood:
-    def __init__(self, n: int, executable: str, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, n: int, executable: str, argv: Sequence[str], env: dict[str, str] | None = None,
+                 each: Sequence[dict[str, str]] = (), expect: int | None = None) -> None:
+        """``each[i]``: extra environment of child i; ``expect``: processes to wait for
+        (children and their own children), default ``n``."""
         import json
 
-        spec = json.dumps([n, executable, list(argv), {"PATH": "/usr/bin:/bin", **(env or {})}])
-        self.proc = subprocess.Popen(as_nobody([sys.executable, "-c", _SPAWNER]), stdout=subprocess.PIPE,
-                                     text=True, start_new_session=True, cwd="/",
-                                     env={"PATH": "/usr/bin:/bin", "FLOOD_SPEC": spec})
+        spec = json.dumps([n, executable, list(argv), {"PATH": "/usr/bin:/bin", **(env or {})}, list(each)])
+        self.proc = subprocess.Popen(as_nobody([sys.executable, "-c", _SPAWNER]), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, start_new_session=True, cwd="/",
+                                     env={"PATH": "/usr/bin:/bin"})
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(spec + "\n")
+        self.proc.stdin.close()
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         assert line.strip() == "started", f"the flood did not start ({self.proc.poll()})"
         self.n = n
-        wait_for(lambda: len(self.pids()) >= n, timeout=60, what=f"{n} processes of nobody")
+        want = n if expect is None else expect
+        wait_for(lambda: len(self.pids(recursive=expect is not None)) >= want, timeout=60,
+                 what=f"{want} processes of nobody")
 
-    def pids(self) -> list[int]:
+    def pids(self, recursive: bool = False) -> list[int]:
         import psutil
 
         try:
-            return [c.pid for c in psutil.Process(self.proc.pid).children()]
+            return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=recursive)]
         except psutil.Error:
             return []
 

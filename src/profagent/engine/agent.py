@@ -19,6 +19,7 @@ from typing import Any
 
 from rich.console import Console
 
+from profagent.analysis.labels import set_value_max
 from profagent.config import Config, parse_listen
 from profagent.engine.control import ControlledOndemand, ControlServer
 from profagent.engine.findings import FindingsEngine, findings_route
@@ -101,6 +102,7 @@ class Job:
 
     def __init__(self, config: Config, pid: int, target: PidTarget | None = None) -> None:
         """``target`` replaces ``PidTarget(pid)`` (watch mode passes a NodeTarget)."""
+        set_value_max(config.agent.max_label_bytes)  # before the first environment is read
         self.pid = pid
         self.state = State()
         self.target = target if target is not None else PidTarget(pid, cmdline_args=config.agent.cmdline_args)

@@ -10,17 +10,21 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from profagent.analysis.labels import bound
+
 PROC = Path("/proc")
 
 
 def read_environ(proc_root: Path, pid: int) -> dict[str, str]:
-    """/proc/PID/environ. Raises OSError (PermissionError, FileNotFoundError...)."""
+    """/proc/PID/environ, every name and value bounded by ``labels.bound`` (the process'
+    owner chooses them; they become job ids, ranks and labels). Raises OSError
+    (PermissionError, FileNotFoundError...)."""
     raw = (proc_root / str(pid) / "environ").read_bytes()
     env = {}
     for item in raw.split(b"\0"):
         key, sep, value = item.partition(b"=")
         if sep:
-            env[key.decode(errors="replace")] = value.decode(errors="replace")
+            env[bound(key.decode(errors="replace"))] = bound(value.decode(errors="replace"))
     return env
 
 

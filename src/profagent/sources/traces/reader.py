@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from profagent.analysis.labels import bound
 from profagent.analysis.trace.model import KINDS, Trace  # noqa: F401  (KINDS: the categories kept)
 from profagent.errors import SourceError
 from profagent.system.safefs import UnsafePath, open_regular
@@ -323,7 +324,7 @@ class _Builder:
 def _meta_into(trace: Trace, meta: Meta) -> None:
     info = meta.distributedInfo
     if info is not None and info.rank is not None:
-        trace.rank = str(info.rank)
+        trace.rank = bound(str(info.rank))  # a label: bounded like the environment's
         trace.world_size = info.world_size
     if meta.baseTimeNanoseconds is not None:
         trace.base_time_ns = meta.baseTimeNanoseconds
