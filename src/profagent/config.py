@@ -90,6 +90,7 @@ class TracesConfig:
     settle_seconds: float = _opt(0.5, "a .json.gz must keep its size this long before it is read")
     invalid_after: float = _opt(60.0, "seconds a trace may stay incomplete before it counts as invalid")
     max_file_bytes: int = _opt(2 * 1024**3, "traces larger than this, once uncompressed, are skipped (reason too_large; a file of exactly this size is read)")
+    max_buffered_bytes: int = _opt(16 * 1024**2, "text of a trace held in memory at once: the metadata before the events, or one event, string or run of blanks; a trace that needs more is skipped (reason too_large_event)")
     top_k: int = _opt(10, "kernels and ops kept per rank; the rest is folded into 'other'")
     interval: float = _opt(0.0, "seconds between publishing newly analysed traces; 0 = 0.25 s (or the agent interval if shorter)")
 
@@ -346,6 +347,8 @@ def validate(config: Config) -> None:
                 )
     if config.agent.interval <= 0:
         raise UserError("'interval' must be positive", f"use at least {MIN_INTERVAL}s")
+    if config.traces.max_buffered_bytes < 1024**2:
+        raise UserError(f"'traces.max_buffered_bytes' is {config.traces.max_buffered_bytes}", "use 1 MiB (1048576) or more")
     if config.agent.max_label_bytes < 32:
         raise UserError(f"'max_label_bytes' is {config.agent.max_label_bytes}", "use 32 bytes or more")
     _validate_watch(config.watch)

@@ -129,3 +129,85 @@ def test_huge_job_ids_stay_bounded_labels_at_default_caps(run_agent, tmp_path) -
         assert "J" * 200 not in agent.output  # nor in a log line
     finally:
         flood.stop()
+
+
+def _gzip_of_blanks(path, head: bytes, blank_mib: int, tail: bytes) -> None:
+    """head + blank_mib MiB of spaces + tail as gzip, written in a fraction of a second: the
+    blanks are compressed once per MiB with a full flush, which makes every later MiB the
+    same bytes, so they are repeated rather than compressed again (CRC and size by hand)."""
+    import struct
+    import zlib
+
+    block = b" " * 2**20
+    c = zlib.compressobj(9, zlib.DEFLATED, -15)  # raw deflate: the gzip frame is ours
+    first = c.compress(head + block) + c.flush(zlib.Z_FULL_FLUSH)
+    again = c.compress(block) + c.flush(zlib.Z_FULL_FLUSH)
+    assert c.compress(block) + c.flush(zlib.Z_FULL_FLUSH) == again
+    crc = zlib.crc32(head)
+    for _ in range(blank_mib):
+        crc = zlib.crc32(block, crc)
+    crc = zlib.crc32(tail, crc)
+    end = c.compress(tail) + c.flush()
+    size = (len(head) + blank_mib * 2**20 + len(tail)) & 0xFFFFFFFF
+    with open(path, "wb") as fh:
+        fh.write(b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + first)
+        for _ in range(blank_mib - 2):
+            fh.write(again)
+        fh.write(again + end + struct.pack("<II", crc, size))
+
+
+def _peak_rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_gzip_bomb_in_the_default_ondemand_folder_at_default_caps(run_agent, tmp_path) -> None:
+    """nobody, with a watched job of its own, drops a 1 MB .json.gz that inflates to 1 GiB of
+    blanks into the on-demand folder (the attack reached 1,080 MiB RSS): the reader stops at
+    traces.max_buffered_bytes (16 MiB by default), counts it, and the agent's peak RSS stays
+    near its baseline."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from helpers.flood import as_nobody
+
+    tok = token()
+    port = free_port()
+    folder = f"/tmp/paw-ondemand-{tok}"
+    os.mkdir(folder)
+    os.chmod(folder, 0o1777)
+    cfg = watch_config(tmp_path, tok)
+    cfg.write_text(cfg.read_text() + f'\n[ondemand]\ntrace_dir = "{folder}"\n')
+    flood = Flood(1, sys.executable, [sys.executable, "-c", SLEEPER], env=job_env(tok))
+    try:
+        agent = run_agent(["watch", "--config", str(cfg), "--listen", f"127.0.0.1:{port}"])
+        url = f"http://127.0.0.1:{port}"
+        agent.wait_healthy(url, timeout=30)
+        wait_for(lambda: any(v == 1 for _, v in parse_metrics(http_get(url + "/metrics")).get("profagent_target_up", [])),
+                 timeout=30, what="nobody's job watched")
+        baseline = _peak_rss_mib(agent.proc.pid)
+        bomb = tmp_path / "bomb.json.gz"
+        _gzip_of_blanks(bomb, b'{"traceEvents": [', 1024, b"]}")
+        assert bomb.stat().st_size < 2 * 2**20
+        target = f"{folder}/profagent_x_{flood.pids()[0]}.json.gz"
+        with bomb.open("rb") as src:  # written by nobody itself
+            subprocess.run(as_nobody(["/bin/sh", "-c", 'cat > "$1"', "sh", target]), stdin=src, check=True)
+        assert os.stat(target).st_uid == 65534
+
+        def rejected() -> float:
+            rows = parse_metrics(http_get(url + "/metrics")).get("profagent_traces_rejected_total", [])
+            return sum(v for lab, v in rows if lab.get("reason") == "too_large_event")
+
+        wait_for(lambda: rejected() >= 1, timeout=60, what="the bomb counted as too_large_event")
+        peak = _peak_rss_mib(agent.proc.pid)
+        print(f"peak RSS {baseline:.0f} -> {peak:.0f} MiB")
+        assert peak - baseline < 128, f"peak RSS {baseline:.0f} -> {peak:.0f} MiB"
+        assert sum(1 for line in agent.output.splitlines() if "max_buffered_bytes" in line) == 1
+        http_get(url + "/metrics")  # still serving
+    finally:
+        flood.stop()
+        shutil.rmtree(folder, ignore_errors=True)
