@@ -157,9 +157,10 @@ def _gzip_of_blanks(path, head: bytes, blank_mib: int, tail: bytes) -> None:
 
 
 def _peak_rss_mib(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     raise AssertionError("no VmHWM")
 
 
