@@ -212,3 +212,44 @@ def test_gzip_bomb_in_the_default_ondemand_folder_at_default_caps(run_agent, tmp
     finally:
         flood.stop()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_many_ranks_never_get_more_py_spy_than_the_cap(run_agent, tmp_path) -> None:
+    """A job of nobody with 12 ranks (the attack: 150 ranks gave 292 root py-spy processes):
+    with stacks.max_pyspy = 3 the agent never runs more than 3, counts each wait
+    (reason pyspy_cap), and still samples every rank in turn."""
+    import sys
+
+    from helpers.processes import pyspy_processes
+    from helpers.watch import FAKE_TORCHRUN
+
+    tok = token()
+    port = free_port()
+    cfg = watch_config(tmp_path, tok)
+    text = cfg.read_text().replace("[stacks]\nenabled = false", "[stacks]\nenabled = true\nwindow = 1\nmax_pyspy = 3")
+    cfg.write_text(text)
+    flood = Flood(1, sys.executable, [sys.executable, "-c", FAKE_TORCHRUN], env=job_env(tok, NRANKS="12"), expect=13)
+    try:
+        agent = run_agent(["watch", "--config", str(cfg), "--listen", f"127.0.0.1:{port}"])
+        url = f"http://127.0.0.1:{port}"
+        agent.wait_healthy(url, timeout=30)
+        most = 0
+
+        def sampled_ranks() -> int:
+            nonlocal most
+            most = max(most, len(pyspy_processes(of=agent.proc.pid)))
+            rows = parse_metrics(http_get(url + "/metrics")).get("profagent_stack_samples_total", [])
+            return len({lab["rank"] for lab, v in rows if lab.get("role") == "main" and v > 0})
+
+        wait_for(lambda: sampled_ranks() == 12, timeout=90, interval=0.05, what="all 12 ranks sampled in turn")
+        for _ in range(40):  # and a while longer, looking often
+            most = max(most, len(pyspy_processes(of=agent.proc.pid)))
+            time.sleep(0.05)
+        rows = parse_metrics(http_get(url + "/metrics")).get("profagent_stack_sampler_errors_total", [])
+        waits = sum(v for lab, v in rows if lab.get("reason") == "pyspy_cap")
+        print(f"most py-spy at once {most}, waits {waits}")
+        assert 1 <= most <= 3
+        assert waits >= 9
+        assert sum(1 for line in agent.output.splitlines() if "stacks.max_pyspy" in line) == 1
+    finally:
+        flood.stop()
