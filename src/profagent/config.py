@@ -105,6 +105,8 @@ class OndemandConfig:
     periodic_minutes: float = _opt(0.0, "take a trace every N minutes, rotating through ranks; 0 = off")
     periodic_duration_ms: int = _opt(500, "length of each periodic trace, milliseconds")
     keep: int = _opt(10, "how many agent-requested traces to keep")
+    max_pollers: int = _opt(4096, "processes kept in the registry of Kineto pollers; when full, a new one replaces the least recently seen process of the user holding the most")
+    max_pollers_per_user: int = _opt(256, "processes of one user (by its kernel credentials) kept in the registry; a new one replaces that user's least recently seen, so one user's flood never refuses another user's job")
     interval: float = _opt(0.0, "seconds between registry updates; 0 = the agent interval")
 
 
@@ -348,6 +350,9 @@ def validate(config: Config) -> None:
                 )
     if config.agent.interval <= 0:
         raise UserError("'interval' must be positive", f"use at least {MIN_INTERVAL}s")
+    if config.ondemand.max_pollers < 1 or config.ondemand.max_pollers_per_user < 1:
+        raise UserError("'ondemand.max_pollers' and 'ondemand.max_pollers_per_user' must be at least 1",
+                        "raise them, or set ondemand.enabled = false")
     if config.traces.max_buffered_bytes < 1024**2:
         raise UserError(f"'traces.max_buffered_bytes' is {config.traces.max_buffered_bytes}", "use 1 MiB (1048576) or more")
     if config.agent.max_label_bytes < 32:

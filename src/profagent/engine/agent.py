@@ -81,6 +81,8 @@ def build_sources(config: Config) -> tuple[list[Source], list[Disabled]]:
             periodic_minutes=config.ondemand.periodic_minutes,
             keep=config.ondemand.keep,
             periodic_options=TraceOptions(duration_ms=config.ondemand.periodic_duration_ms),
+            max_pollers=config.ondemand.max_pollers,
+            max_pollers_per_user=config.ondemand.max_pollers_per_user,
         )
         sources.append(ControlledOndemand(ondemand, config.ondemand.control_socket or default_control_socket()))
     else:
