@@ -4,6 +4,7 @@ checks that the agent is unharmed (CPU, RSS, children, watchdog pings, the victi
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
@@ -169,7 +170,6 @@ def test_gzip_bomb_in_the_default_ondemand_folder_at_default_caps(run_agent, tmp
     blanks into the on-demand folder (the attack reached 1,080 MiB RSS): the reader stops at
     traces.max_buffered_bytes (16 MiB by default), counts it, and the agent's peak RSS stays
     near its baseline."""
-    import os
     import shutil
     import subprocess
     import sys
@@ -253,3 +253,51 @@ def test_many_ranks_never_get_more_py_spy_than_the_cap(run_agent, tmp_path) -> N
         assert sum(1 for line in agent.output.splitlines() if "stacks.max_pyspy" in line) == 1
     finally:
         flood.stop()
+
+
+def test_refused_roots_are_not_examined_again_and_users_take_turns(children, monkeypatch) -> None:
+    """In-process NodeTarget: 40 look-alike processes of nobody, 2 roots examined per scan.
+    Once nobody's share of jobs is full, its other roots are never examined again (no tree
+    is built for them on later scans), and a new job of root is examined in the very first
+    scan after it appears, ahead of nobody's backlog."""
+    import profagent.target.node as node
+    from profagent.target.node import Limits, NodeTarget, Rules
+
+    built: list[int] = []
+
+    class CountingPidTarget(node.PidTarget):
+        def __init__(self, pid: int, *args, **kwargs) -> None:
+            built.append(pid)
+            super().__init__(pid, *args, **kwargs)
+
+    monkeypatch.setattr(node, "PidTarget", CountingPidTarget)
+    tok = token()
+    rules = Rules(None, (("PAW_TOKEN", tok),), False)
+    target = NodeTarget(rules, Limits(scan_interval=0.0, max_jobs=4, max_new_per_scan=2), settle_seconds=0.0,
+                        self_pid=-1)
+    flood = Flood(40, "/usr/bin/python3", ["/usr/bin/python3", "-c", SLEEPER], env=job_env(tok))
+    try:
+        decoys = set(flood.pids())
+        for _ in range(40):  # 20 scans would do: 2 per scan
+            target.refresh()
+            if decoys <= set(built):
+                break
+        assert decoys <= set(built), "every decoy examined once"
+        assert len(built) == len(set(built)), "none examined twice"
+        assert len(decoys & {p.pid for p in target.refresh().processes}) == 2  # nobody's share: half of 4 jobs
+        built.clear()
+        for _ in range(5):
+            target.refresh()
+        assert built == [], f"refused roots examined again: {built}"
+        mine = children.python(SLEEPER, env=job_env(tok, SLURM_JOB_ID="victim-2"))
+        wait_for(lambda: _ready(mine.pid, tok), what="root's job started")
+        tree = target.refresh()
+        assert built == [mine.pid]
+        assert "victim-2" in tree.job_status()
+    finally:
+        flood.stop()
+
+
+def _ready(pid: int, tok: str) -> bool:
+    with open(f"/proc/{pid}/environ", "rb") as fh:
+        return f"PAW_TOKEN={tok}".encode() in fh.read()
