@@ -77,7 +77,7 @@ class StacksConfig:
     window: float = _opt(5.0, "seconds per py-spy record window (whole seconds); counters move once per window")
     nonblocking: bool = _opt(True, "sample without stopping the target (py-spy --nonblocking)")
     dataloader: bool = _opt(False, "also sample DataLoader worker processes")
-    max_pyspy: int = _opt(16, "py-spy processes running at once (a record window and a periodic dump per sampled process); beyond it ranks are sampled in turn and each wait counts as reason pyspy_cap")
+    max_pyspy: int = _opt(16, "py-spy processes running at once (a record window and a periodic dump per sampled process); beyond it ranks are sampled in turn and each wait counts as reason pyspy_cap. An incident capture's dumps run at most this many at once too")
     top_k: int = _opt(10, "leaf functions kept per rank; the rest is folded into 'other'")
     stall_seconds: float = _opt(120.0, "a main-thread stack unchanged this long marks the rank stalled")
     ring_seconds: float = _opt(600.0, "seconds of stacks kept in memory for /api/stacks")

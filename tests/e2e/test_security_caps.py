@@ -301,3 +301,40 @@ def test_refused_roots_are_not_examined_again_and_users_take_turns(children, mon
 def _ready(pid: int, tok: str) -> bool:
     with open(f"/proc/{pid}/environ", "rb") as fh:
         return f"PAW_TOKEN={tok}".encode() in fh.read()
+
+
+def test_an_incident_capture_runs_at_most_max_pyspy_dumps_at_once(tmp_path, monkeypatch) -> None:
+    """A capture dumps every rank in parallel: 10 ranks under stacks.max_pyspy = 3 never
+    have more than 3 dumps running (real child processes standing in for py-spy)."""
+    import subprocess
+    import threading
+
+    import profagent.engine.incidents as incidents
+    from profagent.config import IncidentsConfig
+    from profagent.state import State
+
+    source = incidents.IncidentsSource(IncidentsConfig(), tmp_path / "incidents", State(), max_pyspy=3)
+    live, most, lock = [0], [0], threading.Lock()
+
+    class Counted(subprocess.Popen):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            with lock:
+                live[0] += 1
+                most[0] = max(most[0], live[0])
+
+        def communicate(self, *args, **kwargs):
+            try:
+                return super().communicate(*args, **kwargs)
+            finally:
+                with lock:
+                    live[0] -= 1
+
+    monkeypatch.setattr(incidents.subprocess, "Popen", Counted)
+    threads = [threading.Thread(target=source.run_dump, args=(["/bin/sh", "-c", "sleep 1; echo Thread 1"],))
+               for _ in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert most[0] == 3 and live[0] == 0

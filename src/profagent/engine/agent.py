@@ -134,6 +134,7 @@ class Job:
         source = IncidentsSource(
             config.incidents, incidents_dir(config.incidents, config.agent.state_dir), self.state,
             interval=config.agent.interval, ondemand=control.source if control else None,
+            max_pyspy=config.stacks.max_pyspy,
         )
         self.engine_ops["incident"] = lambda req: source.request(
             str(req["job"]) if req.get("job") else None, str(req.get("reason") or ""))

@@ -196,6 +196,7 @@ class IncidentsSource:
         ondemand: Any = None,  # the OndemandSource, for traces when the job polls Kineto
         slot: CaptureSlot | None = None,
         wall: Callable[[], float] = time.time,
+        max_pyspy: int = 16,
     ) -> None:
         self.config = config
         self.store = IncidentStore(root)
@@ -215,6 +216,7 @@ class IncidentsSource:
         self.stopping = threading.Event()
         self._dumps_lock = threading.Lock()
         self._dumps: set[subprocess.Popen] = set()  # running py-spy dumps, killed by stop()
+        self._dump_slots = threading.BoundedSemaphore(max_pyspy)  # stacks.max_pyspy dumps at once
 
     def start(self) -> None:
         try:
@@ -239,6 +241,10 @@ class IncidentsSource:
     def run_dump(self, args: list[str]) -> tuple[str, str]:
         """(stdout, first error line) of one py-spy dump; killed and reaped if it overruns
         or the agent stops."""
+        with self._dump_slots:  # a job of 150 ranks: at most stacks.max_pyspy dumps at once
+            return self._run_dump(args)
+
+    def _run_dump(self, args: list[str]) -> tuple[str, str]:
         if self.stopping.is_set():
             return "", "the agent is stopping"
         try:
