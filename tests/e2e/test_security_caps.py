@@ -338,3 +338,32 @@ def test_an_incident_capture_runs_at_most_max_pyspy_dumps_at_once(tmp_path, monk
     for t in threads:
         t.join(60)
     assert most[0] == 3 and live[0] == 0
+
+
+def test_a_full_notify_queue_never_holds_the_watchdog_thread() -> None:
+    """systemd's notify socket accepts datagrams from anyone; with its queue kept full, a
+    ping gives up (after SEND_TIMEOUT) instead of blocking the watchdog thread for good."""
+    import socket
+    import threading
+
+    from profagent.system.sdnotify import Notifier
+
+    address = f"@profagent-full-{uuid.uuid4().hex}"
+    sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sink.bind("\0" + address[1:])  # never read
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.setblocking(False)
+    try:
+        try:
+            while True:
+                filler.sendto(b"x" * 512, "\0" + address[1:])
+        except BlockingIOError:
+            pass  # the queue is full
+        results: list[bool] = []
+        ping = threading.Thread(target=lambda: results.append(Notifier(address, 2_000_000).watchdog()), daemon=True)
+        ping.start()
+        ping.join(30)
+        assert not ping.is_alive() and results == [False]
+    finally:
+        filler.close()
+        sink.close()
