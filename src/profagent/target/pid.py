@@ -86,7 +86,9 @@ class PidTarget:
         self.cmdline_args = cmdline_args  # agent.cmdline_args: arguments in the label (redacted)
         self.proc_root = Path(proc_root)
         self._read_environ = environ_reader
-        self._env_cache: dict[tuple[int, float], dict[str, str] | None] = {}
+        # (pid, create_time, cmdline): a child read between fork and exec still shows its
+        # parent's environment (no RANK yet); after exec its command line differs
+        self._env_cache: dict[tuple[int, float, str], dict[str, str] | None] = {}
         self._known: dict[int, float] = {}  # pid -> create_time seen in the last tree
         self._job_id: str | None = None
         self._log_once = LogOnce(log)
@@ -136,8 +138,8 @@ class PidTarget:
                 continue
         return list(seen.values())
 
-    def _environ(self, pid: int, create_time: float) -> dict[str, str] | None:
-        key = (pid, create_time)
+    def _environ(self, pid: int, create_time: float, cmdline: str = "") -> dict[str, str] | None:
+        key = (pid, create_time, cmdline)
         if key not in self._env_cache:
             try:
                 self._env_cache[key] = self._read_environ(self.proc_root, pid)
@@ -170,8 +172,8 @@ class PidTarget:
             self._env_cache.clear()
             return ProcessTree(self._job_id or str(self.pid), self.pid, (), alive=False)
 
-        envs = {pid: self._environ(pid, ct) or {} for pid, (_, ct, _) in info.items()}
-        self._env_cache = {k: v for k, v in self._env_cache.items() if k[0] in info}
+        envs = {pid: self._environ(pid, ct, cmd) or {} for pid, (_, ct, cmd) in info.items()}
+        self._env_cache = {k: v for k, v in self._env_cache.items() if info.get(k[0], (0, 0.0, None))[1:] == k[1:]}
         children: dict[int, list[int]] = {}
         for pid, (ppid, _, _) in info.items():
             children.setdefault(ppid, []).append(pid)
