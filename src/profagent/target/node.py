@@ -30,10 +30,11 @@ launcher seen before its ranks does not get a PID job id that changes a moment l
    (``exec -a "python3 train.py" sleep``). A root that was examined and not admitted is
    remembered by (PID, start time), so a reused PID is a new root: one still settling is
    looked at again only once it is ``settle_seconds`` old or its tree grew (a launcher's
-   ranks appeared), one refused by a limit only once its job would fit (a job ended). At most ``max_new_per_scan`` roots are examined per
-   scan, taken round-robin across users, so one user's flood delays no one else's new
-   job by more than a scan. Each tick reads /proc's process list once for all the jobs
-   (not once per job), and a scan reads at most 4 KiB of each command line.
+   ranks appeared), one refused by a limit only once its job would fit (a job ended).
+   At most ``max_new_per_scan`` roots are examined per scan, taken round-robin across
+   users, so one user's flood delays no one else's new job by more than a scan. Each
+   tick reads /proc's process list once for all the jobs (not once per job), and a scan
+   reads at most 4 KiB of each command line.
 
 Changing the rules (SIGHUP) affects discovery only: jobs already watched stay until
 they end, so a reload never drops series.
