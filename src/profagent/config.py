@@ -53,6 +53,7 @@ class AgentConfig:
     log_level: str = _opt("info", "debug, info, warning or error")
     exit_grace: float = _opt(3.0, "seconds attach keeps serving after the whole target tree is gone")
     state_dir: str = _opt("", "folder for small state files (default: $XDG_STATE_HOME/profagent or /var/lib/profagent as root)")
+    max_label_bytes: int = _opt(128, "longest label value taken from a job's environment (job id, rank, Slurm and pod names), in bytes (>= 32); a longer value keeps its start plus a hash of the whole, so distinct values stay distinct")
     cmdline_args: bool = _opt(False, "show arguments in the cmdline label (values of --*key/token/secret/password* options are redacted); off: program and script only")
 
 
@@ -88,6 +89,7 @@ class StacksConfig:
     warmup_seconds: float = _opt(60.0, "a newly seen process is sampled at the full rate this long (one findings window)")
     nonblocking: bool = _opt(True, "sample without stopping the target (py-spy --nonblocking)")
     dataloader: bool = _opt(False, "also sample DataLoader worker processes")
+    max_pyspy: int = _opt(16, "py-spy processes running at once (a record window and a periodic dump per sampled process); beyond it ranks are sampled in turn and each wait counts as reason pyspy_cap. An incident capture's dumps run at most this many at once too")
     top_k: int = _opt(10, "leaf functions kept per rank; the rest is folded into 'other'")
     stall_seconds: float = _opt(120.0, "a main-thread stack unchanged this long marks the rank stalled")
     ring_seconds: float = _opt(600.0, "seconds of stacks kept in memory for /api/stacks")
@@ -101,6 +103,7 @@ class TracesConfig:
     settle_seconds: float = _opt(0.5, "a .json.gz must keep its size this long before it is read")
     invalid_after: float = _opt(60.0, "seconds a trace may stay incomplete before it counts as invalid")
     max_file_bytes: int = _opt(2 * 1024**3, "traces larger than this, once uncompressed, are skipped (reason too_large; a file of exactly this size is read)")
+    max_buffered_bytes: int = _opt(16 * 1024**2, "text of a trace held in memory at once: the metadata before the events, or one event, string or run of blanks; a trace that needs more is skipped (reason too_large_event)")
     top_k: int = _opt(10, "kernels and ops kept per rank; the rest is folded into 'other'")
     interval: float = _opt(0.0, "seconds between publishing newly analysed traces; 0 = 0.25 s (or the agent interval if shorter)")
 
@@ -114,6 +117,8 @@ class OndemandConfig:
     periodic_minutes: float = _opt(0.0, "take a trace every N minutes, rotating through ranks; 0 = off")
     periodic_duration_ms: int = _opt(500, "length of each periodic trace, milliseconds")
     keep: int = _opt(10, "how many agent-requested traces to keep")
+    max_pollers: int = _opt(4096, "processes kept in the registry of Kineto pollers; when full, a new one replaces the least recently seen process of the user holding the most")
+    max_pollers_per_user: int = _opt(256, "processes of one user (by its kernel credentials) kept in the registry; a new one replaces that user's least recently seen, so one user's flood never refuses another user's job")
     interval: float = _opt(0.0, "seconds between registry updates; 0 = the agent interval")
 
 
@@ -168,6 +173,7 @@ class WatchConfig:
     grace_seconds: float = _opt(30.0, "seconds an ended job keeps profagent_target_up = 0 and its last counters before its series disappear")
     max_jobs: int = _opt(16, "jobs watched at once; further jobs are ignored (one log line) until one ends")
     max_jobs_per_user: int = _opt(0, "jobs of one user (the job's launcher's owner) watched at once, so one user cannot fill max_jobs; 0 = half of max_jobs, at least 1")
+    max_new_per_scan: int = _opt(32, "new candidate processes examined per scan, round-robin across users (so thousands of look-alike processes cannot stall discovery); the rest wait for the next scans")
     max_processes_per_job: int = _opt(256, "processes exported per job (launcher and ranks first); the rest are ignored (one log line)")
     scan_interval: float = _opt(2.0, "seconds between scans of /proc for new jobs (known jobs refresh every agent interval)")
 
@@ -363,6 +369,13 @@ def validate(config: Config) -> None:
                 )
     if config.agent.interval <= 0:
         raise UserError("'interval' must be positive", f"use at least {MIN_INTERVAL}s")
+    if config.ondemand.max_pollers < 1 or config.ondemand.max_pollers_per_user < 1:
+        raise UserError("'ondemand.max_pollers' and 'ondemand.max_pollers_per_user' must be at least 1",
+                        "raise them, or set ondemand.enabled = false")
+    if config.traces.max_buffered_bytes < 1024**2:
+        raise UserError(f"'traces.max_buffered_bytes' is {config.traces.max_buffered_bytes}", "use 1 MiB (1048576) or more")
+    if config.agent.max_label_bytes < 32:
+        raise UserError(f"'max_label_bytes' is {config.agent.max_label_bytes}", "use 32 bytes or more")
     _validate_watch(config.watch)
     _validate_stacks(config.stacks)
     _validate_incidents(config.incidents)
@@ -410,6 +423,8 @@ def _validate_stacks(st: StacksConfig) -> None:
         raise UserError(f"'stacks.window' is {st.window}s, below the minimum", "use at least 1 s")
     if st.top_k < 1:
         raise UserError(f"'stacks.top_k' is {st.top_k}", "use 1 or more")
+    if st.max_pyspy < 1:
+        raise UserError(f"'stacks.max_pyspy' is {st.max_pyspy}", "use 1 or more (or --no-stacks)")
 
 
 def _validate_watch(w: WatchConfig) -> None:
@@ -424,7 +439,7 @@ def _validate_watch(w: WatchConfig) -> None:
         raise UserError(f"'watch.scan_interval' is {w.scan_interval}s, below the minimum", f"use at least {MIN_INTERVAL}s")
     if w.grace_seconds < 0:
         raise UserError("'watch.grace_seconds' is negative", "use 0 or more seconds")
-    for name in ("max_jobs", "max_processes_per_job"):
+    for name in ("max_jobs", "max_processes_per_job", "max_new_per_scan"):
         if getattr(w, name) < 1:
             raise UserError(f"'watch.{name}' must be at least 1", f"set watch.{name} to 1 or more")
     if w.max_jobs_per_user < 0:

@@ -68,8 +68,8 @@ def as_nobody(shared: Path, code: str, *args: str, wait: bool = True):
 
 
 @pytest.fixture
-def endpoint(shared: Path) -> Iterator[Endpoint]:
-    ep = Endpoint(str(shared / "sock"))
+def endpoint(shared: Path, request) -> Iterator[Endpoint]:
+    ep = Endpoint(str(shared / "sock"), **getattr(request, "param", {}))
     old = os.umask(0o077)  # as under the unit's UMask=0077
     try:
         ep.bind()
@@ -137,12 +137,27 @@ def test_a_flood_of_huge_polls_keeps_the_registry_small(endpoint: Endpoint, shar
     assert len(pollers) == 1 and len(pollers[0].pids) <= MAX_ANCESTORS
 
 
-def test_registry_is_capped() -> None:
+def _poll_as(ep: Endpoint, pid: int, uid: int) -> None:
+    ep.handle(kineto.encode_poll(kineto.Poll(3, 0, (pid,))), Sender(pid, uid))
+
+
+def test_registry_is_capped_per_user_and_in_all() -> None:
     ep = Endpoint()
-    for pid in range(2, MAX_POLLERS + 500):
-        ep.handle(kineto.encode_poll(kineto.Poll(3, 0, (pid, 1))), None)
-    assert len(ep.pollers()) == MAX_POLLERS
-    assert ep.counts()["registry_full"] == 498
+    assert (ep.max_pollers, ep.max_per_user) == (MAX_POLLERS, 256)
+    ep = Endpoint(max_pollers=100, max_per_user=60)
+    for pid in range(1000, 1200):  # one user's flood: only its own oldest entries go
+        _poll_as(ep, pid, 7)
+    assert [p.pid for p in ep.pollers()] == list(range(1140, 1200))
+    assert ep.counts()["evicted"] == 140
+    _poll_as(ep, 1140, 7)  # seen again: now its most recent, the next eviction spares it
+    _poll_as(ep, 5000, 7)
+    assert 1140 in {p.pid for p in ep.pollers()} and 1141 not in {p.pid for p in ep.pollers()}
+    for pid in range(2000, 2060):  # another user fills the rest, then the registry is full
+        _poll_as(ep, pid, 8)
+    by_uid = {uid: sum(1 for p in ep.pollers() if p.uid == uid) for uid in (7, 8)}
+    assert by_uid == {7: 50, 8: 50}  # full: the user holding the most lost its oldest each time
+    _poll_as(ep, 3000, 9)  # a third user's new job always gets in
+    assert 3000 in {p.pid for p in ep.pollers()} and len(ep.pollers()) == 100
 
 
 def test_a_peer_that_never_reads_cannot_stall_replies(endpoint: Endpoint, shared: Path) -> None:
@@ -192,3 +207,27 @@ def test_sender_unknown_is_refused() -> None:
     ep = Endpoint()
     assert ep.handle(kineto.encode_poll(kineto.Poll(3, 0, (4242, 1))), Sender(0, -1)) is None
     assert ep.pollers() == [] and ep.counts()["spoofed"] == 1
+
+
+@pytest.mark.parametrize("endpoint", [{"max_pollers": 80, "max_per_user": 50}], indirect=True)
+def test_a_flood_of_short_lived_pollers_never_refuses_another_users_job(endpoint: Endpoint, shared: Path) -> None:
+    """nobody forks 300 pollers that each poll once and exit (the attack: 4,200 filled the
+    4,096 entries for 60 s and the victim's job was refused): with 50 entries per user,
+    the victim's process registered after the flood is kept and can be traced."""
+    as_nobody(shared, """
+        for _ in range(300):
+            child = os.fork()
+            if child == 0:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                s.sendto(poll([os.getpid()]), sys.argv[1])
+                os._exit(0)
+            os.waitpid(child, 0)
+    """, str(endpoint.address))
+    wait_for(lambda: endpoint.counts().get("poll", 0) >= 300, 30, what="the 300 polls handled")
+    victim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    victim.sendto(kineto.encode_poll(kineto.Poll(3, 0, (os.getpid(),))), endpoint.address)
+    wait_for(lambda: os.getpid() in {p.pid for p in endpoint.pollers()}, 10, what="the victim registered")
+    victim.close()
+    assert len([p for p in endpoint.pollers() if p.uid == NOBODY]) == 50
+    assert endpoint.counts()["evicted"] == 250
+    assert endpoint.request(match_pid(os.getpid()), kineto.TraceOptions(duration_ms=100), str(shared), 5).targets

@@ -138,7 +138,7 @@ def test_watchdog_pings_only_while_discovery_refreshes(tmp_path, caplog) -> None
     watcher = NodeDaemon(cfg, lambda: cfg, notifier, Console(file=io.StringIO()))
     caplog.set_level(logging.WARNING, logger="profagent.engine.node")
     # _loop, not run(): run() starts the runtime, and this test needs discovery never to refresh
-    loop = threading.Thread(target=watcher._loop, daemon=True)
+    loop = threading.Thread(target=watcher._loop, daemon=True)  # starts the watchdog thread
     loop.start()  # the runtime is not started: discovery never refreshes
     try:
         # the loop reached a ping time and decided (its warning says so): only then check it did not ping

@@ -149,3 +149,58 @@ def test_mutated_real_traces_never_crash(
         assert exc.reason in ("truncated", "corrupt", "not_a_trace")
         return
     analyze(trace)  # whatever parsed must analyse without raising
+
+
+def _gz_stream(path: Path, *parts: tuple[bytes, int]) -> Path:
+    """A .json.gz of each (block, times) repeated, compressed as it goes (a bomb in bytes)."""
+    import zlib
+
+    c = zlib.compressobj(9, zlib.DEFLATED, 31)
+    with path.open("wb") as fh:
+        for block, times in parts:
+            for _ in range(times):
+                fh.write(c.compress(block))
+        fh.write(c.flush())
+    return path
+
+
+MiB = 1024 * 1024
+_SPACES = b" " * MiB
+
+
+@pytest.mark.parametrize("name, parts", [
+    ("blanks_in_events", [(b'{"traceEvents": [', 1), (_SPACES, 12), (b"]}", 1)]),
+    ("blanks_before_events", [(b"{", 1), (_SPACES, 12), (b'"traceEvents": []}', 1)]),
+    ("huge_name", [(b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "', 1), (b"A" * MiB, 12),
+                   (b'", "ts": 1, "dur": 2}]}', 1)]),
+    ("blanks_between_events", [(b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": 2}', 1),
+                               (_SPACES, 12), (b', {"ph": "X", "cat": "kernel", "name": "k", "ts": 3, "dur": 2}]}', 1)]),
+])
+def test_buffered_text_is_capped_whatever_the_bomb(tmp_path: Path, name: str, parts) -> None:
+    """12 MiB inflated from a few KB, held in one piece: refused once 2 MiB is buffered, and
+    the reader's Python allocations stay a small multiple of that cap (not the 12 MiB)."""
+    import tracemalloc
+
+    path = _gz_stream(tmp_path / f"{name}.json.gz", *parts)
+    assert path.stat().st_size < 64 * 1024
+    tracemalloc.start()
+    try:
+        with pytest.raises(TraceError) as err:
+            read_trace(path, max_buffered=2 * MiB)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert err.value.reason == "too_large_event"
+    assert "traces.max_buffered_bytes" in str(err.value)
+    assert peak < 8 * MiB, f"peak {peak / MiB:.1f} MiB"
+
+
+def test_the_buffer_cap_leaves_real_traces_alone(tmp_path: Path) -> None:
+    """A trace of many events is read the same under a 1 MiB cap (it is drained piece by piece)."""
+    events = [{"ph": "X", "cat": "kernel", "name": f"k{i % 50}", "ts": i, "dur": 1, "pid": 1, "tid": 7}
+              for i in range(60_000)]
+    path = _write(tmp_path / "t.json", {"traceEvents": events})
+    assert path.stat().st_size > 3 * MiB
+    capped, free = read_trace(path, max_buffered=MiB), read_trace(path)
+    assert len(capped) == len(free) == 60_000
+    assert _events(capped) == _events(free)

@@ -1,16 +1,52 @@
-"""Bounded label values: one "…" truncation and one top-K + "other" fold.
+"""Bounded label values: one "…" truncation, one hashed bound and one top-K + "other" fold.
 
 Free-form names (functions, kernels, ops, command lines) become Prometheus label values
 here, so their number and length stay bounded wherever they come from.
+
+Identities taken from outside (environment values: job ids, ranks, Slurm and pod names)
+are bounded by ``bound`` where they enter the agent (``system/procfs.read_environ``), so no
+series, log line or finding ever holds more than ``agent.max_label_bytes`` of them. A
+longer value keeps its start and gets a hash of the whole, so two distinct long job ids
+stay two jobs.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 
 OTHER = "other"
 ELLIPSIS = "…"
 LABEL_MAX = 120  # characters of a free-form label value
+VALUE_MAX = 128  # bytes of an identity from outside (agent.max_label_bytes)
+VALUE_MIN = 32  # room for a start, the "…" and the hash
+_HASH_CHARS = 12  # hex digits of sha256: 48 bits, distinct for any realistic number of values
+_value_max = VALUE_MAX
+
+
+def set_value_max(limit: int) -> None:
+    """The bound of ``bound`` (agent.max_label_bytes), set once at start-up."""
+    global _value_max
+    _value_max = max(VALUE_MIN, limit)
+
+
+def value_max() -> int:
+    return _value_max
+
+
+def bound(text: str, limit: int | None = None) -> str:
+    """``text`` if it is at most ``limit`` bytes of UTF-8, else its start, "…" and a hash of
+    the whole value (``limit`` bytes in all), so distinct values stay distinct."""
+    limit = _value_max if limit is None else max(VALUE_MIN, limit)
+    if len(text) * 4 <= limit:
+        return text  # fits whatever the characters
+    raw = text.encode("utf-8", "surrogateescape")
+    if len(raw) <= limit:
+        return text
+    digest = hashlib.sha256(raw).hexdigest()[:_HASH_CHARS]
+    keep = limit - len(ELLIPSIS.encode()) - _HASH_CHARS
+    start = raw[:keep].decode("utf-8", "ignore")  # a character cut in two is dropped
+    return f"{start}{ELLIPSIS}{digest}"
 
 
 def shorten(text: str, limit: int = LABEL_MAX) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 
 from rich.console import Console
 
+from profagent.analysis.labels import set_value_max
 from profagent.config import Config, parse_listen
 from profagent.engine.control import ControlledOndemand, ControlServer
 from profagent.engine.findings import FindingsEngine, findings_route
@@ -83,6 +84,8 @@ def build_sources(config: Config) -> tuple[list[Source], list[Disabled]]:
             periodic_minutes=config.ondemand.periodic_minutes,
             keep=config.ondemand.keep,
             periodic_options=TraceOptions(duration_ms=config.ondemand.periodic_duration_ms),
+            max_pollers=config.ondemand.max_pollers,
+            max_pollers_per_user=config.ondemand.max_pollers_per_user,
         )
         sources.append(ControlledOndemand(ondemand, config.ondemand.control_socket or default_control_socket()))
     else:
@@ -104,6 +107,7 @@ class Job:
 
     def __init__(self, config: Config, pid: int, target: PidTarget | None = None) -> None:
         """``target`` replaces ``PidTarget(pid)`` (watch mode passes a NodeTarget)."""
+        set_value_max(config.agent.max_label_bytes)  # before the first environment is read
         self.pid = pid
         self.state = State()
         self.target = target if target is not None else PidTarget(pid, cmdline_args=config.agent.cmdline_args)
@@ -135,6 +139,7 @@ class Job:
             config.incidents, incidents_dir(config.incidents, config.agent.state_dir), self.state,
             interval=config.agent.interval, ondemand=control.source if control else None,
             rate_file=rate_limits_path(config.agent.state_dir), max_trace_bytes=config.traces.max_file_bytes,
+            max_pyspy=config.stacks.max_pyspy,
         )
         self.engine_ops["incident"] = lambda req: source.request(
             str(req["job"]) if req.get("job") else None, str(req.get("reason") or ""))

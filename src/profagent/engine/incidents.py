@@ -283,6 +283,7 @@ class IncidentsSource:
         rate_file: Path | None = None,  # None: rate limits are forgotten on restart
         max_trace_bytes: int = TracesConfig.max_file_bytes,  # traces.max_file_bytes
         uid_of: Callable[[int], int] | None = None,  # PID -> real uid (-1: unknown)
+        max_pyspy: int = 16,  # stacks.max_pyspy: dumps at once
     ) -> None:
         self.config = config
         self.store = IncidentStore(root)
@@ -309,6 +310,7 @@ class IncidentsSource:
         self.stopping = threading.Event()
         self._dumps_lock = threading.Lock()
         self._dumps: set[subprocess.Popen] = set()  # running py-spy dumps, killed by stop()
+        self._dump_slots = threading.BoundedSemaphore(max_pyspy)  # stacks.max_pyspy dumps at once
 
     def start(self) -> None:
         try:
@@ -337,7 +339,17 @@ class IncidentsSource:
 
     def run_dump(self, args: list[str], timeout: float = DUMP_TIMEOUT) -> tuple[str, str]:
         """(stdout, first error line) of one py-spy dump; killed and reaped if it overruns
-        ``timeout`` or the agent stops."""
+        ``timeout`` or the agent stops. A job of 150 ranks: at most stacks.max_pyspy dumps
+        at once, and the wait for a turn counts against ``timeout``."""
+        began = time.monotonic()
+        if not self._dump_slots.acquire(timeout=max(0.0, timeout)):
+            return "", "no py-spy turn before incidents.capture_timeout (stacks.max_pyspy dumps at once)"
+        try:
+            return self._run_dump(args, timeout - (time.monotonic() - began))
+        finally:
+            self._dump_slots.release()
+
+    def _run_dump(self, args: list[str], timeout: float) -> tuple[str, str]:
         if self.stopping.is_set():
             return "", "the agent is stopping"
         if timeout <= 0:

@@ -2,8 +2,15 @@
 
 The target is a ``NodeTarget`` (``agent/discovery.py``) that finds every training job
 of the node; the rest is the attach machinery. Under systemd (``Type=notify``) it sends
-READY=1 once serving, WATCHDOG=1 every WatchdogSec/2 while discovery is alive,
+READY=1 once serving, WATCHDOG=1 every WatchdogSec/2 while the agent is healthy,
 RELOADING=1 and READY=1 around a SIGHUP reload, and STOPPING=1 on SIGTERM/SIGINT.
+
+The watchdog pings come from a thread of their own (``profagent-watchdog``) that does
+nothing else: no scan, capture, trace ingestion or reload runs on it, so none can delay
+a ping. "Healthy" means the runtime's target loop (discovery and the job trees) finished
+a refresh within the last WatchdogSec: a loop that is stuck, or that takes longer than
+that per refresh, stops the pings and systemd restarts the agent; a slow tick alone does
+not. The HTTP server and the sources run on their own threads and do not take part.
 
 SIGHUP re-reads the configuration (file, environment, the original flags) and applies
 what can change in place: the ``[watch]`` section (discovery rules, limits, grace, scan
@@ -127,23 +134,38 @@ class NodeDaemon:
         return 0
 
     def _loop(self) -> None:
+        """The main thread: signals and reloads. The watchdog has a thread of its own."""
+        watchdog = None
+        if self.notifier.watchdog_interval:
+            watchdog = threading.Thread(target=self._watchdog_loop, name="profagent-watchdog", daemon=True)
+            watchdog.start()
+        try:
+            while not self.stop_event.wait(TICK):
+                if self.reload_event.is_set():
+                    self.reload_event.clear()
+                    self.reload()
+        finally:
+            if watchdog is not None:
+                watchdog.join(1.0)
+
+    def healthy(self, now: float) -> bool:
+        """Whether discovery finished a refresh within the last WatchdogSec."""
+        interval = self.notifier.watchdog_interval or 0.0
+        last = self.target.last_refresh
+        return last is not None and now - last < 2 * interval
+
+    def _watchdog_loop(self) -> None:
+        """Ping every WatchdogSec/2 while healthy; only reads a timestamp, never waits on a lock."""
         interval = self.notifier.watchdog_interval
-        next_ping = self._clock()
-        # A stuck discovery (no refresh for a whole watchdog period) stops the pings, so
-        # systemd restarts us; a slow tick alone does not.
-        stale_after = 2 * interval if interval else None
-        while not self.stop_event.wait(TICK):
-            if self.reload_event.is_set():
-                self.reload_event.clear()
-                self.reload()
+        if not interval:
+            return
+        while not self.stop_event.wait(interval):
             now = self._clock()
-            if interval and now >= next_ping:
+            if self.healthy(now):
+                self.notifier.watchdog(self.status())
+            else:
                 last = self.target.last_refresh
-                if last is not None and stale_after is not None and now - last < stale_after:
-                    self.notifier.watchdog(self.status())
-                else:
-                    log.warning("discovery has not refreshed for %.0fs: not pinging the watchdog", now - (last or now))
-                next_ping = now + interval
+                log.warning("discovery has not refreshed for %.0fs: not pinging the watchdog", now - (last or now))
 
     def reload(self) -> bool:
         """Apply a fresh configuration; keep the old one if it does not load."""

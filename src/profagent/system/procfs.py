@@ -10,17 +10,21 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from profagent.analysis.labels import bound
+
 PROC = Path("/proc")
 
 
 def read_environ(proc_root: Path, pid: int) -> dict[str, str]:
-    """/proc/PID/environ. Raises OSError (PermissionError, FileNotFoundError...)."""
+    """/proc/PID/environ, every name and value bounded by ``labels.bound`` (the process'
+    owner chooses them; they become job ids, ranks and labels). Raises OSError
+    (PermissionError, FileNotFoundError...)."""
     raw = (proc_root / str(pid) / "environ").read_bytes()
     env = {}
     for item in raw.split(b"\0"):
         key, sep, value = item.partition(b"=")
         if sep:
-            env[key.decode(errors="replace")] = value.decode(errors="replace")
+            env[bound(key.decode(errors="replace"))] = bound(value.decode(errors="replace"))
     return env
 
 
@@ -83,11 +87,25 @@ def boot_time(proc_root: Path) -> float:
     raise OSError(f"no btime in {proc_root / 'stat'}")
 
 
+CMDLINE_READ_MAX = 4096  # bytes of a command line read by a scan (a rule needs its start only)
+
+
+def _read_head(path: Path, limit: int) -> bytes:
+    """The first ``limit`` bytes of a /proc file. Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
 def process_table(proc_root: Path) -> dict[int, tuple[int, float, str]]:
-    """pid -> (ppid, create_time, full command line) of every live, non-zombie process.
+    """pid -> (ppid, create_time, command line) of every live, non-zombie process.
 
     ``create_time`` is computed as psutil computes it (boot time + start ticks), so it
-    matches ``psutil.Process(pid).create_time()`` for the same /proc.
+    matches ``psutil.Process(pid).create_time()`` for the same /proc. Only the first
+    ``CMDLINE_READ_MAX`` bytes of each command line are read: any process may set a
+    megabyte-long one, and a scan reads thousands.
     """
     ticks = os.sysconf("SC_CLK_TCK")
     booted = boot_time(proc_root)
@@ -98,7 +116,7 @@ def process_table(proc_root: Path) -> dict[int, tuple[int, float, str]]:
         pid = int(entry.name)
         try:
             stat = (proc_root / entry.name / "stat").read_bytes()
-            raw = (proc_root / entry.name / "cmdline").read_bytes()
+            raw = _read_head(proc_root / entry.name / "cmdline", CMDLINE_READ_MAX)
         except OSError:  # gone between the listing and the read
             continue
         fields = stat.rpartition(b")")[2].split()  # the name may hold spaces and parentheses
@@ -107,3 +125,19 @@ def process_table(proc_root: Path) -> dict[int, tuple[int, float, str]]:
         argv = raw.decode(errors="replace").rstrip("\0").split("\0")
         table[pid] = (int(fields[1]), int(fields[19]) / ticks + booted, " ".join(argv))
     return table
+
+
+def children_map(proc_root: Path) -> dict[int, list[int]]:
+    """ppid -> child pids of every live process (one /proc/PID/stat read each)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir(proc_root):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = _read_head(proc_root / entry.name / "stat", 4096)
+        except OSError:
+            continue
+        fields = stat.rpartition(b")")[2].split()
+        if len(fields) >= 2 and fields[0] != b"Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    return children

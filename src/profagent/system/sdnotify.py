@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from profagent.system.unixsock import parse_address, send_datagram
 
 log = logging.getLogger(__name__)
+SEND_TIMEOUT = 1.0  # seconds
 
 
 class Notifier:
@@ -39,7 +40,9 @@ class Notifier:
         if self.address is None:
             return False
         try:
-            send_datagram(self.address, "\n".join(fields).encode())
+            # systemd's notify socket takes datagrams from anyone: a queue that others keep
+            # full must not hold the watchdog thread, so a send waits at most a second
+            send_datagram(self.address, "\n".join(fields).encode(), timeout=SEND_TIMEOUT)
             return True
         except OSError as exc:
             log.debug("sd_notify to %r failed: %s", self.address, exc)

@@ -69,9 +69,11 @@ def bind_private(path: str, kind: socket.SocketKind = socket.SOCK_STREAM) -> soc
     return sock
 
 
-def send_datagram(address: Address, payload: bytes) -> None:
-    """One datagram to ``address``. Raises OSError."""
+def send_datagram(address: Address, payload: bytes, timeout: float | None = None) -> None:
+    """One datagram to ``address``, waiting at most ``timeout`` seconds for room in the
+    receiver's queue (None: as long as it takes). Raises OSError (TimeoutError included)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        sock.settimeout(timeout)
         sock.sendto(payload, address)
 
 

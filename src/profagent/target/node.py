@@ -26,6 +26,16 @@ A new root is admitted at once when its job id comes from SLURM_JOB_ID or
 TORCHELASTIC_RUN_ID, else once it is ``settle_seconds`` old, so that a torchrun
 launcher seen before its ranks does not get a PID job id that changes a moment later.
 
+6. **Bounded work**: any user can start thousands of processes that match the rules
+   (``exec -a "python3 train.py" sleep``). A root that was examined and not admitted is
+   remembered by (PID, start time), so a reused PID is a new root: one still settling is
+   looked at again only once it is ``settle_seconds`` old or its tree grew (a launcher's
+   ranks appeared), one refused by a limit only once its job would fit (a job ended).
+   At most ``max_new_per_scan`` roots are examined per scan, taken round-robin across
+   users, so one user's flood delays no one else's new job by more than a scan. Each
+   tick reads /proc's process list once for all the jobs (not once per job), and a scan
+   reads at most 4 KiB of each command line.
+
 Changing the rules (SIGHUP) affects discovery only: jobs already watched stay until
 they end, so a reload never drops series.
 """
@@ -33,6 +43,7 @@ they end, so a reload never drops series.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import pwd
@@ -45,7 +56,7 @@ from pathlib import Path
 
 from profagent.config import WatchConfig
 from profagent.logs import LogOnce
-from profagent.system.procfs import PROC, process_table, read_environ
+from profagent.system.procfs import PROC, children_map, process_table, read_environ
 from profagent.target.pid import PidTarget
 from profagent.target.tree import (
     JOB_VARS,
@@ -99,10 +110,12 @@ class Limits:
     grace_seconds: float = 30.0
     scan_interval: float = 2.0
     max_jobs_per_user: int = 0  # 0: half of max_jobs, at least 1
+    max_new_per_scan: int = 32  # roots examined (their trees built) per scan
 
     @classmethod
     def from_config(cls, w: WatchConfig) -> Limits:
-        return cls(w.max_jobs, w.max_processes_per_job, w.grace_seconds, w.scan_interval, w.max_jobs_per_user)
+        return cls(w.max_jobs, w.max_processes_per_job, w.grace_seconds, w.scan_interval, w.max_jobs_per_user,
+                   w.max_new_per_scan)
 
     @property
     def per_user(self) -> int:
@@ -148,6 +161,11 @@ class NodeTarget:
         self._rules, self._limits = rules, limits
         self._roots: dict[Key, _Root] = {}
         self._ignored: dict[Key, tuple[int, str]] = {}  # roots left out by a limit -> (uid, job id)
+        # roots too young for a PID job id -> (when to look again, their tree's size then)
+        self._settling: dict[Key, tuple[float, int]] = {}
+        self._uids: dict[Key, int] = {}  # owner of each candidate root (round-robin across users)
+        self._loose_rank: dict[Key, bool] = {}  # has a rank but no job id variable (a custom launcher's)
+        self._backlog_logged = False
         self._claims: dict[str, int] = {}  # job id -> uid of its first owner (keeps the plain id)
         self._env_match: dict[tuple[int, float, str], bool] = {}
         self._ended: dict[str, float] = {}  # job id -> when its last process went
@@ -184,14 +202,18 @@ class NodeTarget:
         if reconfigured:
             self._last_scan = None  # scan again at once with the new rules
             self._ignored.clear()  # a larger max_jobs may admit them now
+            self._settling.clear()
             self._env_match.clear()  # the markers may have changed
         now = self._clock()
+        children = None
         if self._last_scan is None or now - self._last_scan >= limits.scan_interval:
             self._last_scan = now
-            self._discover(rules, limits)
+            children = self._discover(rules, limits)
+        if children is None and self._roots:
+            children = children_map(self.proc_root)  # once per tick for every job, not once per job
         by_job: dict[str, list[ProcessTree]] = {}
         for key, root in list(self._roots.items()):
-            tree = root.target.refresh()
+            tree = root.target.refresh(children)
             if not tree.alive:
                 del self._roots[key]
                 continue
@@ -241,12 +263,14 @@ class NodeTarget:
         return sorted(procs, key=lambda p: (order.get(p.role, 1), p.pid))[:limit]
 
     # -- discovery -------------------------------------------------------------------
-    def _discover(self, rules: Rules, limits: Limits) -> None:
+    def _discover(self, rules: Rules, limits: Limits) -> dict[int, list[int]]:
+        """Find and admit new roots; returns the table's children map (for this tick)."""
         table = process_table(self.proc_root)
+        children = _children(table)
         claimed = {p.pid for r in self._roots.values() if r.tree for p in r.tree.processes}
         claimed |= {k[0] for k in self._roots}
         gpu = set(self._gpu_pids() or ()) if rules.gpu_processes and self._gpu_pids else set()
-        mine = _descendants(self._self_pid, table)
+        mine = _descendants(self._self_pid, children)
 
         live_env_keys = set()
         candidates: set[int] = set()
@@ -264,18 +288,43 @@ class NodeTarget:
                 if self._env_match[env_key]:
                     candidates.add(pid)
         self._env_match = {k: v for k, v in self._env_match.items() if k in live_env_keys}
-        self._ignored = {k: j for k, j in self._ignored.items() if table.get(k[0], (0, -1.0))[1] == k[1]}
+
+        def live(key: Key) -> bool:
+            return table.get(key[0], (0, -1.0))[1] == key[1]
+
+        self._ignored = {k: j for k, j in self._ignored.items() if live(k)}
+        for cache in (self._settling, self._uids, self._loose_rank):
+            for k in [k for k in cache if not live(k)]:
+                del cache[k]
 
         roots = set()
         for pid in candidates - claimed:
             top = _topmost(pid, candidates, table)
             if top not in claimed:
                 roots.add(top)
+        known = {(r.uid, r.tree.job_id) for r in self._roots.values() if r.tree}
+        wall = time.time()
+        due: list[Key] = []
         for top in self._group_siblings(roots, table):
             key = (top, table[top][1])
-            if top in claimed or (key in self._ignored and len(self._alive_jobs) >= limits.max_jobs):
+            if top in claimed:
                 continue
-            self._admit(key, limits)
+            settling = self._settling.get(key)
+            if settling is not None and settling[0] > wall and settling[1] == len(_descendants(top, children)):
+                continue  # too young, and no rank (with its job id) has appeared below it since
+            if key in self._ignored and not _fits(self._ignored[key], known, limits):
+                continue  # refused by a limit that still holds: not worth building its tree again
+            due.append(key)
+        batch = _round_robin(due, self._uid)
+        for key in batch[: limits.max_new_per_scan]:
+            self._admit(key, limits, children)
+        backlog = len(batch) - limits.max_new_per_scan
+        if backlog > 0 and not self._backlog_logged:
+            log.warning("%d new candidate roots (most from user %s): examining %d per scan "
+                        "(watch.max_new_per_scan), round-robin across users",
+                        len(batch), _user(self._uid(batch[-1])), limits.max_new_per_scan)
+        self._backlog_logged = backlog > 0
+        return children
 
     def _group_siblings(self, roots: set[int], table: dict[int, tuple[int, float, str]]) -> set[int]:
         """Roots with a rank but no job id variable (SLURM_JOB_ID, TORCHELASTIC_RUN_ID: those
@@ -283,8 +332,15 @@ class NodeTarget:
         by_parent: dict[int, list[int]] = {}
         for pid in roots:
             ppid = table[pid][0]
-            env = self._environ(pid) if ppid > 1 and ppid in table and ppid != self._self_pid else {}
-            if any(rank in env for rank, _, _ in RANK_VARS) and not any(env.get(v) for v in JOB_VARS):
+            if ppid <= 1 or ppid not in table or ppid == self._self_pid:
+                continue
+            key = (pid, table[pid][1])
+            loose = self._loose_rank.get(key)
+            if loose is None:  # the environment of a process never changes as /proc shows it
+                env = self._environ(pid)
+                loose = self._loose_rank[key] = (any(rank in env for rank, _, _ in RANK_VARS)
+                                                 and not any(env.get(v) for v in JOB_VARS))
+            if loose:
                 by_parent.setdefault(ppid, []).append(pid)
         out = set(roots)
         for parent, kids in by_parent.items():
@@ -293,14 +349,28 @@ class NodeTarget:
                 out.add(parent)
         return out
 
-    def _admit(self, key: Key, limits: Limits) -> None:
+    def _uid(self, key: Key) -> int:
+        uid = self._uids.get(key)
+        if uid is None:
+            try:
+                uid = (self.proc_root / str(key[0])).stat().st_uid
+            except OSError:
+                uid = -1
+            self._uids[key] = uid
+        return uid
+
+    def _admit(self, key: Key, limits: Limits, children: dict[int, list[int]] | None = None) -> None:
         target = PidTarget(key[0], self.proc_root, self._read_environ, cmdline_args=self.cmdline_args)
-        tree = target.refresh()
+        tree = target.refresh(children)
         if not tree.alive:
             return
         age = time.time() - key[1]
         if tree.job_id == str(key[0]) and age < self._settle:
-            return  # a launcher whose ranks (and their TORCHELASTIC_RUN_ID) may still come
+            # a launcher whose ranks (and their TORCHELASTIC_RUN_ID) may still come: look
+            # again once it is old enough, not on every scan before
+            self._settling[key] = (key[1] + self._settle, len(tree.processes))
+            return
+        self._settling.pop(key, None)
         uid = _owner(self.proc_root, key[0])
         if uid is None:
             return  # gone meanwhile
@@ -363,10 +433,29 @@ def _is_python(cmdline: str) -> bool:
     return "python" in argv0.rsplit("/", 1)[-1]
 
 
-def _descendants(pid: int, table: dict[int, tuple[int, float, str]]) -> set[int]:
+def _fits(job: tuple[int, str], known: set[tuple[int, str]], limits: Limits) -> bool:
+    """Whether a job refused by a limit would be admitted now."""
+    if job in known:
+        return True
+    return len(known) < limits.max_jobs and sum(1 for j in known if j[0] == job[0]) < limits.per_user
+
+
+def _round_robin(keys: list[Key], uid_of: Callable[[Key], int]) -> list[Key]:
+    """One root of each user in turn (oldest first within a user)."""
+    by_uid: dict[int, list[Key]] = {}
+    for key in sorted(keys, key=lambda k: (k[1], k[0])):
+        by_uid.setdefault(uid_of(key), []).append(key)
+    return [k for turn in itertools.zip_longest(*by_uid.values()) for k in turn if k is not None]
+
+
+def _children(table: dict[int, tuple[int, float, str]]) -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for p, (ppid, _, _) in table.items():
         children.setdefault(ppid, []).append(p)
+    return children
+
+
+def _descendants(pid: int, children: dict[int, list[int]]) -> set[int]:
     out, stack = {pid}, [pid]
     while stack:
         for c in children.get(stack.pop(), ()):

@@ -105,7 +105,9 @@ class PidTarget:
         self.cmdline_args = cmdline_args  # agent.cmdline_args: arguments in the label (redacted)
         self.proc_root = Path(proc_root)
         self._read_environ = environ_reader
-        self._env_cache: dict[tuple[int, float], dict[str, str] | None] = {}
+        # (pid, create_time, cmdline): a child read between fork and exec still shows its
+        # parent's environment (no RANK yet); after exec its command line differs
+        self._env_cache: dict[tuple[int, float, str], dict[str, str] | None] = {}
         self._known: dict[int, float] = {}  # pid -> create_time seen in the last tree
         self._job_id: str | None = None
         self._log_once = LogOnce(log)
@@ -123,14 +125,18 @@ class PidTarget:
         except psutil.Error:
             return None
 
-    def _collect(self) -> list[psutil.Process]:
-        """The root and its descendants; if the root died, whatever we knew that lives on."""
+    def _collect(self, children: dict[int, list[int]] | None = None) -> list[psutil.Process]:
+        """The root and its descendants; if the root died, whatever we knew that lives on.
+        ``children`` (ppid -> pids, read once for all targets) saves psutil's walk of
+        every process of the host for each target."""
         roots = []
         root = self._alive(self.pid, self._known.get(self.pid))
         if root is not None:
             roots.append(root)
         else:
             roots = [p for pid, ct in self._known.items() if (p := self._alive(pid, ct))]
+        if children is not None:  # watch mode read the whole process table once for every job
+            return self._full_scan(roots, children)
         now = self._clock()
         if self._full_scan_at is None or now - self._full_scan_at >= FULL_SCAN_EVERY:
             self._full_scan_at = now
@@ -142,10 +148,24 @@ class PidTarget:
         return walked
 
     @staticmethod
-    def _full_scan(roots: list[psutil.Process]) -> list[psutil.Process]:
+    def _full_scan(roots: list[psutil.Process], children: dict[int, list[int]] | None = None) -> list[psutil.Process]:
+        """The roots and all their descendants, from ``children`` (ppid -> pids) if given,
+        else from psutil's walk of every process of the host."""
         seen: dict[int, psutil.Process] = {}
         for proc in roots:
             seen[proc.pid] = proc
+            if children is not None:
+                stack = list(children.get(proc.pid, ()))
+                while stack:
+                    pid = stack.pop()
+                    if pid in seen:
+                        continue
+                    try:
+                        seen[pid] = psutil.Process(pid)
+                    except psutil.Error:
+                        continue
+                    stack.extend(children.get(pid, ()))
+                continue
             try:
                 for child in proc.children(recursive=True):
                     seen.setdefault(child.pid, child)
@@ -175,8 +195,8 @@ class PidTarget:
     def _settled(self, create_time: float) -> bool:
         return self._wall() - create_time >= SETTLED_AFTER
 
-    def _environ(self, pid: int, create_time: float) -> dict[str, str] | None:
-        key = (pid, create_time)
+    def _environ(self, pid: int, create_time: float, cmdline: str = "") -> dict[str, str] | None:
+        key = (pid, create_time, cmdline)
         if key in self._env_cache:
             return self._env_cache[key]
         env = self._read_environ_once(pid)
@@ -199,8 +219,8 @@ class PidTarget:
         return None
 
     # -- classification ------------------------------------------------------------
-    def refresh(self) -> ProcessTree:
-        procs = self._collect()
+    def refresh(self, children: dict[int, list[int]] | None = None) -> ProcessTree:
+        procs = self._collect(children)
         info: dict[int, tuple[int, float, str]] = {}
         for proc in procs:
             try:
@@ -215,8 +235,8 @@ class PidTarget:
             self._env_cache.clear()
             return ProcessTree(self._job_id or str(self.pid), self.pid, (), alive=False)
 
-        envs = {pid: self._environ(pid, ct) or {} for pid, (_, ct, _) in info.items()}
-        self._env_cache = {k: v for k, v in self._env_cache.items() if k[0] in info}
+        envs = {pid: self._environ(pid, ct, cmd) or {} for pid, (_, ct, cmd) in info.items()}
+        self._env_cache = {k: v for k, v in self._env_cache.items() if info.get(k[0], (0, 0.0, None))[1:] == k[1:]}
         children: dict[int, list[int]] = {}
         for pid, (ppid, _, _) in info.items():
             children.setdefault(ppid, []).append(pid)

@@ -4,8 +4,14 @@ processes, and the trace requests handed to them on their next poll.
 Any local user can write to the socket, so each poll is authenticated by the sender's
 kernel credentials (SCM_CREDENTIALS): the poll's PID must be the sender's, and of the
 ancestors it lists only those that really are its ancestors are kept (a process cannot
-pose as another job's child to receive that job's trace config). The registry is bounded,
-and replies never wait on a sender that does not read them.
+pose as another job's child to receive that job's trace config). Replies never wait on a
+sender that does not read them.
+
+The registry is bounded per user (by the sender's uid) and in all. A new process of a
+user at ``max_per_user`` replaces that user's least recently seen entry; a new process
+when the registry is full replaces the least recently seen entry of the user holding the
+most (its own, on a tie). So a user who floods it with short-lived pollers only ever evicts its own entries,
+and another user's new job always gets in. Each eviction is counted (``evicted``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ log = logging.getLogger(__name__)
 POLLER_TTL = 60.0  # libkineto polls every ~5 s; silent this long means gone
 MALFORMED_LOG_EVERY = 100
 MAX_POLLERS = 4096  # far more processes than a node traces; a flood cannot grow the registry past it
+MAX_POLLERS_PER_USER = 256  # ondemand.max_pollers_per_user: far more ranks than one user runs on a node
 MAX_ANCESTORS = 32  # pids kept per poll (the process and its ancestors)
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
@@ -60,6 +67,7 @@ class Poller:
     jobid: int
     can_trace: bool
     last_seen: float
+    uid: int = -1  # the sender's, from SCM_CREDENTIALS (-1: not known)
 
 
 @dataclass
@@ -87,11 +95,14 @@ class NoPollers(UserError):
 class Endpoint:
     """The Kineto daemon socket, the registry of polling processes and pending requests."""
 
-    def __init__(self, socket_dir: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, socket_dir: str = "", clock: Callable[[], float] = time.monotonic,
+                 max_pollers: int = MAX_POLLERS, max_per_user: int = MAX_POLLERS_PER_USER) -> None:
         self.socket_dir = socket_dir
         self._clock = clock
+        self.max_pollers, self.max_per_user = max_pollers, min(max_per_user, max_pollers)
         self._lock = threading.Lock()
         self._pollers: dict[int, Poller] = {}
+        self._by_user: dict[int, dict[int, None]] = {}  # uid -> its pids, least recently seen first
         self._requests: dict[str, TraceRequest] = {}
         self._counts: dict[str, int] = {}
         self._sock: socket.socket | None = None
@@ -199,15 +210,17 @@ class Endpoint:
             pids = _true_ancestry(pids)
         self._count("poll")
         now = self._clock()
+        uid = sender.uid if sender is not None else -1
         with self._lock:
-            if message.pid not in self._pollers and len(self._pollers) >= MAX_POLLERS:
-                self._pollers = {p: v for p, v in self._pollers.items() if now - v.last_seen < POLLER_TTL}
-            full = message.pid not in self._pollers and len(self._pollers) >= MAX_POLLERS
-        if full:
-            self._refused("registry_full", f"more than {MAX_POLLERS} processes poll: PID {message.pid} ignored")
-            return kineto.reply_config("")
+            evicted = self._make_room(uid, now) if message.pid not in self._pollers else None
+            self._forget(message.pid)
+            self._pollers[message.pid] = Poller(message.pid, pids, message.jobid, message.can_trace, now, uid)
+            self._by_user.setdefault(uid, {})[message.pid] = None  # now the most recently seen
+        if evicted is not None:
+            self._refused("evicted", f"registry full for uid {evicted.uid} (ondemand.max_pollers_per_user = "
+                          f"{self.max_per_user}, ondemand.max_pollers = {self.max_pollers}): PID {evicted.pid}, "
+                          f"seen {now - evicted.last_seen:.0f} s ago, replaced by PID {message.pid}")
         with self._lock:
-            self._pollers[message.pid] = Poller(message.pid, pids, message.jobid, message.can_trace, now)
             if not message.can_trace:
                 return kineto.reply_config("")  # a trace is already running there
             for request in self._requests.values():
@@ -217,6 +230,31 @@ class Endpoint:
                     self._counts["sent"] = self._counts.get("sent", 0) + 1
                     return kineto.reply_config(kineto.config_text(request.log_file, request.options, request.id))
         return kineto.reply_config("")
+
+    def _forget(self, pid: int) -> Poller | None:
+        """Drop one entry (lock held)."""
+        gone = self._pollers.pop(pid, None)
+        if gone is not None:
+            mine = self._by_user.get(gone.uid, {})
+            mine.pop(pid, None)
+            if not mine:
+                self._by_user.pop(gone.uid, None)
+        return gone
+
+    def _make_room(self, uid: int, now: float) -> Poller | None:
+        """Room for a new entry of ``uid`` (lock held): the evicted entry, if one was."""
+        if len(self._by_user.get(uid, ())) >= self.max_per_user:
+            return self._forget(next(iter(self._by_user[uid])))
+        if len(self._pollers) < self.max_pollers:
+            return None
+        for pid in [p for p, v in self._pollers.items() if now - v.last_seen >= POLLER_TTL]:
+            self._forget(pid)
+        if len(self._pollers) < self.max_pollers:
+            return None
+        most = max(len(pids) for pids in self._by_user.values())
+        mine = self._by_user.get(uid, {})
+        victim = mine if len(mine) == most else next(p for p in self._by_user.values() if len(p) == most)
+        return self._forget(next(iter(victim)))
 
     def _refused(self, kind: str, message: str) -> None:
         self._count(kind)
@@ -228,7 +266,8 @@ class Endpoint:
     def pollers(self) -> list[Poller]:
         now = self._clock()
         with self._lock:
-            self._pollers = {p: v for p, v in self._pollers.items() if now - v.last_seen < POLLER_TTL}
+            for pid in [p for p, v in self._pollers.items() if now - v.last_seen >= POLLER_TTL]:
+                self._forget(pid)
             return sorted(self._pollers.values(), key=lambda p: p.pid)
 
     def request(

@@ -20,7 +20,14 @@ from pathlib import Path
 
 from profagent.errors import SourceUnavailable
 from profagent.sources.ondemand import kineto
-from profagent.sources.ondemand.endpoint import Endpoint, NoPollers, Poller, TraceRequest
+from profagent.sources.ondemand.endpoint import (
+    MAX_POLLERS,
+    MAX_POLLERS_PER_USER,
+    Endpoint,
+    NoPollers,
+    Poller,
+    TraceRequest,
+)
 from profagent.system.safefs import UnsafePath, own_directory
 from profagent.target import ProcessTree
 
@@ -47,10 +54,12 @@ class OndemandSource:
         keep: int = 10,
         periodic_options: kineto.TraceOptions | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_pollers: int = MAX_POLLERS,
+        max_pollers_per_user: int = MAX_POLLERS_PER_USER,
     ) -> None:
         self.interval = interval
         self.trace_dir = trace_dir
-        self.endpoint = Endpoint(socket_dir, clock)
+        self.endpoint = Endpoint(socket_dir, clock, max_pollers, max_pollers_per_user)
         self.periodic_seconds = periodic_minutes * 60
         self.keep = keep
         self.periodic_options = periodic_options or kineto.TraceOptions(duration_ms=500)

@@ -5,6 +5,11 @@ children, parses their output into ``Result``s, and starts what is due: the next
 ``record`` window at once, a ``dump --json`` every STATE_EVERY seconds. A py-spy that
 fails on a process is retried after RETRY_AFTER seconds, doubling up to RETRY_MAX.
 The owner sets the processes with ``set_targets`` and takes results with ``drain``.
+
+At most ``stacks.max_pyspy`` children run at once, whatever the number of ranks (a job
+of 150 ranks would otherwise get 300 root py-spy processes). Runs that are due wait
+their turn, least recently started first, so every rank is sampled in rotation; each
+wait is counted once, as an error with reason ``pyspy_cap``.
 """
 
 from __future__ import annotations
@@ -97,6 +102,8 @@ class Sampler:
         self._children: dict[tuple[str, int], PySpyChild] = {}  # (kind, pid) -> running child
         self._next: dict[tuple[str, int], float] = {}  # (kind, pid) -> earliest next start
         self._fails: dict[tuple[str, int], int] = {}  # (kind, pid) -> consecutive failures
+        self._started: dict[tuple[str, int], float] = {}  # (kind, pid) -> when its last run started
+        self._deferred: set[tuple[str, int]] = set()  # due, waiting for a slot under max_pyspy
         self._results: list[Result] = []
         self._seq = 0
 
@@ -167,17 +174,30 @@ class Sampler:
                 CPU.add_child("stacks", child_cpu)
                 done.extend(self._harvest(child, now))
                 del children[key]
-        for pid, (rank, role) in wanted.items():
-            for kind in ("record", "dump"):
-                key = (kind, pid)
-                # a process gone since the last tree: nothing to sample, nothing to report
-                if key not in children and now >= self._next.get(key, 0.0) and psutil.pid_exists(pid):
-                    child = self._launch(kind, pid, rank, role, now)
-                    if child is not None:
-                        children[key] = child
-        for key in [k for k in self._next if k[1] not in wanted]:
-            del self._next[key]
-            self._fails.pop(key, None)
+        due = [(kind, pid) for pid in wanted for kind in ("record", "dump")
+               if (kind, pid) not in children and now >= self._next.get((kind, pid), 0.0)]
+        due.sort(key=lambda k: self._started.get(k, float("-inf")))  # least recently started first
+        for key in due:
+            kind, pid = key
+            rank, role = wanted[pid]
+            if not psutil.pid_exists(pid):
+                continue  # a process gone since the last tree: nothing to sample, nothing to report
+            if len(children) >= self.config.max_pyspy:
+                if key not in self._deferred:
+                    self._deferred.add(key)
+                    done.append(Result(kind, pid, rank, role, now, now, self._wall(), error="pyspy_cap",
+                                       detail=f"{self.config.max_pyspy} py-spy already running (stacks.max_pyspy): "
+                                              "ranks are sampled in turn"))
+                continue
+            self._deferred.discard(key)
+            child = self._launch(kind, pid, rank, role, now)
+            if child is not None:
+                children[key] = child
+                self._started[key] = now
+        for table in (self._next, self._fails, self._started):
+            for key in [k for k in table if k[1] not in wanted]:
+                del table[key]
+        self._deferred = {k for k in self._deferred if k[1] in wanted}
         with self._lock:
             self._children = children
             self._results.extend(done)

@@ -7,6 +7,13 @@ event). The ``traceEvents`` array is decoded piece by piece, cut at event bounda
 one is tried), so peak memory is one piece of text (about ``CHUNK``) plus the columns,
 never the whole text plus a dict per event. Gzip is inflated in bounded chunks too.
 
+Two caps hold whatever the file holds: ``max_bytes`` bounds the inflated text read
+(``too_large``), and ``max_buffered`` bounds the text held at once: the metadata before
+``traceEvents``, and any one event, string or run of blanks between two event boundaries.
+A file that needs more (a gzip of a gigabyte of blanks, a 600 MiB name) is refused with
+reason ``too_large_event`` as soon as the buffer passes the cap, so the reader's peak
+memory is a small multiple of ``max_buffered`` (the text and its decoded events).
+
 Raises ``TraceError`` (with a short bounded ``reason``) and nothing else for bad input.
 """
 
@@ -22,6 +29,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from profagent.analysis.labels import bound
 from profagent.analysis.trace.model import KINDS, Trace  # noqa: F401  (KINDS: the categories kept)
 from profagent.errors import SourceError
 from profagent.system.safefs import UnsafePath, open_regular
@@ -30,8 +38,7 @@ from profagent.system.safefs import UnsafePath, open_regular
 # was slower: it waits for the GIL while msgspec decodes, and it evicts the pieces).
 CHUNK = 512 * 1024
 RAW_CHUNK = 1024 * 1024  # compressed bytes read at a time
-MAX_PIECE = 512 * 1024 * 1024  # an event boundary must appear within this many bytes
-HEAD_LIMIT = 64 * 1024 * 1024  # metadata before traceEvents
+MAX_BUFFERED = 16 * 1024 * 1024  # traces.max_buffered_bytes: text held at once (an event is a few KB)
 
 class TraceError(SourceError):
     """A trace that cannot be read. ``reason``: truncated, corrupt, not_a_trace, unreadable."""
@@ -323,7 +330,7 @@ class _Builder:
 def _meta_into(trace: Trace, meta: Meta) -> None:
     info = meta.distributedInfo
     if info is not None and info.rank is not None:
-        trace.rank = str(info.rank)
+        trace.rank = bound(str(info.rank))  # a label: bounded like the environment's
         trace.world_size = info.world_size
     if meta.baseTimeNanoseconds is not None:
         trace.base_time_ns = meta.baseTimeNanoseconds
@@ -346,21 +353,23 @@ def _decode_error(exc: Exception) -> TraceError:
 
 
 def read_trace(
-    path: str | Path, max_bytes: int | None = None, owner_ok: Callable[[int], bool] | None = None
+    path: str | Path, max_bytes: int | None = None, owner_ok: Callable[[int], bool] | None = None,
+    max_buffered: int = MAX_BUFFERED,
 ) -> Trace:
     """Parse a Kineto trace (.json or .json.gz, detected by content).
 
     Raises TraceError: ``truncated`` (incomplete gzip or JSON), ``corrupt`` (bad gzip or
     JSON), ``not_a_trace`` (no traceEvents array), ``unreadable`` (OS error), and, for
     files the agent refuses to read: ``symlink``, ``not_regular``, ``foreign_owner``
-    (``owner_ok`` said no), ``too_large`` (over ``max_bytes`` uncompressed).
+    (``owner_ok`` said no), ``too_large`` (over ``max_bytes`` uncompressed),
+    ``too_large_event`` (more than ``max_buffered`` bytes of text held at once).
     """
     path = Path(path)
     trace = Trace(str(path))
     builder = _Builder(trace)
     chunks = _capped(_chunks(path, owner_ok), max_bytes)
     try:
-        _stream_into(chunks, trace, builder)
+        _stream_into(chunks, trace, builder, max_buffered)
     except OSError as exc:
         raise TraceError(f"cannot read {path} ({exc.strerror or exc})", "unreadable") from None
     except RecursionError:  # msgspec's nesting guard: "[[[[..." a million deep
@@ -371,20 +380,27 @@ def read_trace(
     return trace
 
 
-def _stream_into(chunks: Iterator[bytes], trace: Trace, builder: _Builder) -> None:
-    buf = b""
+def _over(max_buffered: int) -> TraceError:
+    return TraceError(f"more than traces.max_buffered_bytes ({max_buffered}) of text without an event "
+                      "boundary (one huge event, string or run of blanks)", "too_large_event")
+
+
+def _stream_into(chunks: Iterator[bytes], trace: Trace, builder: _Builder, max_buffered: int = MAX_BUFFERED) -> None:
+    buf = bytearray()
     # 1. the metadata before the events array
     match = None
     for data in chunks:
         trace.bytes_read += len(data)
         buf += data
         match = _EVENTS_KEY.search(buf)
-        if match or len(buf) > HEAD_LIMIT:
+        if match:
             break
+        if len(buf) > max_buffered:
+            raise _over(max_buffered)
     if match is None:
-        _not_events(buf)
+        _not_events(bytes(buf))
         return
-    head = buf[: match.start()]
+    head = bytes(buf[: match.start()])
     if head.strip() == b"{" or head.rstrip().endswith(b","):
         try:
             _meta_into(trace, _meta_decoder.decode(head + b'"traceEvents": []}'))
@@ -394,16 +410,20 @@ def _stream_into(chunks: Iterator[bytes], trace: Trace, builder: _Builder) -> No
     # text of the next undecoded event.
     pending = bytearray(b"[")
     pending += memoryview(buf)[match.end():]
-    del buf
+    del buf, head
     due = CHUNK  # drain when pending is this long
     for data in chunks:
         trace.bytes_read += len(data)
         pending += data
-        if len(pending) >= due:
+        if len(pending) >= due or len(pending) > max_buffered:
             _drain(pending, builder)
+            if len(pending) > max_buffered:
+                raise _over(max_buffered)
             # nothing decodable yet (a huge event): wait for twice as much text before
             # trying again, so a long event is not re-parsed once per small chunk
             due = CHUNK if len(pending) < CHUNK else 2 * len(pending)
+    if len(pending) > max_buffered:
+        raise _over(max_buffered)
     # 3. the last events and the metadata after the array
     try:
         whole = _decode(_fast_whole_decoder, _whole_decoder, b'{"traceEvents": ' + pending)
@@ -447,8 +467,6 @@ def _drain(pending: bytearray, builder: _Builder) -> None:
         pending[nxt - 1] = 0x5B  # "["
         del pending[: nxt - 1]
         return
-    if len(pending) > MAX_PIECE:
-        raise TraceError("no event boundary found in a very large region", "corrupt")
 
 
 def _last_boundary(buf: bytes | bytearray, end: int) -> int | None:

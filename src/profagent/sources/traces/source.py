@@ -39,7 +39,7 @@ from profagent.analysis.trace.model import Trace
 from profagent.analysis.trace.report import TraceReport, analyze
 from profagent.config import Config
 from profagent.errors import SourceUnavailable
-from profagent.sources.traces.reader import TraceError, read_trace
+from profagent.sources.traces.reader import MAX_BUFFERED, TraceError, read_trace
 from profagent.sources.traces.watcher import (
     FolderWatcher,
     Processed,
@@ -162,6 +162,7 @@ class TracesSource:
         settle_seconds: float = 0.5,
         invalid_after: float = 60.0,
         max_file_bytes: int = 2 * 1024**3,
+        max_buffered_bytes: int = MAX_BUFFERED,
         top_k: int = 10,
         polling: bool = False,
         user_dirs: bool = True,
@@ -177,7 +178,8 @@ class TracesSource:
         self._watcher = FolderWatcher(dirs, Processed(state_dir / STATE_FILE if state_dir is not None else None),
                                       settle_seconds, invalid_after, max_file_bytes, polling)
         if reader is read_trace:  # refuse what the job could not have written; cap the inflated size
-            reader = functools.partial(read_trace, max_bytes=max_file_bytes, owner_ok=self._watcher.owner_ok)
+            reader = functools.partial(read_trace, max_bytes=max_file_bytes, owner_ok=self._watcher.owner_ok,
+                                       max_buffered=max_buffered_bytes)
         self._read = reader
         self._clock = clock
         self._wall = wall
@@ -253,7 +255,7 @@ class TracesSource:
         except TraceError as exc:
             if exc.reason in ("truncated", "unreadable"):
                 self._watcher.failed(verdict, exc.reason, str(exc))
-            elif exc.reason in ("not_a_trace", "symlink", "not_regular", "foreign_owner", "too_large"):
+            elif exc.reason in ("not_a_trace", "symlink", "not_regular", "foreign_owner", "too_large", "too_large_event"):
                 self._count(verdict, "skipped", exc.reason, str(exc))
             else:
                 self._count(verdict, "invalid", exc.reason, str(exc))
@@ -326,6 +328,7 @@ def traces_source(config: Config, user_dirs: bool = True) -> TracesSource:
         settle_seconds=t.settle_seconds,
         invalid_after=t.invalid_after,
         max_file_bytes=t.max_file_bytes,
+        max_buffered_bytes=t.max_buffered_bytes,
         top_k=t.top_k,
         polling=t.polling,
         user_dirs=user_dirs,
