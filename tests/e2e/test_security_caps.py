@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from helpers.agent import free_port, http_get, parse_metrics
-from helpers.flood import CAN_PLAY_NOBODY, NEEDS, Flood
+from helpers.flood import CAN_PLAY_NOBODY, NEEDS, NOBODY_PYTHON, Flood
 from helpers.processes import wait_for
 from helpers.watch import job_env, token, watch_config
 
@@ -89,7 +89,6 @@ def test_huge_job_ids_stay_bounded_labels_at_default_caps(run_agent, tmp_path) -
     8 x 16 gave a 188 MB /metrics and 1 GB RSS): every label value is at most
     agent.max_label_bytes (128) at its default, the four jobs stay four, /metrics stays
     small and the agent's RSS does not grow with the ids."""
-    import sys
 
     from helpers.watch import FAKE_TORCHRUN
 
@@ -101,7 +100,7 @@ def test_huge_job_ids_stay_bounded_labels_at_default_caps(run_agent, tmp_path) -
     agent.wait_healthy(url, timeout=30)
     rss_before = _rss_mib(agent.proc.pid)
     ids = [f"{i}" + "J" * 120_000 for i in range(4)]
-    flood = Flood(4, sys.executable, [sys.executable, "-c", FAKE_TORCHRUN], env=job_env(tok, NRANKS="4"),
+    flood = Flood(4, NOBODY_PYTHON, [NOBODY_PYTHON, "-c", FAKE_TORCHRUN], env=job_env(tok, NRANKS="4"),
                   each=[{"SLURM_JOB_ID": j} for j in ids], expect=20)
     try:
         def four_jobs():
@@ -173,7 +172,6 @@ def test_gzip_bomb_in_the_default_ondemand_folder_at_default_caps(run_agent, tmp
     near its baseline."""
     import shutil
     import subprocess
-    import sys
 
     from helpers.flood import as_nobody
 
@@ -184,7 +182,7 @@ def test_gzip_bomb_in_the_default_ondemand_folder_at_default_caps(run_agent, tmp
     os.chmod(folder, 0o1777)
     cfg = watch_config(tmp_path, tok)
     cfg.write_text(cfg.read_text() + f'\n[ondemand]\ntrace_dir = "{folder}"\n')
-    flood = Flood(1, sys.executable, [sys.executable, "-c", SLEEPER], env=job_env(tok))
+    flood = Flood(1, NOBODY_PYTHON, [NOBODY_PYTHON, "-c", SLEEPER], env=job_env(tok))
     try:
         agent = run_agent(["watch", "--config", str(cfg), "--listen", f"127.0.0.1:{port}"])
         url = f"http://127.0.0.1:{port}"
@@ -219,7 +217,6 @@ def test_many_ranks_never_get_more_py_spy_than_the_cap(run_agent, tmp_path) -> N
     """A job of nobody with 12 ranks (the attack: 150 ranks gave 292 root py-spy processes):
     with stacks.max_pyspy = 3 the agent never runs more than 3, counts each wait
     (reason pyspy_cap), and still samples every rank in turn."""
-    import sys
 
     from helpers.processes import pyspy_processes
     from helpers.watch import FAKE_TORCHRUN
@@ -229,7 +226,7 @@ def test_many_ranks_never_get_more_py_spy_than_the_cap(run_agent, tmp_path) -> N
     cfg = watch_config(tmp_path, tok)
     text = cfg.read_text().replace("[stacks]\nenabled = false", "[stacks]\nenabled = true\nwindow = 1\nmax_pyspy = 3")
     cfg.write_text(text)
-    flood = Flood(1, sys.executable, [sys.executable, "-c", FAKE_TORCHRUN], env=job_env(tok, NRANKS="12"), expect=13)
+    flood = Flood(1, NOBODY_PYTHON, [NOBODY_PYTHON, "-c", FAKE_TORCHRUN], env=job_env(tok, NRANKS="12"), expect=13)
     try:
         agent = run_agent(["watch", "--config", str(cfg), "--listen", f"127.0.0.1:{port}"])
         url = f"http://127.0.0.1:{port}"

@@ -11,12 +11,14 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Sequence
 
 from helpers.processes import wait_for
 
 NOBODY = 65534
+# Debian's own Python: the venv's interpreter may live under a 0700 home (pyenv in /root),
+# which nobody cannot reach.
+NOBODY_PYTHON = "/usr/bin/python3"
 SETPRIV = shutil.which("setpriv")
 NEEDS = "needs root and setpriv to play nobody"
 CAN_PLAY_NOBODY = os.geteuid() == 0 and SETPRIV is not None
@@ -46,7 +48,7 @@ class Flood:
         import json
 
         spec = json.dumps([n, executable, list(argv), {"PATH": "/usr/bin:/bin", **(env or {})}, list(each)])
-        self.proc = subprocess.Popen(as_nobody([sys.executable, "-c", _SPAWNER]), stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen(as_nobody([NOBODY_PYTHON, "-c", _SPAWNER]), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, start_new_session=True, cwd="/",
                                      env={"PATH": "/usr/bin:/bin"})
         assert self.proc.stdin is not None
