@@ -164,7 +164,8 @@ def test_zero_and_negative_steps_keep_breakdown_summing_to_one(tmp_path: Path) -
     expected, _ = brute_steps(data)
     report = analyze(read_trace(path))
     assert [s.seconds for s in report.steps] == pytest.approx([d * 1e-6 for d in expected])
-    assert report.steps_dropped == 2
+    assert report.steps_dropped == 1  # the zero-length one; the negative one is left out by the reader
+    assert report.events_dropped == {"negative": 1}
     assert sum(report.breakdown.values()) == pytest.approx(1.0)
     for step in report.steps:
         assert sum(step.breakdown.values()) == pytest.approx(step.seconds)

@@ -67,6 +67,10 @@ class Trace:
     gpu_devices: dict[int, int] = field(default_factory=dict)  # trace pid -> device index
     categories: set[str] = field(default_factory=set)  # the kept events' Kineto categories
     device_names: list[str] = field(default_factory=list)  # deviceProperties[].name
+    # complete events of a kept category left out for their ``dur``: cause (missing,
+    # negative, non_finite) -> count, and the first few of their names
+    bad_durations: dict[str, int] = field(default_factory=dict)
+    bad_duration_names: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.ts)

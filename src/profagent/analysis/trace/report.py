@@ -55,6 +55,7 @@ class TraceReport:
     step_source: str  # profiler_step (ProfilerStep#N), optimizer (Optimizer.step# markers), window
     steps_incomplete: tuple[tuple[str, float], ...]  # (name, seconds): excluded last step
     steps_dropped: int  # ProfilerStep ranges of zero or negative length
+    events_dropped: dict[str, int]  # events left out for their dur: missing, negative, non_finite
     gpu_lag: float | None  # seconds the device ran past the last step's end on its work
     warnings: tuple[str, ...]
     step_mean: float | None
@@ -124,6 +125,7 @@ def analyze(trace: Trace, top_k: int = 10) -> TraceReport:
         accelerator=accelerator(c),
         steps_incomplete=tuple((s.name, s.duration * US) for s in steps.incomplete),
         steps_dropped=steps.dropped,
+        events_dropped=dict(trace.bad_durations),
         gpu_lag=None if steps.gpu_lag is None else steps.gpu_lag * US,
         warnings=_warnings(trace, steps.dropped),
         steps=tuple(
@@ -164,7 +166,17 @@ def _warnings(trace: Trace, dropped: int) -> tuple[str, ...]:
                    "re-export the trace with relative timestamps (baseTimeNanoseconds)")
     if dropped:
         out.append(f"{dropped} ProfilerStep range(s) of zero or negative length were ignored")
+    bad = trace.bad_durations
+    if bad:
+        causes = ", ".join(f"{n} {BAD_DURATION_WORDS[k]}" for k, n in sorted(bad.items()))
+        names = ", ".join(repr(n) for n in trace.bad_duration_names)
+        out.append(f"{sum(bad.values())} event(s) left out for a bad duration ({causes}; e.g. {names}): "
+                   "the figures exclude them; re-export the trace if the profiler was interrupted")
     return tuple(out)
+
+
+BAD_DURATION_WORDS = {"missing": "without dur", "negative": "with a negative dur",
+                      "non_finite": "with a non-finite dur"}
 
 
 def _cpu_pids(trace: Trace) -> tuple[int, ...]:
