@@ -101,8 +101,8 @@ def render_report(r: TraceReport, console: Console, rank: str | None = None) -> 
             gpu.add_row(*row)
         console.print(gpu)
 
-    for title, rows, unit in (("top kernels (GPU time)", r.top_kernels, "launches"),
-                              ("top ops (self CPU time)", r.top_ops, "calls"),
+    _render_kernels(r, console)
+    for title, rows, unit in (("top ops (self CPU time)", r.top_ops, "calls"),
                               ("record_function ranges", r.annotations[:10], "count")):
         if not rows:
             continue
@@ -110,8 +110,12 @@ def render_report(r: TraceReport, console: Console, rank: str | None = None) -> 
         t.add_column("name", overflow="fold", max_width=80)
         t.add_column("ms", justify="right")
         t.add_column(unit, justify="right")
+        gpu = unit == "count" and r.annotation_gpu
+        if gpu:
+            t.add_column("GPU ms launched", justify="right")
         for name, seconds, count in rows:
-            t.add_row(shorten(name, 100), _ms(seconds), str(count))
+            extra = (_ms(r.annotation_gpu.get(name)),) if gpu else ()
+            t.add_row(shorten(name, 100), _ms(seconds), str(count), *extra)
         console.print(t)
     if r.memory_peak:
         console.print("peak allocated: " + ", ".join(f"{d} {b / 2**20:.1f} MiB" for d, b in r.memory_peak.items()),
@@ -121,6 +125,26 @@ def render_report(r: TraceReport, console: Console, rank: str | None = None) -> 
         console.print("[bold]findings[/bold]")
         for note in notes:
             console.print(f"  - {note}", highlight=False)
+
+
+def _render_kernels(r: TraceReport, console: Console) -> None:
+    """Top kernels with count, mean, min, max and the op that launched most of them."""
+    from rich.table import Table
+
+    if not r.top_kernels:
+        return
+    stats = {k["name"]: k for k in r.kernel_stats}
+    t = Table(title="top kernels (GPU time)")
+    t.add_column("name", overflow="fold", max_width=60)
+    for column in ("ms", "launches", "mean ms", "min ms", "max ms"):
+        t.add_column(column, justify="right")
+    t.add_column("launched by", overflow="fold", max_width=30)
+    for name, seconds, count in r.top_kernels:
+        k = stats.get(name)
+        cells = ("-", "-", "-", "-") if k is None else (
+            _ms(k["mean"]), _ms(k["min"]), _ms(k["max"]), shorten(k["launched_by"] or "-", 60))
+        t.add_row(shorten(name, 60), _ms(seconds), str(count), *cells)
+    console.print(t)
 
 
 def report_dict(r: TraceReport, rank: str | None = None) -> dict[str, Any]:

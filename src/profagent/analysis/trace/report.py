@@ -6,10 +6,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from profagent.analysis.trace.annotations import Annotation, annotations
+from profagent.analysis.labels import OTHER
+from profagent.analysis.trace.annotations import Annotation, annotation_gpu_time, annotations
 from profagent.analysis.trace.breakdown import CATEGORIES, step_breakdown
 from profagent.analysis.trace.cputime import cpu_gpu_time
 from profagent.analysis.trace.devices import DeviceTime, device_times
@@ -18,7 +19,7 @@ from profagent.analysis.trace.launch import LaunchDelay, launch_delay
 from profagent.analysis.trace.memory import peak_allocated
 from profagent.analysis.trace.model import Trace
 from profagent.analysis.trace.steps import find_steps
-from profagent.analysis.trace.tops import Top, top_kernels, top_ops
+from profagent.analysis.trace.tops import Top, kernel_stats, top_kernels, top_ops
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,6 @@ class TraceReport:
     step_source: str  # profiler_step (ProfilerStep#N), optimizer (Optimizer.step# markers), window
     steps_incomplete: tuple[tuple[str, float], ...]  # (name, seconds): excluded last step
     steps_dropped: int  # ProfilerStep ranges of zero or negative length
-    events_dropped: dict[str, int]  # events left out for their dur: missing, negative, non_finite
     gpu_lag: float | None  # seconds the device ran past the last step's end on its work
     warnings: tuple[str, ...]
     step_mean: float | None
@@ -72,6 +72,10 @@ class TraceReport:
     annotations: tuple[tuple[str, float, int], ...]  # (name, total seconds, count)
     memory_peak: dict[str, int]  # device -> bytes
     cpu_pids: tuple[int, ...]
+    events_dropped: dict[str, int] = field(default_factory=dict)  # left out for their dur: missing, negative, non_finite
+    # per top kernel: name, count, total/mean/min/max seconds, launched_by (the ATen op)
+    kernel_stats: tuple[dict[str, Any], ...] = ()
+    annotation_gpu: dict[str, float] = field(default_factory=dict)  # annotation -> s of GPU work launched inside
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -118,6 +122,7 @@ def analyze(trace: Trace, top_k: int = 10) -> TraceReport:
     delay: LaunchDelay | None = launch_delay(c)
     cpu_us, gpu_us = cpu_gpu_time(frame)
     durations = [s.duration * US for s in steps.steps]
+    kernels = _tops(top_kernels(c, top_k))
     return TraceReport(
         path=trace.path,
         rank=trace.rank,
@@ -147,11 +152,24 @@ def analyze(trace: Trace, top_k: int = 10) -> TraceReport:
         gpu_seconds=gpu_us * US,
         cpu_gpu_ratio=cpu_us / gpu_us if gpu_us > 0 else None,
         top_ops=_tops(top_ops(c, top_k)),
-        top_kernels=_tops(top_kernels(c, top_k)),
+        top_kernels=kernels,
         annotations=_tops(annotations(c)),
+        kernel_stats=tuple(
+            {"name": k.name, "count": k.count, "total": k.total * US, "mean": k.mean * US, "min": k.min * US,
+             "max": k.max * US, "launched_by": k.launched_by}
+            for k in kernel_stats(c, [name for name, _, _ in kernels if name != OTHER])),
+        annotation_gpu=_top_annotation_gpu(c, top_k),
         memory_peak=peak_allocated(trace.memory),
         cpu_pids=_cpu_pids(trace),
     )
+
+
+def _top_annotation_gpu(c: Any, k: int) -> dict[str, float]:
+    gpu = sorted(annotation_gpu_time(c).items(), key=lambda kv: (-kv[1], kv[0]))
+    out = {name: us * US for name, us in gpu[:k]}
+    if len(gpu) > k:
+        out[OTHER] = sum(us for _, us in gpu[k:]) * US
+    return out
 
 
 # float64 keeps 52 bits: from 2**52 µs on, timestamps are rounded to a microsecond or more
@@ -187,6 +205,23 @@ def _cpu_pids(trace: Trace) -> tuple[int, ...]:
     return tuple(sorted(pids))
 
 
+IDLE_CAUSES = {
+    "host_wait": "the CPU launched work late (host wait)",
+    "kernel_wait": "queued work waited (kernel wait: launch latency, syncs, dependencies)",
+    "other": "of gaps no launched work explains (other: gaps ended by device work without a "
+             "traced launch, such as DMA or copies without a correlation id, and step ends)",
+}
+
+
+def _idle_finding(g: GpuSummary) -> str:
+    """The idle share and its largest cause among all three (other included)."""
+    parts = {"host_wait": g.host_wait_ratio, "kernel_wait": g.kernel_wait_ratio, "other": g.idle_other_ratio}
+    cause = max(parts, key=lambda k: parts[k])
+    rest = ", ".join(f"{k} {v:.1%}" for k, v in parts.items() if k != cause)
+    return (f"the GPU is idle {g.idle_ratio:.0%} of step time, mostly because {IDLE_CAUSES[cause]}: "
+            f"{parts[cause]:.1%} of step time ({rest})")
+
+
 def findings(r: TraceReport) -> list[str]:
     """Plain-language readings of the figures, most important first."""
     out: list[str] = []
@@ -200,9 +235,7 @@ def findings(r: TraceReport) -> list[str]:
     g = r.gpu
     if g is not None:
         if g.idle_ratio >= 0.3:
-            why = "the CPU launched work late (host wait)" if g.host_wait_ratio >= g.kernel_wait_ratio \
-                else "queued work waited (launch latency, syncs, dependencies)"
-            out.append(f"the GPU is idle {g.idle_ratio:.0%} of step time, mostly because {why}")
+            out.append(_idle_finding(g))
         if g.memcpy_share >= 0.1:
             out.append(f"memcpy is {g.memcpy_share:.0%} of GPU time: look at host-device transfers, "
                        "pin memory (pin_memory=True) and use non_blocking copies")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from profagent.analysis.labels import OTHER
+from profagent.analysis.trace.intervals import unique
 from profagent.analysis.trace.kinds import Classified
 from profagent.analysis.trace.model import KERNEL
 
@@ -94,3 +95,76 @@ def top_kernels(c: Classified, k: int) -> tuple[Top, ...]:
     times = np.bincount(t.name[kernels], weights=t.end[kernels] - t.ts[kernels], minlength=n)
     counts = np.bincount(t.name[kernels], minlength=n)
     return _rank(t.names, times, counts, k)
+
+
+@dataclass(frozen=True)
+class KernelStats:
+    name: str
+    count: int
+    total: float  # µs
+    mean: float
+    min: float
+    max: float
+    launched_by: str | None  # the op that launched most of its instances (None: no matched launch)
+
+
+def launching_ops(c: Classified) -> np.ndarray:
+    """Per GPU op (``c.gpu`` order): the name id of the innermost ATen op that encloses its
+    runtime call on the call's thread (-1: unmatched launch, or a call outside any op).
+    The runtime call is found through the correlation id (what the ``ac2g`` flows link)."""
+    t = c.trace
+    out = np.full(len(c.gpu), -1, dtype=np.int64)
+    ops = c.cpu_ops
+    if not len(ops) or not (c.gpu_launcher >= 0).any():
+        return out
+    order = np.lexsort((t.ts[ops] - t.end[ops], t.ts[ops], t.thread[ops]))
+    ops = ops[order]
+    starts, ends, thread = t.ts[ops], t.end[ops], t.thread[ops]
+    parent = _parents(starts, ends, thread)
+    matched = np.flatnonzero(c.gpu_launcher >= 0)
+    calls = c.gpu_launcher[matched]
+    call_ts, call_thread = t.ts[calls], t.thread[calls]
+    # the last op of the call's thread that starts at or before the call, then up its parents
+    first = np.searchsorted(thread, call_thread, side="left")
+    last = np.searchsorted(thread, call_thread, side="right")
+    j = np.full(len(calls), -1, dtype=np.int64)
+    for th in unique(call_thread).tolist():
+        sel = call_thread == th
+        lo, hi = int(first[sel][0]), int(last[sel][0])
+        j[sel] = np.where(hi > lo, lo + np.searchsorted(starts[lo:hi], call_ts[sel], side="right") - 1, -1)
+        j[sel & (j < lo)] = -1
+    for _ in range(_JUMP_ROUNDS * 4):
+        up = (j >= 0)
+        up[up] = ends[j[up]] <= call_ts[up]
+        if not up.any():
+            break
+        j[up] = parent[j[up]]
+    found = j >= 0
+    out[matched[found]] = t.name[ops[j[found]]]
+    return out
+
+
+def kernel_stats(c: Classified, names: list[str]) -> tuple[KernelStats, ...]:
+    """count, total, mean, min, max and the launching op of the kernels named ``names``."""
+    t = c.trace
+    is_kernel = t.kind[c.gpu] == KERNEL
+    kernels = c.gpu[is_kernel]
+    if not len(kernels) or not names:
+        return ()
+    launcher = launching_ops(c)[is_kernel]
+    ids = {n: i for i, n in enumerate(t.names)}
+    dur = t.end[kernels] - t.ts[kernels]
+    kname = t.name[kernels]
+    out = []
+    for n in names:
+        sel = kname == ids.get(n, -1)
+        if not sel.any():
+            continue
+        d = dur[sel]
+        ops = launcher[sel]
+        ops = ops[ops >= 0]
+        top = None
+        if len(ops):
+            top = t.names[int(np.argmax(np.bincount(ops)))]
+        out.append(KernelStats(n, int(sel.sum()), float(d.sum()), float(d.mean()), float(d.min()), float(d.max()), top))
+    return tuple(out)
