@@ -290,6 +290,19 @@ def analyze(
     raise typer.Exit(analyze_files(files, json_out, top_k, None, details=details))
 
 
+@app.command(short_help="My run got slower: compare two runs' traces, per step.")
+def diff(
+    baseline: Annotated[Path, typer.Argument(help="the run before: a trace file or a folder of one job's traces", show_default=False)],
+    current: Annotated[Path, typer.Argument(help="the run after: a trace file or a folder of one job's traces", show_default=False)],
+    json_out: Annotated[bool, typer.Option("--json", help="print the diff as JSON instead of tables")] = False,
+) -> None:
+    """Compare two runs side by side (step time, breakdown, GPU idle, memory, top kernels
+    and ops) and rank what changed by its contribution to the step time, per step."""
+    from profagent.cli.diff import diff_command
+
+    raise typer.Exit(diff_command(baseline, current, json_out))
+
+
 @app.command(short_help="Take a torch profiler trace of a running job, no code change.")
 def trace(
     pid: Annotated[int | None, typer.Option("--pid", help="trace this process, or the ranks under this launcher PID")] = None,

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from profagent.analysis.labels import shorten
-from profagent.analysis.trace.report import TraceReport, analyze, findings
+from profagent.analysis.trace.report import TraceReport, findings
+from profagent.cli.load import analyse_all
 from profagent.errors import UserError
-from profagent.sources.traces.reader import TraceError, read_trace
 
 if TYPE_CHECKING:  # rich is imported only when printing tables: `--json` does without it
     from rich.console import Console
@@ -149,6 +149,7 @@ def _render_kernels(r: TraceReport, console: Console) -> None:
 
 def report_dict(r: TraceReport, rank: str | None = None) -> dict[str, Any]:
     data = r.to_dict()
+    data.pop("in_steps", None)  # profagent diff's totals, not part of the report
     data["rank"] = trace_rank(r, rank)
     data["findings"] = findings(r)
     return data
@@ -240,13 +241,13 @@ def analyze_files(paths: Sequence[Path], as_json: bool, top_k: int, console: Con
         for name in ("rank", "accelerator", "steps", "step ms", "GPU idle"):
             rows.add_column(name, no_wrap=True, justify="right")
         rows.add_column("findings", justify="right")  # how many; --details says what
-    for path in files:
-        try:
-            report = analyze(read_trace(path), top_k)
-        except TraceError as exc:
+    for path, report in zip(files, analyse_all(files, top_k), strict=True):
+        if isinstance(report, tuple):
             from rich.console import Console
 
-            Console(stderr=True).print(f"[red]error[/red]: {path}: {exc}: {FIXES.get(exc.reason, '')}", highlight=False, soft_wrap=True)
+            message, reason = report
+            Console(stderr=True).print(f"[red]error[/red]: {path}: {message}: {FIXES.get(reason, '')}",
+                                       highlight=False, soft_wrap=True)
             failed += 1
             continue
         rank = trace_rank(report, (ranks or {}).get(path))

@@ -19,7 +19,7 @@ from profagent.analysis.trace.launch import LaunchDelay, launch_delay
 from profagent.analysis.trace.memory import peak_allocated
 from profagent.analysis.trace.model import Trace
 from profagent.analysis.trace.steps import find_steps
-from profagent.analysis.trace.tops import Top, kernel_stats, top_kernels, top_ops
+from profagent.analysis.trace.tops import Top, kernel_stats, top_kernels, top_ops, totals_in_steps
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,9 @@ class TraceReport:
     # per top kernel: name, count, total/mean/min/max seconds, launched_by (the ATen op)
     kernel_stats: tuple[dict[str, Any], ...] = ()
     annotation_gpu: dict[str, float] = field(default_factory=dict)  # annotation -> s of GPU work launched inside
+    # only with analyze(..., in_steps=True) (profagent diff): every kernel's GPU seconds and
+    # every op's self CPU seconds, of those starting inside the steps
+    in_steps: dict[str, dict[str, float]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,8 +115,9 @@ def _tops(tops: tuple[Top, ...] | tuple[Annotation, ...]) -> tuple[tuple[str, fl
     return tuple((t.name, t.time * US if isinstance(t, Top) else t.total * US, t.count) for t in tops)
 
 
-def analyze(trace: Trace, top_k: int = 10) -> TraceReport:
-    """Every figure of one trace. Pure: reads ``trace``, returns a new report."""
+def analyze(trace: Trace, top_k: int = 10, in_steps: bool = False) -> TraceReport:
+    """Every figure of one trace. Pure: reads ``trace``, returns a new report.
+    ``in_steps``: also every kernel's and op's time inside the steps (for a diff)."""
     c = classify(trace)
     steps = find_steps(c)
     frame = Frame(c, steps.spans)
@@ -161,7 +165,13 @@ def analyze(trace: Trace, top_k: int = 10) -> TraceReport:
         annotation_gpu=_top_annotation_gpu(c, top_k),
         memory_peak=peak_allocated(trace.memory),
         cpu_pids=_cpu_pids(trace),
+        in_steps=_in_steps(c, frame) if in_steps else None,
     )
+
+
+def _in_steps(c: Any, frame: Frame) -> dict[str, dict[str, float]]:
+    kernels, ops = totals_in_steps(c, frame.window_union)
+    return {"kernels": {k: v * US for k, v in kernels.items()}, "ops": {k: v * US for k, v in ops.items()}}
 
 
 def _top_annotation_gpu(c: Any, k: int) -> dict[str, float]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from profagent.analysis.labels import OTHER
-from profagent.analysis.trace.intervals import unique
+from profagent.analysis.trace.intervals import Merged, covered, unique
 from profagent.analysis.trace.kinds import Classified
 from profagent.analysis.trace.model import KERNEL
 
@@ -37,6 +37,33 @@ def _rank(names: list[str], times: np.ndarray, counts: np.ndarray, k: int) -> tu
 def top_ops(c: Classified, k: int) -> tuple[Top, ...]:
     """Ops by self CPU time (µs), K largest then "other"."""
     t = c.trace
+    ops, self_time = _self_times(c)
+    n = len(t.names)
+    names = t.name[ops]
+    times = np.bincount(names, weights=np.maximum(self_time, 0.0), minlength=n)
+    counts = np.bincount(names, minlength=n)
+    return _rank(t.names, times, counts, k)
+
+
+def totals_in_steps(c: Classified, steps: Merged) -> tuple[dict[str, float], dict[str, float]]:
+    """(kernel name -> µs of GPU time, op name -> µs of self CPU time), counting only the
+    kernels and ops that start inside ``steps`` (the union of the step spans): what a
+    per-step comparison divides by the number of steps."""
+    t = c.trace
+    kernels = c.gpu[t.kind[c.gpu] == KERNEL]
+    kernels = kernels[covered(steps, t.ts[kernels])]
+    n = len(t.names)
+    ktimes = np.bincount(t.name[kernels], weights=t.end[kernels] - t.ts[kernels], minlength=n)
+    ops, self_time = _self_times(c)
+    inside = covered(steps, t.ts[ops])
+    otimes = np.bincount(t.name[ops][inside], weights=np.maximum(self_time[inside], 0.0), minlength=n)
+    return ({t.names[i]: float(ktimes[i]) for i in np.flatnonzero(ktimes > 0).tolist()},
+            {t.names[i]: float(otimes[i]) for i in np.flatnonzero(otimes > 0).tolist()})
+
+
+def _self_times(c: Classified) -> tuple[np.ndarray, np.ndarray]:
+    """The ATen ops (event indexes, sorted by thread and start) and their self time, µs."""
+    t = c.trace
     ops = c.cpu_ops
     start, end, thread = t.ts[ops], t.end[ops], t.thread[ops]
     # nesting per thread: sort by (thread, start, longest first); an op's parent is the
@@ -49,11 +76,7 @@ def top_ops(c: Classified, k: int) -> tuple[Top, ...]:
     self_time = ends - starts
     # ufunc.at subtracts in index order: the same rounding as walking the ops one by one
     np.subtract.at(self_time, p, np.minimum(ends[child], ends[p]) - starts[child])
-    names = t.name[ops][order]
-    n = len(t.names)
-    times = np.bincount(names, weights=np.maximum(self_time, 0.0), minlength=n)
-    counts = np.bincount(names, minlength=n)
-    return _rank(t.names, times, counts, k)
+    return ops[order], self_time
 
 
 _JUMP_ROUNDS = 64  # vectorized rounds before finishing the (rare) deep chains in Python
