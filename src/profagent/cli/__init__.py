@@ -283,11 +283,17 @@ def analyze(
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON instead of tables")] = False,
     top_k: Annotated[int, typer.Option("--top", help="kernels and ops listed per trace")] = 10,
     details: Annotated[bool, typer.Option("--details", help="full report of every trace, also with many traces")] = False,
+    straggler_threshold: Annotated[float, typer.Option(
+        "--straggler-threshold", help="a rank is the straggler when its collectives are this much shorter "
+        "than the other ranks' median (0.25: 25%)")] = 0.25,
 ) -> None:
     """Analyse torch profiler traces offline: steps, breakdown, GPU idle, tops, findings, cross-rank summary."""
     from profagent.cli.analyze import analyze_files
 
-    raise typer.Exit(analyze_files(files, json_out, top_k, None, details=details))
+    if not 0 < straggler_threshold < 1:
+        raise UserError(f"--straggler-threshold {straggler_threshold} is out of range", "pass a share between 0 and 1, e.g. 0.25")
+    raise typer.Exit(analyze_files(files, json_out, top_k, None, details=details,
+                                   straggler_threshold=straggler_threshold))
 
 
 @app.command(short_help="My run got slower: compare two runs' traces, per step.")

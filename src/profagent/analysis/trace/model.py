@@ -51,6 +51,7 @@ class Trace:
     bytes_read: int = 0  # uncompressed JSON bytes
     rank: str | None = None  # from distributedInfo
     world_size: int | None = None
+    backend: str | None = None  # distributedInfo.backend
     base_time_ns: int | None = None
     device_count: int | None = None  # from deviceProperties, None when absent
     ts: np.ndarray = field(default_factory=lambda: np.empty(0))

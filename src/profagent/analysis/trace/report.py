@@ -79,6 +79,9 @@ class TraceReport:
     # only with analyze(..., in_steps=True) (profagent diff): every kernel's GPU seconds and
     # every op's self CPU seconds, of those starting inside the steps
     in_steps: dict[str, dict[str, float]] | None = None
+    world_size: int | None = None  # distributedInfo
+    backend: str | None = None
+    started_at: float | None = None  # Unix seconds of the first event (baseTimeNanoseconds + ts), if plausible
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -166,7 +169,21 @@ def analyze(trace: Trace, top_k: int = 10, in_steps: bool = False) -> TraceRepor
         memory_peak=peak_allocated(trace.memory),
         cpu_pids=_cpu_pids(trace),
         in_steps=_in_steps(c, frame) if in_steps else None,
+        world_size=trace.world_size,
+        backend=trace.backend,
+        started_at=_started_at(trace),
     )
+
+
+EPOCH_PLAUSIBLE = 1e9  # Unix seconds (2001): smaller "dates" are relative clocks
+
+
+def _started_at(trace: Trace) -> float | None:
+    """When the trace starts, in Unix seconds, when its clock is a wall clock."""
+    if not len(trace):
+        return None
+    start = (trace.base_time_ns or 0) * 1e-9 + float(trace.ts.min()) * US
+    return start if start >= EPOCH_PLAUSIBLE else None
 
 
 def _in_steps(c: Any, frame: Frame) -> dict[str, dict[str, float]]:

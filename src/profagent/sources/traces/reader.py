@@ -364,6 +364,7 @@ def _meta_into(trace: Trace, meta: Meta) -> None:
     if info is not None and info.rank is not None:
         trace.rank = str(info.rank)
         trace.world_size = info.world_size
+        trace.backend = info.backend[:40] if info.backend else None
     if meta.baseTimeNanoseconds is not None:
         trace.base_time_ns = meta.baseTimeNanoseconds
     if meta.deviceProperties is not None:
