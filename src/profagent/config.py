@@ -91,6 +91,7 @@ class TracesConfig:
     max_file_bytes: int = _opt(2 * 1024**3, "traces larger than this, once uncompressed, are skipped (reason too_large; a file of exactly this size is read)")
     top_k: int = _opt(10, "kernels and ops kept per rank; the rest is folded into 'other'")
     interval: float = _opt(0.0, "seconds between publishing newly analysed traces; 0 = 0.25 s (or the agent interval if shorter)")
+    baseline: str = _opt("", "a trace file (or folder of one job's traces) that is every job's baseline for the step-time regression and the diff naming its causes (empty: each rank's first steady traces)")
 
 
 @dataclass
