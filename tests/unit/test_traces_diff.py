@@ -187,3 +187,18 @@ def test_cli_json_and_errors(tmp_path: Path) -> None:
         assert done.returncode == 2, (args, done.stderr)
         assert words in done.stderr and "Traceback" not in done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_parallel_reading_keeps_order_and_matches_one_by_one(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from profagent.analysis.trace.report import analyze
+    from profagent.cli.load import analyse_all
+    from profagent.sources.traces.reader import read_trace
+
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"traceEvents": [')
+    files = [SMALL, broken, shared_traces() / "mi250-rocm.pt.trace.json.gz", SMALL]
+    outcomes = analyse_all(files, 10, progress=True)  # a pool of up to the cores, and the bar
+    assert isinstance(outcomes[1], tuple) and outcomes[1][1] == "truncated"
+    for path, got in zip(files, outcomes, strict=True):
+        if path is not broken:
+            assert got == analyze(read_trace(path), 10)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from profagent.analysis.trace.report import TraceReport, analyze
@@ -52,6 +51,11 @@ def analyse_all(files: Sequence[Path], top_k: int, in_steps: bool = False,
                 out.append(_one(path, top_k, in_steps))
                 tick()
             return out
+        from concurrent.futures import (  # a pool only for several traces
+            ProcessPoolExecutor,
+            as_completed,
+        )
+
         results: dict[int, Outcome] = {}
         with ProcessPoolExecutor(max_workers=workers) as pool:
             futures = {pool.submit(_one, path, top_k, in_steps): i for i, path in enumerate(files)}

@@ -19,7 +19,6 @@ A set is not one job when its traces disagree on the world size or the backend i
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +37,13 @@ def _collective(r: TraceReport) -> float | None:
     if comm:
         return sum(comm) / len(comm) / len(r.steps)
     return r.breakdown.get("communication", 0.0) * (r.step_mean or 0.0)
+
+
+def _median(values: list[float]) -> float:
+    """(statistics imports decimal and fractions: milliseconds on every `analyze`.)"""
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
 def _mean(values: list[tuple[float, int]]) -> float | None:
@@ -84,7 +90,7 @@ def straggler(ranks: dict[str, dict[str, Any]], threshold: float = STRAGGLER_THR
     if not any(w > 0 for w in waits.values()):
         return None, "no collective in the traces (no NCCL/RCCL kernel, no gloo/c10d range): no straggler to name"
     late = min(waits, key=lambda k: (waits[k], k))
-    others = statistics.median(w for k, w in waits.items() if k != late)
+    others = _median([w for k, w in waits.items() if k != late])
     gap = others - waits[late]
     shortfall = gap / others if others > 0 else 0.0
     numbers = (f"rank {late}'s collectives take {waits[late] * 1e3:.2f} ms per step against a median "
