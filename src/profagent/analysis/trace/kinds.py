@@ -61,6 +61,7 @@ class Classified:
     annotations: np.ndarray  # user_annotation, ProfilerStep excluded
     steps: np.ndarray  # ProfilerStep ranges (annotation or op)
     unions: dict[str, Merged] = field(default_factory=dict)
+    memo: dict[str, object] = field(default_factory=dict)  # figures several analyzers share
 
     @property
     def devices(self) -> list[int]:

@@ -61,22 +61,30 @@ def totals_in_steps(c: Classified, steps: Merged) -> tuple[dict[str, float], dic
             {t.names[i]: float(otimes[i]) for i in np.flatnonzero(otimes > 0).tolist()})
 
 
+def _op_tree(c: Classified) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The ATen ops sorted by (thread, start, longest first), with their starts, ends,
+    threads and parents (an op's parent is the last earlier op of its thread still running
+    at its start). Computed once per trace: self times and launching ops both use it."""
+    tree = c.memo.get("op_tree")
+    if tree is None:
+        t = c.trace
+        ops = c.cpu_ops
+        start, end, thread = t.ts[ops], t.end[ops], t.thread[ops]
+        order = np.lexsort((start - end, start, thread))
+        starts, ends, thread = start[order], end[order], thread[order]
+        tree = c.memo["op_tree"] = (ops[order], starts, ends, thread, _parents(starts, ends, thread))
+    return tree
+
+
 def _self_times(c: Classified) -> tuple[np.ndarray, np.ndarray]:
     """The ATen ops (event indexes, sorted by thread and start) and their self time, µs."""
-    t = c.trace
-    ops = c.cpu_ops
-    start, end, thread = t.ts[ops], t.end[ops], t.thread[ops]
-    # nesting per thread: sort by (thread, start, longest first); an op's parent is the
-    # last earlier op of its thread still running at its start
-    order = np.lexsort((start - end, start, thread))
-    starts, ends, thread = start[order], end[order], thread[order]
-    parent = _parents(starts, ends, thread)
+    ops, starts, ends, _, parent = _op_tree(c)
     child = np.flatnonzero(parent >= 0)
     p = parent[child]
     self_time = ends - starts
     # ufunc.at subtracts in index order: the same rounding as walking the ops one by one
     np.subtract.at(self_time, p, np.minimum(ends[child], ends[p]) - starts[child])
-    return ops[order], self_time
+    return ops, self_time
 
 
 _JUMP_ROUNDS = 64  # vectorized rounds before finishing the (rare) deep chains in Python
@@ -140,10 +148,7 @@ def launching_ops(c: Classified) -> np.ndarray:
     ops = c.cpu_ops
     if not len(ops) or not (c.gpu_launcher >= 0).any():
         return out
-    order = np.lexsort((t.ts[ops] - t.end[ops], t.ts[ops], t.thread[ops]))
-    ops = ops[order]
-    starts, ends, thread = t.ts[ops], t.end[ops], t.thread[ops]
-    parent = _parents(starts, ends, thread)
+    ops, starts, ends, thread, parent = _op_tree(c)
     matched = np.flatnonzero(c.gpu_launcher >= 0)
     calls = c.gpu_launcher[matched]
     call_ts, call_thread = t.ts[calls], t.thread[calls]
