@@ -10,7 +10,6 @@ step-time rule would name. Each rank's collective time is computed here by brute
 
 from __future__ import annotations
 
-import gzip
 import json
 import statistics
 import subprocess
@@ -20,20 +19,10 @@ from pathlib import Path
 import pytest
 
 from helpers.paths import shared_traces
+from unit.test_traces_diff import _load, _write
 from unit.test_traces_gpu import Reference
 
 SOURCE = shared_traces() / "a100-2gpu-nccl.pt.trace.json.gz"
-
-
-def _load(path: Path) -> dict:
-    with gzip.open(path, "rt") as fh:
-        return json.load(fh)
-
-
-def _write(path: Path, data: dict) -> Path:
-    with gzip.open(path, "wt") as fh:
-        json.dump(data, fh)
-    return path
 
 
 def _job(folder: Path, late: int | None, ranks: int = 4) -> dict[str, float]:
