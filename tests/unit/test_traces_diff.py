@@ -202,3 +202,19 @@ def test_parallel_reading_keeps_order_and_matches_one_by_one(tmp_path: Path, cap
     for path, got in zip(files, outcomes, strict=True):
         if path is not broken:
             assert got == analyze(read_trace(path), 10)
+
+
+def test_kernels_kept_for_a_diff_are_bounded(tmp_path: Path) -> None:
+    """A trace with 600 distinct kernels: the 500 largest are kept, the rest summed as other."""
+    from profagent.analysis.trace.report import IN_STEPS_KEPT, analyze
+    from profagent.sources.traces.reader import read_trace
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100_000, "pid": 1, "tid": 1}]
+    events += [{"ph": "X", "cat": "kernel", "name": f"k{i}", "ts": 10 * i, "dur": 1 + i / 1000, "pid": 0, "tid": 7}
+               for i in range(600)]
+    path = tmp_path / "many.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    kernels = analyze(read_trace(path), in_steps=True).in_steps["kernels"]
+    assert len(kernels) == IN_STEPS_KEPT + 1 and "k599" in kernels and "k0" not in kernels
+    assert kernels["other"] == pytest.approx(sum(1 + i / 1000 for i in range(100)) * 1e-6)
+    assert sum(kernels.values()) == pytest.approx(sum(e["dur"] for e in events[1:]) * 1e-6)

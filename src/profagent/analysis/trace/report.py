@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from profagent.analysis.labels import OTHER
+from profagent.analysis.labels import OTHER, fold_top_k
 from profagent.analysis.trace.annotations import Annotation, annotation_gpu_time, annotations
 from profagent.analysis.trace.breakdown import CATEGORIES, step_breakdown
 from profagent.analysis.trace.cputime import cpu_gpu_time
@@ -186,9 +186,21 @@ def _started_at(trace: Trace) -> float | None:
     return start if start >= EPOCH_PLAUSIBLE else None
 
 
+IN_STEPS_KEPT = 500  # kernels and ops kept per report for a diff (the agent holds one report per rank)
+
+
 def _in_steps(c: Any, frame: Frame) -> dict[str, dict[str, float]]:
+    """The largest IN_STEPS_KEPT kernels and ops, names shortened, the rest summed as "other":
+    a hostile trace with a million distinct names must not stay in the agent's memory."""
+    def kept(values: dict[str, float]) -> dict[str, float]:
+        ranked = sorted(values.items(), key=lambda kv: (-kv[1], kv[0]))
+        return fold_top_k(((name, us * US) for name, us in ranked), IN_STEPS_KEPT, limit=IN_STEPS_NAME)
+
     kernels, ops = totals_in_steps(c, frame.window_union)
-    return {"kernels": {k: v * US for k, v in kernels.items()}, "ops": {k: v * US for k, v in ops.items()}}
+    return {"kernels": kept(kernels), "ops": kept(ops)}
+
+
+IN_STEPS_NAME = 4096  # characters: long C++ kernel names (2,000+) stay whole, a 1 MB name does not
 
 
 def _top_annotation_gpu(c: Any, k: int) -> dict[str, float]:
