@@ -1,8 +1,11 @@
 """Trace analysis speed and peak memory: profagent vs HolisticTraceAnalysis (and bare orjson).
 
-    python bench/traces.py [--repeat 3] [--synthetic-mb 520] [--no-hta-large] [--keep DIR]
+    python bench/traces.py [--repeat 3] [--synthetic-mb 520] [--no-hta-large] [--keep DIR] [--job-only]
 
-Two ratios side by side, on the same files:
+First a whole-job row: an 8-rank folder (the shared NCCL trace with its rank and world
+size set per file), ``profagent analyze --json FOLDER`` against HTA's ``TraceAnalysis``
+over the same folder, each a whole process; peak RSS is the sum over each tool's process
+tree (both read ranks in worker processes). Then, per trace, two ratios side by side:
 - whole process, as a user waits for it: ``profagent analyze --json FILE`` against
   ``python -c "from hta.trace_analysis import TraceAnalysis; TraceAnalysis(trace_dir=D)
   .get_temporal_breakdown()"`` on a folder holding the trace, each a fresh process
@@ -196,6 +199,80 @@ def measure_whole(tool: str, path: Path, repeat: int) -> dict:
     return {"seconds": min(r[0] for r in runs), "cpu": min(r[1] for r in runs), "peak_rss": max(r[2] for r in runs)}
 
 
+# -- a whole job: a folder of ranks ------------------------------------------------------------
+JOB_SOURCE = "a100-2gpu-nccl"  # the shared trace with NCCL collectives and distributedInfo
+JOB_RANKS = 8
+
+
+def make_job(out: Path, ranks: int = JOB_RANKS) -> Path:
+    """A folder of ``ranks`` traces of one job: the NCCL trace with rank and world size set."""
+    with gzip.open(SHARED / f"{JOB_SOURCE}.pt.trace.json.gz", "rt") as fh:
+        data = json.load(fh)
+    folder = out / "job"
+    folder.mkdir(exist_ok=True)
+    for rank in range(ranks):
+        data["distributedInfo"].update(rank=rank, world_size=ranks)
+        with gzip.open(folder / f"rank{rank}.pt.trace.json.gz", "wt", compresslevel=1) as fh:
+            json.dump(data, fh)
+    return folder
+
+
+def _tree_run(argv: list[str], env: dict[str, str]) -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds, peak RSS bytes) of a process tree: the RSS is the peak of
+    the *sum* over the process and its children (both tools read ranks in worker processes,
+    whose memory adds up), sampled every 20 ms."""
+    import psutil
+
+    began = time.perf_counter()
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    root = psutil.Process(proc.pid)
+    peak = 0
+    while proc.poll() is None:
+        total = 0
+        try:
+            for p in [root, *root.children(recursive=True)]:
+                total += p.memory_info().rss
+        except psutil.Error:
+            pass
+        peak = max(peak, total)
+        time.sleep(0.02)
+    wall = time.perf_counter() - began
+    if proc.returncode != 0:
+        raise RuntimeError(f"exit {proc.returncode}")
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # cumulative: differences taken by the caller
+    return wall, usage.ru_utime + usage.ru_stime, peak
+
+
+def measure_job(tool: str, folder: Path, repeat: int) -> dict:
+    """Whole process over the folder, as a user runs it: ``profagent analyze --json FOLDER``
+    against HTA's ``TraceAnalysis(trace_dir=FOLDER).get_temporal_breakdown()``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    if tool == "hta":
+        argv = [sys.executable, "-c", HTA_SCRIPT.format(folder=str(folder))]
+    else:
+        argv = [sys.executable, "-m", "profagent", "analyze", "--json", str(folder)]
+    runs = []
+    for _ in range(repeat):
+        cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        try:
+            wall, cpu_after, peak = _tree_run(argv, env)
+        except RuntimeError as exc:
+            return {"error": str(exc)}
+        runs.append((wall, cpu_after - (cpu_before.ru_utime + cpu_before.ru_stime), peak))
+    return {"seconds": min(r[0] for r in runs), "cpu": min(r[1] for r in runs), "peak_rss": max(r[2] for r in runs)}
+
+
+def job_row(out: Path, repeat: int) -> None:
+    folder = make_job(out)
+    mb = sum(uncompressed_size(p) for p in folder.iterdir()) / 1e6
+    prof, hta = measure_job("profagent", folder, repeat), measure_job("hta", folder, repeat)
+    print(f"whole job: {JOB_RANKS} ranks of {JOB_SOURCE}, {mb:.0f} MB of JSON, one folder, each tool a whole "
+          f"process on {os.cpu_count()} CPUs (peak RSS: the sum over the process and its workers)")
+    print(f"  profagent analyze --json FOLDER: {_secs(prof)} s, {_rss(prof)}; "
+          f"HTA TraceAnalysis(FOLDER).get_temporal_breakdown(): {_secs(hta)} s, {_rss(hta)}; "
+          f"HTA / profagent: {_ratio(prof, hta)} (goal 15x)", flush=True)
+
+
 # -- driver -----------------------------------------------------------------------------------
 def measure(tool: str, path: Path, repeat: int) -> dict:
     res = subprocess.run([sys.executable, __file__, "--child", tool, str(path), "--repeat", str(repeat)],
@@ -233,6 +310,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per case (best kept); 1 for the large trace")
     parser.add_argument("--no-hta-large", action="store_true", help="skip HTA on the synthetic trace")
     parser.add_argument("--keep", type=Path, help="write the synthetic trace here and keep it")
+    parser.add_argument("--job-only", action="store_true", help="only the whole-job row (8 ranks, one folder)")
     parser.add_argument("--child", nargs=2, metavar=("TOOL", "FILE"), help=argparse.SUPPRESS)
     parser.add_argument("--make-synthetic", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -252,6 +330,11 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="profagent-bench-")
     out = args.keep or Path(tmp.name)
     out.mkdir(parents=True, exist_ok=True)
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+    job_row(out, args.repeat)
+    if args.job_only:
+        tmp.cleanup()
+        return
     if args.synthetic_mb > 0:  # in a child: this process's peak would be inherited by the measured ones
         began = time.perf_counter()
         made = subprocess.run([sys.executable, __file__, "--make-synthetic", str(out), "--synthetic-mb",

@@ -3,7 +3,8 @@
 Starts examples/train.py as a torchrun-like launcher (2 ranks, DataLoader workers,
 profiler traces into a temporary folder), attaches `profagent attach` to the launcher,
 prints the metrics URL, takes one on-demand trace of rank 0 once it polls the Kineto
-endpoint, runs `profagent diagnose` and captures one incident bundle on request, then shows `profagent top --url` against the agent: full screen when stdout is
+endpoint, runs `profagent diagnose`, captures one incident bundle on request and diffs rank 1's
+first trace against its latest (`profagent diff`), then shows `profagent top --url` against the agent: full screen when stdout is
 a terminal (q or Ctrl-C stops the demo), else a `profagent top --once` snapshot every
 --every seconds plus the list of capabilities seen on /metrics. Everything it started is
 stopped on Ctrl-C (or after --seconds).
@@ -139,6 +140,17 @@ def _interrupt(proc: subprocess.Popen, timeout: float) -> None:
             proc.wait()
 
 
+def diff_traces(trace_dir: Path) -> None:
+    """`profagent diff` of rank 1's first trace against its latest: "my run got slower?"."""
+    traces = sorted((p for p in trace_dir.rglob("*.json*") if not p.name.endswith(".tmp")), key=lambda p: p.stat().st_mtime)
+    if len(traces) < 2:
+        print(f"\ndemo: profagent diff needs two traces; {len(traces)} so far (rank 1 writes one every 150 steps)",
+              flush=True)
+        return
+    print(f"\ndemo: profagent diff {traces[0].name} {traces[-1].name} (the first trace as the baseline)", flush=True)
+    subprocess.run([*PROFAGENT, "diff", str(traces[0]), str(traces[-1])], timeout=120, check=False)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=0, help="stop by itself after this long (0 = until Ctrl-C)")
@@ -207,6 +219,8 @@ def main() -> int:
             print("demo: rank 0 did not poll the Kineto endpoint in time: no on-demand trace", flush=True)
         if not stop[0]:
             diagnose_and_capture(base, config)
+        if not stop[0]:
+            diff_traces(trace_dir)
         top_cmd = [*PROFAGENT, "top", "--url", base]
         if sys.stdout.isatty() and not stop[0]:
             print(f"\ndemo: {' '.join(['profagent', *top_cmd[3:]])}  (q or Ctrl-C stops the demo)", flush=True)

@@ -106,6 +106,7 @@ class TracesConfig:
     max_buffered_bytes: int = _opt(16 * 1024**2, "text of a trace held in memory at once: the metadata before the events, or one event, string or run of blanks; a trace that needs more is skipped (reason too_large_event)")
     top_k: int = _opt(10, "kernels and ops kept per rank; the rest is folded into 'other'")
     interval: float = _opt(0.0, "seconds between publishing newly analysed traces; 0 = 0.25 s (or the agent interval if shorter)")
+    baseline: str = _opt("", "a trace file (or folder of one job's traces) that is every job's baseline for the step-time regression and the diff naming its causes (empty: each rank's first steady traces)")
 
 
 @dataclass

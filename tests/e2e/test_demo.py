@@ -84,6 +84,8 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
     assert (bundle / "trace-rank0.pt.trace.json.gz").is_file(), summary
     # rank 1 profiles itself, so libkineto drops on-demand requests: the bundle says why
     assert re.search(r"^- no on-demand trace (of|from) rank 1\b.*: it profiles itself \(its torch\.profiler wrote", summary, re.M), summary
+    # `profagent diff` of rank 1's first and latest traces, or why not yet
+    assert re.search(r"^verdict: ", out, re.M) or "profagent diff needs two traces" in out, out[-3000:]
     # `profagent top --once` snapshots: the header, the findings, one row per rank.
     snapshots = out.split("--- profagent top --once --url ")[1:]
     assert snapshots, out[-3000:]

@@ -11,7 +11,8 @@ commit (``PYTHONPATH=src python tests/unit/test_cli_golden.py --write``). Since 
 change it was regenerated once, on purpose, for the new commands (top, diagnose,
 incidents), `stacks --idle`, and `analyze` taking folders; and once more for typer 0.28
 (pinned for start-up time), whose help omits the ``<bool>`` that 0.29 printed after flags; and once for click's plain
-help (``rich_markup_mode=None``, for start-up time) with a short help per command.
+help (``rich_markup_mode=None``, for start-up time) with a short help per command; and for
+the new ``diff`` command (its help and its one-line error).
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ ENV = {"COLUMNS": "100", "TERMINAL_WIDTH": "100", "NO_COLOR": "1", "TERM": "dumb
 HELP = [
     [], ["attach"], ["watch"], ["install-service"], ["stacks"], ["config"], ["doctor"],
     ["analyze"], ["trace"], ["dashboards"], ["dashboards", "export"], ["dashboards", "push"],
-    ["top"], ["diagnose"], ["incidents"], ["incidents", "list"], ["incidents", "show"], ["incidents", "capture"],
+    ["top"], ["diagnose"], ["diff"], ["incidents"], ["incidents", "list"], ["incidents", "show"], ["incidents", "capture"],
 ]
 # Bad input: one line naming the problem and the fix, exit 2, no traceback.
 ERRORS = [
     ["analyze", "/nonexistent/trace.json"],
+    ["diff", "/nonexistent/baseline.json", "/nonexistent/current.json"],
     ["config", "--config", "/nonexistent/config.toml"],
     ["attach", "--pid", "999999999"],
     ["stacks", "--pid", "999999999", "-o", "/nonexistent/flame.svg"],

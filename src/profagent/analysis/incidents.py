@@ -2,7 +2,9 @@
 
 - ``hang_triggers``: one trigger per job with an active ``hang`` finding.
 - ``RegressionDetector``: a rank's trace step time above ``factor`` x its own recent
-  baseline (median of its last normal traces) for ``seconds``.
+  baseline (median of its last normal traces, or ``traces.baseline``) for ``seconds``;
+  its evidence names the top contributors of the diff of the slow trace against the
+  baseline (``traces.baseline``, else the rank's first steady traces), as ``profagent diff``.
 - ``IncidentGate``: turns the triggers seen at each tick into captures: an episode (a
   trigger kind for a job, active from one tick to the next) fires once, only when a
   capture slot is free, and at most once per job and kind per ``period``; its last
@@ -25,10 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from profagent.analysis.findings import FindingsSnapshot
+from profagent.analysis.labels import shorten
+from profagent.analysis.trace import diff as trace_diff
+from profagent.analysis.trace.diff import Side
 
 KINDS = ("hang", "regression", "manual")
 BASELINE_TRACES = 8  # normal traces a rank's baseline is the median of
 MIN_BASELINE = 3  # traces needed before a rank can regress
+CONTRIBUTORS = 5  # top contributors of the diff named in a regression's evidence
 SELF_PROFILING_SECONDS = 600.0  # a rank whose own profiler wrote a trace this recently profiles itself
 
 
@@ -84,6 +90,8 @@ class _RankSteps:
     baseline: deque = field(default_factory=lambda: deque(maxlen=BASELINE_TRACES))
     last_at: float | None = None
     slow_since: float | None = None
+    steady: list = field(default_factory=list)  # reports of its first MIN_BASELINE normal traces
+    slow: Any = None  # the report of its last slow trace
 
 
 class RegressionDetector:
@@ -93,10 +101,23 @@ class RegressionDetector:
         self.factor = factor
         self.seconds = seconds
         self._ranks: dict[tuple[str, str], _RankSteps] = {}
+        self._configured: Side | None = None  # traces.baseline, pooled
+        self._configured_from: tuple[Any, ...] = ()
 
-    def observe(self, job_id: str, rank: str, step_seconds: float, at: float) -> None:
-        """A trace of ``rank`` ingested at ``at`` (wall seconds) with this mean step time.
-        A trace already seen (same ``at``) is ignored."""
+    def set_baseline(self, reports: tuple[Any, ...]) -> None:
+        """``traces.baseline`` (analysed reports, empty: none): every rank's baseline step
+        time and the side its regressions are diffed against."""
+        if reports is self._configured_from:
+            return
+        self._configured_from = reports
+        try:
+            self._configured = trace_diff.side("traces.baseline", [(r, r.rank) for r in reports]) if reports else None
+        except ValueError:  # no step in it
+            self._configured = None
+
+    def observe(self, job_id: str, rank: str, step_seconds: float, at: float, report: Any = None) -> None:
+        """A trace of ``rank`` ingested at ``at`` (wall seconds) with this mean step time
+        (and its report, for the diff). A trace already seen (same ``at``) is ignored."""
         r = self._ranks.setdefault((job_id, rank), _RankSteps())
         if r.last_at is not None and at <= r.last_at:
             return
@@ -105,15 +126,39 @@ class RegressionDetector:
         if base is not None and step_seconds > self.factor * base:
             if r.slow_since is None:
                 r.slow_since = at
+            r.slow = report
             return  # slow traces never join the baseline
         r.slow_since = None
         r.baseline.append(step_seconds)
+        if report is not None and len(r.steady) < MIN_BASELINE:
+            r.steady.append(report)
 
     def baseline(self, job_id: str, rank: str) -> float | None:
+        if self._configured is not None:
+            return self._configured.step_mean
         r = self._ranks.get((job_id, rank))
         if r is None or len(r.baseline) < MIN_BASELINE:
             return None
         return statistics.median(r.baseline)
+
+    def explain(self, job_id: str, rank: str) -> dict[str, Any]:
+        """The diff of the rank's last slow trace against its baseline (traces.baseline,
+        else its first steady traces): the top contributors and the verdict, as
+        ``profagent diff`` computes them. Empty when either side lacks the figures."""
+        r = self._ranks.get((job_id, rank))
+        if r is None or r.slow is None or getattr(r.slow, "in_steps", None) is None:
+            return {}
+        try:
+            base = self._configured or trace_diff.side("first steady traces", [(x, rank) for x in r.steady])
+            d = trace_diff.diff(base, trace_diff.side("slow trace", [(r.slow, rank)]))
+        except ValueError:  # no step on a side
+            return {}
+        return {
+            "contributors": [{"kind": c["kind"], "name": shorten(c["name"], 120), "delta": c["delta"]}
+                             for c in d.contributors[:CONTRIBUTORS]],
+            "verdict": trace_diff.verdict(d),
+            "baseline": base.label,
+        }
 
     def triggers(self, now: float) -> list[Trigger]:
         """One trigger per job whose slowest-regressed rank has been slow ``seconds``."""
@@ -121,13 +166,14 @@ class RegressionDetector:
         for (job_id, rank), r in sorted(self._ranks.items()):
             if r.slow_since is None or now - r.slow_since < self.seconds:
                 continue
-            base = statistics.median(r.baseline)
+            base = self.baseline(job_id, rank) or statistics.median(r.baseline)
             if job_id not in out:
+                why = self.explain(job_id, rank)
                 out[job_id] = Trigger(
                     "regression", job_id, rank,
                     f"rank {rank} step time above {self.factor:g}x its baseline of {base:.3f} s "
-                    f"for {now - r.slow_since:.0f} s",
-                    {"baseline_seconds": base, "slow_since": r.slow_since, "factor": self.factor},
+                    f"for {now - r.slow_since:.0f} s" + (f": {why['verdict']}" if why else ""),
+                    {"baseline_seconds": base, "slow_since": r.slow_since, "factor": self.factor, **why},
                 )
         return list(out.values())
 

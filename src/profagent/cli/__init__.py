@@ -283,11 +283,30 @@ def analyze(
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON instead of tables")] = False,
     top_k: Annotated[int, typer.Option("--top", help="kernels and ops listed per trace")] = 10,
     details: Annotated[bool, typer.Option("--details", help="full report of every trace, also with many traces")] = False,
+    straggler_threshold: Annotated[float, typer.Option(
+        "--straggler-threshold", help="a rank is the straggler when its collectives are this much shorter "
+        "than the other ranks' median (0.25: 25%)")] = 0.25,
 ) -> None:
     """Analyse torch profiler traces offline: steps, breakdown, GPU idle, tops, findings, cross-rank summary."""
     from profagent.cli.analyze import analyze_files
 
-    raise typer.Exit(analyze_files(files, json_out, top_k, None, details=details))
+    if not 0 < straggler_threshold < 1:
+        raise UserError(f"--straggler-threshold {straggler_threshold} is out of range", "pass a share between 0 and 1, e.g. 0.25")
+    raise typer.Exit(analyze_files(files, json_out, top_k, None, details=details,
+                                   straggler_threshold=straggler_threshold))
+
+
+@app.command(short_help="My run got slower: compare two runs' traces, per step.")
+def diff(
+    baseline: Annotated[Path, typer.Argument(help="the run before: a trace file or a folder of one job's traces", show_default=False)],
+    current: Annotated[Path, typer.Argument(help="the run after: a trace file or a folder of one job's traces", show_default=False)],
+    json_out: Annotated[bool, typer.Option("--json", help="print the diff as JSON instead of tables")] = False,
+) -> None:
+    """Compare two runs side by side (step time, breakdown, GPU idle, memory, top kernels
+    and ops) and rank what changed by its contribution to the step time, per step."""
+    from profagent.cli.diff import diff_command
+
+    raise typer.Exit(diff_command(baseline, current, json_out))
 
 
 @app.command(short_help="Take a torch profiler trace of a running job, no code change.")

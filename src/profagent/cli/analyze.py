@@ -2,9 +2,10 @@
 ``profagent trace`` print it. Works without an agent.
 
 Folders are searched for ``*.json`` and ``*.json.gz`` (recursively). With several traces
-the output ends with a cross-rank summary: per rank, its step time (the mean over all its
-traces' complete steps), the straggler rank (slowest step time) and the spread
-(slowest / fastest - 1). ``--json`` prints ``{"traces": [...], "summary": {...}}``.
+the output ends with a cross-rank summary (``analysis/trace/job.py``): per rank, its step
+time, compute, communication, idle and overlap; the straggler from the ranks' collectives
+(not from step time) and why; warnings when the traces cannot be one job.
+``--json`` prints ``{"traces": [...], "summary": {...}}``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from profagent.analysis.labels import shorten
-from profagent.analysis.trace.report import TraceReport, analyze, findings
+from profagent.analysis.trace.job import STRAGGLER_THRESHOLD, job_summary
+from profagent.analysis.trace.report import TraceReport, findings
+from profagent.cli.load import analyse_all
 from profagent.errors import UserError
-from profagent.sources.traces.reader import TraceError, read_trace
 
 if TYPE_CHECKING:  # rich is imported only when printing tables: `--json` does without it
     from rich.console import Console
@@ -101,8 +103,8 @@ def render_report(r: TraceReport, console: Console, rank: str | None = None) -> 
             gpu.add_row(*row)
         console.print(gpu)
 
-    for title, rows, unit in (("top kernels (GPU time)", r.top_kernels, "launches"),
-                              ("top ops (self CPU time)", r.top_ops, "calls"),
+    _render_kernels(r, console)
+    for title, rows, unit in (("top ops (self CPU time)", r.top_ops, "calls"),
                               ("record_function ranges", r.annotations[:10], "count")):
         if not rows:
             continue
@@ -110,8 +112,12 @@ def render_report(r: TraceReport, console: Console, rank: str | None = None) -> 
         t.add_column("name", overflow="fold", max_width=80)
         t.add_column("ms", justify="right")
         t.add_column(unit, justify="right")
+        gpu = unit == "count" and r.annotation_gpu
+        if gpu:
+            t.add_column("GPU ms launched", justify="right")
         for name, seconds, count in rows:
-            t.add_row(shorten(name, 100), _ms(seconds), str(count))
+            extra = (_ms(r.annotation_gpu.get(name)),) if gpu else ()
+            t.add_row(shorten(name, 100), _ms(seconds), str(count), *extra)
         console.print(t)
     if r.memory_peak:
         console.print("peak allocated: " + ", ".join(f"{d} {b / 2**20:.1f} MiB" for d, b in r.memory_peak.items()),
@@ -123,8 +129,29 @@ def render_report(r: TraceReport, console: Console, rank: str | None = None) -> 
             console.print(f"  - {note}", highlight=False)
 
 
+def _render_kernels(r: TraceReport, console: Console) -> None:
+    """Top kernels with count, mean, min, max and the op that launched most of them."""
+    from rich.table import Table
+
+    if not r.top_kernels:
+        return
+    stats = {k["name"]: k for k in r.kernel_stats}
+    t = Table(title="top kernels (GPU time)")
+    t.add_column("name", overflow="fold", max_width=60)
+    for column in ("ms", "launches", "mean ms", "min ms", "max ms"):
+        t.add_column(column, justify="right")
+    t.add_column("launched by", overflow="fold", max_width=30)
+    for name, seconds, count in r.top_kernels:
+        k = stats.get(name)
+        cells = ("-", "-", "-", "-") if k is None else (
+            _ms(k["mean"]), _ms(k["min"]), _ms(k["max"]), shorten(k["launched_by"] or "-", 60))
+        t.add_row(shorten(name, 60), _ms(seconds), str(count), *cells)
+    console.print(t)
+
+
 def report_dict(r: TraceReport, rank: str | None = None) -> dict[str, Any]:
     data = r.to_dict()
+    data.pop("in_steps", None)  # profagent diff's totals, not part of the report
     data["rank"] = trace_rank(r, rank)
     data["findings"] = findings(r)
     return data
@@ -145,46 +172,31 @@ def expand(paths: Sequence[Path]) -> list[Path]:
     return out
 
 
-def cross_rank_summary(reports: Sequence[tuple[TraceReport, str | None]]) -> dict[str, Any]:
-    """Per-rank step time, the straggler rank and the spread (see the module doc)."""
-    per_rank: dict[str, list[float]] = {}
-    traces: dict[str, int] = {}
-    for r, rank in reports:
-        key = rank if rank is not None else "unknown"
-        traces[key] = traces.get(key, 0) + 1
-        if not r.steps_inferred:
-            per_rank.setdefault(key, []).extend(s.seconds for s in r.steps)
-    ranks = {k: {"traces": traces[k], "steps": len(v), "step_seconds": sum(v) / len(v) if v else None}
-             for k, v in per_rank.items()}
-    for k in traces:
-        ranks.setdefault(k, {"traces": traces[k], "steps": 0, "step_seconds": None})
-    timed = {k: v["step_seconds"] for k, v in ranks.items() if v["step_seconds"] and k != "unknown"}
-    straggler = spread = None
-    if len(timed) >= 2:
-        straggler = max(timed, key=lambda k: timed[k])
-        spread = timed[straggler] / min(timed.values()) - 1
-    order = sorted(ranks, key=lambda k: (0, int(k)) if k.isdigit() else (1, k))
-    return {"ranks": {k: ranks[k] for k in order}, "straggler_rank": straggler, "spread": spread}
-
-
 def render_summary(summary: Mapping[str, Any], console: Console) -> None:
+    """The per-rank comparison table, the straggler and why, and the job warnings."""
     from rich.table import Table
 
-    t = Table(title="cross-rank summary")
-    t.add_column("rank")
-    t.add_column("traces", justify="right")
-    t.add_column("steps", justify="right")
-    t.add_column("step ms", justify="right")
+    t = Table(title="cross-rank summary (shares of step time)")
+    for name in ("rank", "traces", "steps", "step ms", "compute", "communication", "idle", "overlap",
+                 "collective ms/step"):
+        t.add_column(name, justify="left" if name == "rank" else "right")
     straggler = summary["straggler_rank"]
     for rank, row in summary["ranks"].items():
         mark = " [bold red](straggler)[/bold red]" if rank == straggler else ""
-        t.add_row(rank + mark, str(row["traces"]), str(row["steps"]), _ms(row["step_seconds"]))
+        t.add_row(rank + mark, str(row["traces"]), str(row["steps"]), _ms(row["step_seconds"]),
+                  _pct(row["compute"]), _pct(row["communication"]), _pct(row["idle"]), _pct(row["overlap"]),
+                  _ms(row["collective_seconds"]))
     console.print(t)
+    for warning in summary["warnings"]:
+        console.print(f"[bold yellow]warning[/bold yellow]: {warning}", highlight=False)
     if straggler is not None:
-        console.print(f"straggler: rank {straggler}; spread (slowest / fastest - 1): {summary['spread']:.1%}",
-                      highlight=False)
+        console.print(f"straggler: rank {straggler}: {summary['straggler_why']}", highlight=False)
     else:
-        console.print("fewer than two ranks with step times: no straggler to name", highlight=False)
+        console.print(summary["straggler_why"], highlight=False)
+    if summary["spread"] is not None:
+        console.print(f"step time spread (slowest / fastest - 1): {summary['spread']:.1%} "
+                      "(not used to name the straggler: a synchronous job's ranks share their step time)",
+                      highlight=False)
 
 
 def _render_row(table: Table, r: TraceReport, rank: str | None) -> None:
@@ -196,7 +208,7 @@ def _render_row(table: Table, r: TraceReport, rank: str | None) -> None:
 
 def analyze_files(paths: Sequence[Path], as_json: bool, top_k: int, console: Console | None,
                   ranks: Mapping[Path, str | None] | None = None, details: bool = False,
-                  iteration_window: bool = False) -> int:
+                  iteration_window: bool = False, straggler_threshold: float = STRAGGLER_THRESHOLD) -> int:
     """Analyse each file (folders: the traces in them) and print the reports, then a
     cross-rank summary when there are several. Returns 0; raises UserError if any failed.
     ``ranks``: the rank the caller knows for a path (``profagent trace``); ``console``:
@@ -218,13 +230,13 @@ def analyze_files(paths: Sequence[Path], as_json: bool, top_k: int, console: Con
         for name in ("rank", "accelerator", "steps", "step ms", "GPU idle"):
             rows.add_column(name, no_wrap=True, justify="right")
         rows.add_column("findings", justify="right")  # how many; --details says what
-    for path in files:
-        try:
-            report = analyze(read_trace(path), top_k, iteration_window)
-        except TraceError as exc:
+    for path, report in zip(files, analyse_all(files, top_k, iteration_window=iteration_window), strict=True):
+        if isinstance(report, tuple):
             from rich.console import Console
 
-            Console(stderr=True).print(f"[red]error[/red]: {path}: {exc}: {FIXES.get(exc.reason, '')}", highlight=False, soft_wrap=True)
+            message, reason = report
+            Console(stderr=True).print(f"[red]error[/red]: {path}: {message}: {FIXES.get(reason, '')}",
+                                       highlight=False, soft_wrap=True)
             failed += 1
             continue
         rank = trace_rank(report, (ranks or {}).get(path))
@@ -233,7 +245,7 @@ def analyze_files(paths: Sequence[Path], as_json: bool, top_k: int, console: Con
             _render_row(rows, report, rank)
         elif not as_json:
             render_report(report, console, rank)
-    summary = cross_rank_summary(done)
+    summary = job_summary(done, straggler_threshold)
     if as_json:
         print(json.dumps({"traces": [report_dict(r, rank) for r, rank in done], "summary": summary}, indent=2))
     else:

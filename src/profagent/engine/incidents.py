@@ -466,9 +466,11 @@ class IncidentsSource:
 
     def _regressions(self, view: StateView, tree: ProcessTree, now: float) -> list[Trigger]:
         traces = view.snapshots.get("traces")
+        self._regression.set_baseline(getattr(traces, "baseline", ()))
         for rt in getattr(traces, "ranks", ()):
             if rt.report.step_mean:
-                self._regression.observe(rt.job_id or tree.job_id, rt.rank, rt.report.step_mean, rt.ingested_at)
+                self._regression.observe(rt.job_id or tree.job_id, rt.rank, rt.report.step_mean, rt.ingested_at,
+                                         rt.report)
         self._regression.forget(tree.job_status())
         return self._regression.triggers(now)
 

@@ -54,12 +54,14 @@ class Classified:
     trace: Trace
     gpu: np.ndarray  # GPU ops, sorted by start
     gpu_launch: np.ndarray  # start of each GPU op's runtime call (NaN: unmatched)
+    gpu_launcher: np.ndarray  # event index of that runtime call (-1: unmatched)
     gpu_comm: np.ndarray  # bool: communication kernel
     runtime: np.ndarray
     cpu_ops: np.ndarray  # ATen ops, ProfilerStep excluded
     annotations: np.ndarray  # user_annotation, ProfilerStep excluded
     steps: np.ndarray  # ProfilerStep ranges (annotation or op)
     unions: dict[str, Merged] = field(default_factory=dict)
+    memo: dict[str, object] = field(default_factory=dict)  # figures several analyzers share
 
     @property
     def devices(self) -> list[int]:
@@ -91,17 +93,19 @@ def classify(trace: Trace) -> Classified:
     # launch time of each GPU op, through the correlation id of its runtime call
     rc = t.corr[runtime]
     valid = rc >= 0
-    rc, rts = rc[valid], t.ts[runtime][valid]
+    rc, ridx = rc[valid], runtime[valid]
     order = np.argsort(rc, kind="stable")
-    rc, rts = rc[order], rts[order]
+    rc, ridx = rc[order], ridx[order]
     gc = t.corr[gpu]
     pos = np.minimum(np.searchsorted(rc, gc), max(len(rc) - 1, 0))
-    launch = np.full(len(gpu), np.nan)
+    launcher = np.full(len(gpu), -1, dtype=np.int64)
     if len(rc):
         hit = (gc >= 0) & (rc[pos] == gc)
-        launch[hit] = rts[pos[hit]]
+        launcher[hit] = ridx[pos[hit]]
+    launch = np.full(len(gpu), np.nan)
+    launch[launcher >= 0] = t.ts[launcher[launcher >= 0]]
 
-    c = Classified(t, gpu, launch, gpu_comm, runtime, cpu_ops, annotations, steps)
+    c = Classified(t, gpu, launch, launcher, gpu_comm, runtime, cpu_ops, annotations, steps)
     u = c.unions
     gkind, gdev = kind[gpu], t.device[gpu]
     gs, ge = t.ts[gpu], t.end[gpu]

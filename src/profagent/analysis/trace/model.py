@@ -51,6 +51,7 @@ class Trace:
     bytes_read: int = 0  # uncompressed JSON bytes
     rank: str | None = None  # from distributedInfo
     world_size: int | None = None
+    backend: str | None = None  # distributedInfo.backend
     base_time_ns: int | None = None
     device_count: int | None = None  # from deviceProperties, None when absent
     ts: np.ndarray = field(default_factory=lambda: np.empty(0))
@@ -67,6 +68,10 @@ class Trace:
     gpu_devices: dict[int, int] = field(default_factory=dict)  # trace pid -> device index
     categories: set[str] = field(default_factory=set)  # the kept events' Kineto categories
     device_names: list[str] = field(default_factory=list)  # deviceProperties[].name
+    # complete events of a kept category left out for their ``dur``: cause (missing,
+    # negative, non_finite) -> count, and the first few of their names
+    bad_durations: dict[str, int] = field(default_factory=dict)
+    bad_duration_names: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.ts)

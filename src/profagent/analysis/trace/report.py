@@ -6,10 +6,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from profagent.analysis.trace.annotations import Annotation, annotations
+from profagent.analysis.labels import OTHER, fold_top_k
+from profagent.analysis.trace.annotations import Annotation, annotation_gpu_time, annotations
 from profagent.analysis.trace.breakdown import CATEGORIES, step_breakdown
 from profagent.analysis.trace.cputime import cpu_gpu_time
 from profagent.analysis.trace.devices import DeviceTime, device_times
@@ -18,7 +19,7 @@ from profagent.analysis.trace.launch import LaunchDelay, launch_delay
 from profagent.analysis.trace.memory import peak_allocated
 from profagent.analysis.trace.model import Trace
 from profagent.analysis.trace.steps import find_steps
-from profagent.analysis.trace.tops import Top, top_kernels, top_ops
+from profagent.analysis.trace.tops import Top, kernel_stats, top_kernels, top_ops, totals_in_steps
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,16 @@ class TraceReport:
     annotations: tuple[tuple[str, float, int], ...]  # (name, total seconds, count)
     memory_peak: dict[str, int]  # device -> bytes
     cpu_pids: tuple[int, ...]
+    events_dropped: dict[str, int] = field(default_factory=dict)  # left out for their dur: missing, negative, non_finite
+    # per top kernel: name, count, total/mean/min/max seconds, launched_by (the ATen op)
+    kernel_stats: tuple[dict[str, Any], ...] = ()
+    annotation_gpu: dict[str, float] = field(default_factory=dict)  # annotation -> s of GPU work launched inside
+    # only with analyze(..., in_steps=True) (profagent diff): every kernel's GPU seconds and
+    # every op's self CPU seconds, of those starting inside the steps
+    in_steps: dict[str, dict[str, float]] | None = None
+    world_size: int | None = None  # distributedInfo
+    backend: str | None = None
+    started_at: float | None = None  # Unix seconds of the first event (baseTimeNanoseconds + ts), if plausible
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,9 +118,10 @@ def _tops(tops: tuple[Top, ...] | tuple[Annotation, ...]) -> tuple[tuple[str, fl
     return tuple((t.name, t.time * US if isinstance(t, Top) else t.total * US, t.count) for t in tops)
 
 
-def analyze(trace: Trace, top_k: int = 10, iteration_window: bool = False) -> TraceReport:
+def analyze(trace: Trace, top_k: int = 10, iteration_window: bool = False, in_steps: bool = False) -> TraceReport:
     """Every figure of one trace. Pure: reads ``trace``, returns a new report.
-    ``iteration_window``: the trace was asked for N iterations (see ``find_steps``)."""
+    ``iteration_window``: the trace was asked for N iterations (see ``find_steps``);
+    ``in_steps``: also every kernel's and op's time inside the steps (for a diff)."""
     c = classify(trace)
     steps = find_steps(c, iteration_window)
     frame = Frame(c, steps.spans)
@@ -118,6 +130,7 @@ def analyze(trace: Trace, top_k: int = 10, iteration_window: bool = False) -> Tr
     delay: LaunchDelay | None = launch_delay(c)
     cpu_us, gpu_us = cpu_gpu_time(frame)
     durations = [s.duration * US for s in steps.steps]
+    kernels = _tops(top_kernels(c, top_k))
     return TraceReport(
         path=trace.path,
         rank=trace.rank,
@@ -125,6 +138,7 @@ def analyze(trace: Trace, top_k: int = 10, iteration_window: bool = False) -> Tr
         accelerator=accelerator(c),
         steps_incomplete=tuple((s.name, s.duration * US) for s in steps.incomplete),
         steps_dropped=steps.dropped,
+        events_dropped=dict(trace.bad_durations),
         gpu_lag=None if steps.gpu_lag is None else steps.gpu_lag * US,
         warnings=_warnings(trace, steps.dropped),
         steps=tuple(
@@ -146,11 +160,56 @@ def analyze(trace: Trace, top_k: int = 10, iteration_window: bool = False) -> Tr
         gpu_seconds=gpu_us * US,
         cpu_gpu_ratio=cpu_us / gpu_us if gpu_us > 0 else None,
         top_ops=_tops(top_ops(c, top_k)),
-        top_kernels=_tops(top_kernels(c, top_k)),
+        top_kernels=kernels,
         annotations=_tops(annotations(c)),
+        kernel_stats=tuple(
+            {"name": k.name, "count": k.count, "total": k.total * US, "mean": k.mean * US, "min": k.min * US,
+             "max": k.max * US, "launched_by": k.launched_by}
+            for k in kernel_stats(c, [name for name, _, _ in kernels if name != OTHER])),
+        annotation_gpu=_top_annotation_gpu(c, top_k),
         memory_peak=peak_allocated(trace.memory),
         cpu_pids=_cpu_pids(trace),
+        in_steps=_in_steps(c, frame) if in_steps else None,
+        world_size=trace.world_size,
+        backend=trace.backend,
+        started_at=_started_at(trace),
     )
+
+
+EPOCH_PLAUSIBLE = 1e9  # Unix seconds (2001): smaller "dates" are relative clocks
+
+
+def _started_at(trace: Trace) -> float | None:
+    """When the trace starts, in Unix seconds, when its clock is a wall clock."""
+    if not len(trace):
+        return None
+    start = (trace.base_time_ns or 0) * 1e-9 + float(trace.ts.min()) * US
+    return start if start >= EPOCH_PLAUSIBLE else None
+
+
+IN_STEPS_KEPT = 500  # kernels and ops kept per report for a diff (the agent holds one report per rank)
+
+
+def _in_steps(c: Any, frame: Frame) -> dict[str, dict[str, float]]:
+    """The largest IN_STEPS_KEPT kernels and ops, names shortened, the rest summed as "other":
+    a hostile trace with a million distinct names must not stay in the agent's memory."""
+    def kept(values: dict[str, float]) -> dict[str, float]:
+        ranked = sorted(values.items(), key=lambda kv: (-kv[1], kv[0]))
+        return fold_top_k(((name, us * US) for name, us in ranked), IN_STEPS_KEPT, limit=IN_STEPS_NAME)
+
+    kernels, ops = totals_in_steps(c, frame.window_union)
+    return {"kernels": kept(kernels), "ops": kept(ops)}
+
+
+IN_STEPS_NAME = 4096  # characters: long C++ kernel names (2,000+) stay whole, a 1 MB name does not
+
+
+def _top_annotation_gpu(c: Any, k: int) -> dict[str, float]:
+    gpu = sorted(annotation_gpu_time(c).items(), key=lambda kv: (-kv[1], kv[0]))
+    out = {name: us * US for name, us in gpu[:k]}
+    if len(gpu) > k:
+        out[OTHER] = sum(us for _, us in gpu[k:]) * US
+    return out
 
 
 # float64 keeps 52 bits: from 2**52 µs on, timestamps are rounded to a microsecond or more
@@ -165,7 +224,17 @@ def _warnings(trace: Trace, dropped: int) -> tuple[str, ...]:
                    "re-export the trace with relative timestamps (baseTimeNanoseconds)")
     if dropped:
         out.append(f"{dropped} ProfilerStep range(s) of zero or negative length were ignored")
+    bad = trace.bad_durations
+    if bad:
+        causes = ", ".join(f"{n} {BAD_DURATION_WORDS[k]}" for k, n in sorted(bad.items()))
+        names = ", ".join(repr(n) for n in trace.bad_duration_names)
+        out.append(f"{sum(bad.values())} event(s) left out for a bad duration ({causes}; e.g. {names}): "
+                   "the figures exclude them; re-export the trace if the profiler was interrupted")
     return tuple(out)
+
+
+BAD_DURATION_WORDS = {"missing": "without dur", "negative": "with a negative dur",
+                      "non_finite": "with a non-finite dur"}
 
 
 def _cpu_pids(trace: Trace) -> tuple[int, ...]:
@@ -174,6 +243,23 @@ def _cpu_pids(trace: Trace) -> tuple[int, ...]:
         if isinstance(pid, int) and pid not in trace.gpu_devices and pid > 64:
             pids.add(pid)  # GPU "pids" are device indexes (0, 1...), not processes
     return tuple(sorted(pids))
+
+
+IDLE_CAUSES = {
+    "host_wait": "the CPU launched work late (host wait)",
+    "kernel_wait": "queued work waited (kernel wait: launch latency, syncs, dependencies)",
+    "other": "of gaps no launched work explains (other: gaps ended by device work without a "
+             "traced launch, such as DMA or copies without a correlation id, and step ends)",
+}
+
+
+def _idle_finding(g: GpuSummary) -> str:
+    """The idle share and its largest cause among all three (other included)."""
+    parts = {"host_wait": g.host_wait_ratio, "kernel_wait": g.kernel_wait_ratio, "other": g.idle_other_ratio}
+    cause = max(parts, key=lambda k: parts[k])
+    rest = ", ".join(f"{k} {v:.1%}" for k, v in parts.items() if k != cause)
+    return (f"the GPU is idle {g.idle_ratio:.0%} of step time, mostly because {IDLE_CAUSES[cause]}: "
+            f"{parts[cause]:.1%} of step time ({rest})")
 
 
 def findings(r: TraceReport) -> list[str]:
@@ -189,9 +275,7 @@ def findings(r: TraceReport) -> list[str]:
     g = r.gpu
     if g is not None:
         if g.idle_ratio >= 0.3:
-            why = "the CPU launched work late (host wait)" if g.host_wait_ratio >= g.kernel_wait_ratio \
-                else "queued work waited (launch latency, syncs, dependencies)"
-            out.append(f"the GPU is idle {g.idle_ratio:.0%} of step time, mostly because {why}")
+            out.append(_idle_finding(g))
         if g.memcpy_share >= 0.1:
             out.append(f"memcpy is {g.memcpy_share:.0%} of GPU time: look at host-device transfers, "
                        "pin memory (pin_memory=True) and use non_blocking copies")

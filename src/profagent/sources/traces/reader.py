@@ -48,6 +48,7 @@ class Args(msgspec.Struct, gc=False):
     correlation: int | str | None = -1  # absent: -1 (an explicit null stays None)
     device: int | str | None = -1
     stream: int | str | None = None
+    direction: str | None = None
     total_allocated: int | None = msgspec.field(default=None, name="Total Allocated")
     device_id: int | None = msgspec.field(default=None, name="Device Id")
     device_type: int | None = msgspec.field(default=None, name="Device Type")
@@ -60,7 +61,7 @@ class Event(msgspec.Struct, gc=False):
     cat: str = ""
     name: str = ""
     ts: float = 0.0
-    dur: float = 0.0
+    dur: float | None = None  # missing or null: the event is left out and counted
     pid: int | str = 0
     tid: int | str = 0
     args: Args | None = None
@@ -71,6 +72,7 @@ class XArgs(msgspec.Struct, gc=False):
 
     correlation: int | str | None = -1  # absent: -1 (an explicit null stays None)
     device: int | str | None = -1
+    direction: str | None = None  # MTIA DMA: HOST_TO_DEVICE / DEVICE_TO_HOST
 
 
 # The fast path: a union tagged by "ph", where only the kinds used have fields, so flow
@@ -80,7 +82,7 @@ class XEvent(msgspec.Struct, tag_field="ph", tag="X", gc=False):
     cat: str = ""
     name: str = ""
     ts: float = 0.0
-    dur: float = 0.0
+    dur: float | None = None
     pid: int | str = 0
     tid: int | str = 0
     args: XArgs | None = None
@@ -220,6 +222,20 @@ def _int_column(values: list, default: int = -1) -> np.ndarray:
         return np.array(out, dtype=np.int64)
 
 
+MTIA_DEVICE = "mtia_ccp_events"
+BAD_NAMES_KEPT = 3  # names of events left out for their duration, quoted in the warning
+
+
+def _mark_dma(kind: np.ndarray, cat: list[str], name: list[str], args: list) -> None:  # type: ignore[type-arg]
+    """MTIA writes kernels and DMA transfers in one category: a ``dma_*`` event, or one
+    with ``args.direction`` (HOST_TO_DEVICE, DEVICE_TO_HOST), is a memory transfer."""
+    for i, c in enumerate(cat):
+        if c == MTIA_DEVICE:
+            a = args[i]
+            if name[i].startswith("dma") or (a is not None and a.direction is not None):
+                kind[i] = KINDS["gpu_memcpy"]
+
+
 _THREAD_BASE = 1 << 31  # thread code = provisional pid id * base + provisional tid id
 
 
@@ -264,11 +280,21 @@ class _Builder:
                         self._instant(e)
                     elif e.ph == "M":
                         self._metadata(e)
-        n = len(kept)
-        if not n:
+        if not kept:
             return
-        ts = [e.ts for e in kept]
-        dur = [e.dur for e in kept]
+        # None (missing or null dur) becomes NaN: left out with negative ones and those
+        # whose end is not finite (JSON has no infinity: msgspec refuses 1e999 and NaN)
+        start = np.array([e.ts for e in kept], dtype=np.float64)
+        dur_all = np.array([e.dur for e in kept], dtype=np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            good = (dur_all >= 0) & np.isfinite(start + dur_all)
+        if not good.all():
+            self._count_bad(kept, dur_all, good)
+            kept = [e for e, ok in zip(kept, good.tolist(), strict=True) if ok]
+            start, dur_all = start[good], dur_all[good]
+            if not kept:
+                return
+        n = len(kept)
         cat = [e.cat for e in kept]
         self.trace.categories.update(cat)
         name = [e.name for e in kept]
@@ -278,11 +304,13 @@ class _Builder:
         # provisional ids: the position of a name's first occurrence (made dense in finish)
         ids = range(self._seen, self._seen + n)
         self._seen += n
-        start = np.array(ts, dtype=np.float64)
+        kind = np.fromiter(map(kinds.__getitem__, cat), dtype=np.int8, count=n)
+        if MTIA_DEVICE in cat:
+            _mark_dma(kind, cat, name, args)
         self._pieces.append((
             start,
-            start + np.array(dur, dtype=np.float64),
-            np.fromiter(map(kinds.__getitem__, cat), dtype=np.int8, count=n),
+            start + dur_all,
+            kind,
             np.fromiter(map(self._names.setdefault, name, ids), dtype=np.int64, count=n),
             np.fromiter(map(self._pids.setdefault, pid, ids), dtype=np.int64, count=n) * _THREAD_BASE
             + np.fromiter(map(self._tids.setdefault, tid, ids), dtype=np.int64, count=n),
@@ -290,6 +318,17 @@ class _Builder:
             _int_column([-1 if a is None else a.correlation for a in args]),
             _int_column([-1 if a is None else a.device for a in args]),
         ))
+
+    def _count_bad(self, kept: list, dur: np.ndarray, good: np.ndarray) -> None:  # type: ignore[type-arg]
+        """Count the events left out for their duration, by cause, and keep a few names."""
+        bad = self.trace.bad_durations
+        for i in np.flatnonzero(~good).tolist():
+            d = dur[i]
+            cause = "missing" if np.isnan(d) else ("negative" if d < 0 else "non_finite")
+            bad[cause] = bad.get(cause, 0) + 1
+            examples = self.trace.bad_duration_names
+            if len(examples) < BAD_NAMES_KEPT and kept[i].name[:120] not in examples:
+                examples.append(kept[i].name[:120])
 
     def _instant(self, e: Event | InstantEvent) -> None:
         a = e.args
@@ -332,6 +371,7 @@ def _meta_into(trace: Trace, meta: Meta) -> None:
     if info is not None and info.rank is not None:
         trace.rank = bound(str(info.rank))  # a label: bounded like the environment's
         trace.world_size = info.world_size
+        trace.backend = info.backend[:40] if info.backend else None
     if meta.baseTimeNanoseconds is not None:
         trace.base_time_ns = meta.baseTimeNanoseconds
     if meta.deviceProperties is not None:

@@ -77,6 +77,7 @@ class TracesSnapshot:
     waiting: int  # files seen but not complete yet
     top_k: int = 10
     user_dirs: bool = True  # a folder the user configured is watched (not only the on-demand folder)
+    baseline: tuple[TraceReport, ...] = ()  # traces.baseline, analysed (empty: none configured)
 
 
 def resolve_job(report: TraceReport, tree: ProcessTree | None, path: str = "") -> str:
@@ -166,6 +167,7 @@ class TracesSource:
         top_k: int = 10,
         polling: bool = False,
         user_dirs: bool = True,
+        baseline: str = "",
         reader: Callable[[str], Trace] = read_trace,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
@@ -177,10 +179,15 @@ class TracesSource:
         self._dirs = dirs
         self._watcher = FolderWatcher(dirs, Processed(state_dir / STATE_FILE if state_dir is not None else None),
                                       settle_seconds, invalid_after, max_file_bytes, polling)
+        # traces.baseline comes from the config (the admin's): read it with the size cap only
+        self._read_baseline_file = functools.partial(read_trace, max_bytes=max_file_bytes) \
+            if reader is read_trace else reader
         if reader is read_trace:  # refuse what the job could not have written; cap the inflated size
             reader = functools.partial(read_trace, max_bytes=max_file_bytes, owner_ok=self._watcher.owner_ok,
                                        max_buffered=max_buffered_bytes)
         self._read = reader
+        self._baseline_path = baseline
+        self._baseline: tuple[TraceReport, ...] = ()
         self._clock = clock
         self._wall = wall
         self._alive = alive
@@ -200,6 +207,10 @@ class TracesSource:
     def start(self) -> None:
         if not self._dirs:
             raise SourceUnavailable("no trace folder configured: pass --trace-dir DIR")
+        if self._baseline_path:
+            self._baseline = self._read_baseline(Path(self._baseline_path))
+            with self._lock:
+                self._snapshot = self._build(self._snapshot.job_id)
         try:
             self._watcher.start()
         except OSError as exc:
@@ -267,7 +278,7 @@ class TracesSource:
             self._count(verdict, "skipped", "empty", "the trace has no events")
             return
         try:
-            report = analyze(trace, self.top_k)
+            report = analyze(trace, self.top_k, in_steps=True)  # in_steps: the regression's diff
         except Exception as exc:  # an analyzer bug must not stop the watcher
             log.debug("analysing %s failed", verdict.path, exc_info=True)
             self._count(verdict, "invalid", "analysis_failed", f"{type(exc).__name__}: {exc}")
@@ -289,6 +300,26 @@ class TracesSource:
                      "with a summary every %.0f s", verdict.path, rank, SUMMARY_SECONDS)
         else:
             log.debug("trace %r ingested (rank %s)", verdict.path, rank)
+
+    def _read_baseline(self, path: Path) -> tuple[TraceReport, ...]:
+        """``traces.baseline``: a trace, or the traces of a folder, analysed once. A
+        baseline that cannot be read is said in one warning; each rank's first steady
+        traces are the baseline then."""
+        files = sorted(p for p in path.rglob("*") if p.name.endswith((".json", ".json.gz"))
+                       and not p.name.startswith(".")) if path.is_dir() else [path]
+        reports = []
+        for file in files:
+            try:
+                reports.append(analyze(self._read_baseline_file(str(file)), self.top_k, in_steps=True))
+            except (TraceError, MemoryError, OSError) as exc:
+                log.warning("traces.baseline %r is not used: %s (fix the path or the file; each rank's "
+                            "first steady traces are the baseline meanwhile)", str(file), exc)
+                return ()
+        if not any(r.steps for r in reports):
+            log.warning("traces.baseline %r has no trace with a step: each rank's first steady traces are "
+                        "the baseline", str(path))
+            return ()
+        return tuple(reports)
 
     def _count(self, verdict: Verdict, status: str, reason: str, message: str) -> None:
         if status == "skipped" and reason == "other_process":
@@ -314,7 +345,8 @@ class TracesSource:
     def _build(self, job_id: str) -> TracesSnapshot:
         ranks = tuple(self._ranks[r] for r in sorted(self._ranks))
         counts = tuple((s, r, n) for (s, r), n in sorted(self._counts.items()))
-        return TracesSnapshot(job_id, ranks, counts, self._watcher.waiting, self.top_k, self.user_dirs)
+        return TracesSnapshot(job_id, ranks, counts, self._watcher.waiting, self.top_k, self.user_dirs,
+                              self._baseline)
 
 
 def traces_source(config: Config, user_dirs: bool = True) -> TracesSource:
@@ -332,4 +364,5 @@ def traces_source(config: Config, user_dirs: bool = True) -> TracesSource:
         top_k=t.top_k,
         polling=t.polling,
         user_dirs=user_dirs,
+        baseline=t.baseline,
     )

@@ -1,0 +1,79 @@
+"""Reading and analysing many traces at once: one process per core, a progress bar on a
+terminal. ``profagent analyze`` and ``profagent diff`` of a folder use it.
+
+Each trace is read and analysed in a worker process (parse + analysis is CPU-bound
+Python and numpy: threads would share one core under the GIL); only the small report
+comes back. One trace, or one core, is read in this process (no pool to start).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from profagent.analysis.trace.report import TraceReport, analyze
+from profagent.sources.traces.reader import TraceError, read_trace
+
+PROGRESS_FROM = 4  # traces: below this a set reads too fast for a bar to help
+
+Outcome = TraceReport | tuple[str, str]  # a report, or (message, reason) of a TraceError
+
+
+def _one(path: Path, top_k: int, in_steps: bool, iteration_window: bool = False) -> Outcome:
+    try:
+        return analyze(read_trace(path), top_k, iteration_window=iteration_window, in_steps=in_steps)
+    except TraceError as exc:
+        return (str(exc), exc.reason)
+
+
+def cores() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def analyse_all(files: Sequence[Path], top_k: int, in_steps: bool = False,
+                progress: bool | None = None, iteration_window: bool = False) -> list[Outcome]:
+    """One outcome per file, in the files' order. ``progress``: show a bar on standard
+    error (default: when it is a terminal and there are PROGRESS_FROM files or more);
+    ``iteration_window``: the traces were taken for N iterations (see ``find_steps``)."""
+    workers = min(len(files), cores())
+    if progress is None:
+        progress = len(files) >= PROGRESS_FROM and sys.stderr.isatty()
+    tick, stop = _progress(len(files)) if progress else (lambda: None, lambda: None)
+    try:
+        if workers <= 1:
+            out = []
+            for path in files:
+                out.append(_one(path, top_k, in_steps, iteration_window))
+                tick()
+            return out
+        from concurrent.futures import (  # a pool only for several traces
+            ProcessPoolExecutor,
+            as_completed,
+        )
+
+        results: dict[int, Outcome] = {}
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            futures = {pool.submit(_one, path, top_k, in_steps, iteration_window): i for i, path in enumerate(files)}
+            for future in as_completed(futures):
+                results[futures[future]] = future.result()
+                tick()
+        return [results[i] for i in range(len(files))]
+    finally:
+        stop()
+
+
+def _progress(total: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("reading traces"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=Console(stderr=True), transient=True)
+    task = bar.add_task("traces", total=total)
+    bar.start()
+    return (lambda: bar.advance(task)), bar.stop
