@@ -7,7 +7,6 @@ cgroup format. Nothing inside the job's root is read (see test_security_placemen
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
