@@ -111,7 +111,8 @@ def running(tmp_path: Path) -> Iterator:
     started: list[Running] = []
 
     def start(folder: Path, tree: ProcessTree | None = None, **kw) -> Running:
-        r = Running(folder, tmp_path / "state", tree or _tree(), **kw)
+        # by default the job is this test process (root's): what root writes is the job's
+        r = Running(folder, tmp_path / "state", tree or _tree(os.getpid()), **kw)
         started.append(r)
         return r
 

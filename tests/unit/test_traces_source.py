@@ -38,6 +38,7 @@ class Running:
     def __init__(self, folder: Path, state: Path, **kw) -> None:
         kw.setdefault("settle_seconds", 0.3)
         kw.setdefault("invalid_after", 30.0)
+        kw.setdefault("credentials", lambda pid: (0, frozenset()))  # TREE's made-up processes are root's
         self.source = TracesSource([folder], state, interval=0.1, **kw)
         self.source.start()
         self.snapshot: TracesSnapshot | None = None
@@ -272,7 +273,7 @@ def test_traces_of_other_processes_are_skipped(dirs, running, caplog) -> None:
     """A shared folder (one agent per job): only the target's traces are ingested."""
     folder, _ = dirs
     text = gzip.decompress(SMALL.read_bytes()).decode()
-    (folder / "profagent_aa_4243.json").write_text(text)  # on-demand, from rank 2 of the job
+    (folder / "profagent_aa_4243.json").write_text(text.replace('"pid": 597913', '"pid": 4243'))  # rank 2's
     (folder / "profagent_bb_999999.json").write_text(text)  # on-demand, from another job
     # a trace taken from a live process outside the job (this test process)
     (folder / "other.pt.trace.json").write_text(text.replace('"pid": 597913', f'"pid": {os.getpid()}'))
