@@ -295,7 +295,7 @@ class FolderWatcher:
         if path.endswith(".gz"):
             return now - p.stable_since >= self.settle
         try:
-            with os.fdopen(open_regular(path, self.owner_ok), "rb") as fh:
+            with os.fdopen(open_regular(path, self.owner_ok, exact=True), "rb") as fh:
                 fh.seek(max(0, (p.sig or (0, 0))[0] - 64))
                 tail = fh.read(4096).rstrip()
         except (OSError, UnsafePath):
