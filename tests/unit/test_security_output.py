@@ -86,3 +86,24 @@ def test_a_log_message_stays_one_escaped_line() -> None:
         record = logging.LogRecord("profagent.x", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
     text = formatter.format(record)
     assert "\x1b" not in text and "Traceback" in text  # the traceback keeps its lines
+
+
+def test_analyze_shows_hostile_kernel_op_and_rank_names_as_text(tmp_path) -> None:
+    import gzip
+    import json
+
+    from helpers.paths import shared_traces
+    from profagent.cli.analyze import analyze_files
+
+    data = json.loads(gzip.decompress((shared_traces() / "mi250-rocm.pt.trace.json.gz").read_bytes()))
+    for e in data["traceEvents"]:
+        if e.get("cat") in ("kernel", "cpu_op", "user_annotation", "gpu_user_annotation"):
+            e["name"] = "[/]\x1b[2J" + e["name"]
+    data["distributedInfo"] = {"rank": "3\x1b]2;X\x07[bold]", "world_size": 4}
+    for i in range(2):  # two traces: the cross-rank summary prints the ranks too
+        (tmp_path / f"t{i}.pt.trace.json").write_text(json.dumps(data))
+    out = io.StringIO()
+    analyze_files([tmp_path], False, 10, Console(file=out, width=200, color_system=None, force_terminal=False))
+    text = out.getvalue()
+    assert "\x1b" not in text and "\x07" not in text
+    assert "[/]\\x1b[2J" in text and "3\\x1b]2;X\\x07[bold]" in text  # shown, as text
