@@ -201,3 +201,74 @@ def test_a_trace_of_the_jobs_user_in_a_folder_it_cannot_write_is_refused(childre
     finally:
         agent.stop()
         kill_tree(job)
+
+
+# -- the same attack against a real root agent (`profagent watch`), read on /metrics --------
+
+def _victim_ranks(launcher: subprocess.Popen) -> dict[str, int]:
+    import psutil
+
+    out = {}
+    for child in psutil.Process(launcher.pid).children():
+        try:
+            rank = child.environ().get("RANK")
+        except psutil.Error:
+            continue
+        if rank is not None:
+            out[rank] = child.pid
+    return out if len(out) == 2 else {}
+
+
+def test_a_root_agent_keeps_the_victims_figures_and_straggler(children, nobody_job, folders, run_agent) -> None:
+    from helpers.agent import free_port, http_get, parse_metrics
+    from helpers.watch import FAKE_TORCHRUN, samples, watch_config
+
+    shared, ondemand = folders
+    ondemand.rmdir()  # the agent makes its on-demand folder itself (root's, 1777)
+    base = shared.parent
+    tok = token()
+    config = watch_config(base, tok)
+    with config.open("a") as fh:
+        fh.write(f"\n[traces]\ndirs = ['{shared}']\nsettle_seconds = 0.3\n"
+                 f"[ondemand]\nsocket_dir = '{base / 's'}'\ncontrol_socket = '{base / 'c.sock'}'\n"
+                 f"trace_dir = '{ondemand}'\n")
+    (base / "s").mkdir()
+    victim = children.python(FAKE_TORCHRUN, env=job_env(tok, SLURM_JOB_ID="victim"))
+    attacker = nobody_job(job_env(tok, SLURM_JOB_ID="attacker", RANK="0", WORLD_SIZE="1"))
+    ranks = wait_for(lambda: _victim_ranks(victim), 30, what="the victim's two ranks")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    agent = run_agent(["watch", "--config", str(config), "--listen", f"127.0.0.1:{port}"])
+    agent.wait_healthy(url, timeout=60)
+    wait_for(lambda: ondemand.is_dir(), 30, what="the on-demand folder")
+
+    def steps(job: str) -> dict[str, float]:
+        m = parse_metrics(http_get(url + "/metrics"))
+        return {lab["rank"]: v for lab, v in samples(m, "profagent_trace_step_seconds", job_id=job)}
+
+    def stragglers() -> set[tuple[str, str]]:
+        found = json.loads(http_get(url + "/api/findings"))["findings"]
+        return {(f["job_id"], f["rank"]) for f in found if f["finding"] == "straggler"}
+
+    # the victim's real traces: rank 1 is its real straggler
+    (shared / "r0.pt.trace.json").write_text(trace_of(ranks["0"]))
+    (shared / "r1.pt.trace.json").write_text(trace_of(ranks["1"], scale=2.0))
+    before = wait_for(lambda: (s := steps("victim")) and len(s) == 2 and s, 60, what="the victim's step times")
+    wait_for(lambda: stragglers() == {("victim", "1")}, 60, what="the victim's real straggler")
+
+    as_nobody({
+        shared / "fake7.pt.trace.json": trace_of(ranks["0"], rank=7, scale=5.0),  # a fake rank-7 straggler
+        shared / f"host_{ranks['1']}.9.pt.trace.json": trace_of(ranks["1"]),  # rank 1 made fast: hides it
+        ondemand / f"profagent_x_{ranks['1']}.json": trace_of(ranks["1"]),  # the same, on demand
+    })
+    as_nobody({ondemand / f"profagent_z_{attacker.pid}.json": trace_of(attacker.pid)})  # its own, honest
+
+    def rejected() -> dict[str, float]:
+        m = parse_metrics(http_get(url + "/metrics"))
+        return {lab["reason"]: v for lab, v in samples(m, "profagent_traces_rejected_total", status="skipped")}
+
+    wait_for(lambda: rejected().get("foreign_owner") == 3 and steps("attacker"), 60,
+             what="the forgeries refused and the attacker's own trace shown")
+    assert steps("victim") == before  # no rank 7, rank 1 still slow
+    assert steps("attacker") == {"0": pytest.approx(before["0"], rel=0.05)}
+    assert stragglers() == {("victim", "1")}  # the victim's real straggler is still shown
