@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
+from helpers.nobody import NOBODY, as_nobody, nobody_python
 from helpers.paths import shared_traces
 from helpers.processes import kill_tree, wait_for
 from helpers.watch import job_env, token
 from profagent.sources.traces.source import TracesSource
 from profagent.target.node import Limits, NodeTarget, Rules
 
-NOBODY = 65534
 SMALL = shared_traces() / "mi250-rocm.pt.trace.json.gz"
 SMALL_PID = 597913  # the CPU process of SMALL, on the machine it was taken on
 SLEEPER = "import time\nwhile True:\n    time.sleep(0.05)\n"
@@ -72,23 +72,16 @@ def folders() -> Iterator[tuple[Path, Path]]:
 def nobody_job(folders) -> Iterator:
     started: list[subprocess.Popen] = []
 
-    def start(env: dict[str, str]) -> subprocess.Popen:
-        script = folders[0].parent / "job.py"
-        script.write_text(SLEEPER)
-        script.chmod(0o644)
-        proc = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                                 "/usr/bin/python3", str(script)], env={"PATH": "/usr/bin:/bin", **env},
-                                start_new_session=True)
-        started.append(proc)
-        wait_for(lambda: os.stat(f"/proc/{proc.pid}").st_uid == NOBODY, what="nobody's job")
-        return proc
+    def start(env: dict[str, str], code: str = SLEEPER) -> subprocess.Popen:
+        started.append(nobody_python(code, env, folders[0].parent))
+        return started[-1]
 
     yield start
     for proc in started:
         kill_tree(proc)
 
 
-def as_nobody(files: dict[Path, str]) -> None:
+def write_as_nobody(files: dict[Path, str]) -> None:
     """Write each file as nobody (through a script reading the contents from stdin)."""
     code = textwrap.dedent("""
         import json, sys
@@ -98,8 +91,7 @@ def as_nobody(files: dict[Path, str]) -> None:
             import os
             os.rename(path + ".tmp", path)
     """)
-    done = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                           "/usr/bin/python3", "-c", code], input=json.dumps({str(k): v for k, v in files.items()}),
+    done = subprocess.run(as_nobody("/usr/bin/python3", "-c", code), input=json.dumps({str(k): v for k, v in files.items()}),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 
@@ -150,7 +142,7 @@ def test_forged_traces_naming_the_victim_are_refused(children, nobody_job, folde
         before = agent.ranks()[("victim", "0")]
         assert before is not None
 
-        as_nobody({
+        write_as_nobody({
             # a slower fake rank 7 and a slower rank 0 of the victim's job, in the shared folder
             shared / "forged-rank7.pt.trace.json": trace_of(victim.pid, rank=7, scale=5.0),
             shared / f"host_{victim.pid}.1.pt.trace.json": trace_of(victim.pid, scale=5.0),
@@ -162,7 +154,7 @@ def test_forged_traces_naming_the_victim_are_refused(children, nobody_job, folde
             shared / f"host_{attacker.pid}.2.pt.trace.json": trace_of(victim.pid, scale=5.0),
         })
         # and the attacker's honest trace of its own job: still counted, for its own job
-        as_nobody({ondemand / f"profagent_z_{attacker.pid}.json": trace_of(attacker.pid, scale=2.0)})
+        write_as_nobody({ondemand / f"profagent_z_{attacker.pid}.json": trace_of(attacker.pid, scale=2.0)})
         wait_for(lambda: sum(agent.counts().values()) == 7 and agent.snapshot.waiting == 0, 60,
                  what="every trace counted")
         assert agent.counts() == {
@@ -179,16 +171,14 @@ def test_forged_traces_naming_the_victim_are_refused(children, nobody_job, folde
         kill_tree(attacker)
 
 
-def test_a_trace_of_the_jobs_user_in_a_folder_it_cannot_write_is_refused(children, folders, tmp_path: Path) -> None:
+def test_a_trace_of_the_jobs_user_in_a_folder_it_cannot_write_is_refused(nobody_job, folders, tmp_path: Path) -> None:
     """Owned by the job's user (a hard link, or a file handed over) but in a folder only
     root may write: not the job's, whatever it says."""
     shared, ondemand = folders
     tok = token()
     locked = shared / "root-only"
     locked.mkdir(mode=0o755)
-    job = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                            "/usr/bin/python3", "-c", SLEEPER], env={"PATH": "/usr/bin:/bin", **job_env(
-                                tok, SLURM_JOB_ID="nobodyjob", RANK="0")}, start_new_session=True)
+    job = nobody_job(job_env(tok, SLURM_JOB_ID="nobodyjob", RANK="0"))
     agent = Agent(tok, shared, ondemand, tmp_path / "state")
     try:
         wait_for(lambda: set(agent.tree.job_status()) == {"nobodyjob"}, 30, what="nobody's job watched")
@@ -200,7 +190,6 @@ def test_a_trace_of_the_jobs_user_in_a_folder_it_cannot_write_is_refused(childre
         assert agent.ranks() == {}
     finally:
         agent.stop()
-        kill_tree(job)
 
 
 # -- the same attack against a real root agent (`profagent watch`), read on /metrics --------
@@ -256,12 +245,12 @@ def test_a_root_agent_keeps_the_victims_figures_and_straggler(children, nobody_j
     before = wait_for(lambda: (s := steps("victim")) and len(s) == 2 and s, 60, what="the victim's step times")
     wait_for(lambda: stragglers() == {("victim", "1")}, 60, what="the victim's real straggler")
 
-    as_nobody({
+    write_as_nobody({
         shared / "fake7.pt.trace.json": trace_of(ranks["0"], rank=7, scale=5.0),  # a fake rank-7 straggler
         shared / f"host_{ranks['1']}.9.pt.trace.json": trace_of(ranks["1"]),  # rank 1 made fast: hides it
         ondemand / f"profagent_x_{ranks['1']}.json": trace_of(ranks["1"]),  # the same, on demand
     })
-    as_nobody({ondemand / f"profagent_z_{attacker.pid}.json": trace_of(attacker.pid)})  # its own, honest
+    write_as_nobody({ondemand / f"profagent_z_{attacker.pid}.json": trace_of(attacker.pid)})  # its own, honest
 
     def rejected() -> dict[str, float]:
         m = parse_metrics(http_get(url + "/metrics"))

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from helpers.agent import free_port, http_get
+from helpers.nobody import nobody_python
 from helpers.processes import kill_tree, wait_for
 
-NOBODY = 65534
 RANK = "0\x1b]2;X\x1b\\"
 FORGED = "profagent ERROR: forged by the job"
 JOB_ID = f"evil\n{FORGED}\x1b[2J"
@@ -54,17 +54,12 @@ pytestmark = [
 def hostile_job() -> Iterator[subprocess.Popen]:
     folder = Path(tempfile.mkdtemp(prefix="paw-output-"))
     folder.chmod(0o755)
-    script = folder / "job.py"
-    script.write_text(JOB)
-    script.chmod(0o644)
-    env = {"PATH": "/usr/bin:/bin", "RANK": RANK, "LOCAL_RANK": "0", "WORLD_SIZE": "1", "SLURM_JOB_ID": JOB_ID}
-    proc = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                             "/usr/bin/python3", str(script)], env=env, start_new_session=True)
+    env = {"RANK": RANK, "LOCAL_RANK": "0", "WORLD_SIZE": "1", "SLURM_JOB_ID": JOB_ID}
     try:
-        wait_for(lambda: os.stat(f"/proc/{proc.pid}").st_uid == NOBODY, what="nobody's job")
+        proc = nobody_python(JOB, env, folder)
         yield proc
-    finally:
         kill_tree(proc)
+    finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers.nobody import as_nobody
 from helpers.processes import kill_tree, wait_for
 from profagent.exporters.exposition import Exposition
 from profagent.state import State
 from profagent.target import PidTarget
 
-NOBODY = 65534
 CID = "4b8e2f1c" * 8
 POD_CGROUP = f"0::/kubepods/besteffort/pod8f3c5f2a-1b2c-4d5e-9f60-718293a4b5c6/{CID}\n"
 SERVICE_ACCOUNT_NAMESPACE = "var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -68,8 +68,7 @@ def attacker(secret: tuple[Path, str]) -> Iterator[subprocess.Popen]:
     ready = folder / "ready"
     env = {"PATH": "/usr/bin:/bin", "SECRET": str(secret[0]), "READY": str(ready),
            "HOSTNAME": "trainer-0", "RANK": "0", "WORLD_SIZE": "1"}
-    proc = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                             "unshare", "-Urm", "sh", "-c", textwrap.dedent(ATTACK)],
+    proc = subprocess.Popen(as_nobody("unshare", "-Urm", "sh", "-c", textwrap.dedent(ATTACK)),
                             env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: ready.exists() or proc.poll() is not None, 30, what="nobody's mount namespace")
