@@ -185,7 +185,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def resolve_rank(report: TraceReport, path: str, tree: ProcessTree | None) -> str:
+def resolve_rank(report: TraceReport, path: str, tree: ProcessTree | None, job_id: str | None = None) -> str:
+    """The rank of a trace (see the module doc); ``job_id``: the job it counts for, whose
+    only rank is the fallback (None: the whole tree)."""
     if report.rank is not None:
         return report.rank
     by_pid = tree.by_pid() if tree is not None else {}
@@ -200,8 +202,9 @@ def resolve_rank(report: TraceReport, path: str, tree: ProcessTree | None) -> st
     m = _PID_IN_NAME.search(name)
     if m and int(m.group(1)) in by_pid and by_pid[int(m.group(1))].rank:
         return by_pid[int(m.group(1))].rank
-    ranks = tree.ranks() if tree is not None else []
-    return ranks[0] if len(ranks) == 1 else "unknown"
+    mains = [] if tree is None else [p for p in tree.mains() if job_id is None or p.job_id == job_id]
+    ranks = {p.rank for p in mains}
+    return ranks.pop() if len(ranks) == 1 else "unknown"
 
 
 class TracesSource:
@@ -334,7 +337,7 @@ class TracesSource:
             self._count(verdict, "skipped", found.reason, found.message)
             return
         job_id = found.job_id
-        rank = resolve_rank(report, verdict.path, tree)
+        rank = resolve_rank(report, verdict.path, tree, job_id)
         with self._lock:
             self._ranks[(job_id, rank)] = RankTrace(rank, report, self._wall(), job_id)
         self._count(verdict, "ingested", "ok", "")
