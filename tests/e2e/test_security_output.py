@@ -114,3 +114,33 @@ def test_hostile_names_reach_no_terminal_and_forge_no_log_line(tmp_path: Path, r
     assert "\x1b" not in log and "\x07" not in log and "\x9b" not in log
     assert not [line for line in log.splitlines() if line.startswith(FORGED)], log
     assert "evil\\x0aprofagent ERROR: forged" in log  # the job id was logged, on its own line
+
+
+def _tmux(server: str, *args: str) -> str:
+    return subprocess.run(["tmux", "-L", server, *args], capture_output=True, text=True, timeout=30).stdout
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux to stand for root's terminal")
+def test_live_top_in_tmux_keeps_roots_pane_title(tmp_path: Path, run_agent, hostile_job) -> None:
+    """The reported attack: in tmux, the rank's OSC sequence renamed root's pane."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = tmp_path / "agent.toml"
+    config.write_text(f"state_dir = '{tmp_path / 'state'}'\n[ondemand]\nenabled = false\n"
+                      f"[incidents]\nenabled = false\n")
+    agent = run_agent(["attach", "--pid", str(hostile_job.pid), "--listen", f"127.0.0.1:{port}",
+                       "--config", str(config), "--gpu-backend", "off"])
+    agent.wait_healthy(url, timeout=60)
+    server = f"paw-{os.getpid()}-{port}"
+    _tmux(server, "new-session", "-d", "-s", "top", "-x", "200", "-y", "50",
+          f"{sys.executable} -m profagent top --url {url} --interval 0.5")
+    try:
+        wait_for(lambda: "\\x1b]2;X" in _tmux(server, "capture-pane", "-p", "-t", "top"), 60,
+                 what="the hostile rank drawn, escaped")
+        _tmux(server, "send-keys", "-t", "top", "Enter")  # the stack pane: the function's name
+        wait_for(lambda: "PWNED" in _tmux(server, "capture-pane", "-p", "-t", "top"), 60,
+                 what="the hostile function drawn, escaped")
+        title = _tmux(server, "display-message", "-p", "-t", "top", "#{pane_title}").strip()
+        assert title not in ("X", "") and "PWNED" not in title, title
+    finally:
+        _tmux(server, "kill-server")
