@@ -54,7 +54,7 @@ class AgentConfig:
     exit_grace: float = _opt(3.0, "seconds attach keeps serving after the whole target tree is gone")
     state_dir: str = _opt("", "folder for small state files (default: $XDG_STATE_HOME/profagent or /var/lib/profagent as root)")
     max_label_bytes: int = _opt(128, "longest label value taken from a job's environment (job id, rank, Slurm and pod names), in bytes (>= 32); a longer value keeps its start plus a hash of the whole, so distinct values stay distinct")
-    cmdline_args: bool = _opt(False, "show arguments in the cmdline label (values of --*key/token/secret/password* options are redacted); off: program and script only")
+    cmdline_args: bool = _opt(False, "show arguments in the cmdline label (secret-looking values are redacted: --*key/token/secret/pass/cred/auth/jwt/bearer*, -p, NAME=VALUE with such a NAME, URL passwords); off: program and script only")
 
 
 @dataclass

@@ -1,10 +1,31 @@
-"""Log a line once: a failing tick or a recurring condition must not flood the log."""
+"""Log lines that stay lines: one message per line, escaped, and each at most once.
+
+- ``PrintableFormatter``: every log line of profagent goes through it. Messages carry
+  names from the watched jobs (job ids, ranks, paths, function names), so a newline in
+  ``SLURM_JOB_ID`` would start a forged log line and an ESC would drive the reader's
+  terminal: control characters are written as visible escapes (``\\x0a``, ``\\x1b``).
+- ``LogOnce``: a failing tick or a recurring condition must not flood the log.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Callable, Hashable
+
+from profagent.analysis.labels import printable
+
+
+class PrintableFormatter(logging.Formatter):
+    """A ``logging.Formatter`` whose message is one line with no control character; a
+    traceback keeps its line breaks, nothing else."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+    def formatException(self, ei) -> str:  # type: ignore[no-untyped-def]  # noqa: N802
+        return printable(super().formatException(ei), keep_newlines=True)
 
 
 class LogOnce:

@@ -111,7 +111,8 @@ def running(tmp_path: Path) -> Iterator:
     started: list[Running] = []
 
     def start(folder: Path, tree: ProcessTree | None = None, **kw) -> Running:
-        r = Running(folder, tmp_path / "state", tree or _tree(), **kw)
+        # by default the job is this test process (root's): what root writes is the job's
+        r = Running(folder, tmp_path / "state", tree or _tree(os.getpid()), **kw)
         started.append(r)
         return r
 
@@ -317,3 +318,20 @@ def test_ten_thousand_tiny_files_bound_logs_and_state_writes(shared: Path, runni
     assert len(saves) <= elapsed / watcher_module.STATE_SAVE_EVERY + 3, (len(saves), elapsed)
     state = json.loads((r.source._watcher.processed.path).read_text())
     assert len(state["files"]) == n
+
+
+def test_a_folder_swapped_for_a_symlink_is_not_followed(shared: Path, tmp_path: Path, running) -> None:
+    """nobody makes a watched subfolder a link to root's private folder after the scan: the
+    path the watcher was told of now leads to a root-owned trace outside the shared folder."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    shutil.copyfile(SMALL, private / "t.pt.trace.json.gz")
+    as_nobody(shared, "import os, sys; os.symlink(sys.argv[1], sys.argv[2])", str(private), str(shared / "sub"))
+    with pytest.raises(TraceError) as exc:  # the reader, as the agent calls it
+        read_trace(shared / "sub" / "t.pt.trace.json.gz", owner_ok=lambda uid: True)
+    assert exc.value.reason == "symlink"
+    assert len(read_trace(shared / "sub" / "t.pt.trace.json.gz")) > 0  # a path given by hand may go through one
+    r = running(shared)
+    r.source._watcher.notify(str(shared / "sub" / "t.pt.trace.json.gz"))  # as if seen before the swap
+    wait_for(lambda: r.counts().get(("skipped", "symlink")) == 1, 30, what="the swapped folder refused")
+    assert r.snapshot.ranks == ()

@@ -1,13 +1,12 @@
 """Pod and Slurm identity on profagent_target_info, from fixture /proc trees.
 
 The process tree is a real child process (psutil finds it); what the target reads from
-/proc (cgroup, environ, the container's service-account namespace) comes from a fixture
-tree written for each container runtime's cgroup format.
+/proc (cgroup, environ) comes from a fixture tree written for each container runtime's
+cgroup format. Nothing inside the job's root is read (see test_security_placement.py).
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,8 @@ from profagent.exporters.families import Families
 from profagent.exporters.families.agent import render_target
 from profagent.state import State
 from profagent.target import PidTarget
-from profagent.target.placement import SERVICE_ACCOUNT_NAMESPACE, read_small_text
+
+SERVICE_ACCOUNT_NAMESPACE = "var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 UID = "8f3c5f2a-1b2c-4d5e-9f60-718293a4b5c6"
 SYSTEMD_UID = UID.replace("-", "_")
@@ -46,6 +46,7 @@ def child() -> subprocess.Popen:
 
 
 def _fixture_proc(root: Path, pid: int, cgroup: str, environ: dict[str, str], namespace: str | None) -> None:
+    """``namespace``: what the container's service-account file says (never read)."""
     d = root / str(pid)
     d.mkdir(parents=True)
     (d / "cgroup").write_text(cgroup)
@@ -67,8 +68,8 @@ def _info(tree) -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("runtime", sorted(RUNTIMES))
 def test_target_info_carries_the_pod_of_each_runtime(tmp_path: Path, child: subprocess.Popen, runtime: str) -> None:
-    env = {"HOSTNAME": "trainer-7f9c-0", "RANK": "0", "WORLD_SIZE": "1"}
-    _fixture_proc(tmp_path, child.pid, RUNTIMES[runtime], env, "ml-team\n")
+    env = {"HOSTNAME": "trainer-7f9c-0", "POD_NAMESPACE": "ml-team", "RANK": "0", "WORLD_SIZE": "1"}
+    _fixture_proc(tmp_path, child.pid, RUNTIMES[runtime], env, "from-the-file\n")
     tree = PidTarget(child.pid, proc_root=tmp_path).refresh()
     [labels] = _info(tree)
     assert (labels["namespace"], labels["pod"], labels["container"]) == ("ml-team", "trainer-7f9c-0", "")
@@ -92,14 +93,18 @@ def test_slurm_identity_and_user_on_target_info(tmp_path: Path, child: subproces
         "llama-pretrain", "0", "3", "gpu-node-17", "alice")
 
 
-def test_the_namespace_file_is_read_only_when_small_and_regular(tmp_path: Path) -> None:
-    regular = tmp_path / "ns"
-    regular.write_text("team-a\n")
-    assert read_small_text(regular) == "team-a"
-    huge = tmp_path / "huge"
-    huge.write_text("x" * 10_000)
-    assert read_small_text(huge) == ""
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)  # a planted FIFO must not block the target's refresh
-    assert read_small_text(fifo) == ""
-    assert read_small_text(tmp_path / "missing") == ""
+@pytest.mark.parametrize(("hostname", "namespace", "want"), [
+    ("trainer-0", "ml-team", ("trainer-0", "ml-team")),
+    ("trainer-0", "", ("trainer-0", "")),  # no POD_NAMESPACE: no namespace, the file is not read
+    ("Trainer\x1b[2J", "ml\nteam", ("", "")),  # not Kubernetes names: omitted, never cleaned up
+    ("a" * 254, "b" * 64, ("", "")),  # over the DNS subdomain and label lengths
+    ("pod.sub.example", "a" * 63, ("pod.sub.example", "a" * 63)),
+])
+def test_pod_and_namespace_come_from_the_environment_only_when_valid(
+        tmp_path: Path, child: subprocess.Popen, hostname: str, namespace: str, want: tuple[str, str]) -> None:
+    env = {"HOSTNAME": hostname, "RANK": "0"}
+    if namespace:
+        env["POD_NAMESPACE"] = namespace
+    _fixture_proc(tmp_path, child.pid, RUNTIMES["containerd-cgroupfs-v2"], env, "from-the-file\n")
+    [labels] = _info(PidTarget(child.pid, proc_root=tmp_path).refresh())
+    assert (labels["pod"], labels["namespace"]) == want

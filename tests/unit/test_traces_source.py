@@ -38,6 +38,7 @@ class Running:
     def __init__(self, folder: Path, state: Path, **kw) -> None:
         kw.setdefault("settle_seconds", 0.3)
         kw.setdefault("invalid_after", 30.0)
+        kw.setdefault("credentials", lambda pid: (0, frozenset()))  # TREE's made-up processes are root's
         self.source = TracesSource([folder], state, interval=0.1, **kw)
         self.source.start()
         self.snapshot: TracesSnapshot | None = None
@@ -272,7 +273,7 @@ def test_traces_of_other_processes_are_skipped(dirs, running, caplog) -> None:
     """A shared folder (one agent per job): only the target's traces are ingested."""
     folder, _ = dirs
     text = gzip.decompress(SMALL.read_bytes()).decode()
-    (folder / "profagent_aa_4243.json").write_text(text)  # on-demand, from rank 2 of the job
+    (folder / "profagent_aa_4243.json").write_text(text.replace('"pid": 597913', '"pid": 4243'))  # rank 2's
     (folder / "profagent_bb_999999.json").write_text(text)  # on-demand, from another job
     # a trace taken from a live process outside the job (this test process)
     (folder / "other.pt.trace.json").write_text(text.replace('"pid": 597913', f'"pid": {os.getpid()}'))
@@ -288,3 +289,52 @@ def test_traces_of_other_processes_are_skipped(dirs, running, caplog) -> None:
     infos = [rec for rec in caplog.records if rec.levelno == logging.INFO and "ingested" in rec.getMessage()]
     assert len(infos) == 1  # the first ingest at INFO, the next at DEBUG
     assert not [rec for rec in caplog.records if rec.levelno >= logging.WARNING]
+
+
+def _two_jobs(job_id: str = "") -> ProcessTree:
+    """Job A (pids 10, 11, user 1000) and job B (pid 20, user 2000); ``job_id`` "" is watch mode."""
+    procs = (ProcessInfo(10, 1, 0.0, "main", "0", "0", "2", "python", job_id="A"),
+             ProcessInfo(11, 1, 0.0, "main", "1", "1", "2", "python", job_id="A"),
+             ProcessInfo(20, 1, 0.0, "main", "0", "0", "1", "python", job_id="B"))
+    return ProcessTree(job_id, 10, procs if not job_id else procs[:2], alive=True)
+
+
+CREDS = {10: (1000, frozenset({1000})), 11: (1000, frozenset({1000, 50})), 20: (2000, frozenset({2000}))}
+
+
+@pytest.mark.parametrize(("name", "cpu_pids", "file_uid", "folder", "job_id", "strict", "want"), [
+    ("host_10.1.pt.trace.json", (10,), 1000, "open", "", False, "A"),
+    ("t.pt.trace.json", (10, 11), 0, "open", "", False, "A"),  # root's file: any job's
+    ("t.pt.trace.json", (20,), 2000, "open", "", False, "B"),
+    ("t.pt.trace.json", (10,), 2000, "open", "", False, "foreign_owner"),  # B's user naming A's PID
+    ("t.pt.trace.json", (10, 20), 1000, "open", "", False, "other_process"),  # two jobs
+    ("t.pt.trace.json", (10, 99999), 1000, "open", "", False, "other_process"),  # watch mode: every PID
+    ("t.pt.trace.json", (), 1000, "open", "", False, "no_job_pid"),
+    ("t.pt.trace.json", (99999,), 1000, "open", "A", False, "A"),  # attach, your folder, taken earlier
+    ("t.pt.trace.json", (99999,), 1000, "open", "A", True, "other_process"),  # the on-demand folder
+    ("t.pt.trace.json", (), 1000, "open", "A", True, "no_job_pid"),
+    ("profagent_x_10.json", (10,), 1000, "open", "A", False, "A"),
+    ("profagent_x_10.json", (99999,), 1000, "open", "A", False, "other_process"),  # another machine's rows
+    ("profagent_x_99999.json", (99999,), 1000, "open", "A", False, "other_process"),
+    ("t.pt.trace.json", (10,), 1000, "root_only", "", False, "foreign_folder"),
+    ("t.pt.trace.json", (10,), 1000, "users", "", False, "A"),  # the user's own 0755 folder
+    ("t.pt.trace.json", (11,), 1000, "group", "", False, "A"),  # group-writable, a group of the job
+    ("t.pt.trace.json", (10,), 1000, "group", "", False, "foreign_folder"),  # not a group of PID 10
+])
+def test_attribution_by_kernel_credentials(tmp_path: Path, name: str, cpu_pids: tuple[int, ...], file_uid: int,
+                                           folder: str, job_id: str, strict: bool, want: str) -> None:
+    from types import SimpleNamespace
+
+    from profagent.sources.traces.source import attribute
+
+    modes = {"open": (0, 0, 0o1777), "root_only": (0, 0, 0o755), "users": (1000, 1000, 0o755), "group": (0, 50, 0o775)}
+    uid, gid, mode = modes[folder]
+    d = tmp_path / folder
+    d.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("the folders of other users need root to make (chown)")
+    os.chown(d, uid, gid)
+    d.chmod(mode)
+    found = attribute(SimpleNamespace(cpu_pids=cpu_pids), str(d / name), file_uid, _two_jobs(job_id),
+                      alive=lambda pid: pid in CREDS, credentials=CREDS.get, strict=strict)
+    assert (found.job_id or found.reason) == want, found

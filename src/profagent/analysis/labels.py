@@ -13,7 +13,9 @@ stay two jobs.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable
+from typing import Any
 
 OTHER = "other"
 ELLIPSIS = "…"
@@ -62,3 +64,34 @@ def fold_top_k(rows: Iterable[tuple[str, float]], k: int, limit: int = LABEL_MAX
         key = OTHER if i >= k else shorten(name, limit)
         out[key] = out.get(key, 0.0) + value
     return out
+
+
+# C0 (but space), DEL, C1, the Unicode line and paragraph separators and the bidi
+# overrides: what a terminal or a log reader would act on rather than show.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_UNPRINTABLE_BUT_NEWLINE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: str, keep_newlines: bool = False) -> str:
+    """``text`` safe for a terminal or a log line: every control character (ESC, CR, LF,
+    C1...) written as a visible escape (``\\x1b``), so it is shown, never obeyed. Names from
+    outside (ranks, job ids, functions, kernels, paths) pass here before any output.
+    ``keep_newlines``: a multi-line text of the agent's own keeps its line breaks."""
+    pattern = _UNPRINTABLE_BUT_NEWLINE if keep_newlines else _UNPRINTABLE
+    return pattern.sub(_escaped, text)
+
+
+def printable_data(value: Any) -> Any:
+    """``printable`` applied to every string (keys included) of decoded JSON."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable_data(k): printable_data(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [printable_data(v) for v in value]
+    return value

@@ -45,12 +45,11 @@ GpuBackendOpt = Annotated[str | None, typer.Option("--gpu-backend", help="nvml (
 def _setup_logging(level: str) -> None:
     import logging  # here, not at start-up: `--help` and `analyze` never log
 
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="profagent %(levelname)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
+    from profagent.logs import PrintableFormatter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(PrintableFormatter("profagent %(levelname)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler], force=True)
 
 
 def _version(value: bool) -> None:
@@ -416,7 +415,9 @@ def main() -> None:
         from rich.console import Console  # only on the error path: start-up stays lean
         from rich.markup import escape
 
-        Console(stderr=True).print(f"[red]error[/red]: {escape(text)}", highlight=False, soft_wrap=True)
+        from profagent.analysis.labels import printable  # a path or a name in the message is data
+
+        Console(stderr=True).print(f"[red]error[/red]: {escape(printable(text))}", highlight=False, soft_wrap=True)
 
     # numpy's OpenBLAS starts a thread per core when numpy is imported, although profagent
     # does no linear algebra: one thread makes `profagent analyze` start faster on big nodes.

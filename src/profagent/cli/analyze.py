@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from profagent.analysis.labels import shorten
+from profagent.analysis.labels import printable, shorten
 from profagent.analysis.trace.job import STRAGGLER_THRESHOLD, job_summary
 from profagent.analysis.trace.report import TraceReport, findings
 from profagent.cli.load import analyse_all
@@ -56,13 +56,21 @@ def trace_rank(r: TraceReport, known: str | None = None) -> str | None:
     return str(int(m.group(1))) if m else None
 
 
+def _shown(text: object) -> str:
+    """A name from a trace (kernel, op, range, rank, path) as rich markup that shows it:
+    control characters escaped (``printable``), brackets not read as markup."""
+    from rich.markup import escape
+
+    return escape(printable(str(text)))
+
+
 def render_report(r: TraceReport, console: Console, rank: str | None = None) -> None:
     """Print one trace's report as rich tables plus findings."""
     from rich.table import Table
 
     rank = trace_rank(r, rank) or "?"
     device = f", {r.accelerator}" if r.accelerator else ", no accelerator activity"
-    console.print(f"\n[bold]{r.path}[/bold]  rank {rank}{device}, {r.bytes / 1e6:.1f} MB of JSON", highlight=False)
+    console.print(f"\n[bold]{_shown(r.path)}[/bold]  rank {_shown(rank)}{_shown(device)}, {r.bytes / 1e6:.1f} MB of JSON", highlight=False)
     if not r.steps:
         console.print("  no events to analyse in this trace (empty traceEvents)")
         return
@@ -71,7 +79,7 @@ def render_report(r: TraceReport, console: Console, rank: str | None = None) -> 
     steps.add_column("step")
     steps.add_column("ms", justify="right")
     for s in r.steps:
-        steps.add_row(s.name, _ms(s.seconds))
+        steps.add_row(_shown(s.name), _ms(s.seconds))
     if r.steps:
         steps.add_row("[bold]mean[/bold]", _ms(r.step_mean))
         steps.add_row("[bold]max[/bold]", _ms(r.step_max))
@@ -117,7 +125,7 @@ def render_report(r: TraceReport, console: Console, rank: str | None = None) -> 
             t.add_column("GPU ms launched", justify="right")
         for name, seconds, count in rows:
             extra = (_ms(r.annotation_gpu.get(name)),) if gpu else ()
-            t.add_row(shorten(name, 100), _ms(seconds), str(count), *extra)
+            t.add_row(_shown(shorten(name, 100)), _ms(seconds), str(count), *extra)
         console.print(t)
     if r.memory_peak:
         console.print("peak allocated: " + ", ".join(f"{d} {b / 2**20:.1f} MiB" for d, b in r.memory_peak.items()),
@@ -126,7 +134,7 @@ def render_report(r: TraceReport, console: Console, rank: str | None = None) -> 
     if notes:
         console.print("[bold]findings[/bold]")
         for note in notes:
-            console.print(f"  - {note}", highlight=False)
+            console.print(f"  - {_shown(note)}", highlight=False)
 
 
 def _render_kernels(r: TraceReport, console: Console) -> None:
@@ -183,14 +191,14 @@ def render_summary(summary: Mapping[str, Any], console: Console) -> None:
     straggler = summary["straggler_rank"]
     for rank, row in summary["ranks"].items():
         mark = " [bold red](straggler)[/bold red]" if rank == straggler else ""
-        t.add_row(rank + mark, str(row["traces"]), str(row["steps"]), _ms(row["step_seconds"]),
+        t.add_row(_shown(rank) + mark, str(row["traces"]), str(row["steps"]), _ms(row["step_seconds"]),
                   _pct(row["compute"]), _pct(row["communication"]), _pct(row["idle"]), _pct(row["overlap"]),
                   _ms(row["collective_seconds"]))
     console.print(t)
     for warning in summary["warnings"]:
         console.print(f"[bold yellow]warning[/bold yellow]: {warning}", highlight=False)
     if straggler is not None:
-        console.print(f"straggler: rank {straggler}: {summary['straggler_why']}", highlight=False)
+        console.print(f"straggler: rank {_shown(straggler)}: {_shown(summary['straggler_why'])}", highlight=False)
     else:
         console.print(summary["straggler_why"], highlight=False)
     if summary["spread"] is not None:
@@ -201,7 +209,7 @@ def render_summary(summary: Mapping[str, Any], console: Console) -> None:
 
 def _render_row(table: Table, r: TraceReport, rank: str | None) -> None:
     g = r.gpu
-    table.add_row(Path(r.path).name, rank or "?", r.accelerator or "-", str(len(r.steps)),
+    table.add_row(_shown(Path(r.path).name), _shown(rank or "?"), _shown(r.accelerator or "-"), str(len(r.steps)),
                   _ms(None if r.steps_inferred else r.step_mean), _pct(None if g is None else g.idle_ratio),
                   str(len(findings(r))))
 
@@ -235,7 +243,7 @@ def analyze_files(paths: Sequence[Path], as_json: bool, top_k: int, console: Con
             from rich.console import Console
 
             message, reason = report
-            Console(stderr=True).print(f"[red]error[/red]: {path}: {message}: {FIXES.get(reason, '')}",
+            Console(stderr=True).print(f"[red]error[/red]: {_shown(path)}: {_shown(message)}: {FIXES.get(reason, '')}",
                                        highlight=False, soft_wrap=True)
             failed += 1
             continue

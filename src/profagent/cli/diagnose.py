@@ -19,6 +19,7 @@ from urllib.parse import urlencode, urlunsplit
 from rich.console import Console
 from rich.markup import escape
 
+from profagent.analysis.labels import printable_data
 from profagent.cli.urls import parse_agent_url
 from profagent.config import DEFAULT_PORT, Config
 from profagent.errors import UserError
@@ -109,17 +110,19 @@ def _evidence_lines(evidence: dict[str, Any]) -> list[str]:
 
 
 def render(body: dict[str, Any], console: Console, now: float | None = None) -> None:
-    """The human report: most severe first, each with its evidence."""
+    """The human report: most severe first, each with its evidence (control characters
+    escaped and markup escaped in every string: they come from the watched jobs)."""
+    body = printable_data(body)
     findings = sorted(body["findings"], key=lambda f: (RANKED.get(f.get("severity"), 3), f.get("finding", ""), f.get("rank") or ""))
     if not findings:
         console.print("[green]no findings[/green]: nothing wrong that profagent can see right now (docs/diagnosis.md says what it can see)")
         return
     now = now if now is not None else body.get("time") or time.time()
     for f in findings:
-        who = f"rank {f['rank']}" if f.get("rank") is not None else "job"
+        who = f"rank {escape(str(f['rank']))}" if f.get("rank") is not None else "job"
         since = max(0.0, now - f.get("since", now))
         color = COLORS.get(f.get("severity"), "")
-        console.print(f"[{color}]{f['severity'].upper()}[/{color}] [bold]{f['finding']}[/bold] "
+        console.print(f"[{color}]{escape(str(f['severity']).upper())}[/{color}] [bold]{escape(f['finding'])}[/bold] "
                       f"(job {escape(f['job_id'])}, {who}, for {since:.0f} s)", highlight=False)
         console.print(f"  {escape(f['summary'])}", highlight=False, soft_wrap=True)
         for line in _evidence_lines(f.get("evidence") or {}):

@@ -73,8 +73,11 @@ def list_cmd(url: UrlOpt = None, folder: DirOpt = None, config: ConfigOpt = None
     """List captured incidents, oldest first."""
     from rich.console import Console
 
+    from profagent.analysis.labels import printable_data
+
     items = _get(url) if url else _store(config, folder).list()
     out = Console()
+    items = printable_data(items)  # job ids, ranks, reasons and paths come from the jobs
     if json_out:
         keys = ("id", "kind", "job_id", "time", "path", "rank", "reason", "status")
         out.print_json(json.dumps([{k: m.get(k) for k in keys} for m in items]))
@@ -105,11 +108,17 @@ def show_cmd(incident_id: Annotated[str, typer.Argument(help="the id printed by 
 
         meta = find_incident(_store(config, folder), incident_id)
         detail = {**meta, **incident_detail(meta)}
+    from profagent.analysis.labels import printable, printable_data
+
     out = Console()
-    out.print(detail.get("summary") or f"(no summary yet: status {detail.get('status')})", markup=False, highlight=False)
-    out.print(f"files in {detail['path']}:", highlight=False, soft_wrap=True)
+    summary = detail.get("summary")
+    detail = printable_data(detail)  # names in it come from the watched jobs
+    if isinstance(summary, str) and summary:  # the agent's own lines: their breaks are kept
+        summary = printable(summary, keep_newlines=True)
+    out.print(summary or f"(no summary yet: status {detail.get('status')})", markup=False, highlight=False)
+    out.print(f"files in {detail['path']}:", markup=False, highlight=False, soft_wrap=True)
     for f in detail.get("files", []):
-        out.print(f"  {f['name']} ({f['bytes']} bytes)", highlight=False)
+        out.print(f"  {f['name']} ({f['bytes']} bytes)", markup=False, highlight=False)
 
 
 @incidents_app.command("capture", short_help="Capture an incident of a running job now, through the local agent.")

@@ -32,6 +32,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from profagent.analysis.labels import printable, printable_data
 from profagent.analysis.stacks import CATEGORIES, parse_folded
 from profagent.cli.urls import parse_agent_url
 from profagent.errors import UserError
@@ -248,7 +249,7 @@ def detail(row: dict[str, Any], folded: str | None, height: int = 12) -> Rendera
     if folded is None:
         parts.append(Text("  (no stacks: the stacks source is off or has not sampled this rank yet)", style="dim"))
     else:
-        frames = main_stack(folded, row.get("pid"))
+        frames = [printable(frame) for frame in main_stack(folded, row.get("pid"))]
         if not frames:
             parts.append(Text("  (no main-thread samples in the last seconds)", style="dim"))
         keep = max(3, height - 8)
@@ -261,7 +262,11 @@ def detail(row: dict[str, Any], folded: str | None, height: int = 12) -> Rendera
 
 def screen(payload: dict[str, Any], view: ViewState, folded: str | None = None,
            interactive: bool = True, height: int = 40) -> RenderableType:
-    """The whole view: every job's header and rank table, the detail pane, and the key help."""
+    """The whole view: every job's header and rank table, the detail pane, and the key help.
+
+    Every string of the payload (ranks, job ids, function names...) comes from the
+    watched jobs: control characters are escaped here, before anything is drawn."""
+    payload = printable_data(payload)
     parts: list[RenderableType] = []
     jobs = payload.get("jobs") or []
     if not jobs:

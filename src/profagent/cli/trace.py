@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
+from profagent.analysis.labels import printable
 from profagent.errors import UserError
 from profagent.system.safefs import UnsafePath, open_regular
 from profagent.system.unixsock import call
@@ -97,8 +99,11 @@ def request_trace(
         raise UserError(f"the agent refused the request ({reply.get('error')})", "check the options")
 
     rid, targets = reply["id"], reply["targets"]
-    names = {t["pid"]: f"PID {t['pid']}" + (f" (rank {t['rank']})" if t.get("rank") else "") for t in targets}
-    console.print(f"trace {rid}: {len(targets)} process(es): {', '.join(names.values())}", highlight=False, soft_wrap=True)
+    # a rank is the job's word (its environment): control characters escaped, never markup
+    names = {t["pid"]: f"PID {t['pid']}" + (f" (rank {printable(str(t['rank']))})" if t.get("rank") else "")
+             for t in targets}
+    console.print(f"trace {rid}: {len(targets)} process(es): {', '.join(names.values())}", markup=False, highlight=False,
+                  soft_wrap=True)
     window = (f"{args.iterations} iteration(s)" if args.iterations else f"{args.duration_ms} ms")
     deadline = clock() + args.timeout
     done: dict[int, Path] = {}
@@ -129,12 +134,12 @@ def request_trace(
                     done[pid] = path
                 if stage.get(pid) != new:
                     stage[pid] = new
-                    console.print(f"  {names[pid]}: {new}", highlight=False, soft_wrap=True)
-                    status.update(f"{names[pid]}: {new}")
+                    console.print(f"  {names[pid]}: {new}", markup=False, highlight=False, soft_wrap=True)
+                    status.update(escape(f"{names[pid]}: {new}"))
             time.sleep(0.2)
     rank_of = {t["pid"]: (str(t["rank"]) if t.get("rank") else None) for t in targets}
     for pid, path in done.items():
-        console.print(f"[bold]{names[pid]}[/bold]: {path}", highlight=False, soft_wrap=True)
+        console.print(f"[bold]{escape(names[pid])}[/bold]: {escape(printable(str(path)))}", highlight=False, soft_wrap=True)
     # One report of the whole request (one JSON document with --json): every rank, then
     # the cross-rank summary.
     report({path: rank_of[pid] for pid, path in done.items()})

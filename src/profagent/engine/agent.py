@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
-from profagent.analysis.labels import set_value_max
+from profagent.analysis.labels import printable, set_value_max
 from profagent.config import Config, parse_listen
 from profagent.engine.control import ControlledOndemand, ControlServer
 from profagent.engine.findings import FindingsEngine, findings_route
@@ -259,7 +260,8 @@ def print_banner(agent: Agent, job: Job, console: Console) -> None:
         for p in tree.processes:
             roles[p.role] = roles.get(p.role, 0) + 1
         parts = ", ".join(f"{n} {role}" for role, n in sorted(roles.items()))
-        console.print(f"  job {tree.job_id}: ranks {', '.join(ranks) or '-'} ({parts})")
+        shown = escape(printable(f"{tree.job_id}: ranks {', '.join(ranks) or '-'}"))  # the job's own words
+        console.print(f"  job {shown} ({parts})", highlight=False)
     for name, health in sorted(view.health.items()):
         state = "[green]on[/green]" if health.up else f"[yellow]off[/yellow]: {health.detail}"
         note = next((getattr(s, "note", "") for s in job.sources if s.name == name), "") if health.up else ""

@@ -141,3 +141,22 @@ def children_map(proc_root: Path) -> dict[int, list[int]]:
         if len(fields) >= 2 and fields[0] != b"Z":
             children.setdefault(int(fields[1]), []).append(int(entry.name))
     return children
+
+
+def read_credentials(proc_root: Path, pid: int) -> tuple[int, frozenset[int]] | None:
+    """The effective uid and every gid (effective and supplementary) of a process, from
+    /proc/PID/status; None when it cannot be read (gone, or another PID namespace)."""
+    uid: int | None = None
+    gids: set[int] = set()
+    try:
+        with open(proc_root / str(pid) / "status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Uid:"):
+                    uid = int(line.split()[2])
+                elif line.startswith("Gid:"):
+                    gids.add(int(line.split()[2]))
+                elif line.startswith("Groups:"):
+                    gids.update(int(g) for g in line.split()[1:])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None if uid is None else (uid, frozenset(gids))

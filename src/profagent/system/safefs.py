@@ -55,9 +55,12 @@ def own_directory(path: str, mode: int) -> int:
         os.close(fd)
 
 
-def open_regular(path: str, owner_ok: Callable[[int], bool] | None = None) -> int:
+def open_regular(path: str, owner_ok: Callable[[int], bool] | None = None, exact: bool = False) -> int:
     """A descriptor on the regular file at ``path``, read-only, opened without following a
     symlink (in the last component) and without blocking on a FIFO or device.
+
+    ``exact``: the file opened must be at ``path`` itself, no folder on the way a symlink
+    (checked on the descriptor, so a folder swapped for a link after a scan is caught).
 
     Raises UnsafePath (symlink, not_regular, foreign_owner) or OSError.
     """
@@ -69,6 +72,8 @@ def open_regular(path: str, owner_ok: Callable[[int], bool] | None = None) -> in
             raise UnsafePath("a symbolic link: not followed", "symlink") from None
         raise exc
     try:
+        if exact and _fd_path(fd) != os.path.abspath(path):
+            raise UnsafePath("a folder on its path is a symbolic link: not followed", "symlink")
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePath("not a regular file (a FIFO, socket or device?)", "not_regular")
@@ -79,6 +84,13 @@ def open_regular(path: str, owner_ok: Callable[[int], bool] | None = None) -> in
         os.close(fd)
         raise
     return fd
+
+
+def _fd_path(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
 
 
 def _lstat(path: str) -> os.stat_result | None:

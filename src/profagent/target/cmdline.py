@@ -2,8 +2,19 @@
 
 By default only the program and the script (``python3 train.py``, ``python3 -m pkg``) are
 kept: command lines routinely carry tokens and passwords, and the label is served on the
-network. With ``agent.cmdline_args = true`` the arguments are kept too, but the value of
-any option whose name mentions a key, token, secret or password is replaced by ``***``.
+network. With ``agent.cmdline_args = true`` the arguments are kept too, with every value
+that looks secret replaced by ``***``:
+
+- the value of an option whose name mentions a secret (key, token, secret, pass, pwd,
+  cred, auth, jwt, bearer, cookie, session, private, signature), after ``=`` or in the
+  next argument (``--api-key=X``, ``--pass X``, ``--jwt X``);
+- the value of ``-p`` (``mysql -p X``, ``psql``-like tools): a ``-p 8`` that means a port
+  or a count is hidden too, the safe side of an ambiguity the agent cannot resolve;
+- ``NAME=VALUE`` where NAME mentions a secret (``HF_TOKEN=X``, ``db.password=X``);
+- the password of a URL (``postgres://user:***@host``) and a ``Bearer`` token, anywhere.
+
+Words are matched inside names, so an unrelated option that contains one (``--keep``
+does not, ``--bypass`` does) is hidden too: over-hiding costs a label, a leak a secret.
 """
 
 from __future__ import annotations
@@ -12,7 +23,11 @@ import os
 import re
 
 REDACTED = "***"
-_SECRET_OPTION = re.compile(r"^-{1,2}[\w.-]*(key|token|secret|passw(or)?d|pwd|credential|auth)[\w.-]*$", re.IGNORECASE)
+_SECRET_WORD = r"(key|token|secret|pass|pwd|cred|auth|jwt|bearer|cookie|session|private|signature)"
+_SECRET_OPTION = re.compile(rf"^(-{{1,2}}[\w.-]*{_SECRET_WORD}[\w.-]*|-p)$", re.IGNORECASE)
+_SECRET_ASSIGNMENT = re.compile(rf"^([A-Za-z_][\w.-]*{_SECRET_WORD}[\w.-]*)=.*$", re.IGNORECASE | re.DOTALL)
+_URL_PASSWORD = re.compile(r"([a-z][a-z0-9+.-]*://[^/\s:@]*):[^/\s@]*@", re.IGNORECASE)
+_BEARER = re.compile(r"\b(bearer)\s+\S+", re.IGNORECASE)
 _INTERPRETER = re.compile(r"^(python[\d.]*|pypy[\d.]*|bash|sh|perl|ruby|node)$")
 
 
@@ -40,7 +55,7 @@ def label_cmdline(argv: list[str], with_args: bool = False) -> str:
 
 
 def redact(args: list[str]) -> list[str]:
-    """Arguments with secret option values replaced: ``--api-key=X`` and ``--api-key X``."""
+    """Arguments with every secret-looking value replaced (see the module doc)."""
     out: list[str] = []
     hide_next = False
     for arg in args:
@@ -56,5 +71,9 @@ def redact(args: list[str]) -> list[str]:
                 out.append(name)
                 hide_next = True
             continue
-        out.append(arg)
+        assignment = _SECRET_ASSIGNMENT.match(arg)
+        if assignment:
+            out.append(f"{assignment.group(1)}={REDACTED}")
+            continue
+        out.append(_BEARER.sub(rf"\1 {REDACTED}", _URL_PASSWORD.sub(rf"\1:{REDACTED}@", arg)))
     return out

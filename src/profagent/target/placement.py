@@ -6,18 +6,22 @@ Read once per process (PID and start time) by the target and exported only as la
 Names come from what the node itself shows, without any API call:
 
 - the pod UID and container ID from ``/proc/PID/cgroup`` (``system/cgroup.py``);
-- the pod name from the process' ``HOSTNAME`` (Kubernetes sets it to the pod name unless
-  the pod sets ``hostname:``), and the namespace from the service-account file the
-  kubelet mounts into the container (read through ``/proc/PID/root``, small and bounded);
-- the container name only from a kubelet ``/pods`` answer, when one is given;
+- namespace, pod and container names from a kubelet ``/pods`` answer, when one is given;
+- else the pod name from the process' ``HOSTNAME`` (Kubernetes sets it to the pod name
+  unless the pod sets ``hostname:``) and the namespace from ``POD_NAMESPACE`` (the usual
+  downward-API variable), each kept only if it is a valid Kubernetes name;
 - Slurm's job name, step, task and node from the environment (``SLURM_*``).
+
+Nothing is read inside the job's root (``/proc/PID/root``): the job controls its mount
+namespace (``unshare -Urm`` needs no privilege), so a path there, such as the
+service-account ``namespace`` file, may be a symlink that root would follow to a file of
+the host. Environment variables are the job's word too, but reading them opens no file.
 """
 
 from __future__ import annotations
 
-import os
 import pwd
-import stat
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +29,9 @@ from pathlib import Path
 from profagent.system.cgroup import pod_names, read_pod_identity, slurm_identity
 
 LABELS = ("namespace", "pod", "container", "slurm_job_name", "slurm_step", "slurm_task", "slurm_node", "user")
-SERVICE_ACCOUNT_NAMESPACE = "var/run/secrets/kubernetes.io/serviceaccount/namespace"
-_NAME_MAX = 253  # a Kubernetes namespace or pod name (DNS subdomain) is at most this long
+# Kubernetes names: a namespace is a DNS label (63), a pod name a DNS subdomain (253).
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 @dataclass(frozen=True)
@@ -48,23 +53,10 @@ class Placement:
 NOWHERE = Placement()
 
 
-def read_small_text(path: Path, limit: int = _NAME_MAX) -> str:
-    """A short regular file's first line; "" for anything else (FIFO, device, missing, too long)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return ""
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return ""
-        data = os.read(fd, limit + 1)
-    except OSError:
-        return ""
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        return ""
-    return data.decode("utf-8", "replace").strip().splitlines()[0] if data.strip() else ""
+def _name_from_env(environ: Mapping[str, str], var: str, pattern: re.Pattern[str]) -> str:
+    """``environ[var]`` if it is a valid Kubernetes name, else "" (when in doubt, no label)."""
+    value = environ.get(var, "")
+    return value if pattern.fullmatch(value) else ""
 
 
 def _owner(proc_root: Path, pid: int) -> str:
@@ -90,8 +82,8 @@ def placement_of(
         if names is not None:
             namespace, pod, container = names.namespace, names.pod, names.container
         else:
-            pod = environ.get("HOSTNAME", "")[:_NAME_MAX]
-            namespace = read_small_text(proc_root / str(pid) / "root" / SERVICE_ACCOUNT_NAMESPACE)
+            pod = _name_from_env(environ, "HOSTNAME", _DNS_SUBDOMAIN)
+            namespace = _name_from_env(environ, "POD_NAMESPACE", _DNS_LABEL)
     return Placement(
         namespace=namespace,
         pod=pod,

@@ -154,9 +154,11 @@ _meta_decoder = msgspec.json.Decoder(Meta)
 
 def _open(path: Path, owner_ok: Callable[[int], bool] | None) -> typing.BinaryIO:
     """The file, read-only, if it is a regular file (no symlink followed, no FIFO waited on)
-    owned by someone ``owner_ok`` accepts."""
+    owned by someone ``owner_ok`` accepts. With ``owner_ok`` (the agent reading a shared
+    folder) no folder on the path may be a symlink either; a path given on the command line
+    may go through one."""
     try:
-        return os.fdopen(open_regular(str(path), owner_ok), "rb")
+        return os.fdopen(open_regular(str(path), owner_ok, exact=owner_ok is not None), "rb")
     except UnsafePath as exc:
         raise TraceError(str(exc), exc.reason) from None
 

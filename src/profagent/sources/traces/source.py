@@ -8,11 +8,21 @@ metrics are visible well within two seconds of the file being complete.
 A trace belongs to exactly one job and rank: the process it was taken from. Its pid is
 in the file name of an on-demand trace (``profagent_<id>_<pid>.json``, as libkineto names
 it) or of ``tensorboard_trace_handler`` (``host_<pid>.<ts>.pt.trace.json``), and in the
-trace's process metadata (``pid`` of its CPU rows). A trace of a process outside the target
-is skipped (``profagent_traces_rejected_total{status="skipped",reason="other_process"}``):
-an on-demand trace whose pid is not a target process, or any trace whose pids are all live
-processes of this host outside the target (another job's trace in a shared folder). A
-trace whose pid is no live process (taken elsewhere, or earlier) is kept.
+trace's process metadata (``pid`` of its CPU rows). What a trace says is the word of
+whoever wrote it, so it counts for a job only by kernel credentials (``attribute``):
+
+- the PIDs it names are processes of that job and of no other job or live process
+  (else ``skipped``/``other_process``). In watch mode, in the on-demand folder and for an
+  on-demand file name, every PID it names must be the job's, and a trace naming none is
+  no job's (``no_job_pid``); attached to one job, a trace in a folder the user named whose
+  PIDs are all gone (taken earlier) is still the attached job's;
+- its file is owned by that job's user, or root (else ``foreign_owner``);
+- it lies in a folder that job's user may write (else ``foreign_folder``).
+
+Rejected traces are counted in ``profagent_traces_rejected_total{status="skipped",reason}``
+and never shown. So a user with a watched job of its own cannot pass a trace off as
+another user's job by naming that job's PIDs, nor a trace of another machine as its own
+in the on-demand folder.
 
 The rank of a trace: ``distributedInfo.rank``, else the rank of the target process whose
 pid the trace records, else ``rank<N>`` or a pid in the file name, else the job's only
@@ -29,6 +39,7 @@ import functools
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +59,7 @@ from profagent.sources.traces.watcher import (
     resolve_dirs,
 )
 from profagent.system.cputime import CPU
+from profagent.system.procfs import PROC, read_credentials
 from profagent.target import ProcessTree
 
 log = logging.getLogger(__name__)
@@ -80,18 +92,6 @@ class TracesSnapshot:
     baseline: tuple[TraceReport, ...] = ()  # traces.baseline, analysed (empty: none configured)
 
 
-def resolve_job(report: TraceReport, tree: ProcessTree | None, path: str = "") -> str:
-    """The job of the traced process (by pid), else the tree's job (attach mode)."""
-    if tree is None:
-        return ""
-    by_pid = tree.by_pid()
-    for pid in sorted(traced_pids(report, path)[0]):
-        info = by_pid.get(pid)
-        if info is not None:
-            return info.job_id
-    return tree.job_id
-
-
 def traced_pids(report: TraceReport, path: str) -> tuple[set[int], bool]:
     """The pids the trace was taken from, and whether the file is an on-demand trace."""
     name = Path(path).name
@@ -105,18 +105,72 @@ def traced_pids(report: TraceReport, path: str) -> tuple[set[int], bool]:
     return pids, False
 
 
-def foreign(report: TraceReport, path: str, tree: ProcessTree | None,
-            alive: Callable[[int], bool]) -> bool:
-    """Whether the trace was taken from a process outside the target (see the module doc)."""
+Credentials = tuple[int, frozenset[int]]  # (uid, gids) of a process
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """The job a trace counts for, or why it counts for none (``reason``, ``message``)."""
+
+    job_id: str = ""
+    reason: str = ""
+    message: str = ""
+
+
+def attribute(report: TraceReport, path: str, file_uid: int, tree: ProcessTree | None, *,
+              alive: Callable[[int], bool], credentials: Callable[[int], Credentials | None],
+              strict: bool) -> Attribution:
+    """The job a trace counts for, by kernel credentials only (see the module doc).
+
+    ``strict``: a trace must name a PID of the job (watch mode, the on-demand folder);
+    otherwise a trace whose PIDs are all gone is the attached job's (``tree.job_id``).
+    """
     if tree is None or not tree.processes:
+        return Attribution(reason="no_job_pid", message="no job is watched")
+    named, ondemand = traced_pids(report, path)
+    if ondemand:
+        named |= set(report.cpu_pids)  # the name and the rows must agree
+    by_pid = tree.by_pid()
+    jobs = {by_pid[pid].job_id for pid in named if pid in by_pid}
+    outside = [pid for pid in named if pid not in by_pid]
+    strict = strict or ondemand or not tree.job_id  # watch mode: no job to fall back on
+    listed = ", ".join(map(str, sorted(named)))
+    if len(jobs) > 1 or (outside and (strict or any(alive(pid) for pid in outside))):
+        return Attribution(reason="other_process", message=f"taken from PID {listed}, not all processes of one job")
+    if jobs:
+        job_id = jobs.pop()
+        owners = [pid for pid in named if pid in by_pid]
+    elif strict:
+        return Attribution(reason="no_job_pid", message="names no process (no CPU process row, no PID in its name)")
+    else:  # attach mode, a folder the user named: every PID it names is gone (taken earlier)
+        job_id, owners = tree.job_id, [p.pid for p in tree.processes]
+    creds = [c for c in map(credentials, owners) if c is not None]
+    if not creds:
+        return Attribution(reason="foreign_owner", message="the job's user is unknown (its processes are gone)")
+    if file_uid != 0 and all(file_uid != uid for uid, _ in creds):
+        return Attribution(reason="foreign_owner", message=f"owned by uid {file_uid}, not by the job's user")
+    if not any(_may_write(os.path.dirname(path), c) for c in creds):
+        return Attribution(reason="foreign_folder", message="in a folder the job's user may not write")
+    return Attribution(job_id)
+
+
+def _may_write(folder: str, creds: Credentials) -> bool:
+    uid, gids = creds
+    if uid == 0:
+        return True
+    try:
+        st = os.stat(folder)
+    except OSError:
         return False
-    pids, ondemand = traced_pids(report, path)
-    if not pids:
-        return False
-    ours = tree.by_pid()
-    if any(pid in ours for pid in pids):
-        return False
-    return ondemand or all(alive(pid) for pid in pids)
+    if st.st_uid == uid:
+        return bool(st.st_mode & stat.S_IWUSR)
+    if st.st_gid in gids:
+        return bool(st.st_mode & stat.S_IWGRP)
+    return bool(st.st_mode & stat.S_IWOTH)
+
+
+def _credentials(pid: int) -> Credentials | None:
+    return read_credentials(PROC, pid)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -133,7 +187,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def resolve_rank(report: TraceReport, path: str, tree: ProcessTree | None) -> str:
+def resolve_rank(report: TraceReport, path: str, tree: ProcessTree | None, job_id: str | None = None) -> str:
+    """The rank of a trace (see the module doc); ``job_id``: the job it counts for, whose
+    only rank is the fallback (None: the whole tree)."""
     if report.rank is not None:
         return report.rank
     by_pid = tree.by_pid() if tree is not None else {}
@@ -148,8 +204,9 @@ def resolve_rank(report: TraceReport, path: str, tree: ProcessTree | None) -> st
     m = _PID_IN_NAME.search(name)
     if m and int(m.group(1)) in by_pid and by_pid[int(m.group(1))].rank:
         return by_pid[int(m.group(1))].rank
-    ranks = tree.ranks() if tree is not None else []
-    return ranks[0] if len(ranks) == 1 else "unknown"
+    mains = [] if tree is None else [p for p in tree.mains() if job_id is None or p.job_id == job_id]
+    ranks = {p.rank for p in mains}
+    return ranks.pop() if len(ranks) == 1 else "unknown"
 
 
 class TracesSource:
@@ -172,6 +229,8 @@ class TracesSource:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         alive: Callable[[int], bool] = _pid_alive,
+        credentials: Callable[[int], Credentials | None] = _credentials,
+        strict_dirs: tuple[Path, ...] = (),
     ) -> None:
         self.interval = interval
         self.user_dirs = user_dirs
@@ -191,6 +250,8 @@ class TracesSource:
         self._clock = clock
         self._wall = wall
         self._alive = alive
+        self._credentials = credentials
+        self._strict_dirs = strict_dirs  # folders whose traces must name a PID of the job (on-demand)
         self._logged_first = False
         self._since_summary: dict[str, int] = {}
         self._summary_at = clock()
@@ -285,12 +346,13 @@ class TracesSource:
             return
         del trace
         tree = self._tree
-        if foreign(report, verdict.path, tree, self._alive):
-            pids = ", ".join(map(str, sorted(traced_pids(report, verdict.path)[0])))
-            self._count(verdict, "skipped", "other_process", f"taken from PID {pids}, not a process of this job")
+        found = attribute(report, verdict.path, verdict.uid, tree, alive=self._alive,
+                          credentials=self._credentials, strict=self._strict(verdict.path))
+        if found.reason:
+            self._count(verdict, "skipped", found.reason, found.message)
             return
-        rank = resolve_rank(report, verdict.path, tree)
-        job_id = resolve_job(report, tree, verdict.path)
+        job_id = found.job_id
+        rank = resolve_rank(report, verdict.path, tree, job_id)
         with self._lock:
             self._ranks[(job_id, rank)] = RankTrace(rank, report, self._wall(), job_id)
         self._count(verdict, "ingested", "ok", "")
@@ -320,6 +382,9 @@ class TracesSource:
                         "the baseline", str(path))
             return ()
         return tuple(reports)
+
+    def _strict(self, path: str) -> bool:
+        return any(Path(path).is_relative_to(d) for d in self._strict_dirs)
 
     def _count(self, verdict: Verdict, status: str, reason: str, message: str) -> None:
         if status == "skipped" and reason == "other_process":
@@ -365,4 +430,5 @@ def traces_source(config: Config, user_dirs: bool = True) -> TracesSource:
         polling=t.polling,
         user_dirs=user_dirs,
         baseline=t.baseline,
+        strict_dirs=tuple(resolve_dirs([config.ondemand.trace_dir])) if config.ondemand.enabled else (),
     )

@@ -11,7 +11,8 @@
 - Files are only ever opened for reading, without following a symlink and without waiting
   on a FIFO; only regular files owned by root, the agent, a watched folder's owner or a
   job's user are read (others are ``skipped`` with reason ``symlink``, ``not_regular`` or
-  ``foreign_owner``). A file that keeps changing is attempted at most once per settle period.
+  ``foreign_owner``); whose job a trace is, once read, is ``source.attribute``'s call.
+  A file that keeps changing is attempted at most once per settle period.
 - What was done with each (path, size, mtime) is kept in a small JSON state file, written
   at most once a second, so a restart does not count a file twice.
 """
@@ -116,6 +117,7 @@ class Verdict:
     action: str  # attempt, skipped, invalid
     reason: str = ""
     message: str = ""
+    uid: int = -1  # the file's owner when it was judged (attempts only)
 
 
 class _Handler(FileSystemEventHandler):
@@ -287,13 +289,13 @@ class FolderWatcher:
                                    p.message or f"still incomplete after {self.invalid_after:g}s")
             return None
         p.attempted_at = now
-        return Verdict(path, sig, "attempt")
+        return Verdict(path, sig, "attempt", uid=st.st_uid)
 
     def _complete_enough(self, path: str, p: Pending, now: float) -> bool:
         if path.endswith(".gz"):
             return now - p.stable_since >= self.settle
         try:
-            with os.fdopen(open_regular(path, self.owner_ok), "rb") as fh:
+            with os.fdopen(open_regular(path, self.owner_ok, exact=True), "rb") as fh:
                 fh.seek(max(0, (p.sig or (0, 0))[0] - 64))
                 tail = fh.read(4096).rstrip()
         except (OSError, UnsafePath):
