@@ -173,7 +173,7 @@ def test_gzip_bomb_in_the_default_ondemand_folder_at_default_caps(run_agent, tmp
     import shutil
     import subprocess
 
-    from helpers.flood import as_nobody
+    from helpers.nobody import as_nobody
 
     tok = token()
     port = free_port()
@@ -195,7 +195,7 @@ def test_gzip_bomb_in_the_default_ondemand_folder_at_default_caps(run_agent, tmp
         assert bomb.stat().st_size < 2 * 2**20
         target = f"{folder}/profagent_x_{flood.pids()[0]}.json.gz"
         with bomb.open("rb") as src:  # written by nobody itself
-            subprocess.run(as_nobody(["/bin/sh", "-c", 'cat > "$1"', "sh", target]), stdin=src, check=True)
+            subprocess.run(as_nobody("/bin/sh", "-c", 'cat > "$1"', "sh", target), stdin=src, check=True)
         assert os.stat(target).st_uid == 65534
 
         def rejected() -> float:

@@ -13,9 +13,9 @@ import signal
 import subprocess
 from collections.abc import Sequence
 
+from helpers.nobody import as_nobody
 from helpers.processes import wait_for
 
-NOBODY = 65534
 # Debian's own Python: the venv's interpreter may live under a 0700 home (pyenv in /root),
 # which nobody cannot reach.
 NOBODY_PYTHON = "/usr/bin/python3"
@@ -35,9 +35,6 @@ while True:
 """
 
 
-def as_nobody(args: Sequence[str]) -> list[str]:
-    assert SETPRIV is not None
-    return [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *args]
 
 
 class Flood:
@@ -48,7 +45,7 @@ class Flood:
         import json
 
         spec = json.dumps([n, executable, list(argv), {"PATH": "/usr/bin:/bin", **(env or {})}, list(each)])
-        self.proc = subprocess.Popen(as_nobody([NOBODY_PYTHON, "-c", _SPAWNER]), stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen(as_nobody(NOBODY_PYTHON, "-c", _SPAWNER), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, start_new_session=True, cwd="/",
                                      env={"PATH": "/usr/bin:/bin"})
         assert self.proc.stdin is not None
