@@ -56,7 +56,7 @@ def trace_rank(r: TraceReport, known: str | None = None) -> str | None:
     return str(int(m.group(1))) if m else None
 
 
-def _shown(text: object) -> str:
+def shown(text: object) -> str:
     """A name from a trace (kernel, op, range, rank, path) as rich markup that shows it:
     control characters escaped (``printable``), brackets not read as markup."""
     from rich.markup import escape
@@ -70,7 +70,7 @@ def render_report(r: TraceReport, console: Console, rank: str | None = None) -> 
 
     rank = trace_rank(r, rank) or "?"
     device = f", {r.accelerator}" if r.accelerator else ", no accelerator activity"
-    console.print(f"\n[bold]{_shown(r.path)}[/bold]  rank {_shown(rank)}{_shown(device)}, {r.bytes / 1e6:.1f} MB of JSON", highlight=False)
+    console.print(f"\n[bold]{shown(r.path)}[/bold]  rank {shown(rank)}{shown(device)}, {r.bytes / 1e6:.1f} MB of JSON", highlight=False)
     if not r.steps:
         console.print("  no events to analyse in this trace (empty traceEvents)")
         return
@@ -79,7 +79,7 @@ def render_report(r: TraceReport, console: Console, rank: str | None = None) -> 
     steps.add_column("step")
     steps.add_column("ms", justify="right")
     for s in r.steps:
-        steps.add_row(_shown(s.name), _ms(s.seconds))
+        steps.add_row(shown(s.name), _ms(s.seconds))
     if r.steps:
         steps.add_row("[bold]mean[/bold]", _ms(r.step_mean))
         steps.add_row("[bold]max[/bold]", _ms(r.step_max))
@@ -125,7 +125,7 @@ def render_report(r: TraceReport, console: Console, rank: str | None = None) -> 
             t.add_column("GPU ms launched", justify="right")
         for name, seconds, count in rows:
             extra = (_ms(r.annotation_gpu.get(name)),) if gpu else ()
-            t.add_row(_shown(shorten(name, 100)), _ms(seconds), str(count), *extra)
+            t.add_row(shown(shorten(name, 100)), _ms(seconds), str(count), *extra)
         console.print(t)
     if r.memory_peak:
         console.print("peak allocated: " + ", ".join(f"{d} {b / 2**20:.1f} MiB" for d, b in r.memory_peak.items()),
@@ -134,7 +134,7 @@ def render_report(r: TraceReport, console: Console, rank: str | None = None) -> 
     if notes:
         console.print("[bold]findings[/bold]")
         for note in notes:
-            console.print(f"  - {_shown(note)}", highlight=False)
+            console.print(f"  - {shown(note)}", highlight=False)
 
 
 def _render_kernels(r: TraceReport, console: Console) -> None:
@@ -152,8 +152,8 @@ def _render_kernels(r: TraceReport, console: Console) -> None:
     for name, seconds, count in r.top_kernels:
         k = stats.get(name)
         cells = ("-", "-", "-", "-") if k is None else (
-            _ms(k["mean"]), _ms(k["min"]), _ms(k["max"]), shorten(k["launched_by"] or "-", 60))
-        t.add_row(shorten(name, 60), _ms(seconds), str(count), *cells)
+            _ms(k["mean"]), _ms(k["min"]), _ms(k["max"]), shown(shorten(k["launched_by"] or "-", 60)))
+        t.add_row(shown(shorten(name, 60)), _ms(seconds), str(count), *cells)
     console.print(t)
 
 
@@ -191,14 +191,14 @@ def render_summary(summary: Mapping[str, Any], console: Console) -> None:
     straggler = summary["straggler_rank"]
     for rank, row in summary["ranks"].items():
         mark = " [bold red](straggler)[/bold red]" if rank == straggler else ""
-        t.add_row(_shown(rank) + mark, str(row["traces"]), str(row["steps"]), _ms(row["step_seconds"]),
+        t.add_row(shown(rank) + mark, str(row["traces"]), str(row["steps"]), _ms(row["step_seconds"]),
                   _pct(row["compute"]), _pct(row["communication"]), _pct(row["idle"]), _pct(row["overlap"]),
                   _ms(row["collective_seconds"]))
     console.print(t)
     for warning in summary["warnings"]:
-        console.print(f"[bold yellow]warning[/bold yellow]: {warning}", highlight=False)
+        console.print(f"[bold yellow]warning[/bold yellow]: {shown(warning)}", highlight=False)
     if straggler is not None:
-        console.print(f"straggler: rank {_shown(straggler)}: {_shown(summary['straggler_why'])}", highlight=False)
+        console.print(f"straggler: rank {shown(straggler)}: {shown(summary['straggler_why'])}", highlight=False)
     else:
         console.print(summary["straggler_why"], highlight=False)
     if summary["spread"] is not None:
@@ -209,7 +209,7 @@ def render_summary(summary: Mapping[str, Any], console: Console) -> None:
 
 def _render_row(table: Table, r: TraceReport, rank: str | None) -> None:
     g = r.gpu
-    table.add_row(_shown(Path(r.path).name), _shown(rank or "?"), _shown(r.accelerator or "-"), str(len(r.steps)),
+    table.add_row(shown(Path(r.path).name), shown(rank or "?"), shown(r.accelerator or "-"), str(len(r.steps)),
                   _ms(None if r.steps_inferred else r.step_mean), _pct(None if g is None else g.idle_ratio),
                   str(len(findings(r))))
 
@@ -243,7 +243,7 @@ def analyze_files(paths: Sequence[Path], as_json: bool, top_k: int, console: Con
             from rich.console import Console
 
             message, reason = report
-            Console(stderr=True).print(f"[red]error[/red]: {_shown(path)}: {_shown(message)}: {FIXES.get(reason, '')}",
+            Console(stderr=True).print(f"[red]error[/red]: {shown(path)}: {shown(message)}: {FIXES.get(reason, '')}",
                                        highlight=False, soft_wrap=True)
             failed += 1
             continue

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from profagent.analysis.labels import shorten
 from profagent.analysis.trace.diff import Diff, Side, diff, side, verdict
-from profagent.cli.analyze import FIXES, expand, trace_rank
+from profagent.cli.analyze import FIXES, expand, shown, trace_rank
 from profagent.cli.load import analyse_all
 from profagent.errors import UserError
 
@@ -95,7 +95,7 @@ def render(d: Diff, console: Console) -> None:
                   _delta_ms(b.gpu_idle_causes[cause], c.gpu_idle_causes[cause]))
     for device in sorted(set(b.memory_peak) | set(c.memory_peak)):
         mib = [None if side.memory_peak.get(device) is None else side.memory_peak[device] / 2**20 for side in (b, c)]
-        t.add_row(f"memory peak {device} MiB", *("-" if v is None else f"{v:.1f}" for v in mib),
+        t.add_row(f"memory peak {shown(device)} MiB", *("-" if v is None else f"{v:.1f}" for v in mib),
                   "" if None in mib else f"{mib[1] - mib[0]:+.1f}")
     console.print(t)
 
@@ -109,7 +109,7 @@ def render(d: Diff, console: Console) -> None:
         for i in range(max(len(left), len(right))):
             cells = []
             for rows in (left, right):
-                cells += [shorten(rows[i][0], 60), _ms(rows[i][1])] if i < len(rows) else ["", ""]
+                cells += [shown(shorten(rows[i][0], 60)), _ms(rows[i][1])] if i < len(rows) else ["", ""]
             tops.add_row(*cells)
         console.print(tops)
 
@@ -118,12 +118,12 @@ def render(d: Diff, console: Console) -> None:
     ranked.add_column("name", overflow="fold", max_width=70)
     ranked.add_column("delta ms", justify="right")
     for row in d.contributors[:CONTRIBUTORS_SHOWN]:
-        ranked.add_row(row["kind"], shorten(row["name"], 80), f"{row['delta'] * 1e3:+.3f}")
+        ranked.add_row(row["kind"], shown(shorten(row["name"], 80)), f"{row['delta'] * 1e3:+.3f}")
     console.print(ranked)
     for title, rows in (("appeared", d.appeared), ("vanished", d.vanished)):
         if rows:
-            console.print(f"{title}: " + "; ".join(f"{r['kind']} {shorten(r['name'], 60)} ({_ms(r['seconds'])} ms)"
+            console.print(f"{title}: " + "; ".join(f"{r['kind']} {shown(shorten(r['name'], 60))} ({_ms(r['seconds'])} ms)"
                                                    for r in rows[:5]), highlight=False)
     for w in (*b.warnings, *c.warnings):
-        console.print(f"warning: {w}", highlight=False)
-    console.print(f"[bold]verdict[/bold]: {verdict(d)}", highlight=False)
+        console.print(f"warning: {shown(w)}", highlight=False)
+    console.print(f"[bold]verdict[/bold]: {shown(verdict(d))}", highlight=False)
