@@ -340,8 +340,29 @@ def test_ptrace_denial_is_fatal_only_for_a_process_never_read() -> None:
     source = StacksSource(StacksConfig())
     source._fold(Result("record", 5, "0", "main", 0.0, 1.0, 1.0))
     source._fold(Result("record", 5, "0", "main", 1.0, 2.0, 2.0, error="permission", detail="Permission Denied"))
-    assert source._fatal == "" and source._errors == {"permission": 1}
+    assert source._fatal == "" and source._errors == {("", "permission"): 1}
     source._fold(Result("record", 6, "1", "main", 1.0, 2.0, 2.0, error="permission"))
     assert "ptrace denied on PID 6" in source._fatal and "CAP_SYS_PTRACE" in source._fatal
     source._fold(Result("record", 7, "2", "main", 1.0, 2.0, 2.0, error="target_gone"))
-    assert source._errors == {"permission": 1}  # a process exiting is not an error
+    assert source._errors == {("", "permission"): 1}  # a process exiting is not an error
+
+
+def test_sampler_errors_belong_to_their_job_and_leave_with_it() -> None:
+    """Watch mode: a failed py-spy run is counted under its process's job, and the count
+    goes when the job does; a failure of no job (the sampler's own) stays."""
+    from profagent.sources.stacks.sampler import Result
+    from profagent.target import ProcessInfo, ProcessTree
+
+    def tree(*jobs: str) -> ProcessTree:
+        procs = tuple(ProcessInfo(100 + i, 1, 0.0, "main", "0", "0", "1", "python", job_id=j)
+                      for i, j in enumerate(jobs))
+        return ProcessTree("", 1, procs, True, tuple((j, True) for j in jobs))
+
+    source = StacksSource(StacksConfig())
+    source._targets(tree("a", "b"))
+    source._fold(Result("record", 100, "0", "main", 0.0, 1.0, 1.0, error="pyspy_failed"))
+    source._fold(Result("dump", 101, "0", "main", 0.0, 1.0, 1.0, error="parse"))
+    source._fold(Result("record", 0, "", "", 0.0, 1.0, 1.0, error="OSError"))
+    assert source._snapshot("").errors == (("", "OSError", 1), ("a", "pyspy_failed", 1), ("b", "parse", 1))
+    source._forget_ended_jobs(tree("b"))
+    assert source._snapshot("").errors == (("", "OSError", 1), ("b", "parse", 1))

@@ -28,6 +28,7 @@ import psutil
 from profagent.analysis.stacks import Sample, parse_folded, thread_states
 from profagent.config import StacksConfig
 from profagent.sources.stacks import pyspy
+from profagent.system.procfs import PROC, exited, start_ticks
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class PySpyChild:
     start: float
     wall_start: float
     stopped_before: bool = False  # in state T before py-spy started: not ours to SIGCONT
+    born: int | None = None  # the target's start time (clock ticks): tells a reused PID
 
 
 @dataclass(frozen=True)
@@ -159,8 +161,9 @@ class Sampler:
         for pid, (rank, role) in wanted.items():
             for kind in ("record", "dump"):
                 key = (kind, pid)
-                # a process gone since the last tree: nothing to sample, nothing to report
-                if key not in children and now >= self._next.get(key, 0.0) and psutil.pid_exists(pid):
+                # a process gone (or exiting, or a zombie) since the last tree: nothing to
+                # sample, nothing to report
+                if key not in children and now >= self._next.get(key, 0.0) and not exited(PROC, pid):
                     child = self._launch(kind, pid, rank, role, now)
                     if child is not None:
                         children[key] = child
@@ -184,6 +187,7 @@ class Sampler:
             args = pyspy.dump_args(self._binary, pid, True)  # states need no consistent stack
             self._next[(kind, pid)] = now + max(window, STATE_EVERY)
         stopped_before = pyspy.is_stopped(pid)
+        born = start_ticks(PROC, pid)
         try:
             proc = pyspy.spawn(args, err, stdout_path=out if kind == "dump" else None)
         except OSError as exc:
@@ -191,7 +195,7 @@ class Sampler:
             with self._lock:
                 self._results.append(Result(kind, pid, rank, role, now, now, self._wall(), error="spawn", detail=str(exc)))
             return None
-        return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall(), stopped_before)
+        return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall(), stopped_before, born)
 
     def _harvest(self, child: PySpyChild, now: float) -> list[Result]:
         text = _read(child.out)
@@ -205,7 +209,7 @@ class Sampler:
             extra.append(Result(**base, error="target_resumed", detail=detail))
         key = (child.kind, child.pid)
         if child.proc.returncode != 0 and not text.strip():
-            reason = pyspy.failure_reason(stderr, child.pid)
+            reason = pyspy.failure_reason(stderr, child.pid, child.born)
             fails = self._fails[key] = self._fails.get(key, 0) + 1
             detail = pyspy.first_line(stderr)
             if reason == "torn_read":
