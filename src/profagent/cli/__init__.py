@@ -240,8 +240,9 @@ def show_config(
     reference: Annotated[bool, typer.Option("--reference", help="print the Markdown table of every key")] = False,
     config: ConfigOpt = None,
 ) -> None:
-    """Print the effective configuration (or a commented default file, or the key reference)."""
-    from profagent.config import all_keys, default_toml, load_config, reference_markdown
+    """Print the effective configuration as TOML (`profagent config > c.toml` gives a file
+    --config reads back), or a commented default file, or the key reference."""
+    from profagent.config import default_toml, effective_toml, load_config, reference_markdown
 
     if defaults:
         typer.echo(default_toml(), nl=False)
@@ -249,9 +250,7 @@ def show_config(
     if reference:
         typer.echo(reference_markdown(), nl=False)
         return
-    cfg = load_config(config, os.environ)
-    for key in all_keys():
-        typer.echo(f"{key.dotted} = {getattr(cfg.section(key.section), key.name)!r}")
+    typer.echo(effective_toml(load_config(config, os.environ)), nl=False)
 
 
 @app.command(short_help="Check what works here (NVML, ptrace, py-spy, Kineto) and how to fix it.")
