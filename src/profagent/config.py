@@ -471,6 +471,18 @@ def default_toml() -> str:
     return "\n".join(lines) + "\n"
 
 
+def effective_toml(config: Config) -> str:
+    """``config`` as a TOML file that ``load_config`` reads back to the same values (the
+    agent's keys at the top, one table per section), for ``profagent config``."""
+    import tomli_w  # the writer matching tomllib; only this command needs it
+
+    doc: dict[str, Any] = {}
+    for key in all_keys():
+        value = getattr(config.section(key.section), key.name)
+        (doc.setdefault(key.section, {}) if key.section else doc)[key.name] = value
+    return tomli_w.dumps(doc)
+
+
 def reference_markdown() -> str:
     """The table of every key, as in docs/configuration.md."""
     rows = ["| key | environment | default | meaning |", "| --- | --- | --- | --- |"]

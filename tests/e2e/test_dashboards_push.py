@@ -1,26 +1,24 @@
-"""`profagent dashboards push` and `export`, against a local stand-in for Grafana's HTTP API.
-
-The stand-in implements only what push calls (GET /api/folders/UID, GET /api/folders,
-POST /api/folders, POST /api/dashboards/db) with Grafana's status codes, and records
-every request so the tests can check the payloads and the auth header.
-"""
+"""`profagent dashboards push` and `export`, against a local stand-in for Grafana's HTTP API
+(helpers/grafana.FakeGrafana: what push calls, with Grafana's status codes, every request
+recorded so the tests can check the payloads and the auth header)."""
 
 from __future__ import annotations
 
 import base64
 import json
 import os
+import socket
+import ssl
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
 
 from helpers.agent import free_port
+from helpers.grafana import FakeGrafana
 from helpers.paths import ROOT
 from profagent.errors import UserError
 from profagent.exporters.grafana.publish import export, folder_uid, parse_credential, push
@@ -28,93 +26,6 @@ from profagent.exporters.grafana.publish import export, folder_uid, parse_creden
 DASHBOARDS = ROOT / "dashboards"
 UIDS = {"profagent-overview", "profagent-gpus", "profagent-stacks", "profagent-traces", "profagent-agent",
         "profagent-cluster"}
-
-
-class FakeGrafana:
-    def __init__(self, token: str = "s3cret", basic: tuple[str, str] = ("admin", "pw")) -> None:
-        self.token = token
-        self.basic = basic
-        self.forbid_writes = False
-        self.folders: dict[str, str] = {}  # uid -> title
-        self.dashboards: dict[str, dict] = {}  # uid -> {"model", "folderUid", "version"}
-        self.requests: list[tuple[str, str, dict[str, str], object]] = []
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _send(self, status: int, body: object) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _handle(self, method: str) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length)) if length else None
-                fake.requests.append((method, self.path, dict(self.headers), body))
-                if not fake.authorized(self.headers.get("Authorization", "")):
-                    return self._send(401, {"message": "Unauthorized"})
-                status, answer = fake.route(method, self.path.split("?")[0], body)
-                self._send(status, answer)
-
-            def do_GET(self) -> None:
-                self._handle("GET")
-
-            def do_POST(self) -> None:
-                self._handle("POST")
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def authorized(self, header: str) -> bool:
-        if header == f"Bearer {self.token}":
-            return True
-        user, password = self.basic
-        return header == "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
-
-    def route(self, method: str, path: str, body: object) -> tuple[int, object]:
-        if method == "GET" and path.startswith("/api/folders/"):
-            uid = path.rsplit("/", 1)[1]
-            if uid in self.folders:
-                return 200, {"uid": uid, "title": self.folders[uid], "id": 1}
-            return 404, {"message": "folder not found", "status": "not-found"}
-        if method == "GET" and path == "/api/folders":
-            return 200, [{"uid": uid, "title": title, "id": 1} for uid, title in self.folders.items()]
-        if method == "POST" and path == "/api/folders":
-            assert isinstance(body, dict)
-            uid = body.get("uid") or "generated"
-            if uid in self.folders:
-                return 409, {"message": "a folder with the same uid already exists"}
-            self.folders[uid] = body["title"]
-            return 200, {"uid": uid, "title": body["title"], "id": 2}
-        if method == "POST" and path == "/api/dashboards/db":
-            if self.forbid_writes:
-                return 403, {"message": "Access denied"}
-            assert isinstance(body, dict)
-            model = body["dashboard"]
-            uid = model["uid"]
-            if body.get("folderUid") not in self.folders:
-                return 400, {"message": "folder not found"}
-            old = self.dashboards.get(uid)
-            if old is not None and not body.get("overwrite"):
-                return 412, {"message": "A dashboard with the same uid already exists", "status": "name-exists"}
-            version = (old["version"] + 1) if old else 1
-            self.dashboards[uid] = {"model": model, "folderUid": body["folderUid"], "version": version}
-            return 200, {"id": 10, "uid": uid, "url": f"/d/{uid}/slug", "status": "success", "version": version}
-        return 404, {"message": "not found"}
-
-    def calls(self, method: str, prefix: str) -> list[tuple[str, str, dict[str, str], object]]:
-        return [r for r in self.requests if r[0] == method and r[1].startswith(prefix)]
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
@@ -249,3 +160,82 @@ def test_export_and_push_do_not_need_the_sdk(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert len(list(tmp_path.glob("*.json"))) == len(UIDS)
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("tls")
+    key, crt = d / "key.pem", d / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(crt),
+         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True, capture_output=True, timeout=60,
+    )
+    return crt, key
+
+
+@pytest.fixture
+def tls_grafana(cert: tuple[Path, Path]) -> Iterator[FakeGrafana]:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(*cert)
+    fake = FakeGrafana(context=context)
+    yield fake
+    fake.stop()
+
+
+def test_push_over_tls_verifies_the_certificate(tls_grafana: FakeGrafana, cert: tuple[Path, Path]) -> None:
+    # a self-signed certificate is refused, in one line that names both ways out
+    _one_line_error(_cli("push", "--url", tls_grafana.url, "--token", "s3cret"), "cannot verify Grafana's certificate")
+    assert tls_grafana.requests == []  # nothing (no token) was sent before the certificate was checked
+    res = _cli("push", "--url", tls_grafana.url, "--token", "s3cret", "--ca-file", str(cert[0]))
+    assert res.returncode == 0, res.stderr
+    assert set(tls_grafana.dashboards) == UIDS
+    # skipping the check: --insecure, or ?verify=false in the URL as grafana-client read it
+    assert len(push(tls_grafana.url, "s3cret", insecure=True)) == len(UIDS)
+    assert len(push(tls_grafana.url + "/?verify=false", "s3cret")) == len(UIDS)
+    assert {d["version"] for d in tls_grafana.dashboards.values()} == {3}
+    _one_line_error(_cli("push", "--url", tls_grafana.url, "--token", "t", "--ca-file", "/nonexistent.pem"),
+                    "cannot read the CA file")
+
+
+def test_push_to_a_grafana_under_a_sub_path() -> None:
+    fake = FakeGrafana(prefix="/grafana")
+    try:
+        pushed = push(fake.url + "/", "s3cret")
+    finally:
+        fake.stop()
+    assert set(fake.dashboards) == UIDS
+    assert all(r[1].startswith("/grafana/api/") for r in fake.requests)
+    assert all(p.url == f"{fake.url}/d/{p.uid}/slug" for p in pushed)
+
+
+def test_push_never_sends_the_credential_along_a_redirect(grafana: FakeGrafana) -> None:
+    """A Grafana URL that redirects elsewhere (another host, say) does not get the token."""
+    bouncer = FakeGrafana(redirect_to=grafana.url)
+    try:
+        with pytest.raises(UserError, match=r"rejected the credentials \(401\)"):
+            push(bouncer.url, "s3cret")
+    finally:
+        bouncer.stop()
+    assert bouncer.requests and all(r[2].get("Authorization") == "Bearer s3cret" for r in bouncer.requests)
+    assert grafana.requests and all("Authorization" not in r[2] for r in grafana.requests)
+
+
+def test_push_errors_are_one_line_each(grafana: FakeGrafana) -> None:
+    # a server that accepts the connection and never answers
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        _one_line_error(_cli("push", "--url", url, "--token", "t", "--timeout", "1"), "did not answer in time")
+    # Grafana's own message, cleaned to one printable line
+    grafana.route = lambda method, path, body: (500, {"message": "database is locked\n\x1b[31mretry\x1b[0m"})
+    with pytest.raises(UserError) as err:
+        push(grafana.url, "s3cret")
+    assert str(err.value.problem) == f"Grafana at {grafana.url} answered: HTTP 500: database is locked [31mretry [0m"
+    # not Grafana at all: an HTML page
+    grafana.route = lambda method, path, body: (200, b"<html><body>Welcome to nginx!</body></html>")
+    with pytest.raises(UserError, match="did not answer JSON"):
+        push(grafana.url, "s3cret")
+    _one_line_error(_cli("push", "--url", "http://no-such-host.invalid", "--token", "t"),
+                    "cannot reach Grafana at http://no-such-host.invalid (cannot resolve the host name)")

@@ -9,11 +9,14 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from helpers.processes import wait_for
 from profagent.config import Config, StacksConfig
 from profagent.doctor.stacks import check_pyspy
 from profagent.sources.stacks import pyspy
 from profagent.sources.stacks.sampler import TORN_READS_TOLERATED, Sampler
+from profagent.system.procfs import PROC, start_ticks
 
 # What py-spy 0.4 prints when a non-blocking dump races an interpreter that is still
 # starting up (seen against a python just spawned, and in the watch churn test).
@@ -24,6 +27,10 @@ Caused by:
     1: Failed to copy PyCodeObject
     2: Bad address (os error 14)
 """
+
+
+# What py-spy 0.4 prints when it reads a rank that is exiting (its memory already unmapped).
+DATA_SECTION_STDERR = "Error: Failed to find a python interpreter in the .data section\n"
 
 
 def test_find_pyspy_uses_the_installed_package() -> None:
@@ -42,7 +49,27 @@ def test_failure_reasons_are_bounded() -> None:
     dead.wait()
     assert pyspy.failure_reason(TORN_STDERR, me) == "torn_read"
     assert pyspy.failure_reason("anything at all", dead.pid) == "target_gone"
+    me_born = start_ticks(PROC, me)
+    assert pyspy.failure_reason(DATA_SECTION_STDERR, me, me_born) == "pyspy_failed"  # alive: a real failure
+    assert pyspy.failure_reason(DATA_SECTION_STDERR, me, me_born + 1) == "target_gone"  # PID reused
     assert pyspy.first_line("\npy-spy> Sampling\nError: boom\nStack backtrace:\n 0: x") == "Error: boom"
+
+
+def test_a_zombie_target_is_gone_not_a_pyspy_failure() -> None:
+    """An exited, unreaped rank still has a PID (psutil.pid_exists is True): what py-spy
+    says about it, e.g. the .data section error of a target whose memory is unmapped, is
+    the target going away (watch churn test: 3 flaky runs in 7 counted it as pyspy_failed)."""
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        wait_for(lambda: psutil.Process(zombie.pid).status() == psutil.STATUS_ZOMBIE,
+                 what="the child to exit unreaped")
+        assert psutil.pid_exists(zombie.pid)
+        assert pyspy.failure_reason(DATA_SECTION_STDERR, zombie.pid) == "target_gone"
+        res = subprocess.run(pyspy.dump_args(pyspy.find_pyspy(), zombie.pid, True), capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode != 0 and pyspy.failure_reason(res.stderr, zombie.pid) == "target_gone"
+    finally:
+        zombie.wait()
 
 
 def test_stop_all_kills_a_child_that_ignores_sigint_within_the_grace() -> None:

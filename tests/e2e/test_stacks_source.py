@@ -13,7 +13,7 @@ from collections.abc import Callable
 import psutil
 import pytest
 
-from helpers.processes import pyspy_processes
+from helpers.processes import pyspy_processes, wait_for
 from profagent.config import StacksConfig
 from profagent.sources.stacks.pyspy import target_python
 from profagent.sources.stacks.source import StacksSnapshot, StacksSource
@@ -264,6 +264,38 @@ def test_target_killed_mid_window_gives_no_errors_and_no_leftover(children, tmp_
     assert noisy == []
 
 
+def test_a_rank_left_a_zombie_is_gone_not_a_failure(children, tmp_path, caplog) -> None:
+    """Issue 23: an exited rank that nobody has reaped yet still has a PID, so the sampler
+    used to read it (and count py-spy's error on it). Now: no py-spy is started on it once
+    it is a zombie, nothing is counted, nothing is logged as a warning."""
+    caplog.set_level(logging.INFO, logger="profagent")
+    proc = children.python(HOT)
+    wait_ready(proc, str(tmp_path / "child_0.py.ready"))
+    source = make_source()
+    source.start()
+    try:
+        tree = PidTarget(proc.pid).refresh()
+        deadline = time.monotonic() + 10
+        while not pyspy_children():
+            assert time.monotonic() < deadline, "py-spy never started"
+            source.collect(tree)
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)  # not reaped: a zombie while the test runs
+        wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE, what="the rank to be a zombie")
+        wait_for(lambda: not pyspy_children() and source.collect(tree) is not None, what="the in-flight py-spy to end")
+        launched = source._sampler._seq  # py-spy runs started so far (a failing one lives ms)
+        end = time.monotonic() + 7.0  # past RETRY_AFTER (5 s), when a failed run is retried
+        while time.monotonic() < end:
+            snap = source.collect(tree)  # the stale tree still lists the zombie
+            time.sleep(0.05)
+        assert snap.errors == () and source._sampler._seq == launched
+        assert psutil.pid_exists(proc.pid)  # still unreaped: the case psutil.pid_exists got wrong
+    finally:
+        source.stop()
+        proc.wait()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
 def test_stop_leaves_no_py_spy_and_the_target_running(children, tmp_path) -> None:
     proc = children.python(HOT)
     wait_ready(proc, str(tmp_path / "child_0.py.ready"))
@@ -340,8 +372,29 @@ def test_ptrace_denial_is_fatal_only_for_a_process_never_read() -> None:
     source = StacksSource(StacksConfig())
     source._fold(Result("record", 5, "0", "main", 0.0, 1.0, 1.0))
     source._fold(Result("record", 5, "0", "main", 1.0, 2.0, 2.0, error="permission", detail="Permission Denied"))
-    assert source._fatal == "" and source._errors == {"permission": 1}
+    assert source._fatal == "" and source._errors == {("", "permission"): 1}
     source._fold(Result("record", 6, "1", "main", 1.0, 2.0, 2.0, error="permission"))
     assert "ptrace denied on PID 6" in source._fatal and "CAP_SYS_PTRACE" in source._fatal
     source._fold(Result("record", 7, "2", "main", 1.0, 2.0, 2.0, error="target_gone"))
-    assert source._errors == {"permission": 1}  # a process exiting is not an error
+    assert source._errors == {("", "permission"): 1}  # a process exiting is not an error
+
+
+def test_sampler_errors_belong_to_their_job_and_leave_with_it() -> None:
+    """Watch mode: a failed py-spy run is counted under its process's job, and the count
+    goes when the job does; a failure of no job (the sampler's own) stays."""
+    from profagent.sources.stacks.sampler import Result
+    from profagent.target import ProcessInfo, ProcessTree
+
+    def tree(*jobs: str) -> ProcessTree:
+        procs = tuple(ProcessInfo(100 + i, 1, 0.0, "main", "0", "0", "1", "python", job_id=j)
+                      for i, j in enumerate(jobs))
+        return ProcessTree("", 1, procs, True, tuple((j, True) for j in jobs))
+
+    source = StacksSource(StacksConfig())
+    source._targets(tree("a", "b"))
+    source._fold(Result("record", 100, "0", "main", 0.0, 1.0, 1.0, error="pyspy_failed"))
+    source._fold(Result("dump", 101, "0", "main", 0.0, 1.0, 1.0, error="parse"))
+    source._fold(Result("record", 0, "", "", 0.0, 1.0, 1.0, error="OSError"))
+    assert source._snapshot("").errors == (("", "OSError", 1), ("a", "pyspy_failed", 1), ("b", "parse", 1))
+    source._forget_ended_jobs(tree("b"))
+    assert source._snapshot("").errors == (("", "OSError", 1), ("b", "parse", 1))

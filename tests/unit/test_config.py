@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from helpers.paths import ROOT
-from profagent.config import all_keys, default_toml, load_config, parse_listen, reference_markdown
+from profagent.config import (
+    all_keys,
+    default_toml,
+    effective_toml,
+    load_config,
+    parse_listen,
+    reference_markdown,
+)
 from profagent.errors import UserError
 
 
@@ -85,3 +95,40 @@ def test_reference_doc_is_current() -> None:
     assert reference_markdown() in doc, "docs/configuration.md is stale: run `profagent config --reference`"
     for key in all_keys():
         assert f"`{key.dotted}`" in doc
+
+
+def test_effective_toml_loads_back_to_the_same_values(tmp_path: Path) -> None:
+    """Issue 23: `profagent config` printed Python reprs (False, 'x') that no TOML reader takes."""
+    f = tmp_path / "in.toml"
+    f.write_text(r"""listen = "127.0.0.1:9"
+cmdline_args = true
+[traces]
+dirs = ['C:\x "y"', "/\u00fc\n"]
+[watch]
+cmdline_regex = '^python(\d)?$'
+""")
+    config = load_config(f, {"PROFAGENT_STACKS_RATE": "7", "PROFAGENT_GPU_BACKEND": "simulated"})
+    # not the defaults: quotes, backslashes, a newline and non-ASCII in strings, a list, an int
+    assert config.traces.dirs == ['C:\\x "y"', "/\u00fc\n"] and config.watch.cmdline_regex == "^python(\\d)?$"
+    assert config.stacks.rate == 7 and config.agent.cmdline_args is True
+    text = effective_toml(config)
+    assert "True" not in text and "False" not in text
+    out = tmp_path / "out.toml"
+    out.write_text(text)
+    assert load_config(out) == config
+    assert effective_toml(load_config(out)) == text
+
+
+def test_config_command_output_is_a_config_file(tmp_path: Path) -> None:
+    """`profagent config > c.toml; profagent config --config c.toml` prints the same file."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROFAGENT_")}
+    first = subprocess.run([sys.executable, "-m", "profagent", "config"], capture_output=True, text=True,
+                           timeout=60, env={**env, "PROFAGENT_TRACES_DIRS": "/a,/b", "PROFAGENT_LOG_LEVEL": "debug"})
+    assert first.returncode == 0, first.stderr
+    saved = tmp_path / "c.toml"
+    saved.write_text(first.stdout)
+    second = subprocess.run([sys.executable, "-m", "profagent", "config", "--config", str(saved)],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout
+    assert load_config(saved).agent.log_level == "debug" and load_config(saved).traces.dirs == ["/a", "/b"]

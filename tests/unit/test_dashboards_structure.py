@@ -16,7 +16,12 @@ from profagent.exporters.grafana.provisioning import (
     FOLDER,
     PROVIDER_FILE,
 )
-from profagent_dashboards.coverage import NOT_ON_A_DASHBOARD, ONLY_AFTER_A_FAILURE, recorded_names
+from profagent_dashboards.coverage import (
+    NOT_ON_A_DASHBOARD,
+    ONLY_AFTER_A_FAILURE,
+    RECORDED_NOT_ON_A_DASHBOARD,
+    recorded_names,
+)
 from profagent_dashboards.model import iter_panels, iter_targets, metric_names
 
 DASHBOARDS = ROOT / "dashboards"
@@ -227,7 +232,9 @@ def test_the_cluster_board_reads_only_recorded_series_and_shows_every_job_rule()
     used = {name for t in iter_targets(cluster) for name in metric_names(t.expr)}
     # the straggler table shows each rank's raw step time next to its recorded ratio
     assert used - set(recorded) == {"profagent_trace_step_seconds"}
-    assert set(recorded) <= used, f"recorded but on no panel: {sorted(set(recorded) - used)}"
+    assert set(RECORDED_NOT_ON_A_DASHBOARD) <= set(recorded)  # no stale exemption
+    shown = set(recorded) - set(RECORDED_NOT_ON_A_DASHBOARD)
+    assert shown <= used, f"recorded but on no panel: {sorted(shown - used)}"
     variable = cluster["templating"]["list"][1]["query"]["query"]
     series = re.fullmatch(r"label_values\(([^,{]+)(?:\{[^}]*\})?, job_id\)", variable)
     assert series and series.group(1) in recorded, variable

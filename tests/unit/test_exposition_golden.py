@@ -124,7 +124,7 @@ def golden_state():  # -> profagent.state.State
             stacks.StackGroup("1", "main", (("dataloader", 4),), (("step (train.py)", 4),), (), job_id=JOB),
         ),
         (stacks.RankStall("0", False, 1.5, JOB), stacks.RankStall("1", True, 300.0, JOB)),
-        (("pyspy_failed", 2),),
+        ((JOB, "pyspy_failed", 2),),
     ), 0.004)
 
     def trace_report(rank: str, gpu_summary: object, launch: dict[str, float] | None):

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import psutil
 
-from profagent.system.procfs import PROC, process_table, read_environ, read_nspid
+from profagent.system.procfs import (
+    PF_EXITING,
+    PROC,
+    exited,
+    process_table,
+    read_environ,
+    read_nspid,
+    start_ticks,
+)
 
 
 def fake_proc(root: Path) -> Path:
@@ -42,3 +50,26 @@ def test_process_table_agrees_with_psutil() -> None:
     me = psutil.Process()
     ppid, created, cmdline = process_table(PROC)[me.pid]
     assert (ppid, created, cmdline) == (me.ppid(), me.create_time(), " ".join(me.cmdline()))
+
+
+def _stat(root: Path, pid: int, state: str, flags: int, start: int) -> None:
+    (root / str(pid)).mkdir()
+    fields = [state, "1", "0", "0", "0", "0", str(flags)] + ["0"] * 12 + [str(start), "0", "0"]
+    (root / str(pid) / "stat").write_text(f"{pid} (py thon) x) " + " ".join(fields) + "\n")
+
+
+def test_exited_tells_a_live_process_from_one_gone_exiting_zombie_or_reused(tmp_path: Path) -> None:
+    _stat(tmp_path, 20, "S", 0x400000, 500)  # alive (PF_RANDOMIZE and the like do not count)
+    _stat(tmp_path, 21, "Z", 0, 500)  # exited, not reaped: psutil.pid_exists says True
+    _stat(tmp_path, 22, "R", 0x400000 | PF_EXITING, 500)  # inside exit(), memory going away
+    _stat(tmp_path, 23, "X", 0, 500)
+    assert start_ticks(tmp_path, 20) == 500 and start_ticks(tmp_path, 99) is None
+    assert not exited(tmp_path, 20) and not exited(tmp_path, 20, born=500)
+    assert exited(tmp_path, 20, born=499)  # the PID now names another process
+    assert exited(tmp_path, 21) and exited(tmp_path, 22) and exited(tmp_path, 23)
+    assert exited(tmp_path, 99)  # no /proc entry
+
+
+def test_exited_reads_the_live_proc() -> None:
+    me = os.getpid()
+    assert not exited(PROC, me, start_ticks(PROC, me))

@@ -12,8 +12,10 @@ import yaml
 from helpers.paths import ROOT
 
 PROM = ROOT / "deploy" / "prometheus"
-# level:metric:operations, the metric being one of ours
+# level:metric:operations, the metric being one of ours, or dcgm-exporter's in the rules
+# that join its series with ours (group profagent_dcgm)
 NAME = re.compile(r"^[a-z_]+:profagent_[a-z0-9_]+:[a-z0-9_]+$")
+DCGM_NAME = re.compile(r"^[a-z_]+:DCGM_FI_[A-Z0-9_]+:[a-z0-9_]+$")
 REQUIRED = {
     "job_id:profagent_trace_step_seconds:median",
     "job_id:profagent_trace_step_seconds:max",
@@ -22,6 +24,10 @@ REQUIRED = {
     "job_id:profagent_gpu_utilization_ratio:avg",
     "job_id:profagent_rank_stalled:sum",
     "job_id_severity:profagent_finding:sum",
+    # dcgm-exporter's GPU series in profagent's labels and units, and per job and rank
+    "uuid:DCGM_FI_DEV_GPU_UTIL:ratio",
+    "job_id:DCGM_FI_DEV_GPU_UTIL:avg_ratio",
+    "instance_job_id_rank_uuid:DCGM_FI_DEV_GPU_UTIL:ratio",
 }
 
 
@@ -32,8 +38,9 @@ def _promtool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([binary, *args], cwd=PROM, capture_output=True, text=True, timeout=120)
 
 
-def _rules() -> list[dict]:
-    return [r for g in yaml.safe_load((PROM / "recording.yml").read_text())["groups"] for r in g["rules"]]
+def _rules(group: str | None = None) -> list[dict]:
+    groups = yaml.safe_load((PROM / "recording.yml").read_text())["groups"]
+    return [r for g in groups if group in (None, g["name"]) for r in g["rules"]]
 
 
 def test_recording_rules_pass_promtool_check() -> None:
@@ -51,8 +58,9 @@ def test_names_follow_the_convention_and_every_rule_is_tested() -> None:
     names = {r["record"] for r in rules}
     assert names >= REQUIRED
     assert all("alert" not in r for r in rules)
+    dcgm = {r["record"] for r in _rules("profagent_dcgm")}
     for name in names:
-        assert NAME.match(name), name
+        assert (DCGM_NAME if name in dcgm else NAME).match(name), name
     tests = yaml.safe_load((PROM / "recording_test.yml").read_text())["tests"]
     tested = " ".join(check["expr"] for case in tests for check in case.get("promql_expr_test", []))
     untested = {n for n in names if n not in tested}
@@ -75,3 +83,16 @@ def test_prometheus_loads_the_recording_rules() -> None:
     assert "recording.yml" in cfg["rule_files"]
     res = _promtool("check", "config", "prometheus.yml")
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_dcgm_joins_go_through_the_uuid_never_instance_or_gpu() -> None:
+    """dcgm-exporter and profagent are two targets (instances differ) and may number GPUs
+    differently in containers: every join of their series is on the GPU UUID."""
+    rules = _rules("profagent_dcgm")
+    assert rules
+    for rule in rules:
+        for on in re.findall(r"on \(([^)]*)\)", rule["expr"]):
+            assert {x.strip() for x in on.split(",")} == {"cluster", "uuid"}, (rule["record"], on)
+        # a raw dcgm-exporter series (not a recorded one, level:DCGM_...:op) gets `uuid` first
+        if re.search(r"(?<![:\w])DCGM_FI_", rule["expr"]):
+            assert 'label_replace(DCGM_FI_' in rule["expr"] and '"uuid", "$1", "UUID"' in rule["expr"], rule["record"]

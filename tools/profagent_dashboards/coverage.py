@@ -20,6 +20,14 @@ def recorded_names(path: Path = RECORDING_RULES) -> dict[str, str]:
     groups = yaml.safe_load(path.read_text(encoding="utf-8"))["groups"]
     return {rule["record"]: rule["expr"] for group in groups for rule in group["rules"] if "record" in rule}
 
+# Recorded series that no panel shows: they need dcgm-exporter beside profagent, so a
+# panel would be empty on most clusters (docs/gpu.md, "Joining with dcgm-exporter").
+RECORDED_NOT_ON_A_DASHBOARD: dict[str, str] = {
+    name: "dcgm-exporter's series joined with profagent's: only where dcgm-exporter runs too"
+    for name in ("uuid:DCGM_FI_DEV_GPU_UTIL:ratio", "uuid:DCGM_FI_DEV_FB_USED:bytes",
+                 "job_id:DCGM_FI_DEV_GPU_UTIL:avg_ratio", "instance_job_id_rank_uuid:DCGM_FI_DEV_GPU_UTIL:ratio")
+}
+
 # Families that no panel shows.
 NOT_ON_A_DASHBOARD: dict[str, str] = {
     "profagent_incidents_total": "drawn as the Incidents annotation of the Job overview (changes() of it)",

@@ -68,10 +68,10 @@ def _root(
 @app.command()
 def attach(
     pid: Annotated[int, typer.Option("--pid", help="PID of the launcher (torchrun) or of a single rank")],
-    listen: Annotated[str | None, typer.Option("--listen", help="HOST:PORT to serve /metrics on [default :19400]")] = None,
+    listen: Annotated[str | None, typer.Option("--listen", "--web.listen-address", help="HOST:PORT to serve /metrics on [default :19400]")] = None,
     interval: Annotated[float | None, typer.Option("--interval", help="default seconds between samples (>= 0.1) [default 1]")] = None,
     config: ConfigOpt = None,
-    web_config: Annotated[Path | None, typer.Option("--web-config", help="web-config.yml with TLS and basic auth (exporter-toolkit format)")] = None,
+    web_config: Annotated[Path | None, typer.Option("--web-config", "--web.config.file", help="web-config.yml with TLS and basic auth (exporter-toolkit format)")] = None,
     log_level: LogLevelOpt = None,
     exit_grace: Annotated[float | None, typer.Option("--exit-grace", help="seconds to keep serving after the target is gone [default 3]")] = None,
     stacks: Annotated[bool | None, typer.Option("--stacks/--no-stacks", help="sample Python stacks with py-spy [default on]")] = None,
@@ -111,9 +111,9 @@ def attach(
 @app.command(short_help="Node daemon: find and export every training job on this node.")
 def watch(
     config: ConfigOpt = None,
-    listen: Annotated[str | None, typer.Option("--listen", help="HOST:PORT to serve /metrics on (default :19400)")] = None,
+    listen: Annotated[str | None, typer.Option("--listen", "--web.listen-address", help="HOST:PORT to serve /metrics on (default :19400)")] = None,
     interval: Annotated[float | None, typer.Option("--interval", help="default seconds between samples (>= 0.1) (default 1)")] = None,
-    web_config: Annotated[Path | None, typer.Option("--web-config", help="web-config.yml with TLS and basic auth (exporter-toolkit format)")] = None,
+    web_config: Annotated[Path | None, typer.Option("--web-config", "--web.config.file", help="web-config.yml with TLS and basic auth (exporter-toolkit format)")] = None,
     log_level: LogLevelOpt = None,
     cmdline_regex: Annotated[str | None, typer.Option("--cmdline-regex", help="watch processes whose command line matches (empty = rule off) [default: python running torchrun or a *train* script]")] = None,
     env_marker: Annotated[list[str] | None, typer.Option("--env-marker", help="watch processes with this NAME or NAME=VALUE in their environment (repeatable) (default PROFAGENT=1, KINETO_USE_DAEMON)")] = None,
@@ -239,8 +239,9 @@ def show_config(
     reference: Annotated[bool, typer.Option("--reference", help="print the Markdown table of every key")] = False,
     config: ConfigOpt = None,
 ) -> None:
-    """Print the effective configuration (or a commented default file, or the key reference)."""
-    from profagent.config import all_keys, default_toml, load_config, reference_markdown
+    """Print the effective configuration as TOML (`profagent config > c.toml` gives a file
+    --config reads back), or a commented default file, or the key reference."""
+    from profagent.config import default_toml, effective_toml, load_config, reference_markdown
 
     if defaults:
         typer.echo(default_toml(), nl=False)
@@ -248,9 +249,7 @@ def show_config(
     if reference:
         typer.echo(reference_markdown(), nl=False)
         return
-    cfg = load_config(config, os.environ)
-    for key in all_keys():
-        typer.echo(f"{key.dotted} = {getattr(cfg.section(key.section), key.name)!r}")
+    typer.echo(effective_toml(load_config(config, os.environ)), nl=False)
 
 
 @app.command(short_help="Check what works here (NVML, ptrace, py-spy, Kineto) and how to fix it.")

@@ -37,9 +37,11 @@ def push_cmd(
     basic_auth: Annotated[str | None, typer.Option("--basic-auth", help="USER:PASS for basic authentication")] = None,
     folder: Annotated[str, typer.Option("--folder", help="Grafana folder to put the dashboards in (created if missing)")] = "profagent",
     timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait for each Grafana request")] = 10.0,
+    ca_file: Annotated[Path | None, typer.Option("--ca-file", help="CA certificate to verify an https Grafana [default: the system's CAs]")] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="do not verify the https Grafana's certificate")] = False,
 ) -> None:
     """Upload the dashboards to a Grafana (idempotent: overwrites by uid, creates the folder)."""
     from profagent.exporters.grafana.publish import parse_credential, push
 
-    for item in push(url, parse_credential(token, basic_auth), folder, timeout):
+    for item in push(url, parse_credential(token, basic_auth), folder, timeout, ca_file=ca_file, insecure=insecure):
         typer.echo(f"{item.title}: {item.url}")

@@ -71,6 +71,42 @@ def read_children(proc_root: Path, pid: int) -> list[int] | None:
         return None
 
 
+PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
+
+
+def start_ticks(proc_root: Path, pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22): with the
+    PID, it names one process (a PID is reused, a start time with it is not). None if gone."""
+    fields = _stat_fields(proc_root, pid)
+    return int(fields[19]) if fields else None
+
+
+def exited(proc_root: Path, pid: int, born: int | None = None) -> bool:
+    """True if the process is gone or on its way out: no /proc entry, a zombie or dead task,
+    a task inside exit() (PF_EXITING: its memory may already be unmapped), or another
+    process under the same PID (``born``: its :func:`start_ticks` when it was chosen).
+
+    ``psutil.pid_exists`` is True for all but the first, so it cannot tell a reader that
+    failed on an exiting target from one that failed on a live one.
+    """
+    fields = _stat_fields(proc_root, pid)
+    if fields is None:
+        return True
+    if fields[0] in (b"Z", b"X", b"x") or int(fields[6]) & PF_EXITING:
+        return True
+    return born is not None and int(fields[19]) != born
+
+
+def _stat_fields(proc_root: Path, pid: int) -> list[bytes] | None:
+    """/proc/PID/stat after the command name (fields 3..), or None if it cannot be read."""
+    try:
+        stat = (proc_root / str(pid) / "stat").read_bytes()
+    except OSError:
+        return None
+    fields = stat.rpartition(b")")[2].split()  # the name may hold spaces and parentheses
+    return fields if len(fields) >= 20 else None
+
+
 def read_text_or_empty(path: str | Path) -> str:
     """A small /proc or /sys file, or "" if it cannot be read."""
     try:

@@ -37,8 +37,8 @@ def render(snap: StacksSnapshot, out: Families) -> None:
         "profagent_stack_sampler_errors", "failed py-spy runs by reason (a target exiting is not one)",
         ("job_id", "reason"),
     )
-    for reason, n in snap.errors:
-        errors.add_metric([snap.job_id, reason], n)
+    for job_id, reason, n in snap.errors:
+        errors.add_metric([job_id or snap.job_id, reason], n)
 
     stalled = out.gauge(
         "profagent_rank_stalled",

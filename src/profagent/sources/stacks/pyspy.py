@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 
 from profagent.errors import Unavailable
-from profagent.system.procfs import python_paths, read_text_or_empty
+from profagent.system.procfs import PROC, exited, python_paths, read_text_or_empty
 
 log = logging.getLogger(__name__)
 
@@ -184,9 +184,15 @@ def dump_text_args(binary: str, pid: int, mode: str) -> list[str]:
     return [binary, "dump", "--pid", str(pid), *extra]
 
 
-def failure_reason(stderr: str, pid: int) -> str:
-    """Map a failed py-spy run to a bounded reason: permission, target_gone, torn_read or pyspy_failed."""
-    if not psutil.pid_exists(pid):
+def failure_reason(stderr: str, pid: int, born: int | None = None, proc_root: Path = PROC) -> str:
+    """Map a failed py-spy run to a bounded reason: permission, target_gone, torn_read or pyspy_failed.
+
+    A target that exited, is exiting or is an unreaped zombie is ``target_gone`` whatever
+    py-spy said: reading an exiting process fails in many ways ("Failed to find a python
+    interpreter in the .data section" once its memory is unmapped). ``born``: the target's
+    start time (procfs.start_ticks) when py-spy started, so a reused PID counts as gone.
+    """
+    if exited(proc_root, pid, born):
         return "target_gone"
     # py-spy says "Permission Denied", or "Permission denied (os error 13)" under an error
     # that also reads "Check that the process is running" (root without CAP_SYS_PTRACE)

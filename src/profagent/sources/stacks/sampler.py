@@ -34,6 +34,7 @@ from profagent.analysis.stacks import Sample, main_thread_sample, parse_folded, 
 from profagent.config import StacksConfig
 from profagent.sources.stacks import pyspy
 from profagent.system.cputime import CPU, reap
+from profagent.system.procfs import PROC, exited, start_ticks
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class PySpyChild:
     start: float
     wall_start: float
     stopped_before: bool = False  # in state T before py-spy started: not ours to SIGCONT
+    born: int | None = None  # the target's start time (clock ticks): tells a reused PID
 
 
 @dataclass(frozen=True)
@@ -180,8 +182,8 @@ class Sampler:
         for key in due:
             kind, pid = key
             rank, role = wanted[pid]
-            if not psutil.pid_exists(pid):
-                continue  # a process gone since the last tree: nothing to sample, nothing to report
+            if exited(PROC, pid):
+                continue  # gone (or exiting, or a zombie) since the last tree: nothing to sample or report
             if len(children) >= self.config.max_pyspy:
                 if key not in self._deferred:
                     self._deferred.add(key)
@@ -217,6 +219,7 @@ class Sampler:
             args = pyspy.dump_args(self._binary, pid, True)  # states need no consistent stack
             self._next[(kind, pid)] = now + max(window, STATE_EVERY)
         stopped_before = pyspy.is_stopped(pid)
+        born = start_ticks(PROC, pid)
         try:
             proc = pyspy.spawn(args, err, stdout_path=out if kind == "dump" else None)
         except OSError as exc:
@@ -224,7 +227,7 @@ class Sampler:
             with self._lock:
                 self._results.append(Result(kind, pid, rank, role, now, now, self._wall(), error="spawn", detail=str(exc)))
             return None
-        return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall(), stopped_before)
+        return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall(), stopped_before, born)
 
     def _harvest(self, child: PySpyChild, now: float) -> list[Result]:
         text = _read(child.out)
@@ -238,7 +241,7 @@ class Sampler:
             extra.append(Result(**base, error="target_resumed", detail=detail))
         key = (child.kind, child.pid)
         if child.proc.returncode != 0 and not text.strip():
-            reason = pyspy.failure_reason(stderr, child.pid)
+            reason = pyspy.failure_reason(stderr, child.pid, child.born)
             fails = self._fails[key] = self._fails.get(key, 0) + 1
             detail = pyspy.first_line(stderr)
             if reason == "torn_read":

@@ -79,7 +79,7 @@ class StacksSnapshot:
     job_id: str
     groups: tuple[StackGroup, ...]
     stalls: tuple[RankStall, ...]
-    errors: tuple[tuple[str, int], ...]
+    errors: tuple[tuple[str, str, int], ...]  # (job_id, reason, failed runs); job "": the snapshot's
 
 
 class StacksSource:
@@ -118,7 +118,7 @@ class StacksSource:
         self._threads: dict[tuple[str, str, str], dict[tuple[str, str], int]] = {}
         self._stalls: dict[tuple[str, str], StallTracker] = {}
         self._stall_state: dict[tuple[str, str], tuple[bool, float, tuple[Frame, ...]]] = {}
-        self._errors: dict[str, int] = {}
+        self._errors: dict[tuple[str, str], int] = {}  # (job_id, reason) -> failed py-spy runs
         self._log_once = LogOnce(log)
         # ring: (job_id, rank) -> deque of (wall_end, {folded line: count}, bytes)
         self._ring: dict[tuple[str, str], deque] = {}
@@ -160,6 +160,9 @@ class StacksSource:
         for table in (self._categories, self._topk, self._threads, self._stalls, self._stall_state):
             for key in [k for k in table if k[0] not in live]:
                 del table[key]
+        # errors of no job ("": the sampler itself failed) are the agent's: they stay
+        for key in [k for k in self._errors if k[0] and k[0] not in live]:
+            del self._errors[key]
         with self._lock:
             for key in [k for k in self._ring if k[0] not in live]:
                 del self._ring[key]
@@ -254,7 +257,8 @@ class StacksSource:
         if r.error == "permission" and r.pid not in self._readable:
             self._fatal = f"ptrace denied on PID {r.pid}, so py-spy cannot read its stacks: {pyspy.PTRACE_FIX}"
             return  # (once read, a denial is transient: e.g. another tracer attached for a moment)
-        self._errors[r.error] = self._errors.get(r.error, 0) + 1
+        key = (self._job(r.pid), r.error)
+        self._errors[key] = self._errors.get(key, 0) + 1
         self._log_once(logging.WARNING, (r.error, r.detail),
                        "stacks: py-spy on PID %d (rank %s): %s", r.pid, r.rank, r.detail or r.error)
 
@@ -312,7 +316,8 @@ class StacksSource:
             ))
         stalls = tuple(RankStall(rank, s, u, job, frames)
                        for (job, rank), (s, u, frames) in sorted(self._stall_state.items()))
-        return StacksSnapshot(job_id, tuple(groups), stalls, tuple(sorted(self._errors.items())))
+        errors = tuple((job, reason, n) for (job, reason), n in sorted(self._errors.items()))
+        return StacksSnapshot(job_id, tuple(groups), stalls, errors)
 
     # -- /api/stacks ----------------------------------------------------------------------------
     def ranks(self) -> list[tuple[str, str]]:
