@@ -155,14 +155,18 @@ def spawn(args: Sequence[str], stderr_path: Path | None = None, stdout_path: Pat
 
 
 def record_args(
-    binary: str, pid: int, seconds: float, rate: int, fmt: str, output: Path, nonblocking: bool, idle: bool = True
+    binary: str, pid: int, seconds: float, rate: int, fmt: str, output: Path, nonblocking: bool, idle: bool = True,
+    native: bool = False,
 ) -> list[str]:
-    """``idle``: keep samples of threads that wait (the agent needs them to see a hang)."""
+    """``idle``: keep samples of threads that wait (the agent needs them to see a hang).
+    ``native``: add C/C++ frames; py-spy then has to pause the target at each sample."""
     args = [binary, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))),
             "--rate", str(rate), "--format", fmt, "--output", str(output), "--threads"]
     if idle:
         args.append("--idle")
-    if nonblocking:
+    if native:
+        args.append("--native")
+    elif nonblocking:
         args.append("--nonblocking")
     return args
 

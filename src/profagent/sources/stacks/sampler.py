@@ -57,6 +57,7 @@ class PySpyChild:
     start: float
     wall_start: float
     stopped_before: bool = False  # in state T before py-spy started: not ours to SIGCONT
+    native: bool = False  # a blocking --native window
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Result:
     states: dict[tuple[str, str], int] = field(default_factory=dict)  # (state, gil) -> threads
     error: str = ""  # bounded reason, "" when fine
     detail: str = ""
+    native: bool = False  # a record window with native frames (py-spy --native)
 
 
 class Sampler:
@@ -97,6 +99,7 @@ class Sampler:
         self._fails: dict[tuple[str, int], int] = {}  # (kind, pid) -> consecutive failures
         self._results: list[Result] = []
         self._seq = 0
+        self._native: set[int] = set()  # pids whose next record window is native
 
     def start(self) -> None:
         me = psutil.Process()
@@ -122,6 +125,11 @@ class Sampler:
         with self._lock:
             self._wanted = dict(wanted)
 
+    def request_native(self, pid: int) -> None:
+        """Make the next record window of ``pid`` a native one (C/C++ frames too)."""
+        with self._lock:
+            self._native.add(pid)
+
     def drain(self) -> list[Result]:
         """Results finished since the last call, oldest first."""
         with self._lock:
@@ -142,8 +150,8 @@ class Sampler:
                 children = list(self._children.values())
                 self._children.clear()
             pyspy.stop_all([j.proc for j in children])
-            if not self.config.nonblocking:
-                for j in children:
+            for j in children:
+                if j.native or not self.config.nonblocking:
                     pyspy.resume_if_stopped(j.pid, j.stopped_before)
 
     def _step(self) -> None:
@@ -178,8 +186,13 @@ class Sampler:
         out = self._tmp / f"{kind}-{pid}-{self._seq}.out"
         err = self._tmp / f"{kind}-{pid}-{self._seq}.err"
         window = max(1, round(self.config.window))
+        native = False
         if kind == "record":
-            args = pyspy.record_args(self._binary, pid, window, self.config.rate, "raw", out, self.config.nonblocking)
+            with self._lock:
+                native = pid in self._native
+                self._native.discard(pid)
+            args = pyspy.record_args(self._binary, pid, window, self.config.rate, "raw", out, self.config.nonblocking,
+                                     native=native)
         else:
             args = pyspy.dump_args(self._binary, pid, True)  # states need no consistent stack
             self._next[(kind, pid)] = now + max(window, STATE_EVERY)
@@ -189,21 +202,29 @@ class Sampler:
         except OSError as exc:
             self._next[(kind, pid)] = now + RETRY_AFTER
             with self._lock:
-                self._results.append(Result(kind, pid, rank, role, now, now, self._wall(), error="spawn", detail=str(exc)))
+                self._results.append(Result(kind, pid, rank, role, now, now, self._wall(), error="spawn", detail=str(exc),
+                                            native=native))
             return None
-        return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall(), stopped_before)
+        return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall(), stopped_before, native)
 
     def _harvest(self, child: PySpyChild, now: float) -> list[Result]:
         text = _read(child.out)
         stderr = _read(child.err)
         for path in (child.out, child.err):
             path.unlink(missing_ok=True)
-        base = dict(kind=child.kind, pid=child.pid, rank=child.rank, role=child.role, start=child.start, end=now, wall_end=self._wall())
+        base = dict(kind=child.kind, pid=child.pid, rank=child.rank, role=child.role, start=child.start, end=now,
+                    wall_end=self._wall(), native=child.native)
         extra = []
-        if not self.config.nonblocking and pyspy.resume_if_stopped(child.pid, child.stopped_before):
+        if (child.native or not self.config.nonblocking) and pyspy.resume_if_stopped(child.pid, child.stopped_before):
             detail = f"PID {child.pid} was left stopped after a blocking py-spy sample: resumed it with SIGCONT"
             extra.append(Result(**base, error="target_resumed", detail=detail))
         key = (child.kind, child.pid)
+        if child.proc.returncode != 0 and not text.strip() and child.native:
+            # a native window that failed (no symbols, unwinding refused): plain windows go on at once
+            reason = pyspy.failure_reason(stderr, child.pid)
+            self._next[key] = now
+            return [*extra, Result(**base, error="target_gone" if reason == "target_gone" else "native_failed",
+                                   detail=pyspy.first_line(stderr))]
         if child.proc.returncode != 0 and not text.strip():
             reason = pyspy.failure_reason(stderr, child.pid)
             fails = self._fails[key] = self._fails.get(key, 0) + 1

@@ -12,6 +12,7 @@ py-spy run happens on a scrape. A bounded ring of folded stacks per rank feeds
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from profagent.analysis.collectives import WaitRatios, native_waits, python_frames, python_only
 from profagent.analysis.stacks import (
     CATEGORIES,
     Frame,
@@ -54,6 +56,10 @@ class StackGroup:
     functions: tuple[tuple[str, int], ...]
     threads: tuple[tuple[str, str, int], ...]  # (state, gil, count)
     job_id: str = ""
+    # main-thread samples judged for collective waits (those taken once a native window has
+    # taught the rank's wait ratios), and how many of them waited in a collective
+    judged: int = 0
+    collective_wait: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,11 @@ class RankStall:
     unchanged_seconds: float
     job_id: str = ""
     frames: tuple[Frame, ...] = ()
+    # the stack has not moved for a whole window: a stall may be starting
+    suspected: bool = False
+    # the same stack with its native frames, from a native window taken while it stood still
+    native: tuple[Frame, ...] = ()
+    native_pending: bool = False  # a native window of this stack is asked for and not back yet
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,12 @@ class StacksSource:
         self._threads: dict[tuple[str, str, str], dict[tuple[str, str], int]] = {}
         self._stalls: dict[tuple[str, str], StallTracker] = {}
         self._stall_state: dict[tuple[str, str], tuple[bool, float, tuple[Frame, ...]]] = {}
+        # collective waits, per (job_id, rank): see analysis/collectives.WaitRatios
+        self._ratios: dict[tuple[str, str], WaitRatios] = {}
+        self._judged: dict[tuple[str, str], tuple[int, float]] = {}  # cumulative (samples, waits)
+        self._last_native: dict[tuple[str, str], float] = {}  # clock of the last native request
+        self._native_pending: set[tuple[str, str]] = set()
+        self._native_stack: dict[tuple[str, str], tuple[tuple[Frame, ...], tuple[Frame, ...]]] = {}
         self._errors: dict[str, int] = {}
         self._log_once = LogOnce(log)
         # ring: (job_id, rank) -> deque of (wall_end, {folded line: count}, bytes)
@@ -149,7 +166,8 @@ class StacksSource:
     def _forget_ended_jobs(self, tree: ProcessTree) -> None:
         """A job that left the tree (watch mode, after its grace) takes its series along."""
         live = set(tree.job_status())
-        for table in (self._categories, self._topk, self._threads, self._stalls, self._stall_state):
+        for table in (self._categories, self._topk, self._threads, self._stalls, self._stall_state, self._ratios,
+                      self._judged, self._last_native, self._native_stack):
             for key in [k for k in table if k[0] not in live]:
                 del table[key]
         with self._lock:
@@ -182,6 +200,8 @@ class StacksSource:
     def _fold(self, r: Result) -> None:
         group = (self._job(r.pid), r.rank, r.role)
         if r.error:
+            if r.native:
+                self._native_pending.discard(group[:2])
             self._error(r)
             return
         self._readable.add(r.pid)
@@ -190,6 +210,9 @@ class StacksSource:
             for key, n in r.states.items():
                 counts[key] = counts.get(key, 0) + n
             return
+        native_main = [s for s in r.samples if s.main] if r.native else []
+        if r.native:  # from here on a native window is a plain one; its native frames served below
+            r = dataclasses.replace(r, samples=tuple(python_only(s) for s in r.samples))
         cats = self._categories.setdefault(group, dict.fromkeys(CATEGORIES, 0))
         functions: dict[str, int] = {}
         main = [s for s in r.samples if s.main]
@@ -201,7 +224,9 @@ class StacksSource:
         topk.add(functions, r.end - r.start)
         self._remember(r)
         if r.role == ROLE_MAIN:
+            self._count_waits(group[:2], main, native_main if r.native else None)
             self._check_stall(r, main)
+            self._ask_native(r.pid, group[:2], main)
 
     def _error(self, r: Result) -> None:
         if r.error == "target_gone":
@@ -235,6 +260,41 @@ class StacksSource:
         elif was and not status.stalled:
             log.info("rank %s is moving again", r.rank)
 
+    def _count_waits(self, key: tuple[str, str], main: list[Sample], native_main: list[Sample] | None) -> None:
+        """Judged samples and collective waits of one main-thread window (see docs/stacks.md)."""
+        ratios = self._ratios.setdefault(key, WaitRatios())
+        if native_main is not None:
+            self._native_pending.discard(key)
+            ratios.learn(native_main)
+            waits = float(native_waits(native_main))
+            if native_main:
+                top = _dominant(native_main)
+                self._native_stack[key] = (python_frames(top), top)
+        elif ratios.learned:
+            waits = ratios.waits(main)
+        else:
+            return  # not judged before a native window has said what the rank's waits look like
+        judged, total = self._judged.get(key, (0, 0.0))
+        self._judged[key] = (judged + sum(s.count for s in main), total + waits)
+
+    def _ask_native(self, pid: int, key: tuple[str, str], main: list[Sample]) -> None:
+        """Ask for a native window when the stack stands still (a stall may start: is it a
+        collective?) and, once the rank's stacks are steady, every native_every_seconds."""
+        cfg = self.config
+        if not cfg.native or self._sampler is None or key in self._native_pending or not main:
+            return
+        now = self._clock()
+        last = self._last_native.get(key)
+        stall = self._stall_state.get(key)
+        standing = stall is not None and stall[1] > 0 and self._native_stack.get(key, ((),))[0] != stall[2]
+        periodic = cfg.native_every_seconds > 0 and _steady(main) and (
+            last is None or now - last >= cfg.native_every_seconds)
+        retried_soon = last is not None and now - last < max(cfg.window, 1.0) * 2
+        if (standing and not retried_soon) or periodic:
+            self._last_native[key] = now
+            self._native_pending.add(key)
+            self._sampler.request_native(pid)
+
     def _remember(self, r: Result) -> None:
         lines: dict[str, int] = {}
         prefix = "" if r.role == ROLE_MAIN else f"{r.role} worker;"
@@ -258,16 +318,23 @@ class StacksSource:
             cats = self._categories.get(group, {})
             topk = self._topk.get(group)
             threads = self._threads.get(group, {})
+            judged, waits = self._judged.get(group[:2], (0, 0.0)) if group[2] == ROLE_MAIN else (0, 0.0)
             groups.append(StackGroup(
                 group[1], group[2],
                 tuple(cats.items()),
                 tuple(topk.series()) if topk else (),
                 tuple((state, gil, n) for (state, gil), n in sorted(threads.items())),
-                job_id=group[0],
+                job_id=group[0], judged=judged, collective_wait=waits,
             ))
-        stalls = tuple(RankStall(rank, s, u, job, frames)
-                       for (job, rank), (s, u, frames) in sorted(self._stall_state.items()))
+        stalls = tuple(self._rank_stall(key, *state) for key, state in sorted(self._stall_state.items()))
         return StacksSnapshot(job_id, tuple(groups), stalls, tuple(sorted(self._errors.items())))
+
+    def _rank_stall(self, key: tuple[str, str], stalled: bool, unchanged: float,
+                    frames: tuple[Frame, ...]) -> RankStall:
+        python, native = self._native_stack.get(key, ((), ()))
+        return RankStall(key[1], stalled, unchanged, key[0], frames, suspected=unchanged > 0,
+                         native=native if frames and python == frames else (),
+                         native_pending=key in self._native_pending)
 
     # -- /api/stacks ----------------------------------------------------------------------------
     def ranks(self) -> list[tuple[str, str]]:
@@ -318,6 +385,12 @@ def _dominant(main: list[Sample]) -> tuple[Frame, ...]:
         counts[s.folded] = counts.get(s.folded, 0) + s.count
         frames[s.folded] = s.frames
     return frames[max(counts, key=lambda k: (counts[k], k))] if counts else ()
+
+
+def _steady(main: list[Sample]) -> bool:
+    """A window of a rank past its start-up: no import, no torch.compile compiling."""
+    return bool(main) and not any(
+        classify(s.frames) == "compile" or any(f.file.startswith("<frozen importlib") for f in s.frames) for s in main)
 
 
 def stacks_route(sources: Callable[[], list[StacksSource]]) -> Callable[[dict[str, list[str]]], tuple[int, str, bytes]]:
