@@ -59,7 +59,7 @@ def test_engine_publishes_in_state_and_on_metrics() -> None:
     state = State(clock=lambda: 5.0)
     engine = FindingsEngine(FindingsConfig(), state, wall=lambda: 1234.0)
     snap = engine.tick()
-    assert state.snapshot("findings") is snap and snap == FindingsSnapshot((), 1234.0)
+    assert state.snapshot("findings") is snap and snap == FindingsSnapshot((), 1234.0, evaluations=1)
     body, _ = Exposition(state.view).render("")
     assert b'profagent_collector_up{collector="findings"} 1.0' in body
 
