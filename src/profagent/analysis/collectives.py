@@ -142,7 +142,7 @@ class WaitRatios:
     were: about 0.85 for a DDP rank waiting for a straggler at ``_engine_run_backward``,
     0.03 for the straggler itself at the same line. A plain window's sample then counts
     for that share; a stack never seen natively counts 1 if its Python frames are in
-    ``torch.distributed``, else 0. Stacks of a new native window replace the old ones.
+    ``torch.distributed``, else 0. A stack seen again is averaged with what it was.
     """
 
     def __init__(self, max_stacks: int = 256) -> None:
@@ -159,8 +159,10 @@ class WaitRatios:
             if in_collective(s.frames):
                 waits[key] = waits.get(key, 0) + s.count
         for key, n in totals.items():
-            self._ratio.pop(key, None)
-            self._ratio[key] = waits.get(key, 0) / n
+            old = self._ratio.pop(key, None)
+            new = waits.get(key, 0) / n
+            # averaged with what earlier windows said: one short window is noisy under load
+            self._ratio[key] = new if old is None else (old + new) / 2
         while len(self._ratio) > self.max_stacks:  # forget the oldest
             del self._ratio[next(iter(self._ratio))]
         self.learned = True

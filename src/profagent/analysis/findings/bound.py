@@ -115,11 +115,12 @@ def warmed_up(r: RankShares, cfg: FindingsConfig) -> bool:
 
 
 def _low_waiter(values: Mapping[str, float], threshold: float) -> list[tuple[str, float, float]]:
-    """(rank, its share, the others' median) for each rank far below the others' median."""
+    """(rank, its share, the others' median) for each rank far below the others' median:
+    by more than ``threshold`` and by half at least (noise under load moves both shares)."""
     out = []
     for rank, share in values.items():
         median = _median_others(values, rank)
-        if median - share > threshold:
+        if median - share > threshold and share <= median / 2:
             out.append((rank, share, median))
     return out
 

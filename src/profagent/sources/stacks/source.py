@@ -129,6 +129,8 @@ class StacksSource:
         self._last_native: dict[tuple[str, str], float] = {}  # clock of the last native request
         self._native_pending: set[tuple[str, str]] = set()
         self._native_stack: dict[tuple[str, str], tuple[tuple[Frame, ...], tuple[Frame, ...]]] = {}
+        self._steady: dict[tuple[str, str], bool] = {}  # the rank's last window was steady
+        self._mains: dict[tuple[str, str], int] = {}  # (job_id, rank) -> pid of its main process
         self._errors: dict[str, int] = {}
         self._log_once = LogOnce(log)
         # ring: (job_id, rank) -> deque of (wall_end, {folded line: count}, bytes)
@@ -167,7 +169,7 @@ class StacksSource:
         """A job that left the tree (watch mode, after its grace) takes its series along."""
         live = set(tree.job_status())
         for table in (self._categories, self._topk, self._threads, self._stalls, self._stall_state, self._ratios,
-                      self._judged, self._last_native, self._native_stack):
+                      self._judged, self._last_native, self._native_stack, self._steady):
             for key in [k for k in table if k[0] not in live]:
                 del table[key]
         with self._lock:
@@ -188,6 +190,7 @@ class StacksSource:
             if problem:
                 self._fatal = problem
                 raise SourceUnavailable(problem, reason="unsupported_python")
+        self._mains = {(p.job_id, p.rank): p.pid for p in tree.processes if p.role == ROLE_MAIN and p.pid in wanted}
         self._checked &= set(wanted)
         self._readable &= set(wanted)
         # A window of a process that just left may still be in flight: remember jobs a while.
@@ -265,6 +268,8 @@ class StacksSource:
         ratios = self._ratios.setdefault(key, WaitRatios())
         if native_main is not None:
             self._native_pending.discard(key)
+            if not _steady(main):
+                return  # a window of start-up (imports) teaches nothing about the rank's waits
             ratios.learn(native_main)
             waits = float(native_waits(native_main))
             if native_main:
@@ -281,19 +286,29 @@ class StacksSource:
         """Ask for a native window when the stack stands still (a stall may start: is it a
         collective?) and, once the rank's stacks are steady, every native_every_seconds."""
         cfg = self.config
+        self._steady[key] = _steady(main)
         if not cfg.native or self._sampler is None or key in self._native_pending or not main:
             return
         now = self._clock()
         last = self._last_native.get(key)
         stall = self._stall_state.get(key)
         standing = stall is not None and stall[1] > 0 and self._native_stack.get(key, ((),))[0] != stall[2]
-        periodic = cfg.native_every_seconds > 0 and _steady(main) and (
-            last is None or now - last >= cfg.native_every_seconds)
         retried_soon = last is not None and now - last < max(cfg.window, 1.0) * 2
-        if (standing and not retried_soon) or periodic:
-            self._last_native[key] = now
-            self._native_pending.add(key)
-            self._sampler.request_native(pid)
+        if standing and not retried_soon:
+            self._native(key, pid, now)
+        elif cfg.native_every_seconds > 0 and self._steady[key] and (
+                last is None or now - last >= cfg.native_every_seconds):
+            # every steady rank of the job at once: a native window slows the rank it samples
+            # (py-spy pauses it at each sample), so a rank sampled alone would wait less then
+            for other, other_pid in self._mains.items():
+                if other[0] == key[0] and self._steady.get(other) and other not in self._native_pending:
+                    self._native(other, other_pid, now)
+
+    def _native(self, key: tuple[str, str], pid: int, now: float) -> None:
+        assert self._sampler is not None
+        self._last_native[key] = now
+        self._native_pending.add(key)
+        self._sampler.request_native(pid)
 
     def _remember(self, r: Result) -> None:
         lines: dict[str, int] = {}
