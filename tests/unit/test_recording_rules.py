@@ -22,6 +22,9 @@ REQUIRED = {
     "job_id:profagent_gpu_utilization_ratio:avg",
     "job_id:profagent_rank_stalled:sum",
     "job_id_severity:profagent_finding:sum",
+    "job_id:profagent_collective_wait_ratio:median",
+    "instance_job_id_rank:profagent_collective_wait_ratio:below_job_median",
+    "instance_job_id_rank:profagent_collective_wait_ratio:job_straggler",
 }
 
 
