@@ -12,6 +12,7 @@ from profagent.analysis.collectives import (
     WaitRatios,
     collective_wait,
     frames_from_json,
+    moving,
     native_pattern,
     native_waits,
     parse_dump_text,
@@ -156,3 +157,12 @@ def test_frames_from_json_keeps_native_frames_nameless_of_file() -> None:
         {"name": "pthread_cond_wait", "short_filename": "libc.so.6", "line": 0, "module": "/lib/libc.so.6"},
         {"name": "main", "short_filename": "t.py", "line": 3, "module": None}]})
     assert frames == (Frame("main", "t.py", 3), Frame("pthread_cond_wait (libc.so.6)", "", 0))
+
+
+def test_a_thread_computing_in_one_long_cpp_call_is_moving_a_blocked_one_is_not() -> None:
+    blocked = raw_main("ddp_reducer_record_native.raw", 12077)
+    computing = raw_main("ddp_straggler_job_rank1.raw", 24265)  # the straggler: backward's own compute
+    assert not moving(blocked) and moving(computing)
+    # its Python stack alone stands still at one line most of the time
+    top = max(computing, key=lambda s: s.count)
+    assert str(python_only(top).frames[-1]) == "_engine_run_backward (torch/autograd/graph.py:979)"

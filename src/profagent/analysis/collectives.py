@@ -186,6 +186,13 @@ def native_waits(native_main: Iterable[Sample]) -> int:
     return sum(s.count for s in native_main if in_collective(s.frames))
 
 
+def moving(native_main: Sequence[Sample]) -> bool:
+    """Native stacks that change, outside any collective: the thread computes (one long C++
+    call under one Python line, e.g. a slow backward). A thread waiting in a collective is
+    not moving even if its innermost frames spin."""
+    return len({s.folded for s in native_main}) > 1 and not all(in_collective(s.frames) for s in native_main)
+
+
 # -- py-spy dump text and JSON ----------------------------------------------------------------
 
 @dataclass(frozen=True)

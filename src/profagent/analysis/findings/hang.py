@@ -60,7 +60,7 @@ def hang(stalls: Iterable[Any], job_id: str) -> list[Finding]:
     if not stalled:
         return []
     waits = {s.rank: collective_wait(s.native or s.frames) for s in rows}
-    if any(s.native_pending and waits[s.rank] is None for s in stalled):
+    if any(s.native_pending and not s.native and waits[s.rank] is None for s in stalled):
         return []  # its native frames are on their way: they may show a collective in C++
     waiting = [s for s in rows if waits[s.rank] is not None]
     culprits = [s for s in rows if waits[s.rank] is None]

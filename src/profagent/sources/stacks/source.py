@@ -20,7 +20,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from profagent.analysis.collectives import WaitRatios, native_waits, python_frames, python_only
+from profagent.analysis.collectives import (
+    WaitRatios,
+    moving,
+    native_waits,
+    python_frames,
+    python_only,
+)
 from profagent.analysis.stacks import (
     CATEGORIES,
     Frame,
@@ -128,7 +134,7 @@ class StacksSource:
         self._judged: dict[tuple[str, str], tuple[int, float]] = {}  # cumulative (samples, waits)
         self._last_native: dict[tuple[str, str], float] = {}  # clock of the last native request
         self._native_pending: set[tuple[str, str]] = set()
-        self._native_stack: dict[tuple[str, str], tuple[tuple[Frame, ...], tuple[Frame, ...]]] = {}
+        self._native_stack: dict[tuple[str, str], NativeLook] = {}  # the last native window's main stack
         self._steady: dict[tuple[str, str], bool] = {}  # the rank's last window was steady
         self._mains: dict[tuple[str, str], int] = {}  # (job_id, rank) -> pid of its main process
         self._errors: dict[str, int] = {}
@@ -269,12 +275,14 @@ class StacksSource:
         if native_main is not None:
             self._native_pending.discard(key)
             if not _steady(main):
+                log.debug("stacks: rank %s: native window during start-up, not learned", key[1])
                 return  # a window of start-up (imports) teaches nothing about the rank's waits
             ratios.learn(native_main)
+            log.debug("stacks: rank %s: native window learned %d stacks", key[1], len(native_main))
             waits = float(native_waits(native_main))
             if native_main:
                 top = _dominant(native_main)
-                self._native_stack[key] = (python_frames(top), top)
+                self._native_stack[key] = NativeLook(python_frames(top), top, moving(native_main), self._clock())
         elif ratios.learned:
             waits = ratios.waits(main)
         else:
@@ -292,7 +300,11 @@ class StacksSource:
         now = self._clock()
         last = self._last_native.get(key)
         stall = self._stall_state.get(key)
-        standing = stall is not None and stall[1] > 0 and self._native_stack.get(key, ((),))[0] != stall[2]
+        look = self._native_stack.get(key)
+        # a stack standing still: look at its native frames, and again every half stall_seconds
+        # (a rank computing for long in one C++ call may stop there later)
+        standing = stall is not None and stall[1] > 0 and (
+            look is None or look.python != stall[2] or now - look.at >= cfg.stall_seconds / 2)
         retried_soon = last is not None and now - last < max(cfg.window, 1.0) * 2
         if standing and not retried_soon:
             self._native(key, pid, now)
@@ -306,6 +318,7 @@ class StacksSource:
 
     def _native(self, key: tuple[str, str], pid: int, now: float) -> None:
         assert self._sampler is not None
+        log.debug("stacks: rank %s: native window asked for", key[1])
         self._last_native[key] = now
         self._native_pending.add(key)
         self._sampler.request_native(pid)
@@ -346,9 +359,13 @@ class StacksSource:
 
     def _rank_stall(self, key: tuple[str, str], stalled: bool, unchanged: float,
                     frames: tuple[Frame, ...]) -> RankStall:
-        python, native = self._native_stack.get(key, ((), ()))
-        return RankStall(key[1], stalled, unchanged, key[0], frames, suspected=unchanged > 0,
-                         native=native if frames and python == frames else (),
+        look = self._native_stack.get(key)
+        same = look is not None and bool(frames) and look.python == frames
+        # native frames that moved (outside any collective) since this stack stood still: the
+        # rank computes in one long C++ call (a slow backward), it is not stuck
+        moving = same and look.moving and look.at >= self._clock() - unchanged
+        return RankStall(key[1], stalled and not moving, unchanged, key[0], frames,
+                         suspected=unchanged > 0 and not moving, native=look.frames if same else (),
                          native_pending=key in self._native_pending)
 
     # -- /api/stacks ----------------------------------------------------------------------------
@@ -400,6 +417,17 @@ def _dominant(main: list[Sample]) -> tuple[Frame, ...]:
         counts[s.folded] = counts.get(s.folded, 0) + s.count
         frames[s.folded] = s.frames
     return frames[max(counts, key=lambda k: (counts[k], k))] if counts else ()
+
+
+@dataclass(frozen=True)
+class NativeLook:
+    """What a native window saw of a rank's main thread: its most sampled stack (with and
+    without native frames), whether the thread moved, and when (clock)."""
+
+    python: tuple[Frame, ...]
+    frames: tuple[Frame, ...]
+    moving: bool
+    at: float
 
 
 def _steady(main: list[Sample]) -> bool:
