@@ -312,8 +312,10 @@ class StacksSource:
                 last is None or now - last >= cfg.native_every_seconds):
             # every steady rank of the job at once: a native window slows the rank it samples
             # (py-spy pauses it at each sample), so a rank sampled alone would wait less then
-            for other, other_pid in self._mains.items():
-                if other[0] == key[0] and self._steady.get(other) and other not in self._native_pending:
+            ranks = {k: p for k, p in self._mains.items() if k[0] == key[0]}
+            ranks[key] = pid
+            for other, other_pid in ranks.items():
+                if self._steady.get(other) and other not in self._native_pending:
                     self._native(other, other_pid, now)
 
     def _native(self, key: tuple[str, str], pid: int, now: float) -> None:
