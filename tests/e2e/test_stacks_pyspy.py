@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from helpers.processes import wait_for
 from profagent.config import Config, StacksConfig
 from profagent.doctor.stacks import check_pyspy
@@ -41,6 +43,13 @@ def test_failure_reasons_are_bounded() -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     assert pyspy.failure_reason(TORN_STDERR, me) == "torn_read"
+    # a rank exiting (#24): retried at once, unreported, and gone by the next read
+    exiting = "Error: Failed to find a python interpreter in the .data section"
+    assert pyspy.failure_reason(exiting, me) == "torn_read"
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    wait_for(lambda: psutil.Process(zombie.pid).status() == psutil.STATUS_ZOMBIE, 30, what="a zombie")
+    assert pyspy.failure_reason(exiting, zombie.pid) == "target_gone"
+    zombie.wait()
     assert pyspy.failure_reason("anything at all", dead.pid) == "target_gone"
     assert pyspy.first_line("\npy-spy> Sampling\nError: boom\nStack backtrace:\n 0: x") == "Error: boom"
 

@@ -190,7 +190,7 @@ def dump_text_args(binary: str, pid: int, mode: str) -> list[str]:
 
 def failure_reason(stderr: str, pid: int) -> str:
     """Map a failed py-spy run to a bounded reason: permission, target_gone, torn_read or pyspy_failed."""
-    if not psutil.pid_exists(pid):
+    if not psutil.pid_exists(pid) or _exiting(pid):
         return "target_gone"
     # py-spy says "Permission Denied", or "Permission denied (os error 13)" under an error
     # that also reads "Check that the process is running" (root without CAP_SYS_PTRACE)
@@ -203,7 +203,21 @@ def failure_reason(stderr: str, pid: int) -> str:
     # still starting up ("Failed to copy PyCodeObject ... Bad address"); the next read is fine
     if "Failed to get stack traces" in stderr or "Bad address (os error 14)" in stderr:
         return "torn_read"
+    # an interpreter being torn down (a rank exiting) or not set up yet: py-spy cannot find it
+    # in the .data section; read again at once, and the process is usually gone by then
+    if "Failed to find a python interpreter" in stderr:
+        return "torn_read"
     return "pyspy_failed"
+
+
+def _exiting(pid: int) -> bool:
+    """A zombie (exited, not reaped yet): nothing left to sample."""
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
 
 
 def first_line(stderr: str) -> str:
