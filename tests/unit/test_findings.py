@@ -78,6 +78,15 @@ def test_plain_ddp_rank_waiting_in_the_reducer_is_a_victim_from_its_native_frame
     assert f.summary.startswith("ranks 0, 1 are stuck, not in a collective")
 
 
+def test_a_rank_standing_in_a_collective_is_a_victim_before_its_own_stall_seconds() -> None:
+    waiting = RankStall("0", False, 8.0, "job", frames(*IN_ALL_REDUCE), suspected=True)
+    [f] = hang([waiting, stall("1", True, AT_LINE_68, 10.5)], "job")
+    assert f.rank == "1" and f.evidence["diagnosis"] == "culprit" and f.evidence["waiting_ranks"] == ["0"]
+    passing = RankStall("0", False, 0.0, "job", frames(*IN_ALL_REDUCE))  # only passing through it
+    [f] = hang([passing, stall("1", True, AT_LINE_68, 10.5)], "job")
+    assert f.evidence["diagnosis"] == "stuck" and f.evidence["waiting_ranks"] == [] and f.rank == "1"
+
+
 def test_hang_culprit_may_be_busy_not_stalled() -> None:
     [f] = hang([stall("0", True, IN_ALL_REDUCE), stall("1", False, AT_LINE_68, 3)], "job")
     assert f.rank == "1" and "train.py:68" in f.summary

@@ -87,8 +87,13 @@ def hang(stalls: Iterable[Any], job_id: str) -> list[Finding]:
     def finding(rank: str | None, diagnosis: str, summary: str) -> list[Finding]:
         return [Finding("hang", job_id, rank, "critical", summary, {**evidence, "diagnosis": diagnosis})]
 
-    if not any(waits[s.rank] for s in stalled):  # stalled outside any collective
-        stuck = [s for s in stalled]
+    # a rank standing still in a collective (stalled, or for a whole window) waits for the
+    # culprit even before its own stall_seconds are over
+    if not any(waits[s.rank] and (s.stalled or s.suspected) for s in rows):  # stuck outside any collective
+        stuck = stalled
+        for key in ("collective", "called_at", "collectives"):
+            evidence.pop(key, None)
+        evidence["waiting_ranks"] = []
         evidence["culprit_ranks"] = _order(s.rank for s in stuck)
         evidence["culprit_locations"] = {s.rank: _where(_here(s)) for s in stuck}
         at = "; ".join(f"rank {s.rank} at {_where(_here(s))}" for s in stuck)
