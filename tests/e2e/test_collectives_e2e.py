@@ -84,7 +84,7 @@ def job(tmp_path: Path):
         j.stop()
 
 
-def start_agent(run_agent, tmp_path: Path, pid: int) -> str:
+def start_agent(run_agent, tmp_path: Path, pid: int, agent_out: list | None = None) -> str:
     config = tmp_path / f"profagent-{pid}.toml"
     config.write_text(f"[stacks]\nstall_seconds = {STALL_SECONDS}\nwindow = 2\nrate = 50\n"
                       f"native_every_seconds = {NATIVE_EVERY}\n"
@@ -95,6 +95,8 @@ def start_agent(run_agent, tmp_path: Path, pid: int) -> str:
     agent = run_agent(["attach", "--pid", str(pid), "--listen", f"127.0.0.1:{port}", "--config", str(config),
                        "--gpu-backend", "off", "--interval", "0.5"])
     agent.wait_healthy(url, timeout=60)
+    if agent_out is not None:
+        agent_out.append(agent)
     return url
 
 
@@ -127,7 +129,8 @@ class Watch:
 def test_plain_ddp_healthy_then_hang_one_culprit_with_its_line(job, run_agent, tmp_path) -> None:
     j = job("healthy")
     launched = time.monotonic()
-    url = start_agent(run_agent, tmp_path, j.proc.pid)  # from the first second: ranks still import torch
+    agents: list = []
+    url = start_agent(run_agent, tmp_path, j.proc.pid, agents)  # from the first second: ranks still import torch
     watch = Watch(url)
     # Healthy: no finding at all while ranks import, start, are sampled natively and judged.
     judged_since: float | None = None
@@ -159,6 +162,14 @@ def test_plain_ddp_healthy_then_hang_one_culprit_with_its_line(job, run_agent, t
     assert hang["evidence"]["roles"]["0"]["native_frames"] is True
     assert any("c10d::Reducer::" in frame for frame in hang["evidence"]["stacks"]["0"])
     assert not watch.kinds("straggler"), watch.kinds("straggler")  # never, at any poll of the job
+
+    # An agent restarted during the hang: the same single finding again, and no straggler meanwhile.
+    agents[0].stop()
+    again = Watch(start_agent(run_agent, tmp_path, j.proc.pid))
+    hang = again.until(lambda fs: next((f for f in fs if f["finding"] == "hang"), None),
+                       STALL_SECONDS + 60, "the hang finding after a restart")
+    assert hang["rank"] == "1" and line in hang["summary"] and "DDP's reducer" in hang["summary"], hang
+    assert not again.kinds("straggler") and {f["finding"] for f in again.seen} == {"hang"}, again.seen
 
 
 def test_plain_ddp_straggler_then_collective_mismatch(job, run_agent, tmp_path) -> None:
