@@ -135,27 +135,40 @@ def straggler(shares: Iterable[RankShares], traces: Iterable[Any], cfg: Findings
     """
     out: list[Finding] = []
     found: set[tuple[str, str]] = set()
+
+    def low_waiters(values: Mapping[str, Mapping[str, float]], describe: Any) -> None:
+        for job, by_rank in values.items():
+            for rank, share, median in _low_waiter(by_rank, cfg.straggler_share):
+                if (job, rank) not in found:
+                    found.add((job, rank))
+                    summary, evidence = describe(job, rank, share, median, by_rank)
+                    out.append(Finding("straggler", job, rank, "warning", summary,
+                                       {**evidence, "threshold": cfg.straggler_share}))
+
     by_job: dict[str, list[RankShares]] = {}
     for r in shares:
         by_job.setdefault(r.job_id, []).append(r)
-    for job, ranks in by_job.items():
-        # every rank of the job must be past its warm-up: a rank still importing waits least
-        if len(ranks) < 2 or job in quiet_jobs or not all(warmed_up(r, cfg) for r in ranks):
-            continue
-        in_coll = {r.rank: r.wait_share for r in ranks}
-        by_rank = {r.rank: r for r in ranks}
-        for rank, share, median in _low_waiter(in_coll, cfg.straggler_share):
-            cat, cat_share = by_rank[rank].top()
-            found.add((job, rank))
-            out.append(Finding(
-                "straggler", job, rank, "warning",
-                f"rank {rank} is the straggler: the others spend {median:.0%} of their time waiting "
+    # every rank of the job must be past its warm-up: a rank still importing waits least
+    judged = {job: {r.rank: r for r in ranks} for job, ranks in by_job.items()
+              if len(ranks) > 1 and job not in quiet_jobs and all(warmed_up(r, cfg) for r in ranks)}
+
+    def from_stacks(job: str, rank: str, share: float, median: float, in_coll: Mapping[str, float]):
+        cat, cat_share = judged[job][rank].top()
+        return (f"rank {rank} is the straggler: the others spend {median:.0%} of their time waiting "
                 f"in collectives, it spends {share:.0%}; its main thread is mostly in {cat} ({cat_share:.0%})",
                 {"signal": "stacks", "collective_share": round(share, 3),
                  "others_median_collective_share": round(median, 3),
                  "shares": {k: round(v, 3) for k, v in in_coll.items()}, "busiest_category": cat,
-                 "top_functions": _functions(by_rank[rank]), "threshold": cfg.straggler_share},
-            ))
+                 "top_functions": _functions(judged[job][rank])})
+
+    def from_traces(job: str, rank: str, share: float, median: float, by_rank: Mapping[str, float]):
+        return (f"rank {rank} is the straggler: in the last traces the others spend {median:.0%} of the step "
+                f"in communication, it spends {share:.0%}",
+                {"signal": "traces", "communication_share": round(share, 3),
+                 "others_median_communication_share": round(median, 3),
+                 "communication_shares": {k: round(v, 3) for k, v in by_rank.items()}})
+
+    low_waiters({job: {r: x.wait_share for r, x in ranks.items()} for job, ranks in judged.items()}, from_stacks)
     comm: dict[str, dict[str, float]] = {}
     steps: dict[str, dict[str, float]] = {}
     for rt in traces:
@@ -163,22 +176,7 @@ def straggler(shares: Iterable[RankShares], traces: Iterable[Any], cfg: Findings
             comm.setdefault(rt.job_id, {})[rt.rank] = rt.report.breakdown["communication"]
         if rt.report.step_mean:
             steps.setdefault(rt.job_id, {})[rt.rank] = rt.report.step_mean
-    for job, by_rank in comm.items():
-        if len(by_rank) < 2 or job in quiet_jobs:
-            continue
-        for rank, share, median in _low_waiter(by_rank, cfg.straggler_share):
-            if (job, rank) in found:
-                continue
-            found.add((job, rank))
-            out.append(Finding(
-                "straggler", job, rank, "warning",
-                f"rank {rank} is the straggler: in the last traces the others spend {median:.0%} of the step "
-                f"in communication, it spends {share:.0%}",
-                {"signal": "traces", "communication_share": round(share, 3),
-                 "others_median_communication_share": round(median, 3),
-                 "communication_shares": {k: round(v, 3) for k, v in by_rank.items()},
-                 "threshold": cfg.straggler_share},
-            ))
+    low_waiters({job: v for job, v in comm.items() if len(v) > 1 and job not in quiet_jobs}, from_traces)
     for job, by_rank in steps.items():
         if len(by_rank) < 2 or job in quiet_jobs:
             continue
