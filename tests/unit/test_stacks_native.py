@@ -94,3 +94,13 @@ def test_waits_are_judged_from_the_first_steady_native_window_on() -> None:
     # the native window counts its waits; the plain one the same share, learned from it
     assert abs(group.collective_wait / group.judged - share) < 1e-9, group
     assert sampler.native == [24264]  # the next periodic one after native_every_seconds
+
+
+def test_a_native_window_asked_of_a_process_that_is_no_longer_the_rank_is_asked_again() -> None:
+    # torchrun's launcher looks like rank 0 until it starts the ranks: it got the first request
+    src, sampler, clock = source(native_every_seconds=100.0)
+    plain = [python_only(s) for s in fixture("ddp_straggler_job_rank0.raw", 24264)]
+    window(src, clock, 111, plain)
+    assert sampler.native == [111]
+    window(src, clock, 24264, plain)  # the real rank 0
+    assert sampler.native == [111, 24264]

@@ -176,6 +176,8 @@ class Sampler:
             del self._next[key]
             self._fails.pop(key, None)
         with self._lock:
+            self._native &= set(wanted)  # a native window asked of a process no longer sampled
+        with self._lock:
             self._children = children
             self._results.extend(done)
             del self._results[:-MAX_PENDING]  # nobody drains while the target is gone

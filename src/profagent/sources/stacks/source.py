@@ -133,7 +133,7 @@ class StacksSource:
         self._ratios: dict[tuple[str, str], WaitRatios] = {}
         self._judged: dict[tuple[str, str], tuple[int, float]] = {}  # cumulative (samples, waits)
         self._last_native: dict[tuple[str, str], float] = {}  # clock of the last native request
-        self._native_pending: set[tuple[str, str]] = set()
+        self._native_pending: dict[tuple[str, str], tuple[int, float]] = {}  # -> (pid, asked at)
         self._native_stack: dict[tuple[str, str], NativeLook] = {}  # the last native window's main stack
         self._steady: dict[tuple[str, str], bool] = {}  # the rank's last window was steady
         self._mains: dict[tuple[str, str], int] = {}  # (job_id, rank) -> pid of its main process
@@ -175,7 +175,7 @@ class StacksSource:
         """A job that left the tree (watch mode, after its grace) takes its series along."""
         live = set(tree.job_status())
         for table in (self._categories, self._topk, self._threads, self._stalls, self._stall_state, self._ratios,
-                      self._judged, self._last_native, self._native_stack, self._steady):
+                      self._judged, self._last_native, self._native_stack, self._steady, self._native_pending):
             for key in [k for k in table if k[0] not in live]:
                 del table[key]
         with self._lock:
@@ -210,7 +210,7 @@ class StacksSource:
         group = (self._job(r.pid), r.rank, r.role)
         if r.error:
             if r.native:
-                self._native_pending.discard(group[:2])
+                self._native_pending.pop(group[:2], None)
             self._error(r)
             return
         self._readable.add(r.pid)
@@ -273,7 +273,7 @@ class StacksSource:
         """Judged samples and collective waits of one main-thread window (see docs/stacks.md)."""
         ratios = self._ratios.setdefault(key, WaitRatios())
         if native_main is not None:
-            self._native_pending.discard(key)
+            self._native_pending.pop(key, None)
             if not _steady(main):
                 log.debug("stacks: rank %s: native window during start-up, not learned", key[1])
                 return  # a window of start-up (imports) teaches nothing about the rank's waits
@@ -295,9 +295,15 @@ class StacksSource:
         collective?) and, once the rank's stacks are steady, every native_every_seconds."""
         cfg = self.config
         self._steady[key] = _steady(main)
+        now = self._clock()
+        asked = self._native_pending.get(key)
+        # an answer that cannot come: asked of another process (torchrun's launcher, seen as
+        # rank 0 before it started the ranks; a restarted rank), or lost
+        if asked is not None and (asked[0] != pid or now - asked[1] > max(30.0, 10 * cfg.window)):
+            del self._native_pending[key]
+            self._last_native.pop(key, None)  # never answered: ask again
         if not cfg.native or self._sampler is None or key in self._native_pending or not main:
             return
-        now = self._clock()
         last = self._last_native.get(key)
         stall = self._stall_state.get(key)
         look = self._native_stack.get(key)
@@ -322,7 +328,7 @@ class StacksSource:
         assert self._sampler is not None
         log.debug("stacks: rank %s: native window asked for", key[1])
         self._last_native[key] = now
-        self._native_pending.add(key)
+        self._native_pending[key] = (pid, now)
         self._sampler.request_native(pid)
 
     def _remember(self, r: Result) -> None:
