@@ -126,6 +126,7 @@ class Watch:
         return [f for f in self.seen if f["finding"] == kind]
 
 
+@pytest.mark.timeout(480)  # a healthy phase, a hang, and the hang again after an agent restart
 def test_plain_ddp_healthy_then_hang_one_culprit_with_its_line(job, run_agent, tmp_path) -> None:
     j = job("healthy")
     launched = time.monotonic()
