@@ -92,6 +92,8 @@ class StacksConfig:
     max_pyspy: int = _opt(16, "py-spy processes running at once (a record window and a periodic dump per sampled process); beyond it ranks are sampled in turn and each wait counts as reason pyspy_cap. An incident capture's dumps run at most this many at once too")
     top_k: int = _opt(10, "leaf functions kept per rank; the rest is folded into 'other'")
     stall_seconds: float = _opt(120.0, "a main-thread stack unchanged this long marks the rank stalled")
+    native: bool = _opt(True, "read native (C++) frames with py-spy --native when a rank's stack stops moving and every native_every_seconds, to see collectives that run in C++ (DDP's reducer); a native window pauses the rank at each sample and costs ~0.6 s of CPU")
+    native_every_seconds: float = _opt(300.0, "at most one periodic native window per rank this often (the first once the rank's stacks are steady); it teaches how much of each Python stack is a collective wait; 0 = only when a stall is suspected")
     ring_seconds: float = _opt(600.0, "seconds of stacks kept in memory for /api/stacks")
     interval: float = _opt(0.0, "seconds between publishing aggregates; 0 = the agent interval")
 

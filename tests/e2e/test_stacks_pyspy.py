@@ -48,6 +48,13 @@ def test_failure_reasons_are_bounded() -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     assert pyspy.failure_reason(TORN_STDERR, me) == "torn_read"
+    # a rank exiting (#24): retried at once, unreported, and gone by the next read
+    exiting = "Error: Failed to find a python interpreter in the .data section"
+    assert pyspy.failure_reason(exiting, me) == "torn_read"
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    wait_for(lambda: psutil.Process(zombie.pid).status() == psutil.STATUS_ZOMBIE, 30, what="a zombie")
+    assert pyspy.failure_reason(exiting, zombie.pid) == "target_gone"
+    zombie.wait()
     assert pyspy.failure_reason("anything at all", dead.pid) == "target_gone"
     me_born = start_ticks(PROC, me)
     assert pyspy.failure_reason(DATA_SECTION_STDERR, me, me_born) == "pyspy_failed"  # alive: a real failure

@@ -16,12 +16,14 @@ Regenerate them only when a family legitimately changes, and say so in the commi
 (``PYTHONPATH=src python tests/unit/test_exposition_golden.py --write``). Since the layout
 change they were regenerated once, on purpose, for: the pod/Slurm/user labels of
 ``profagent_target_info`` (#18), the trace accelerator and incomplete-step families and no
-step time for a trace without steps (#14), worker USS and collectors not applicable (#15), CPU per collector (#26).
+step time for a trace without steps (#14), worker USS and collectors not applicable (#15), the
+findings families with the per-rank collective-wait share (#24), CPU per collector (#26).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 from types import MappingProxyType, ModuleType
@@ -159,6 +161,12 @@ def golden_state():  # -> profagent.state.State
         ((JOB, "0", "main", 1), (JOB, "1", "main", 1)), 1,
         (("poll", 40), ("malformed", 1)), (("requested", 2), ("sent", 2), ("expired", 0)),
     ), 0.001)
+    if importlib.util.find_spec("profagent.analysis.findings") is not None:  # (absent at 2202f00)
+        findings = importlib.import_module("profagent.analysis.findings")
+        state.publish("findings", findings.FindingsSnapshot(
+            (findings.Finding("straggler", JOB, "1", "warning", "rank 1 is the straggler", {}, NOW - 40),),
+            NOW, ((JOB, "0", 0.61), (JOB, "1", 0.1)), 12,
+        ), 0.001)
     state.record_error("stacks", "pyspy_failed", 0.01)
     state.record_error("gpu", "nvml_error")
     return state

@@ -45,11 +45,46 @@ def group(rank: str, **shares: int) -> StackGroup:
 def test_hang_names_the_rank_outside_the_collective_with_its_line() -> None:
     [f] = hang([stall("0", True, IN_ALL_REDUCE), stall("1", True, AT_LINE_68)], "job")
     assert (f.finding, f.rank, f.severity) == ("hang", "1", "critical")
-    assert "rank 1 at main (train.py:68)" in f.summary
-    assert "all_reduce (torch/distributed/distributed_c10d.py:3252)" in f.summary
+    assert f.summary.startswith("rank 1 holds the job up, not in a collective: rank 1 at main (train.py:68)")
+    assert "rank 0 waits in all_reduce (torch/distributed/distributed_c10d.py:3252) called at main (train.py:70)" \
+        in f.summary
     assert f.evidence["culprit_ranks"] == ["1"] and f.evidence["waiting_ranks"] == ["0"]
-    assert f.evidence["called_at"] == "main (train.py:70)"
+    assert f.evidence["called_at"] == "main (train.py:70)" and f.evidence["diagnosis"] == "culprit"
     assert f.evidence["stacks"]["1"][-1] == "main (train.py:68)"
+    assert f.evidence["roles"]["0"]["role"] == "waiting" and f.evidence["roles"]["1"] == {
+        "role": "culprit", "stalled": True, "at": "main (train.py:68)", "collective": None, "native_frames": False}
+
+
+IN_BACKWARD = (*MAIN, "Tensor.backward (torch/_tensor.py:623)", "backward (torch/autograd/__init__.py:395)",
+               "_engine_run_backward (torch/autograd/graph.py:979)")
+REDUCER_NATIVE = (*IN_BACKWARD, "THPEngine_run_backward (libtorch_python.so)",
+                  "c10d::Reducer::finalize_backward (libtorch_cpu.so)", "std::condition_variable::wait (libstdc++.so.6)",
+                  "pthread_cond_wait (libc.so.6)")
+
+
+def test_plain_ddp_rank_waiting_in_the_reducer_is_a_victim_from_its_native_frames() -> None:
+    victim = RankStall("0", True, 130.0, "job", frames(*IN_BACKWARD), native=frames(*REDUCER_NATIVE))
+    [f] = hang([victim, stall("1", True, AT_LINE_68)], "job")
+    assert f.rank == "1" and f.evidence["culprit_ranks"] == ["1"] and f.evidence["waiting_ranks"] == ["0"]
+    assert "rank 0 waits in all_reduce from backward (DDP's reducer) called at main (train.py:70)" in f.summary
+    assert f.evidence["roles"]["0"]["native_frames"] is True
+    assert f.evidence["stacks"]["0"][-3] == "c10d::Reducer::finalize_backward (libtorch_cpu.so)"
+    # Without its native frames the same rank looks stuck in backward: the finding waits for them
+    pending = RankStall("0", True, 130.0, "job", frames(*IN_BACKWARD), native_pending=True)
+    assert hang([pending, stall("1", True, AT_LINE_68)], "job") == []
+    # ... and if none come (native off or failed), both ranks are said to be stuck: one finding
+    [f] = hang([RankStall("0", True, 130.0, "job", frames(*IN_BACKWARD)), stall("1", True, AT_LINE_68)], "job")
+    assert f.rank is None and f.evidence["diagnosis"] == "stuck" and f.evidence["culprit_ranks"] == ["0", "1"]
+    assert f.summary.startswith("ranks 0, 1 are stuck, not in a collective")
+
+
+def test_a_rank_standing_in_a_collective_is_a_victim_before_its_own_stall_seconds() -> None:
+    waiting = RankStall("0", False, 8.0, "job", frames(*IN_ALL_REDUCE), suspected=True)
+    [f] = hang([waiting, stall("1", True, AT_LINE_68, 10.5)], "job")
+    assert f.rank == "1" and f.evidence["diagnosis"] == "culprit" and f.evidence["waiting_ranks"] == ["0"]
+    passing = RankStall("0", False, 0.0, "job", frames(*IN_ALL_REDUCE))  # only passing through it
+    [f] = hang([passing, stall("1", True, AT_LINE_68, 10.5)], "job")
+    assert f.evidence["diagnosis"] == "stuck" and f.evidence["waiting_ranks"] == [] and f.rank == "1"
 
 
 def test_hang_culprit_may_be_busy_not_stalled() -> None:
@@ -59,20 +94,29 @@ def test_hang_culprit_may_be_busy_not_stalled() -> None:
 
 def test_every_rank_in_the_same_collective_points_elsewhere() -> None:
     [f] = hang([stall("0", True, IN_ALL_REDUCE), stall("1", True, IN_ALL_REDUCE)], "job")
-    assert f.rank is None and f.evidence["culprit_ranks"] == []
+    assert f.rank is None and f.evidence["culprit_ranks"] == [] and f.evidence["diagnosis"] == "all_waiting"
     assert "every rank" in f.summary and "another node" in f.summary
     assert "all_reduce" in f.summary and "train.py:70" in f.summary
 
 
-def test_different_collectives_are_a_mismatch() -> None:
+def test_different_collectives_are_one_collective_mismatch_naming_each() -> None:
     other = (*MAIN[:1], "main (train.py:75)", "broadcast (torch/distributed/distributed_c10d.py:2700)")
     [f] = hang([stall("0", True, IN_ALL_REDUCE), stall("1", True, other)], "job")
-    assert "different collectives" in f.summary and "broadcast" in f.summary
+    assert f.rank is None and f.evidence["diagnosis"] == "collective_mismatch"
+    assert f.summary.startswith("collective mismatch")
+    assert "rank 0 waits in all_reduce (torch/distributed/distributed_c10d.py:3252) called at main (train.py:70)" \
+        in f.summary
+    assert "rank 1 waits in broadcast (torch/distributed/distributed_c10d.py:2700) called at main (train.py:75)" \
+        in f.summary
+    # a plain DDP rank in backward's all_reduce and another in a broadcast: a mismatch too
+    victim = RankStall("0", True, 130.0, "job", frames(*IN_BACKWARD), native=frames(*REDUCER_NATIVE))
+    [f] = hang([victim, stall("1", True, other)], "job")
+    assert f.evidence["diagnosis"] == "collective_mismatch" and "all_reduce from backward" in f.summary
 
 
 def test_stall_outside_collectives_and_no_stall() -> None:
     [f] = hang([stall("0", True, AT_LINE_68)], "job")
-    assert f.rank == "0" and "not in a collective" in f.summary
+    assert f.rank == "0" and "not in a collective" in f.summary and f.summary.startswith("rank 0 is stuck")
     assert hang([stall("0", False, IN_ALL_REDUCE), stall("1", False, AT_LINE_68)], "job") == []
 
 
@@ -145,17 +189,62 @@ def test_compile_storm_only_after_grace() -> None:
     assert [f.finding for f in snap.findings] == ["compile_storm"]
 
 
-def test_straggler_from_collective_share_not_while_hung() -> None:
-    ev = Evaluator(cfg())
-    snap = feed_shares(ev, {"0": {"collective": 60, "forward": 40}, "1": {"collective": 5, "other": 95},
-                            "2": {"collective": 55, "forward": 45}}, 3)
+def judged(rank: str, waits: float, n: int, **shares: int) -> StackGroup:
+    g = group(rank, **shares)
+    return StackGroup(g.rank, g.role, g.categories, g.functions, g.threads, g.job_id, judged=n, collective_wait=waits)
+
+
+def feed_waits(ev: Evaluator, per_rank: dict[str, tuple[float, dict[str, int]]], ticks: int, start: float = 0.0,
+               step: float = 5.0, stall_rows: tuple[RankStall, ...] = ()) -> FindingsSnapshot:
+    """Every ``step`` s each rank's judged samples grow by 100, its waits by ``share`` x 100."""
+    snap = FindingsSnapshot()
+    for i in range(1, ticks + 1):
+        groups = tuple(judged(r, share * 100 * i, 100 * i, **{c: n * i for c, n in d.items()})
+                       for r, (share, d) in per_rank.items())
+        snap = ev.evaluate({"stacks": stacks(*stall_rows, groups=groups)}, now=start + i * step)
+    return snap
+
+
+STRAGGLER_JOB = {"0": (0.6, {"backward": 60, "forward": 40}), "1": (0.05, {"backward": 50, "forward": 50}),
+                 "2": (0.55, {"backward": 55, "forward": 45})}
+
+
+def test_straggler_is_the_rank_that_waits_least_once_every_rank_is_warmed_up() -> None:
+    ev = Evaluator(cfg(window_seconds=20.0))
+    assert feed_waits(ev, STRAGGLER_JOB, 4).findings == ()  # t = 5..20: not a full judged window yet
+    snap = feed_waits(ev, STRAGGLER_JOB, 6)  # t = 25, 30: a full window (20 s) of judged samples
     [f] = snap.findings
     assert (f.finding, f.rank) == ("straggler", "1")
-    assert f.evidence["others_median_collective_share"] == 0.575 and "other (95%)" in f.summary
-    # The same shares in a hung job: the hang explains it, not a straggler.
-    groups = tuple(group(r, collective=60 * 4, forward=40 * 4) for r in ("0", "2")) + (group("1", other=400),)
-    hung = stacks(stall("0", True, IN_ALL_REDUCE), stall("1", True, AT_LINE_68), groups=groups)
-    assert [f.finding for f in ev.evaluate({"stacks": hung}, now=20.0).findings] == ["hang"]
+    assert f.evidence["others_median_collective_share"] == 0.575 and f.evidence["collective_share"] == 0.05
+    assert f.evidence["signal"] == "stacks" and "forward (50%)" in f.summary
+    assert sorted(snap.wait_shares) == [("job", "0", 0.6), ("job", "1", 0.05), ("job", "2", 0.55)]
+    assert snap.evaluations == 10
+
+
+def test_no_straggler_while_a_rank_compiles_or_has_not_been_judged() -> None:
+    ev = Evaluator(cfg(window_seconds=20.0))
+    compiling = {**STRAGGLER_JOB, "1": (0.05, {"compile": 70, "forward": 30})}
+    assert feed_waits(ev, compiling, 8).findings == ()
+    ev = Evaluator(cfg(window_seconds=20.0))
+    snap = FindingsSnapshot()
+    for i in range(1, 9):  # rank 1 still importing: no native window yet, nothing judged
+        groups = (judged("0", 60 * i, 100 * i, backward=100 * i), group("1", other=100 * i))
+        snap = ev.evaluate({"stacks": stacks(groups=groups)}, now=5.0 * i)
+    assert snap.findings == () and [r for _, r, _ in snap.wait_shares] == ["0"]
+
+
+def test_no_straggler_while_a_hang_is_suspected_nor_once_it_is_declared() -> None:
+    ev = Evaluator(cfg(window_seconds=20.0))
+    suspected = (RankStall("1", False, 6.0, "job", frames(*AT_LINE_68), suspected=True),
+                 RankStall("0", False, 0.0, "job", frames(*IN_ALL_REDUCE)))
+    assert feed_waits(ev, STRAGGLER_JOB, 8, stall_rows=suspected).findings == ()
+    hung = (stall("0", True, IN_ALL_REDUCE), stall("1", True, AT_LINE_68))
+    assert [f.finding for f in feed_waits(ev, STRAGGLER_JOB, 9, stall_rows=hung).findings] == ["hang"]
+    # an agent restarted during the hang starts over: still no straggler, and the hang again
+    ev = Evaluator(cfg(window_seconds=20.0))
+    for ticks in range(1, 10):
+        rows = suspected if ticks < 6 else hung
+        assert "straggler" not in [f.finding for f in feed_waits(ev, STRAGGLER_JOB, ticks, stall_rows=rows).findings]
 
 
 def report(step: float, dataloader: float = 0.0) -> TraceReport:
@@ -277,3 +366,19 @@ def test_histories() -> None:
     for t in range(5):
         m.add(t, 10 + 3 * t)
     assert m.fit() == (3.0, 1.0) and m.span == 4
+
+
+def test_straggler_from_trace_communication_share_when_step_times_are_equal() -> None:
+    from dataclasses import replace
+
+    def comm(share: float) -> TraceReport:
+        return replace(report(0.0875), breakdown={"communication": share, "cpu_exec": 1 - share})
+
+    # the issue's job: equal traced steps (synchronous), rank 2's communication share far below
+    traces = TracesSnapshot("job", tuple(RankTrace(r, comm(c), 1.0) for r, c in
+                                         (("0", 0.60), ("1", 0.61), ("2", 0.10), ("3", 0.62))), (), 0)
+    [f] = Evaluator(cfg()).evaluate({"traces": traces}, now=10.0).findings
+    assert (f.finding, f.rank, f.evidence["signal"]) == ("straggler", "2", "traces")
+    assert f.evidence["others_median_communication_share"] == 0.61
+    quiet = {"traces": traces, "stacks": stacks(RankStall("2", False, 6.0, "job", frames(*AT_LINE_68), suspected=True))}
+    assert Evaluator(cfg()).evaluate(quiet, now=10.0).findings == ()

@@ -59,7 +59,7 @@ def test_engine_publishes_in_state_and_on_metrics() -> None:
     state = State(clock=lambda: 5.0)
     engine = FindingsEngine(FindingsConfig(), state, wall=lambda: 1234.0)
     snap = engine.tick()
-    assert state.snapshot("findings") is snap and snap == FindingsSnapshot((), 1234.0)
+    assert state.snapshot("findings") is snap and snap == FindingsSnapshot((), 1234.0, evaluations=1)
     body, _ = Exposition(state.view).render("")
     assert b'profagent_collector_up{collector="findings"} 1.0' in body
 
@@ -114,3 +114,14 @@ def test_attach_waits_for_one_scrape_after_its_job_ended() -> None:
     assert not done_serving(Scraped(now - 10), gone_for=4.0, exit_grace=3.0, now=now)  # scraped before it ended
     assert done_serving(Scraped(now - 1), gone_for=4.0, exit_grace=3.0, now=now)  # a scrape saw it ended
     assert done_serving(Scraped(now - 100), gone_for=3.0 + FINAL_SCRAPE_WAIT + 1, exit_grace=3.0, now=now)
+
+
+def test_diagnose_shows_each_ranks_role_in_a_hang() -> None:
+    roles = {"0": {"role": "waiting", "stalled": True, "at": "x", "collective": "all_reduce from backward (DDP's reducer)"},
+             "1": {"role": "culprit", "stalled": True, "at": "main (t.py:68)", "collective": None}}
+    hang = Finding("hang", "42", "1", "critical", "rank 1 holds the job up", {"roles": roles}, 100.0)
+    console = Console(record=True, width=200)
+    render({"findings": [hang.as_dict()], "time": 130.0}, console)
+    text = console.export_text()
+    assert "rank 0: waiting (stalled): all_reduce from backward (DDP's reducer)" in text
+    assert "rank 1: culprit (stalled): main (t.py:68)" in text

@@ -28,6 +28,9 @@ REQUIRED = {
     "uuid:DCGM_FI_DEV_GPU_UTIL:ratio",
     "job_id:DCGM_FI_DEV_GPU_UTIL:avg_ratio",
     "instance_job_id_rank_uuid:DCGM_FI_DEV_GPU_UTIL:ratio",
+    "job_id:profagent_collective_wait_ratio:median",
+    "instance_job_id_rank:profagent_collective_wait_ratio:below_job_median",
+    "instance_job_id_rank:profagent_collective_wait_ratio:job_straggler",
 }
 
 

@@ -28,6 +28,9 @@ BOARD = BY_KEY["cluster"]
 JOB = 'job_id=~"$job_id"'
 STEP = "job_id:profagent_trace_step_seconds"
 RATIO = "instance_job_id_rank:profagent_trace_step_seconds:ratio_to_job_median"
+WAIT = "profagent_collective_wait_ratio"
+# A rank waiting 20 points less than its job's median (and the findings' straggler_share).
+WAIT_BELOW_STEPS: tuple[tuple[float | None, str], ...] = ((None, "green"), (0.1, "orange"), (0.2, "red"))
 
 # A rank 10 % slower than the job's median is worth a look; 25 % slower costs every other
 # rank a quarter of its step in each collective.
@@ -86,6 +89,30 @@ def build() -> Dashboard:
             rename={"Value #A": "ratio to median", "Value #B": "step time"},
             overrides={"step time": SECONDS}, coloured={"ratio to median": STRAGGLER_STEPS},
             sort_by="ratio to median",
+        ))
+        .with_row(row("Straggler: the rank the others wait for"))
+        .with_panel(stat_panel(
+            "Waits least (below the job's median)", PERCENT,
+            [q(f"instance_job_id_rank:{WAIT}:job_straggler{{{JOB}}}", "rank {{rank}} ({{instance}})", instant=True)],
+            "the rank furthest below the job's median share of time waiting in collectives (native DDP/FSDP "
+            "frames included), by how many points: in a synchronous job every step lasts as long as the "
+            "slowest rank's, so step times are equal and the straggler is the rank that waits least",
+            thresholds=WAIT_BELOW_STEPS,
+        ))
+        .with_panel(ts(
+            "Median collective-wait share", PERCENT,
+            [q(f"job_id:{WAIT}:median{{{JOB}}}", "{{job_id}}")],
+            "the job's median share of main-thread time waiting in collectives; high means the ranks wait "
+            "for one of them (or for the network)",
+            max_value=1, width=6,
+        ))
+        .with_panel(table_panel(
+            "Each rank below the job's median wait share", PERCENT,
+            [q(f"instance_job_id_rank:{WAIT}:below_job_median{{{JOB}}}", instant=True, table_format=True)],
+            "every rank of every node: how many points it waits less than the job's median (orange from 0.1, "
+            "red from 0.2); the top row is the straggler",
+            width=12, height=8, hide=("Time", "job"), rename={"Value": "below median"},
+            coloured={"below median": WAIT_BELOW_STEPS}, sort_by="below median",
         ))
         .with_row(row("GPUs and ranks"))
         .with_panel(ts(

@@ -56,6 +56,14 @@ def build() -> Dashboard:
             max_value=1,
         ))
         .with_panel(ts(
+            "Collective-wait share per rank", PERCENT,
+            [q(f"profagent_collective_wait_ratio{{{RANK}}}", "rank {{rank}}")],
+            "share of each rank's main-thread time waiting in collectives over the findings window, native "
+            "frames included (DDP's reducer, Work::wait, gloo, NCCL); absent during warm-up. In a synchronous "
+            "job the rank far below the others is the one they wait for (the straggler; docs/diagnosis.md)",
+            max_value=1,
+        ))
+        .with_panel(ts(
             "Stack samples per second", PER_SECOND,
             [q(f"sum by (job_id, rank, role) (rate(profagent_stack_samples_total{{{RANK}}}[$__rate_interval]))",
                "rank {{rank}} {{role}}")],

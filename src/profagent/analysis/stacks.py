@@ -43,7 +43,8 @@ class Frame:
         return shorten(label)
 
     def __str__(self) -> str:
-        return f"{self.name} ({self.file}:{self.line})"
+        # a native frame (py-spy --native) has no file: its name already reads "symbol (library)"
+        return f"{self.name} ({self.file}:{self.line})" if self.file else self.name
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,11 @@ def _evidence_lines(evidence: dict[str, Any]) -> list[str]:
             for rank, frames in sorted(value.items()):
                 lines.append(f"stack of rank {rank} (innermost last):")
                 lines += [f"    {frame}" for frame in frames]
+        elif key == "roles" and isinstance(value, dict):  # hang: what each rank does
+            for rank, role in sorted(value.items()):
+                if isinstance(role, dict):
+                    where = role.get("collective") or role.get("at")
+                    lines.append(f"rank {rank}: {role.get('role')}{' (stalled)' if role.get('stalled') else ''}: {where}")
         elif isinstance(value, (dict, list)):
             lines.append(f"{key}: {json.dumps(value)}")
         else:

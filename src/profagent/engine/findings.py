@@ -45,7 +45,8 @@ def findings_route(snapshots: Callable[[], list[FindingsSnapshot | None]]) -> Ca
         if not taken and not snapshots():
             return 503, "text/plain", b"the findings engine is off (findings.enabled = false)\n"
         rows = sorted((f for s in taken for f in s.findings if job in (None, f.job_id)), key=sort_key)
-        body = {"findings": [f.as_dict() for f in rows], "time": max((s.time for s in taken), default=0.0)}
+        body = {"findings": [f.as_dict() for f in rows], "time": max((s.time for s in taken), default=0.0),
+                "evaluations": sum(s.evaluations for s in taken)}
         return 200, "application/json", orjson.dumps(body)
 
     return route

@@ -59,3 +59,7 @@ class FindingsSnapshot:
     """Every active finding at one tick (the engine publishes it in State as "findings")."""
     findings: tuple[Finding, ...] = ()
     time: float = 0.0  # wall clock of the evaluation
+    # (job_id, rank, share): each rank's main-thread share of time waiting in collectives over
+    # the window, for ranks past their warm-up (profagent_collective_wait_ratio)
+    wait_shares: tuple[tuple[str, str, float], ...] = ()
+    evaluations: int = 0  # ticks evaluated since the engine started (proof that it looked)

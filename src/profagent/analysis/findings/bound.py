@@ -26,6 +26,13 @@ class RankShares:
     counts: Mapping[str, int]
     observed_seconds: float  # since the rank's stacks were first seen
     functions: Sequence[tuple[str, int]] = ()  # top leaf functions (cumulative)
+    judged: int = 0  # main-thread samples of the window judged for collective waits
+    waits: float = 0.0  # how many of them waited in a collective (Python or native frames)
+    judged_seconds: float = 0.0  # since the rank's first judged window
+
+    @property
+    def wait_share(self) -> float:
+        return self.waits / self.judged if self.judged else 0.0
 
     @property
     def total(self) -> int:
@@ -100,47 +107,87 @@ def _median_others(values: Mapping[str, float], rank: str) -> float:
     return statistics.median(v for r, v in values.items() if r != rank)
 
 
+def warmed_up(r: RankShares, cfg: FindingsConfig) -> bool:
+    """A full window of steady, judged stacks: past import and start-up compilation, with
+    enough samples, and a native window has said what this rank's waits look like."""
+    return (r.judged >= cfg.min_samples and r.judged_seconds >= cfg.window_seconds
+            and r.share("compile") <= cfg.compile_ratio)
+
+
+def _low_waiter(values: Mapping[str, float], threshold: float) -> list[tuple[str, float, float]]:
+    """(rank, its share, the others' median) for each rank far below the others' median:
+    by more than ``threshold`` and by half at least (noise under load moves both shares)."""
+    out = []
+    for rank, share in values.items():
+        median = _median_others(values, rank)
+        if median - share > threshold and share <= median / 2:
+            out.append((rank, share, median))
+    return out
+
+
 def straggler(shares: Iterable[RankShares], traces: Iterable[Any], cfg: FindingsConfig,
-              hung_jobs: frozenset[str] = frozenset()) -> list[Finding]:
-    """A rank clearly slower than the job's other ranks (a hung job is a ``hang``, not this)."""
+              quiet_jobs: frozenset[str] | set[str] = frozenset()) -> list[Finding]:
+    """The rank the others wait for: its share of time waiting in collectives (stacks,
+    native frames included) or in communication (traces) is far below the others' while
+    theirs is high. In a synchronous job every rank's step takes as long as the slowest,
+    so step time alone names no one; it still names a rank whose traced step is longer.
+    ``quiet_jobs``: jobs with a hang or a suspected one (a stalled rank waits least of all).
+    """
     out: list[Finding] = []
     found: set[tuple[str, str]] = set()
+
+    def low_waiters(values: Mapping[str, Mapping[str, float]], describe: Any) -> None:
+        for job, by_rank in values.items():
+            for rank, share, median in _low_waiter(by_rank, cfg.straggler_share):
+                if (job, rank) not in found:
+                    found.add((job, rank))
+                    summary, evidence = describe(job, rank, share, median, by_rank)
+                    out.append(Finding("straggler", job, rank, "warning", summary,
+                                       {**evidence, "threshold": cfg.straggler_share}))
+
+    by_job: dict[str, list[RankShares]] = {}
+    for r in shares:
+        by_job.setdefault(r.job_id, []).append(r)
+    # every rank of the job must be past its warm-up: a rank still importing waits least
+    judged = {job: {r.rank: r for r in ranks} for job, ranks in by_job.items()
+              if len(ranks) > 1 and job not in quiet_jobs and all(warmed_up(r, cfg) for r in ranks)}
+
+    def from_stacks(job: str, rank: str, share: float, median: float, in_coll: Mapping[str, float]):
+        cat, cat_share = judged[job][rank].top()
+        return (f"rank {rank} is the straggler: the others spend {median:.0%} of their time waiting "
+                f"in collectives, it spends {share:.0%}; its main thread is mostly in {cat} ({cat_share:.0%})",
+                {"signal": "stacks", "collective_share": round(share, 3),
+                 "others_median_collective_share": round(median, 3),
+                 "shares": {k: round(v, 3) for k, v in in_coll.items()}, "busiest_category": cat,
+                 "top_functions": _functions(judged[job][rank])})
+
+    def from_traces(job: str, rank: str, share: float, median: float, by_rank: Mapping[str, float]):
+        return (f"rank {rank} is the straggler: in the last traces the others spend {median:.0%} of the step "
+                f"in communication, it spends {share:.0%}",
+                {"signal": "traces", "communication_share": round(share, 3),
+                 "others_median_communication_share": round(median, 3),
+                 "communication_shares": {k: round(v, 3) for k, v in by_rank.items()}})
+
+    low_waiters({job: {r: x.wait_share for r, x in ranks.items()} for job, ranks in judged.items()}, from_stacks)
+    comm: dict[str, dict[str, float]] = {}
     steps: dict[str, dict[str, float]] = {}
     for rt in traces:
+        if "communication" in rt.report.breakdown:
+            comm.setdefault(rt.job_id, {})[rt.rank] = rt.report.breakdown["communication"]
         if rt.report.step_mean:
             steps.setdefault(rt.job_id, {})[rt.rank] = rt.report.step_mean
+    low_waiters({job: v for job, v in comm.items() if len(v) > 1 and job not in quiet_jobs}, from_traces)
     for job, by_rank in steps.items():
-        if len(by_rank) < 2 or job in hung_jobs:
+        if len(by_rank) < 2 or job in quiet_jobs:
             continue
         for rank, step in by_rank.items():
             median = _median_others(by_rank, rank)
-            if median > 0 and step > cfg.straggler_ratio * median:
-                found.add((job, rank))
+            if median > 0 and step > cfg.straggler_ratio * median and (job, rank) not in found:
                 out.append(Finding(
                     "straggler", job, rank, "warning",
                     f"rank {rank} is the straggler: its traced step takes {step * 1e3:.0f} ms, "
                     f"{step / median:.1f}x the other ranks' median ({median * 1e3:.0f} ms)",
-                    {"step_seconds": step, "others_median_seconds": median, "steps": dict(by_rank),
-                     "threshold_ratio": cfg.straggler_ratio},
-                ))
-    collective: dict[str, dict[str, RankShares]] = {}
-    for r in shares:
-        if r.total >= cfg.min_samples:
-            collective.setdefault(r.job_id, {})[r.rank] = r
-    for job, by_rank in collective.items():
-        if len(by_rank) < 2 or job in hung_jobs:
-            continue
-        in_coll = {rank: r.share("collective") for rank, r in by_rank.items()}
-        for rank, share in in_coll.items():
-            median = _median_others(in_coll, rank)
-            if median - share > cfg.straggler_share and (job, rank) not in found:
-                cat, cat_share = by_rank[rank].top()
-                out.append(Finding(
-                    "straggler", job, rank, "warning",
-                    f"rank {rank} is the straggler: the others spend {median:.0%} of their time waiting "
-                    f"in collectives, it spends {share:.0%}; its main thread is mostly in {cat} ({cat_share:.0%})",
-                    {"collective_share": round(share, 3), "others_median_collective_share": round(median, 3),
-                     "shares": {k: round(v, 3) for k, v in in_coll.items()}, "busiest_category": cat,
-                     "top_functions": _functions(by_rank[rank]), "threshold": cfg.straggler_share},
+                    {"signal": "trace_steps", "step_seconds": step, "others_median_seconds": median,
+                     "steps": dict(by_rank), "threshold_ratio": cfg.straggler_ratio},
                 ))
     return out

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from profagent.analysis.findings import SEVERITIES, Finding, FindingsSnapshot
-from profagent.analysis.findings.bound import RankShares, bound, straggler
+from profagent.analysis.findings.bound import RankShares, bound, straggler, warmed_up
 from profagent.analysis.findings.gpu import gpu_errors, gpu_idle, gpu_throttled
 from profagent.analysis.findings.hang import hang
 from profagent.analysis.findings.history import CountsWindow, MemorySeries
@@ -25,6 +25,8 @@ class Evaluator:
         self.config = config
         self._seen: dict[str, Any] = {}  # source -> the snapshot already folded into histories
         self._shares: dict[tuple[str, str], CountsWindow] = {}
+        self._waits: dict[tuple[str, str], CountsWindow] = {}  # judged samples and collective waits
+        self._evaluations = 0
         self._functions: dict[tuple[str, str], tuple[tuple[str, int], ...]] = {}
         self._memory: dict[tuple[str, str, str], MemorySeries] = {}
         self._errors: dict[tuple[int, str], CountsWindow] = {}  # (gpu, uuid) -> error counters
@@ -47,6 +49,9 @@ class Evaluator:
                     key = (g.job_id or stacks.job_id, g.rank)
                     self._shares.setdefault(key, CountsWindow(cfg.window_seconds)).add(now, dict(g.categories))
                     self._functions[key] = g.functions
+                    if g.judged:  # from the first judged window on: warm-up is measured from there
+                        self._waits.setdefault(key, CountsWindow(cfg.window_seconds)).add(
+                            now, {"judged": g.judged, "waits": g.collective_wait})
         if self._new("host", host):
             for g in host.groups:
                 if g.role not in (MAIN, DATALOADER) or not g.processes:
@@ -69,10 +74,14 @@ class Evaluator:
         self._memory.setdefault(key, MemorySeries(self.config.leak_window_seconds)).add(now, value)
 
     def _rank_shares(self, now: float) -> list[RankShares]:
-        return [
-            RankShares(job, rank, w.delta(), now - (w.first_seen or now), self._functions.get((job, rank), ()))
-            for (job, rank), w in sorted(self._shares.items())
-        ]
+        out = []
+        for (job, rank), w in sorted(self._shares.items()):
+            waits = self._waits.get((job, rank))
+            delta = waits.delta() if waits is not None else {}
+            judged_for = now - waits.first_seen if waits is not None and waits.first_seen is not None else 0.0
+            out.append(RankShares(job, rank, w.delta(), now - (w.first_seen or now), self._functions.get((job, rank), ()),
+                                  delta.get("judged", 0), delta.get("waits", 0.0), judged_for))
+        return out
 
     def _memory_inputs(self, snapshots: Mapping[str, Any]) -> list[MemoryInput]:
         host, gpu = snapshots.get("host"), snapshots.get("gpu")
@@ -97,6 +106,7 @@ class Evaluator:
         if stacks is not None:
             live = {(g.job_id or stacks.job_id, g.rank) for g in stacks.groups}
             self._shares = {k: v for k, v in self._shares.items() if k in live}
+            self._waits = {k: v for k, v in self._waits.items() if k in live}
         if host is not None or gpu is not None:
             live_mem = {(g.job_id, g.rank, f"host:{g.role}") for g in (host.groups if host else ())}
             live_mem |= {(p.job_id or gpu.job_id, p.rank, f"gpu:{p.gpu}") for p in (gpu.processes if gpu else ())}
@@ -117,12 +127,15 @@ class Evaluator:
                 break
 
         found: list[Finding] = []
+        suspected: set[str] = set()
         if stacks is not None:
-            for job in sorted({s.job_id or stacks.job_id for s in stacks.stalls}):
-                stalls = [_stall_with_job(s, stacks.job_id) for s in stacks.stalls]
+            stalls = [_stall_with_job(s, stacks.job_id) for s in stacks.stalls]
+            for job in sorted({s.job_id for s in stalls}):
                 found += hang(stalls, job)
+            suspected = {s.job_id for s in stalls if s.suspected or s.stalled}
         hung = frozenset(f.job_id for f in found if f.finding == "hang")
-        found += straggler(shares, rank_traces, cfg, hung)
+        # a rank whose stack stands still may be hanging: no straggler then (it waits least)
+        found += straggler(shares, rank_traces, cfg, hung | suspected)
         found += bound(shares, rank_traces, cfg)
         found += memory_leak(self._memory_inputs(snapshots), cfg)
         held: list[Finding] = []
@@ -133,7 +146,9 @@ class Evaluator:
             errors = {index: w.delta() for (index, _), w in self._errors.items()}
             found += gpu_errors(gpu, errors)
         found += self._hold(held, cfg.gpu_idle_seconds, now)
-        return FindingsSnapshot(self._stamp(found, now), now)
+        self._evaluations += 1
+        waits = tuple((s.job_id, s.rank, round(s.wait_share, 4)) for s in shares if warmed_up(s, cfg))
+        return FindingsSnapshot(self._stamp(found, now), now, waits, self._evaluations)
 
     def _hold(self, candidates: list[Finding], seconds: float, now: float) -> list[Finding]:
         """Findings whose evidence has lasted ``seconds``; ``since`` is when it began."""

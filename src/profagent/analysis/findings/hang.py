@@ -1,10 +1,13 @@
-"""``hang``: stalled ranks, and the rank that holds the others up.
+"""``hang``: stalled ranks, and the rank that holds the others up. One finding per job.
 
-Input: each rank's ``RankStall`` from the stacks source (stalled or not, and the main
-thread's current stack, root first). In a collective every rank must arrive: ranks whose
-stack is inside ``torch/distributed`` wait; a rank that is not there is the culprit. When
-every rank this agent sees waits in the same collective, the rank holding them up is
-elsewhere (another node) or the network is stuck.
+Input: each rank's ``RankStall`` from the stacks source (stalled or not, the main thread's
+current stack, and the same stack with native frames when a native window caught it).
+In a collective every rank must arrive: a rank whose stack is in the collective layer
+(Python ``torch.distributed``, or native frames: DDP's reducer, ``Work::wait``, gloo,
+NCCL; see analysis/collectives.py) is a victim; a rank that is not is the culprit.
+When every rank this agent sees waits in the same collective, the rank holding them up
+is elsewhere (another node) or the network is stuck; in different collectives, the
+ranks took different paths (a collective mismatch).
 """
 
 from __future__ import annotations
@@ -12,92 +15,104 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from profagent.analysis.collectives import CollectiveWait, collective_wait, python_frames
 from profagent.analysis.findings import Finding
 from profagent.analysis.stacks import Frame
 
-_COLLECTIVE_FILES = ("torch/distributed/",)
 STACK_EVIDENCE_FRAMES = 12  # innermost frames kept per rank in the evidence
 
 
-def _in_collective(frames: Sequence[Frame]) -> bool:
-    return any(any(p in f.file for p in _COLLECTIVE_FILES) for f in frames)
-
-
-def collective_call(frames: Sequence[Frame]) -> tuple[Frame | None, Frame | None]:
-    """(the innermost torch.distributed frame, the frame that called into torch.distributed)."""
-    first = next((i for i, f in enumerate(frames) if any(p in f.file for p in _COLLECTIVE_FILES)), None)
-    if first is None:
-        return None, None
-    inner = next(f for f in reversed(frames) if any(p in f.file for p in _COLLECTIVE_FILES))
-    return inner, frames[first - 1] if first > 0 else None
-
-
 def _where(f: Frame | None) -> str:
-    return "?" if f is None else f"{f.name} ({f.file}:{f.line})"
+    return "?" if f is None else str(f)
 
 
 def _stack_lines(frames: Sequence[Frame]) -> list[str]:
     return [str(f) for f in frames[-STACK_EVIDENCE_FRAMES:]]
 
 
-def _ranks(ranks: Iterable[str]) -> str:
-    items = sorted(ranks, key=lambda r: (len(r), r))
-    return ("rank " if len(items) == 1 else "ranks ") + ", ".join(items)
+def _order(ranks: Iterable[str]) -> list[str]:
+    return sorted(ranks, key=lambda r: (len(r), r))
+
+
+def _ranks(ranks: Iterable[str], verb: tuple[str, str] = ("", "")) -> str:
+    """"rank 0 waits" / "ranks 0, 2 wait" (verb = (singular, plural))."""
+    items = _order(ranks)
+    one = len(items) == 1
+    text = ("rank " if one else "ranks ") + ", ".join(items)
+    return f"{text} {verb[0] if one else verb[1]}" if verb[0] else text
+
+
+def _in(w: CollectiveWait | None) -> str:
+    if w is None:
+        return "?"
+    return w.describe() + (f" called at {w.called_at}" if w.called_at is not None else "")
+
+
+def _here(s: Any) -> Frame | None:
+    python = python_frames(s.frames)
+    return python[-1] if python else (s.frames[-1] if s.frames else None)
 
 
 def hang(stalls: Iterable[Any], job_id: str) -> list[Finding]:
-    """Findings of one job from its ranks' ``RankStall`` (rank, stalled, unchanged_seconds, frames)."""
-    rows = [s for s in stalls if s.job_id == job_id and s.frames]
+    """The job's ``hang`` finding (at most one) from its ranks' ``RankStall``."""
+    rows = sorted((s for s in stalls if s.job_id == job_id and s.frames), key=lambda s: (len(s.rank), s.rank))
     stalled = [s for s in rows if s.stalled]
     if not stalled:
         return []
-    waiting = [s for s in rows if _in_collective(s.frames)]
-    stalled_waiting = [s for s in waiting if s.stalled]
-    stacks = {s.rank: _stack_lines(s.frames) for s in rows}
+    waits = {s.rank: collective_wait(s.native or s.frames) for s in rows}
+    if any(s.native_pending and not s.native and waits[s.rank] is None for s in stalled):
+        return []  # its native frames are on their way: they may show a collective in C++
+    waiting = [s for s in rows if waits[s.rank] is not None]
+    culprits = [s for s in rows if waits[s.rank] is None]
     seconds = max(s.unchanged_seconds for s in stalled)
+    roles = {s.rank: {
+        "role": "waiting" if waits[s.rank] else "culprit", "stalled": s.stalled,
+        "at": _where(_here(s)), "collective": _in(waits[s.rank]) if waits[s.rank] else None,
+        "native_frames": bool(s.native),
+    } for s in rows}
     evidence: dict[str, Any] = {
-        "stalled_ranks": sorted((s.rank for s in stalled), key=lambda r: (len(r), r)),
+        "stalled_ranks": _order(s.rank for s in stalled),
         "unchanged_seconds": round(seconds, 1),
-        "stacks": stacks,
+        "roles": roles,
+        "waiting_ranks": _order(s.rank for s in waiting),
+        "culprit_ranks": _order(s.rank for s in culprits),
+        "stacks": {s.rank: _stack_lines(s.native or s.frames) for s in rows},
     }
-    if not stalled_waiting:  # stalled outside any collective: each rank on its own
-        return [Finding(
-            "hang", job_id, s.rank, "critical",
-            f"rank {s.rank} is stuck at {_where(s.frames[-1])} (stack unchanged for {s.unchanged_seconds:.0f} s, "
-            "not in a collective): a deadlock, a blocking read or an endless loop",
-            {**evidence, "culprit_ranks": [s.rank], "location": _where(s.frames[-1])},
-        ) for s in stalled]
+    if waiting:
+        first = waits[next((s for s in waiting if s.stalled), waiting[0]).rank]
+        evidence["collective"] = first.describe() if first else "?"
+        evidence["called_at"] = _where(first.called_at if first else None)
+        evidence["collectives"] = {s.rank: _in(waits[s.rank]) for s in waiting}
 
-    calls = {s.rank: collective_call(s.frames) for s in waiting}
-    collective, caller = calls[stalled_waiting[0].rank]
-    culprits = [s for s in rows if not _in_collective(s.frames)]
-    evidence.update({
-        "waiting_ranks": sorted((s.rank for s in waiting), key=lambda r: (len(r), r)),
-        "collective": _where(collective),
-        "called_at": _where(caller),
-    })
+    def finding(rank: str | None, diagnosis: str, summary: str) -> list[Finding]:
+        return [Finding("hang", job_id, rank, "critical", summary, {**evidence, "diagnosis": diagnosis})]
+
+    # a rank standing still in a collective (stalled, or for a whole window) waits for the
+    # culprit even before its own stall_seconds are over
+    if not any(waits[s.rank] and (s.stalled or s.suspected) for s in rows):  # stuck outside any collective
+        stuck = stalled
+        for key in ("collective", "called_at", "collectives"):
+            evidence.pop(key, None)
+        evidence["waiting_ranks"] = []
+        evidence["culprit_ranks"] = _order(s.rank for s in stuck)
+        evidence["culprit_locations"] = {s.rank: _where(_here(s)) for s in stuck}
+        at = "; ".join(f"rank {s.rank} at {_where(_here(s))}" for s in stuck)
+        return finding(stuck[0].rank if len(stuck) == 1 else None, "stuck",
+                       f"{_ranks((s.rank for s in stuck), ('is', 'are'))} stuck, not in a collective "
+                       f"(stack unchanged for {seconds:.0f} s): {at}: a deadlock, a blocking read or an endless loop")
     if culprits:
-        parts = "; ".join(f"rank {c.rank} at {_where(c.frames[-1])}" for c in culprits)
-        evidence["culprit_ranks"] = [c.rank for c in culprits]
-        evidence["culprit_locations"] = {c.rank: _where(c.frames[-1]) for c in culprits}
-        return [Finding(
-            "hang", job_id, culprits[0].rank if len(culprits) == 1 else None, "critical",
-            f"{_ranks(s.rank for s in waiting)} wait in {_where(collective)} for {seconds:.0f} s; "
-            f"the culprit is not in it: {parts}",
-            evidence,
-        )]
-    distinct = {(_where(c), _where(k)) for c, k in calls.values()}
+        evidence["culprit_locations"] = {c.rank: _where(_here(c)) for c in culprits}
+        at = "; ".join(f"rank {c.rank} at {_where(_here(c))}" for c in culprits)
+        victims = "; ".join(f"{_ranks([s.rank], ('waits', 'wait'))} in {_in(waits[s.rank])}" for s in waiting)
+        return finding(culprits[0].rank if len(culprits) == 1 else None, "culprit",
+                       f"{_ranks((c.rank for c in culprits), ('holds', 'hold'))} the job up, not in a collective: {at}. "
+                       f"The others wait for {seconds:.0f} s: {victims}")
+    distinct = {_in(w) for w in waits.values()}
     if len(distinct) == 1:
-        return [Finding(
-            "hang", job_id, None, "critical",
-            f"every rank seen here ({', '.join(evidence['waiting_ranks'])}) waits in {_where(collective)} "
-            f"called at {_where(caller)} for {seconds:.0f} s: the rank holding it up is on another node, "
-            "or the network is stuck",
-            {**evidence, "culprit_ranks": []},
-        )]
-    per_rank = "; ".join(f"rank {r} in {_where(c)} called at {_where(k)}" for r, (c, k) in sorted(calls.items()))
-    return [Finding(
-        "hang", job_id, None, "critical",
-        f"ranks wait in different collectives for {seconds:.0f} s (mismatched collective order): {per_rank}",
-        {**evidence, "culprit_ranks": [], "collectives": {r: _where(c) for r, (c, _) in calls.items()}},
-    )]
+        return finding(None, "all_waiting",
+                       f"every rank seen here ({', '.join(evidence['waiting_ranks'])}) waits in {_in(first)} "
+                       f"for {seconds:.0f} s: the rank holding it up is on another node, or the network is stuck")
+    per_rank = "; ".join(f"rank {s.rank} waits in {_in(waits[s.rank])}" for s in waiting)
+    return finding(None, "collective_mismatch",
+                   f"collective mismatch for {seconds:.0f} s: the ranks wait in different collectives, "
+                   f"a collective skipped or reordered on some ranks: {per_rank}")

@@ -1,4 +1,5 @@
-"""Findings families: ``profagent_finding{job_id,rank,finding,severity}`` = 1 while active."""
+"""Findings families: ``profagent_finding{job_id,rank,finding,severity}`` = 1 while active,
+and each rank's collective-wait share (``profagent_collective_wait_ratio``)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,12 @@ def render(snap: FindingsSnapshot, out: Families) -> None:
     for f in snap.findings:
         active.add_metric([f.job_id, f.rank or "", f.finding, f.severity], 1)
         since.add_metric([f.job_id, f.rank or "", f.finding], f.since)
+    waits = out.gauge(
+        "profagent_collective_wait_ratio",
+        "Share of the rank's main-thread time spent waiting in collectives over findings.window_seconds "
+        "(Python torch.distributed frames and native ones: DDP's reducer, Work::wait, gloo, NCCL); absent "
+        "during warm-up. The rank far below its job's median is the one the others wait for",
+        ("job_id", "rank"),
+    )
+    for job, rank, share in snap.wait_shares:
+        waits.add_metric([job, rank], share)

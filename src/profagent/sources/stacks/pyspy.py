@@ -155,14 +155,18 @@ def spawn(args: Sequence[str], stderr_path: Path | None = None, stdout_path: Pat
 
 
 def record_args(
-    binary: str, pid: int, seconds: float, rate: int, fmt: str, output: Path, nonblocking: bool, idle: bool = True
+    binary: str, pid: int, seconds: float, rate: int, fmt: str, output: Path, nonblocking: bool, idle: bool = True,
+    native: bool = False,
 ) -> list[str]:
-    """``idle``: keep samples of threads that wait (the agent needs them to see a hang)."""
+    """``idle``: keep samples of threads that wait (the agent needs them to see a hang).
+    ``native``: add C/C++ frames; py-spy then has to pause the target at each sample."""
     args = [binary, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))),
             "--rate", str(rate), "--format", fmt, "--output", str(output), "--threads"]
     if idle:
         args.append("--idle")
-    if nonblocking:
+    if native:
+        args.append("--native")
+    elif nonblocking:
         args.append("--nonblocking")
     return args
 
@@ -204,6 +208,10 @@ def failure_reason(stderr: str, pid: int, born: int | None = None, proc_root: Pa
     # a non-blocking read raced the target rewriting its frames: common in an interpreter
     # still starting up ("Failed to copy PyCodeObject ... Bad address"); the next read is fine
     if "Failed to get stack traces" in stderr or "Bad address (os error 14)" in stderr:
+        return "torn_read"
+    # an interpreter being torn down (a rank exiting) or not set up yet: py-spy cannot find it
+    # in the .data section; read again at once, and the process is usually gone by then
+    if "Failed to find a python interpreter" in stderr:
         return "torn_read"
     return "pyspy_failed"
 

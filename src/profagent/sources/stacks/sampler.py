@@ -65,6 +65,7 @@ class PySpyChild:
     wall_start: float
     stopped_before: bool = False  # in state T before py-spy started: not ours to SIGCONT
     born: int | None = None  # the target's start time (clock ticks): tells a reused PID
+    native: bool = False  # a blocking --native window
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class Result:
     states: dict[tuple[str, str], int] = field(default_factory=dict)  # (state, gil) -> threads
     error: str = ""  # bounded reason, "" when fine
     detail: str = ""
+    native: bool = False  # a record window with native frames (py-spy --native)
 
 
 class Sampler:
@@ -108,6 +110,7 @@ class Sampler:
         self._deferred: set[tuple[str, int]] = set()  # due, waiting for a slot under max_pyspy
         self._results: list[Result] = []
         self._seq = 0
+        self._native: set[int] = set()  # pids whose next record window is native
 
     def start(self) -> None:
         me = psutil.Process()
@@ -139,6 +142,11 @@ class Sampler:
         with self._lock:
             self._pace = dict(pace)
 
+    def request_native(self, pid: int) -> None:
+        """Make the next record window of ``pid`` a native one (C/C++ frames too)."""
+        with self._lock:
+            self._native.add(pid)
+
     def drain(self) -> list[Result]:
         """Results finished since the last call, oldest first."""
         with self._lock:
@@ -160,8 +168,8 @@ class Sampler:
                 children = list(self._children.values())
                 self._children.clear()
             pyspy.stop_all([j.proc for j in children])
-            if not self.config.nonblocking:
-                for j in children:
+            for j in children:
+                if j.native or not self.config.nonblocking:
                     pyspy.resume_if_stopped(j.pid, j.stopped_before)
 
     def _step(self) -> None:
@@ -201,6 +209,8 @@ class Sampler:
                 del table[key]
         self._deferred = {k for k in self._deferred if k[1] in wanted}
         with self._lock:
+            self._native &= set(wanted)  # a native window asked of a process no longer sampled
+        with self._lock:
             self._children = children
             self._results.extend(done)
             del self._results[:-MAX_PENDING]  # nobody drains while the target is gone
@@ -213,8 +223,13 @@ class Sampler:
         with self._lock:
             rate, window_seconds = self._pace.get(pid, (self.config.rate, self.config.window))
         window = max(1, round(window_seconds))
+        native = False
         if kind == "record":
-            args = pyspy.record_args(self._binary, pid, window, rate, "raw", out, self.config.nonblocking)
+            with self._lock:
+                native = pid in self._native
+                self._native.discard(pid)
+            args = pyspy.record_args(self._binary, pid, window, rate, "raw", out, self.config.nonblocking,
+                                     native=native)
         else:
             args = pyspy.dump_args(self._binary, pid, True)  # states need no consistent stack
             self._next[(kind, pid)] = now + max(window, STATE_EVERY)
@@ -225,21 +240,29 @@ class Sampler:
         except OSError as exc:
             self._next[(kind, pid)] = now + RETRY_AFTER
             with self._lock:
-                self._results.append(Result(kind, pid, rank, role, now, now, self._wall(), error="spawn", detail=str(exc)))
+                self._results.append(Result(kind, pid, rank, role, now, now, self._wall(), error="spawn", detail=str(exc),
+                                            native=native))
             return None
-        return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall(), stopped_before, born)
+        return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall(), stopped_before, born, native)
 
     def _harvest(self, child: PySpyChild, now: float) -> list[Result]:
         text = _read(child.out)
         stderr = _read(child.err)
         for path in (child.out, child.err):
             path.unlink(missing_ok=True)
-        base = dict(kind=child.kind, pid=child.pid, rank=child.rank, role=child.role, start=child.start, end=now, wall_end=self._wall())
+        base = dict(kind=child.kind, pid=child.pid, rank=child.rank, role=child.role, start=child.start, end=now,
+                    wall_end=self._wall(), native=child.native)
         extra = []
-        if not self.config.nonblocking and pyspy.resume_if_stopped(child.pid, child.stopped_before):
+        if (child.native or not self.config.nonblocking) and pyspy.resume_if_stopped(child.pid, child.stopped_before):
             detail = f"PID {child.pid} was left stopped after a blocking py-spy sample: resumed it with SIGCONT"
             extra.append(Result(**base, error="target_resumed", detail=detail))
         key = (child.kind, child.pid)
+        if child.proc.returncode != 0 and not text.strip() and child.native:
+            # a native window that failed (no symbols, unwinding refused): plain windows go on at once
+            reason = pyspy.failure_reason(stderr, child.pid)
+            self._next[key] = now
+            return [*extra, Result(**base, error="target_gone" if reason == "target_gone" else "native_failed",
+                                   detail=pyspy.first_line(stderr))]
         if child.proc.returncode != 0 and not text.strip():
             reason = pyspy.failure_reason(stderr, child.pid, child.born)
             fails = self._fails[key] = self._fails.get(key, 0) + 1

@@ -12,6 +12,7 @@ py-spy run happens on a scrape. A bounded ring of folded stacks per rank feeds
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -19,6 +20,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from profagent.analysis.collectives import (
+    WaitRatios,
+    moving,
+    native_waits,
+    python_frames,
+    python_only,
+)
 from profagent.analysis.stacks import (
     CATEGORIES,
     Frame,
@@ -56,6 +64,10 @@ class StackGroup:
     functions: tuple[tuple[str, int], ...]
     threads: tuple[tuple[str, str, int], ...]  # (state, gil, count)
     job_id: str = ""
+    # main-thread samples judged for collective waits (those taken once a native window has
+    # taught the rank's wait ratios), and how many of them waited in a collective
+    judged: int = 0
+    collective_wait: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,11 @@ class RankStall:
     unchanged_seconds: float
     job_id: str = ""
     frames: tuple[Frame, ...] = ()
+    # the stack has not moved for a whole window: a stall may be starting
+    suspected: bool = False
+    # the same stack with its native frames, from a native window taken while it stood still
+    native: tuple[Frame, ...] = ()
+    native_pending: bool = False  # a native window of this stack is asked for and not back yet
 
 
 @dataclass(frozen=True)
@@ -118,6 +135,14 @@ class StacksSource:
         self._threads: dict[tuple[str, str, str], dict[tuple[str, str], int]] = {}
         self._stalls: dict[tuple[str, str], StallTracker] = {}
         self._stall_state: dict[tuple[str, str], tuple[bool, float, tuple[Frame, ...]]] = {}
+        # collective waits, per (job_id, rank): see analysis/collectives.WaitRatios
+        self._ratios: dict[tuple[str, str], WaitRatios] = {}
+        self._judged: dict[tuple[str, str], tuple[int, float]] = {}  # cumulative (samples, waits)
+        self._last_native: dict[tuple[str, str], float] = {}  # clock of the last native request
+        self._native_pending: dict[tuple[str, str], tuple[int, float]] = {}  # -> (pid, asked at)
+        self._native_stack: dict[tuple[str, str], NativeLook] = {}  # the last native window's main stack
+        self._steady: dict[tuple[str, str], bool] = {}  # the rank's last window was steady
+        self._mains: dict[tuple[str, str], int] = {}  # (job_id, rank) -> pid of its main process
         self._errors: dict[tuple[str, str], int] = {}  # (job_id, reason) -> failed py-spy runs
         self._log_once = LogOnce(log)
         # ring: (job_id, rank) -> deque of (wall_end, {folded line: count}, bytes)
@@ -157,7 +182,8 @@ class StacksSource:
     def _forget_ended_jobs(self, tree: ProcessTree) -> None:
         """A job that left the tree (watch mode, after its grace) takes its series along."""
         live = set(tree.job_status())
-        for table in (self._categories, self._topk, self._threads, self._stalls, self._stall_state):
+        for table in (self._categories, self._topk, self._threads, self._stalls, self._stall_state, self._ratios,
+                      self._judged, self._last_native, self._native_stack, self._steady, self._native_pending):
             for key in [k for k in table if k[0] not in live]:
                 del table[key]
         # errors of no job ("": the sampler itself failed) are the agent's: they stay
@@ -181,6 +207,7 @@ class StacksSource:
             if problem:
                 self._fatal = problem
                 raise SourceUnavailable(problem, reason="unsupported_python")
+        self._mains = {(p.job_id, p.rank): p.pid for p in tree.processes if p.role == ROLE_MAIN and p.pid in wanted}
         self._checked &= set(wanted)
         self._readable &= set(wanted)
         self._windowed &= set(wanted)
@@ -224,6 +251,8 @@ class StacksSource:
     def _fold(self, r: Result) -> None:
         group = (self._job(r.pid), r.rank, r.role)
         if r.error:
+            if r.native:
+                self._native_pending.pop(group[:2], None)
             self._error(r)
             return
         self._readable.add(r.pid)
@@ -235,11 +264,16 @@ class StacksSource:
                 self._count_main(group, list(r.samples), r.end - r.start)
             return
         self._windowed.add(r.pid)
+        native_main = [s for s in r.samples if s.main] if r.native else []
+        if r.native:  # from here on a native window is a plain one; its native frames served below
+            r = dataclasses.replace(r, samples=tuple(python_only(s) for s in r.samples))
         main = [s for s in r.samples if s.main]
         self._count_main(group, main, r.end - r.start)
         self._remember(r)
         if r.role == ROLE_MAIN:
+            self._count_waits(group[:2], main, native_main if r.native else None)
             self._check_stall(r, main)
+            self._ask_native(r.pid, group[:2], main)
 
     def _count_main(self, group: tuple[str, str, str], main: list[Sample], seconds: float) -> None:
         """Main-thread samples into the category counters and the top-K leaf functions."""
@@ -284,6 +318,68 @@ class StacksSource:
         elif was and not status.stalled:
             log.info("rank %s is moving again", r.rank)
 
+    def _count_waits(self, key: tuple[str, str], main: list[Sample], native_main: list[Sample] | None) -> None:
+        """Judged samples and collective waits of one main-thread window (see docs/stacks.md)."""
+        ratios = self._ratios.setdefault(key, WaitRatios())
+        if native_main is not None:
+            self._native_pending.pop(key, None)
+            if not _steady(main):
+                log.debug("stacks: rank %s: native window during start-up, not learned", key[1])
+                return  # a window of start-up (imports) teaches nothing about the rank's waits
+            ratios.learn(native_main)
+            log.debug("stacks: rank %s: native window learned %d stacks", key[1], len(native_main))
+            waits = float(native_waits(native_main))
+            if native_main:
+                top = _dominant(native_main)
+                self._native_stack[key] = NativeLook(python_frames(top), top, moving(native_main), self._clock())
+        elif ratios.learned:
+            waits = ratios.waits(main)
+        else:
+            return  # not judged before a native window has said what the rank's waits look like
+        judged, total = self._judged.get(key, (0, 0.0))
+        self._judged[key] = (judged + sum(s.count for s in main), total + waits)
+
+    def _ask_native(self, pid: int, key: tuple[str, str], main: list[Sample]) -> None:
+        """Ask for a native window when the stack stands still (a stall may start: is it a
+        collective?) and, once the rank's stacks are steady, every native_every_seconds."""
+        cfg = self.config
+        self._steady[key] = _steady(main)
+        now = self._clock()
+        asked = self._native_pending.get(key)
+        # an answer that cannot come: asked of another process (torchrun's launcher, seen as
+        # rank 0 before it started the ranks; a restarted rank), or lost
+        if asked is not None and (asked[0] != pid or now - asked[1] > max(30.0, 10 * cfg.window)):
+            del self._native_pending[key]
+            self._last_native.pop(key, None)  # never answered: ask again
+        if not cfg.native or self._sampler is None or key in self._native_pending or not main:
+            return
+        last = self._last_native.get(key)
+        stall = self._stall_state.get(key)
+        look = self._native_stack.get(key)
+        # a stack standing still: look at its native frames, and again every half stall_seconds
+        # (a rank computing for long in one C++ call may stop there later)
+        standing = stall is not None and stall[1] > 0 and (
+            look is None or look.python != stall[2] or now - look.at >= cfg.stall_seconds / 2)
+        retried_soon = last is not None and now - last < max(cfg.window, 1.0) * 2
+        if standing and not retried_soon:
+            self._native(key, pid, now)
+        elif cfg.native_every_seconds > 0 and self._steady[key] and (
+                last is None or now - last >= cfg.native_every_seconds):
+            # every steady rank of the job at once: a native window slows the rank it samples
+            # (py-spy pauses it at each sample), so a rank sampled alone would wait less then
+            ranks = {k: p for k, p in self._mains.items() if k[0] == key[0]}
+            ranks[key] = pid
+            for other, other_pid in ranks.items():
+                if self._steady.get(other) and other not in self._native_pending:
+                    self._native(other, other_pid, now)
+
+    def _native(self, key: tuple[str, str], pid: int, now: float) -> None:
+        assert self._sampler is not None
+        log.debug("stacks: rank %s: native window asked for", key[1])
+        self._last_native[key] = now
+        self._native_pending[key] = (pid, now)
+        self._sampler.request_native(pid)
+
     def _remember(self, r: Result) -> None:
         lines: dict[str, int] = {}
         prefix = "" if r.role == ROLE_MAIN else f"{r.role} worker;"
@@ -307,17 +403,28 @@ class StacksSource:
             cats = self._categories.get(group, {})
             topk = self._topk.get(group)
             threads = self._threads.get(group, {})
+            judged, waits = self._judged.get(group[:2], (0, 0.0)) if group[2] == ROLE_MAIN else (0, 0.0)
             groups.append(StackGroup(
                 group[1], group[2],
                 tuple(cats.items()),
                 tuple(topk.series()) if topk else (),
                 tuple((state, gil, n) for (state, gil), n in sorted(threads.items())),
-                job_id=group[0],
+                job_id=group[0], judged=judged, collective_wait=waits,
             ))
-        stalls = tuple(RankStall(rank, s, u, job, frames)
-                       for (job, rank), (s, u, frames) in sorted(self._stall_state.items()))
+        stalls = tuple(self._rank_stall(key, *state) for key, state in sorted(self._stall_state.items()))
         errors = tuple((job, reason, n) for (job, reason), n in sorted(self._errors.items()))
         return StacksSnapshot(job_id, tuple(groups), stalls, errors)
+
+    def _rank_stall(self, key: tuple[str, str], stalled: bool, unchanged: float,
+                    frames: tuple[Frame, ...]) -> RankStall:
+        look = self._native_stack.get(key)
+        same = look is not None and bool(frames) and look.python == frames
+        # native frames that moved (outside any collective) since this stack stood still: the
+        # rank computes in one long C++ call (a slow backward), it is not stuck
+        moving = same and look.moving and look.at >= self._clock() - unchanged
+        return RankStall(key[1], stalled and not moving, unchanged, key[0], frames,
+                         suspected=unchanged > 0 and not moving, native=look.frames if same else (),
+                         native_pending=key in self._native_pending)
 
     # -- /api/stacks ----------------------------------------------------------------------------
     def ranks(self) -> list[tuple[str, str]]:
@@ -369,6 +476,23 @@ def _dominant(main: list[Sample]) -> tuple[Frame, ...]:
         counts[s.folded] = counts.get(s.folded, 0) + s.count
         frames[s.folded] = s.frames
     return frames[max(counts, key=lambda k: (counts[k], k))] if counts else ()
+
+
+@dataclass(frozen=True)
+class NativeLook:
+    """What a native window saw of a rank's main thread: its most sampled stack (with and
+    without native frames), whether the thread moved, and when (clock)."""
+
+    python: tuple[Frame, ...]
+    frames: tuple[Frame, ...]
+    moving: bool
+    at: float
+
+
+def _steady(main: list[Sample]) -> bool:
+    """A window of a rank past its start-up: no import, no torch.compile compiling."""
+    return bool(main) and not any(
+        classify(s.frames) == "compile" or any(f.file.startswith("<frozen importlib") for f in s.frames) for s in main)
 
 
 def stacks_route(sources: Callable[[], list[StacksSource]]) -> Callable[[dict[str, list[str]]], tuple[int, str, bytes]]:

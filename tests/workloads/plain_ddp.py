@@ -1,0 +1,122 @@
+"""A CPU training job (gloo) written the way users write it, for the collective findings:
+plain DDP (``ddp``) or FSDP2 (``fsdp``, ``torch.distributed.fsdp.fully_shard``), with no
+Python-level collective in the loop: ranks meet only inside forward/backward (DDP's C++
+reducer, FSDP2's hooks).
+
+usage: PLAIN_DDP_LOG=DIR torchrun --nproc-per-node N plain_ddp.py MODE [ddp|fsdp]
+(positional only: torchrun's own parser would take an abbreviated --option)
+MODE: healthy (every rank at the same pace) or straggler (rank PLAIN_DDP_SLOW_RANK does
+twice the compute of the others each step).
+
+An event, at a step both ranks reach (so every rank takes it at the same step), given by
+PLAIN_DDP_EVENT="KIND:STEP" or, once it exists, by the file PLAIN_DDP_TRIGGER holding it:
+  hang:S      rank 1 sleeps before its forward of step S (the others wait in backward, or
+              in FSDP2's all_gather);
+  mismatch:S  rank 0 enters all_reduce, the other ranks broadcast: they never meet.
+
+Ground truth goes to DIR/rank<R>.jsonl (one JSON object a line): {"event": "ready",
+"repeat"}, {"event": "step", "step", "seconds"} and {"event": "hang"|"mismatch", "file",
+"line", "collective"}. Every rank is bounded (lifeline.bound).
+"""
+
+import argparse
+import inspect
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from lifeline import bound
+
+MAX_SECONDS = int(os.environ.get("PLAIN_DDP_MAX_SECONDS", "400"))
+SLOW_RANK = int(os.environ.get("PLAIN_DDP_SLOW_RANK", "1"))
+WORK = 6  # matmuls per forward; the straggler does 2 x WORK
+
+parser = argparse.ArgumentParser()
+parser.add_argument("mode", choices=["healthy", "straggler"])
+parser.add_argument("wrap", nargs="?", choices=["ddp", "fsdp"], default="ddp")
+args = parser.parse_args()
+LOG_DIR = os.environ.get("PLAIN_DDP_LOG", ".")
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, repeat: int) -> torch.Tensor:
+        for _ in range(repeat):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+        return x.sum()
+
+
+def here() -> int:
+    return inspect.currentframe().f_back.f_lineno
+
+
+class Event:
+    """The event to take and its step, from PLAIN_DDP_EVENT or the trigger file (read once)."""
+
+    def __init__(self) -> None:
+        self.trigger = os.environ.get("PLAIN_DDP_TRIGGER", "")
+        self.spec = os.environ.get("PLAIN_DDP_EVENT", "")
+
+    def at(self, step: int) -> str:
+        if not self.spec and self.trigger and os.path.exists(self.trigger):
+            with open(self.trigger) as fh:
+                self.spec = fh.read().strip()
+        kind, _, when = self.spec.partition(":")
+        return kind if when.isdigit() and int(when) == step else ""
+
+
+def main() -> None:
+    bound(MAX_SECONDS)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    log = open(os.path.join(LOG_DIR, f"rank{rank}.jsonl"), "a", buffering=1)  # noqa: SIM115
+
+    def note(**event) -> None:
+        log.write(json.dumps({"rank": rank, "time": time.time(), **event}) + "\n")
+
+    torch.manual_seed(0)
+    net = Net()
+    if args.wrap == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        for layer in net.layers:
+            fully_shard(layer)
+        model = fully_shard(net)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    repeat = 2 * WORK if args.mode == "straggler" and rank == SLOW_RANK else WORK
+    note(event="ready", repeat=repeat)
+    events = Event()
+    step = 0
+    while True:
+        began = time.monotonic()
+        x = torch.randn(64, 256)
+        event = events.at(step)
+        if event == "hang" and rank == 1:
+            note(event="hang", file=os.path.basename(__file__), line=here() + 1)
+            time.sleep(3600)  # the culprit: never reaches its forward, the others wait in backward
+        if event == "mismatch":
+            t = torch.ones(1)
+            if rank == 0:
+                note(event="mismatch", file=os.path.basename(__file__), line=here() + 1, collective="all_reduce")
+                dist.all_reduce(t)
+            else:
+                note(event="mismatch", file=os.path.basename(__file__), line=here() + 1, collective="broadcast")
+                dist.broadcast(t, src=1)
+        loss = model(x, repeat)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        note(event="step", step=step, seconds=time.monotonic() - began)
+
+
+if __name__ == "__main__":
+    main()
