@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from profagent.analysis.stacks import Sample, parse_folded, thread_states
+from profagent.analysis.stacks import Place, Sample, idle_places, parse_folded, thread_states
 from profagent.config import StacksConfig
 from profagent.sources.stacks import pyspy
 
@@ -72,6 +72,7 @@ class Result:
     wall_end: float
     samples: tuple[Sample, ...] = ()
     states: dict[tuple[str, str], int] = field(default_factory=dict)  # (state, gil) -> threads
+    idle: frozenset[Place] = frozenset()  # dump: leaf lines of the threads seen idle
     error: str = ""  # bounded reason, "" when fine
     detail: str = ""
 
@@ -218,7 +219,8 @@ class Sampler:
         self._fails.pop(key, None)
         if child.kind == "dump":
             try:
-                return [*extra, Result(**base, states=thread_states(json.loads(text)))]
+                dump = json.loads(text)
+                return [*extra, Result(**base, states=thread_states(dump), idle=idle_places(dump))]
             except ValueError:
                 return [*extra, Result(**base, error="parse", detail="py-spy dump printed invalid JSON")]
         return [*extra, Result(**base, samples=tuple(parse_folded(text, child.pid)))]

@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from profagent.analysis.stacks import (
     CATEGORIES,
     Frame,
+    Place,
     Sample,
     StallTracker,
     TopK,
-    classify,
+    classify_with_idle,
+    remember_idle_places,
 )
 from profagent.config import StacksConfig
 from profagent.errors import SourceUnavailable
@@ -110,6 +112,7 @@ class StacksSource:
         self._categories: dict[tuple[str, str, str], dict[str, int]] = {}
         self._topk: dict[tuple[str, str, str], TopK] = {}
         self._threads: dict[tuple[str, str, str], dict[tuple[str, str], int]] = {}
+        self._idle_places: dict[tuple[str, str, str], dict[Place, None]] = {}  # lines dumps saw idle
         self._stalls: dict[tuple[str, str], StallTracker] = {}
         self._stall_state: dict[tuple[str, str], tuple[bool, float, tuple[Frame, ...]]] = {}
         self._errors: dict[str, int] = {}
@@ -149,7 +152,7 @@ class StacksSource:
     def _forget_ended_jobs(self, tree: ProcessTree) -> None:
         """A job that left the tree (watch mode, after its grace) takes its series along."""
         live = set(tree.job_status())
-        for table in (self._categories, self._topk, self._threads, self._stalls, self._stall_state):
+        for table in (self._categories, self._topk, self._threads, self._idle_places, self._stalls, self._stall_state):
             for key in [k for k in table if k[0] not in live]:
                 del table[key]
         with self._lock:
@@ -189,12 +192,14 @@ class StacksSource:
             counts = self._threads.setdefault(group, {})
             for key, n in r.states.items():
                 counts[key] = counts.get(key, 0) + n
+            remember_idle_places(self._idle_places.setdefault(group, {}), r.idle)
             return
         cats = self._categories.setdefault(group, dict.fromkeys(CATEGORIES, 0))
         functions: dict[str, int] = {}
         main = [s for s in r.samples if s.main]
+        idle_at = self._idle_places.get(group, {})
         for s in main:
-            cats[classify(s.frames)] += s.count
+            cats[classify_with_idle(s.frames, idle_at)] += s.count
             if s.leaf is not None:
                 functions[s.leaf.function] = functions.get(s.leaf.function, 0) + s.count
         topk = self._topk.setdefault(group, TopK(self.config.top_k))
