@@ -152,8 +152,8 @@ def on_demand_trace(launcher: int, config: Path) -> None:
         rank0 = min(p.pid for p in psutil.Process(launcher).children())
     except Exception:
         return
-    print(f"\ndemo: profagent trace --pid {rank0} --duration-ms 300 (on demand, no code change)", flush=True)
-    cmd = [*PROFAGENT, "trace", "--pid", str(rank0), "--duration-ms", "300",
+    print(f"\ndemo: profagent trace --pid {rank0} --duration-ms 1000 (on demand, no code change)", flush=True)
+    cmd = [*PROFAGENT, "trace", "--pid", str(rank0), "--duration-ms", "1000",
            "--timeout", "40", "--config", str(config)]
     try:
         subprocess.run(cmd, timeout=60, check=False, env=child_env())
@@ -205,9 +205,10 @@ def main() -> int:
         # rank 1 profiles itself, so its on-demand trace never comes: wait less than 60 s for it
         "[incidents]\ncapture_timeout = 30\n"
         # Rank 1 profiles itself all along with memory profiling on, which slows its traced
-        # steps by up to ~40%, while rank 0 is traced once, on demand: a difference of the
-        # demo's making, not a straggler (real jobs trace their ranks alike).
-        "[findings]\nstraggler_ratio = 1.6\n"
+        # steps by up to ~40%, while rank 0 is traced once, on demand, for a few dozen steps
+        # whose time varies with the data wait: differences of the demo's making, not a
+        # straggler (real jobs trace their ranks alike), so only 2x the other rank counts.
+        "[findings]\nstraggler_ratio = 2.0\n"
     )
     # The socket folder must exist before the job starts: libkineto binds its client socket
     # there once, at start-up, and never polls if it cannot ("FabricManager not initialized").

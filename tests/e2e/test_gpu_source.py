@@ -473,7 +473,7 @@ def test_simulated_gpus_behave_like_a_healthy_job() -> None:
             utils.append(sim.nvmlDeviceGetUtilizationRates(handle).gpu)
             reasons.add(sim.nvmlDeviceGetCurrentClocksEventReasons(handle))
             assert sim.nvmlDeviceGetPowerUsage(handle) < sim.nvmlDeviceGetEnforcedPowerLimit(handle)
-    assert 84 <= min(utils) and max(utils) <= 92, (min(utils), max(utils))
+    assert min(utils) >= 84 and max(utils) <= 92, (min(utils), max(utils))
     assert reasons == {pynvml.nvmlClocksEventReasonNone}
     idle = SimulatedNvml(H100, 3, clock=clock)
     idle.simulatedSetTargetProcesses([(1001, 0)])
