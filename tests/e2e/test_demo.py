@@ -112,7 +112,7 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
     assert "NOT provoked" not in out, seen.group(1)
     # Without a terminal nothing is cut: no "…", the trace path whole on its line.
     assert "…" not in out, [line for line in out.splitlines() if "…" in line]
-    path = re.search(r"^PID \d+ \(rank 0\): (/\S+\.json)$", out, re.M)
+    path = re.search(r"^PID \d+ \(rank 0\): (/\S+\.json)$", out + stderr, re.M)  # `trace` progress: stderr
     assert path and re.search(rf"^{re.escape(path.group(1))}  rank 0\b", out, re.M), out[-3000:]
     for rank in ("0", "1"):
         assert top_row(last, rank), f"no row for rank {rank}:\n{last}"

@@ -102,6 +102,7 @@ class Job:
     def __init__(self, config: Config, pid: int, target: PidTarget | None = None) -> None:
         """``target`` replaces ``PidTarget(pid)`` (watch mode passes a NodeTarget)."""
         self.pid = pid
+        self.watch = target is not None  # a node target: every job of the node, not one tree
         self.state = State()
         self.target = target if target is not None else PidTarget(pid, cmdline_args=config.agent.cmdline_args)
         self.sources, self.disabled = build_sources(config)
@@ -189,7 +190,8 @@ class Agent:
             lambda: [job.state.snapshot("findings")] if job.findings is not None else []
         ))
         self.server.add_route("/api/incidents", incidents_route(
-            IncidentStore(incidents_dir(config.incidents, config.agent.state_dir))))
+            IncidentStore(incidents_dir(config.incidents, config.agent.state_dir)),
+            None if job.watch else lambda: _job_ids(job)))
         self.ranks_api = RanksApi(lambda: [job.state.view()], socket.gethostname())
         self.server.add_route("/api/ranks", self.ranks_api.route)
 
@@ -218,6 +220,12 @@ class Agent:
         if stopper.is_alive():
             log.warning("stopping took over %g s: exiting anyway", seconds)
         return not stopper.is_alive()
+
+
+def _job_ids(job: Job) -> list[str]:
+    """The job ids an attached agent observes (its tree's), for /api/incidents."""
+    tree = job.state.view().tree
+    return list(tree.job_status()) if tree is not None else []
 
 
 def print_banner(agent: Agent, job: Job, console: Console) -> None:
