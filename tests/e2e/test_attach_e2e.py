@@ -93,6 +93,22 @@ def test_attach_exits_zero_when_the_target_dies(job, run_agent) -> None:
     assert "Traceback" not in agent.output
 
 
+def test_a_never_scraped_agent_with_the_defaults_exits_a_few_seconds_after_its_target(job, run_agent) -> None:
+    """The README's promise, with every source on and the default exit grace (3 s): nobody
+    scraped /metrics (/healthz is not a scrape), so nobody waits for the job's last state."""
+    port = free_port()
+    agent = run_agent(["attach", "--pid", str(job.pid), "--listen", f"127.0.0.1:{port}", "--gpu-backend", "simulated"])
+    agent.wait_healthy(f"http://127.0.0.1:{port}", timeout=60)
+    wait_for(lambda: "stacks: on" in agent.output or "source stacks: on" in agent.output, 30, what="the banner")
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    killed = time.monotonic()
+    assert agent.proc.wait(timeout=60) == 0
+    # 3 s of grace, then stopping (under 2 s); generous for a loaded machine, far from 30 s.
+    assert time.monotonic() - killed < 15, agent.output
+    assert "whole tree are gone: exiting" in agent.output and "Traceback" not in agent.output
+
+
 @pytest.mark.slow
 def test_sigterm_stops_promptly(job, run_agent) -> None:
     port = free_port()
