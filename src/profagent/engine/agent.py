@@ -42,7 +42,7 @@ from profagent.sources.stacks.source import StacksSource, stacks_route
 from profagent.sources.traces.source import traces_source
 from profagent.state import State
 from profagent.system.unixsock import default_control_socket
-from profagent.target import PidTarget, check_attachable
+from profagent.target import PidTarget, check_attachable, not_a_training_job
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ def done_serving(exposition: Exposition, gone_for: float, exit_grace: float, now
 def attach(config: Config, pid: int, console: Console) -> int:
     """Run until a signal, or until the target tree has been gone for ``exit_grace`` (and,
     when scraped, until one scrape has seen it gone)."""
-    check_attachable(pid)
+    warning = not_a_training_job(check_attachable(pid))
     job = Job(config, pid)
     agent = Agent(config, job)
     stop = threading.Event()
@@ -282,6 +282,8 @@ def attach(config: Config, pid: int, console: Console) -> int:
     try:
         agent.start()
         print_banner(agent, job, console)
+        if warning:
+            console.print(f"[yellow]warning[/yellow]: {warning}", highlight=False, soft_wrap=True)
         while not stop.wait(0.2):
             if done_serving(agent.exposition, job.runtime.target_gone_for(), config.agent.exit_grace, time.monotonic()):
                 log.info("target PID %d and its whole tree are gone: exiting", pid)
