@@ -34,7 +34,7 @@ DEFAULT_PORT = 19400
 PROFAGENT = [sys.executable, "-m", "profagent"]
 # What the demo provokes on purpose, and the finding it should produce: every sample
 # sleeps this long in a DataLoader worker, so each rank waits on its data most of a step.
-SLOW_DATA_SECONDS = 0.0005
+SLOW_DATA_SECONDS = 0.0003
 PROVOKED = ("dataloader_bound",)
 # Without a terminal, rich would cut lines at 80 columns (mid-word for long paths) and end
 # long findings in "…": the demo's commands get a width no line of theirs reaches.
@@ -218,8 +218,13 @@ def main() -> int:
     print(f"demo: on purpose, its DataLoader workers sleep {SLOW_DATA_SECONDS * 1000:g} ms per sample, so the ranks"
           f" wait on their data: profagent should report {', '.join(PROVOKED)} (provoked), and nothing else", flush=True)
     # KINETO_USE_DAEMON=1 lets `profagent trace` take traces with no code change.
+    # One DataLoader worker per rank: with two, their batches come in pairs and the steps
+    # alternate ~5 ms and ~70 ms, so a few traced steps make a rank look 2x slower or faster
+    # than the other (a false straggler); one worker gives every step the same wait.
+    # Rank 1 profiles 4 steps of every 44 (about every 2 s), so libkineto on rank 1 is busy
+    # when `incidents capture` asks it for a trace.
     job = subprocess.Popen(
-        [sys.executable, str(HERE / "train.py"), "--ranks", "2", "--workers", "2", "--trace-dir", str(trace_dir), "--profile-every", "150",
+        [sys.executable, str(HERE / "train.py"), "--ranks", "2", "--workers", "1", "--trace-dir", str(trace_dir), "--profile-every", "40",
          "--profile-ranks", "1", "--slow-data", str(SLOW_DATA_SECONDS), "--step-sleep", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, "KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(work / "kineto")},
