@@ -74,8 +74,12 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
             pytest.fail(f"missing on the demo's /metrics after 90 s: {[f for f in FAMILIES if f not in seen]}")
         # The traced step is the provoked data wait, not the demo's own sleep counted as
         # "other" (it was 71-79% when the training loop slept between steps).
-        breakdown = {lab["category"]: v for lab, v in parse_metrics(http_get(url)).get("profagent_trace_step_breakdown_ratio", [])
-                     if lab.get("rank") == "1"}
+        def rank1_breakdown() -> dict[str, float] | None:
+            shares = {lab["category"]: v for lab, v in parse_metrics(http_get(url)).get(
+                "profagent_trace_step_breakdown_ratio", []) if lab.get("rank") == "1"}
+            return shares if {"dataloader", "other"} <= set(shares) else None
+
+        breakdown = wait_for(rank1_breakdown, 60, interval=1, what="rank 1's traced step breakdown")
         assert breakdown["dataloader"] > 0.3 and breakdown["other"] < 0.3, breakdown
         demo.wait(timeout=180)
     finally:
