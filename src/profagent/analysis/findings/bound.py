@@ -107,7 +107,9 @@ def straggler(shares: Iterable[RankShares], traces: Iterable[Any], cfg: Findings
     found: set[tuple[str, str]] = set()
     steps: dict[str, dict[str, float]] = {}
     for rt in traces:
-        if rt.report.step_mean:
+        # A trace without steps (no ProfilerStep, no optimizer step) spans its whole window:
+        # a window is not a step time (a 1 s on-demand trace is not a 1 s step).
+        if rt.report.step_mean and not rt.report.steps_inferred:
             steps.setdefault(rt.job_id, {})[rt.rank] = rt.report.step_mean
     for job, by_rank in steps.items():
         if len(by_rank) < 2 or job in hung_jobs:
