@@ -7,13 +7,20 @@ endpoint, runs `profagent diagnose`, captures one incident bundle on request and
 first trace against its latest (`profagent diff`), then shows `profagent top --url` against the agent: full screen when stdout is
 a terminal (q or Ctrl-C stops the demo), else a `profagent top --once` snapshot every
 --every seconds plus the list of capabilities seen on /metrics. Everything it started is
-stopped on Ctrl-C (or after --seconds).
+stopped on Ctrl-C (or after --seconds), and its temporary folder is removed (--keep keeps it).
+
+The job is healthy but for one thing the demo does on purpose: its DataLoader workers
+sleep for every sample (--slow-data), so the ranks wait on their input pipeline and
+profagent should report ``dataloader_bound`` (PROVOKED) and nothing else. The simulated
+GPUs behave like a healthy job's.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +33,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 DEFAULT_PORT = 19400
 PROFAGENT = [sys.executable, "-m", "profagent"]
+# What the demo provokes on purpose, and the finding it should produce: every sample
+# sleeps this long in a DataLoader worker, so each rank waits on its data most of a step.
+SLOW_DATA_SECONDS = 0.0003
+PROVOKED = ("dataloader_bound",)
+# Without a terminal, rich would cut lines at 80 columns (mid-word for long paths) and end
+# long findings in "…": the demo's commands get a width no line of theirs reaches.
+WIDE = "400"
 
 # What the demo shows working, as the metric family that proves it.
 CAPABILITIES = [
@@ -69,6 +83,17 @@ def gpu_present() -> bool:
         return False
 
 
+def child_env() -> dict[str, str]:
+    """The environment of the demo's profagent commands."""
+    return os.environ if sys.stdout.isatty() else {**os.environ, "COLUMNS": WIDE}
+
+
+def print_output(cmd: list[str]) -> None:
+    """Run a command and print its output without the padding of its full-width table."""
+    done = subprocess.run(cmd, timeout=60, check=False, env=child_env(), stdout=subprocess.PIPE, text=True)
+    print("\n".join(line.rstrip() for line in done.stdout.splitlines()), flush=True)
+
+
 def scrape(url: str) -> str:
     try:
         return urllib.request.urlopen(url, timeout=3).read().decode()
@@ -78,6 +103,26 @@ def scrape(url: str) -> str:
 
 def families_with_samples(text: str) -> set[str]:
     return {line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def active_findings(base: str) -> set[str]:
+    """The names of the findings active now, from GET /api/findings."""
+    try:
+        body = json.loads(scrape(f"{base}/api/findings") or "{}")
+    except ValueError:
+        return set()
+    rows = body.get("findings", []) if isinstance(body, dict) else body
+    return {f["finding"] for f in rows if isinstance(f, dict) and "finding" in f}
+
+
+def print_findings_seen(seen: set[str]) -> None:
+    """Which findings the run showed, and whether the demo provoked each on purpose."""
+    if not seen:
+        print(f"demo: findings seen: none yet (the demo provokes {', '.join(PROVOKED)})", flush=True)
+        return
+    print("demo: findings seen: " + ", ".join(
+        f"{name} ({'provoked on purpose' if name in PROVOKED else 'NOT provoked: a false alarm, please report it'})"
+        for name in sorted(seen)), flush=True)
 
 
 def print_capabilities(url: str) -> bool:
@@ -108,11 +153,11 @@ def on_demand_trace(launcher: int, config: Path) -> None:
         rank0 = min(p.pid for p in psutil.Process(launcher).children())
     except Exception:
         return
-    print(f"\ndemo: profagent trace --pid {rank0} --duration-ms 300 (on demand, no code change)", flush=True)
-    cmd = [*PROFAGENT, "trace", "--pid", str(rank0), "--duration-ms", "300",
+    print(f"\ndemo: profagent trace --pid {rank0} --duration-ms 1000 (on demand, no code change)", flush=True)
+    cmd = [*PROFAGENT, "trace", "--pid", str(rank0), "--duration-ms", "1000",
            "--timeout", "40", "--config", str(config)]
     try:
-        subprocess.run(cmd, timeout=60, check=False)
+        subprocess.run(cmd, timeout=60, check=False, env=child_env())
     except subprocess.TimeoutExpired:
         print("demo: the on-demand trace did not finish in time", flush=True)
 
@@ -121,12 +166,12 @@ def diagnose_and_capture(base: str, config: Path) -> None:
     """What is wrong right now (findings), then an incident bundle taken on request, as a
     user would when something looks off (a hang or a regression triggers one by itself)."""
     print(f"\ndemo: profagent diagnose --url {base}", flush=True)
-    subprocess.run([*PROFAGENT, "diagnose", "--url", base], timeout=60, check=False)
+    subprocess.run([*PROFAGENT, "diagnose", "--url", base], timeout=60, check=False, env=child_env())
     print("\ndemo: profagent incidents capture --reason 'demo' (stacks of every rank, findings, metrics, traces)",
           flush=True)
     subprocess.run([*PROFAGENT, "incidents", "capture", "--config", str(config), "--reason", "demo"],
-                   timeout=90, check=False)
-    subprocess.run([*PROFAGENT, "incidents", "list", "--url", base], timeout=60, check=False)
+                   timeout=90, check=False, env=child_env())
+    subprocess.run([*PROFAGENT, "incidents", "list", "--url", base], timeout=60, check=False, env=child_env())
 
 
 def _interrupt(proc: subprocess.Popen, timeout: float) -> None:
@@ -144,7 +189,7 @@ def diff_traces(trace_dir: Path) -> None:
     """`profagent diff` of rank 1's first trace against its latest: "my run got slower?"."""
     traces = sorted((p for p in trace_dir.rglob("*.json*") if not p.name.endswith(".tmp")), key=lambda p: p.stat().st_mtime)
     if len(traces) < 2:
-        print(f"\ndemo: profagent diff needs two traces; {len(traces)} so far (rank 1 writes one every 150 steps)",
+        print(f"\ndemo: profagent diff needs two traces; {len(traces)} so far (rank 1 writes one every 40 steps)",
               flush=True)
         return
     print(f"\ndemo: profagent diff {traces[0].name} {traces[-1].name} (the first trace as the baseline)", flush=True)
@@ -155,6 +200,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=0, help="stop by itself after this long (0 = until Ctrl-C)")
     parser.add_argument("--every", type=float, default=5, help="seconds between `profagent top --once` snapshots when not a terminal")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary folder (agent log, traces, incident bundle)")
     args = parser.parse_args()
 
     port = pick_port()
@@ -170,16 +216,28 @@ def main() -> int:
         f"trace_dir = '{work / 'ondemand'}'\n"
         # rank 1 profiles itself, so its on-demand trace never comes: wait less than 60 s for it
         "[incidents]\ncapture_timeout = 30\n"
+        # Rank 1 profiles itself all along with memory profiling on, which slows its traced
+        # steps, while rank 0 is traced on demand (once, and again by the incident capture),
+        # with other step markers: differences of the demo's making, not a straggler (real
+        # jobs trace their ranks alike), so only 2x the other rank counts here.
+        "[findings]\nstraggler_ratio = 2.0\n"
     )
     # The socket folder must exist before the job starts: libkineto binds its client socket
     # there once, at start-up, and never polls if it cannot ("FabricManager not initialized").
     (work / "kineto").mkdir(mode=0o755)
     print(f"demo: starting a 2-rank torch CPU training job; rank 1 writes profiler traces to {trace_dir},"
           " rank 0 is traced on demand", flush=True)
+    print(f"demo: on purpose, its DataLoader workers sleep {SLOW_DATA_SECONDS * 1000:g} ms per sample, so the ranks"
+          f" wait on their data: profagent should report {', '.join(PROVOKED)} (provoked), and nothing else", flush=True)
     # KINETO_USE_DAEMON=1 lets `profagent trace` take traces with no code change.
+    # One DataLoader worker per rank: with two, their batches come in pairs and the steps
+    # alternate ~5 ms and ~70 ms, so a few traced steps make a rank look 2x slower or faster
+    # than the other (a false straggler); one worker gives every step the same wait.
+    # Rank 1 profiles 4 steps of every 44 (about every 2 s), so libkineto on rank 1 is busy
+    # when `incidents capture` asks it for a trace.
     job = subprocess.Popen(
-        [sys.executable, str(HERE / "train.py"), "--ranks", "2", "--workers", "2", "--trace-dir", str(trace_dir), "--profile-every", "150",
-         "--profile-ranks", "1"],
+        [sys.executable, str(HERE / "train.py"), "--ranks", "2", "--workers", "1", "--trace-dir", str(trace_dir), "--profile-every", "40",
+         "--profile-ranks", "1", "--slow-data", str(SLOW_DATA_SECONDS), "--step-sleep", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, "KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(work / "kineto")},
     )
@@ -201,7 +259,23 @@ def main() -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     began = time.monotonic()
+    try:
+        return run(args, agent, work, base, url, config, job, stop, began)
+    finally:
+        agent_log.close()
+        if args.keep:
+            print(f"demo: kept {work} (--keep)", flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+            print(f"demo: removed {work} (--keep keeps it)", flush=True)
+
+
+def run(args: argparse.Namespace, agent: subprocess.Popen, work: Path, base: str, url: str, config: Path,
+        job: subprocess.Popen, stop: list[bool], began: float) -> int:
+    """Everything after the start: stops the agent and the job on the way out."""
     top: subprocess.Popen | None = None
+    seen: set[str] = set()  # findings active at any check
+    watching = False
     try:
         for _ in range(150):  # the agent is up once /healthz answers
             if stop[0] or agent.poll() is not None or scrape(f"{base}/healthz").strip() == "ok":
@@ -217,10 +291,13 @@ def main() -> int:
             on_demand_trace(job.pid, config)
         elif not stop[0]:
             print("demo: rank 0 did not poll the Kineto endpoint in time: no on-demand trace", flush=True)
+        watching = True
+        seen |= active_findings(base)
         if not stop[0]:
             diagnose_and_capture(base, config)
+            seen |= active_findings(base)
         if not stop[0]:
-            diff_traces(trace_dir)
+            diff_traces(work / "traces")
         top_cmd = [*PROFAGENT, "top", "--url", base]
         if sys.stdout.isatty() and not stop[0]:
             print(f"\ndemo: {' '.join(['profagent', *top_cmd[3:]])}  (q or Ctrl-C stops the demo)", flush=True)
@@ -229,7 +306,8 @@ def main() -> int:
             while not stop[0] and top.poll() is None and agent.poll() is None:
                 if args.seconds and time.monotonic() - began >= args.seconds:
                     break
-                time.sleep(0.2)
+                seen |= active_findings(base)
+                time.sleep(1)
             return 0
         all_seen = False
         next_print = time.monotonic()
@@ -238,7 +316,8 @@ def main() -> int:
             if now >= next_print:
                 next_print = now + args.every
                 print(f"\n--- profagent top --once --url {base}   (metrics: {url}; Ctrl-C stops the demo) ---", flush=True)
-                subprocess.run([*top_cmd, "--once"], timeout=60, check=False)
+                print_output([*top_cmd, "--once"])
+                seen |= active_findings(base)
                 if not all_seen:
                     all_seen = print_capabilities(url)
             if args.seconds and time.monotonic() - began >= args.seconds:
@@ -248,11 +327,12 @@ def main() -> int:
             print_capabilities(url)
         return 0
     finally:
-        print("\ndemo: stopping profagent top, the agent and the training job", flush=True)
         if top is not None:
             _interrupt(top, timeout=5)
+        if watching:
+            print_findings_seen(seen)
+        print("\ndemo: stopping the agent and the training job", flush=True)
         _interrupt(agent, timeout=10)
-        agent_log.close()
         try:
             os.killpg(job.pid, signal.SIGTERM)
             job.wait(timeout=10)

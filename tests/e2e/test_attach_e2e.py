@@ -9,11 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from helpers.agent import free_port, http_get, parse_metrics
 from helpers.processes import wait_for
 from helpers.prometheus import promtool_check_metrics
+from profagent.target import not_a_training_job
 
 JOB = """
 import subprocess, sys, time
@@ -93,6 +95,22 @@ def test_attach_exits_zero_when_the_target_dies(job, run_agent) -> None:
     assert "Traceback" not in agent.output
 
 
+def test_a_never_scraped_agent_with_the_defaults_exits_a_few_seconds_after_its_target(job, run_agent) -> None:
+    """The README's promise, with every source on and the default exit grace (3 s): nobody
+    scraped /metrics (/healthz is not a scrape), so nobody waits for the job's last state."""
+    port = free_port()
+    agent = run_agent(["attach", "--pid", str(job.pid), "--listen", f"127.0.0.1:{port}", "--gpu-backend", "simulated"])
+    agent.wait_healthy(f"http://127.0.0.1:{port}", timeout=60)
+    wait_for(lambda: "stacks: on" in agent.output or "source stacks: on" in agent.output, 30, what="the banner")
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    killed = time.monotonic()
+    assert agent.proc.wait(timeout=60) == 0
+    # 3 s of grace, then stopping (under 2 s); generous for a loaded machine, far from 30 s.
+    assert time.monotonic() - killed < 15, agent.output
+    assert "whole tree are gone: exiting" in agent.output and "Traceback" not in agent.output
+
+
 @pytest.mark.slow
 def test_sigterm_stops_promptly(job, run_agent) -> None:
     port = free_port()
@@ -167,3 +185,28 @@ def test_version_and_help() -> None:
     assert res.returncode == 0 and res.stdout.startswith("profagent ")
     res = _run("attach", "--help")
     assert res.returncode == 0 and "--pid" in res.stdout and "--listen" in res.stdout
+
+
+def test_attach_to_a_process_that_is_no_training_job_warns_in_one_line(job, tmp_path: Path, run_agent) -> None:
+    """`sleep` has no Python and no rank: accepted (a launcher may start its ranks later),
+    with one warning line. A Python job, or a shell whose child is Python, gets none."""
+    sleeper = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    shell = subprocess.Popen(["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(300)'; true"],
+                             start_new_session=True)
+    try:
+        port = free_port()
+        agent = run_agent(["attach", "--pid", str(sleeper.pid), "--listen", f"127.0.0.1:{port}", "--gpu-backend", "off"])
+        agent.wait_healthy(f"http://127.0.0.1:{port}", timeout=60)
+        wait_for(lambda: "warning:" in agent.output, 30, what="the warning")
+        lines = [line for line in agent.output.splitlines() if line.startswith("warning:")]
+        assert len(lines) == 1 and f"PID {sleeper.pid} (sleep) is not a Python process" in lines[0], agent.output
+        assert "launcher (torchrun) or a rank" in lines[0]
+        assert agent.proc.poll() is None  # accepted, still running
+        wait_for(lambda: psutil.Process(shell.pid).children(), 10, what="the shell's Python child")
+        assert not_a_training_job(psutil.Process(shell.pid)) == ""
+        assert not_a_training_job(psutil.Process(job.pid)) == ""
+        assert not_a_training_job(psutil.Process(sleeper.pid)).startswith(f"PID {sleeper.pid} (sleep)")
+    finally:
+        for proc in (sleeper, shell):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -1,4 +1,6 @@
-"""`make demo` keeps working and shows every landed capability through `profagent top`."""
+"""`make demo` keeps working, shows every landed capability through `profagent top`, leads
+with the findings it provokes on purpose and no other, is not cut without a terminal, and
+removes what it created."""
 
 from __future__ import annotations
 
@@ -43,7 +45,16 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
     demo = subprocess.Popen([sys.executable, str(ROOT / "examples" / "demo.py"), "--seconds", "50", "--every", "10"],
                             stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"), text=True)
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(demo.stdout), daemon=True)
+    kept = tmp_path / "bundle"
+
+    def read() -> None:
+        for line in demo.stdout:
+            lines.append(line)
+            # The demo removes its folder when it ends: copy the bundle once it is listed.
+            if (m := re.match(r"^\S+-manual\s+manual\s.*\s(/\S+)$", line)) and not kept.exists():
+                shutil.copytree(m.group(1), kept)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
         def metrics_url() -> str | None:
@@ -61,6 +72,15 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
             wait_for(every_family, 90, interval=1, what="every capability's family on the demo's /metrics")
         except BaseException:
             pytest.fail(f"missing on the demo's /metrics after 90 s: {[f for f in FAMILIES if f not in seen]}")
+        # The traced step is the provoked data wait, not the demo's own sleep counted as
+        # "other" (it was 71-79% when the training loop slept between steps).
+        def rank1_breakdown() -> dict[str, float] | None:
+            shares = {lab["category"]: v for lab, v in parse_metrics(http_get(url)).get(
+                "profagent_trace_step_breakdown_ratio", []) if lab.get("rank") == "1"}
+            return shares if {"dataloader", "other"} <= set(shares) else None
+
+        breakdown = wait_for(rank1_breakdown, 60, interval=1, what="rank 1's traced step breakdown")
+        assert breakdown["dataloader"] > 0.3 and breakdown["other"] < 0.3, breakdown
         demo.wait(timeout=180)
     finally:
         # SIGINT first: the demo then stops its agent and job (its own sessions), which a
@@ -78,7 +98,8 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
     captured = re.search(r"^incident (\S+-manual): (\S+)$", out, re.M)
     assert captured, out[-3000:]  # the bundle taken on request, then listed
     assert out.count(captured.group(1)) >= 2
-    bundle = Path(captured.group(2))
+    assert kept.is_dir(), "the bundle was not listed by `profagent incidents list`"
+    bundle = kept
     summary = (bundle / "summary.md").read_text()
     # rank 0 polls Kineto (just traced on demand, maybe still busy): its trace is in the bundle
     assert (bundle / "trace-rank0.pt.trace.json.gz").is_file(), summary
@@ -93,6 +114,17 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
     assert re.search(r"profagent top\s+job demo-\d+\s+world 2", last), last
     assert "SIMULATED" in last  # the GPU summary says the GPU is simulated
     assert "findings: none active" in last or re.search(r"^! \w+ \(", last, re.M), last
+    # Only the findings the demo provokes on purpose, and it says which they are.
+    assert "profagent should report dataloader_bound (provoked)" in out
+    shown = set(re.findall(r"^! (\w+) \(", out, re.M)) | set(re.findall(r"^(?:INFO|WARNING|CRITICAL) (\w+)", out, re.M))
+    assert shown <= {"dataloader_bound"}, "\n".join(line for line in out.splitlines() if "straggler" in line)
+    seen = re.search(r"^demo: findings seen: (.*)$", out, re.M)
+    assert seen and "dataloader_bound (provoked on purpose)" in seen.group(1), out[-3000:]
+    assert "NOT provoked" not in out, seen.group(1)
+    # Without a terminal nothing is cut: no "…", the trace path whole on its line.
+    assert "…" not in out, [line for line in out.splitlines() if "…" in line]
+    path = re.search(r"^PID \d+ \(rank 0\): (/\S+\.json)$", out + stderr, re.M)  # `trace` progress: stderr
+    assert path and re.search(rf"^{re.escape(path.group(1))}  rank 0\b", out, re.M), out[-3000:]
     for rank in ("0", "1"):
         assert top_row(last, rank), f"no row for rank {rank}:\n{last}"
     # The demo's own capability list agrees with our scrape.
@@ -106,4 +138,4 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
                                              or url.removesuffix("/metrics") in " ".join(p.info["cmdline"] or [])
                                              or ("py-spy" in " ".join(p.info["cmdline"] or []) and p.info["ppid"] == 1))]
     assert not leftovers, leftovers
-    shutil.rmtree(work, ignore_errors=True)  # the demo keeps its folder for the user to read
+    assert not Path(work).exists() and f"demo: removed {work} (--keep keeps it)" in out

@@ -456,3 +456,26 @@ def test_doctor_rows_for_simulated_backend(tmp_path: Path) -> None:
 @pytest.mark.skipif(sys.platform != "linux", reason="Linux /proc")
 def test_own_nspid_readable() -> None:
     assert read_nspid(Path("/proc"), os.getpid())[0] == os.getpid()
+
+
+def test_simulated_gpus_behave_like_a_healthy_job() -> None:
+    """No dip, no power cap, no finding of its own: a newcomer's first findings in
+    `make demo` must be the ones it provokes (issue #23). Sampled every 0.25 s for 3 minutes."""
+    clock = FakeClock()
+    sim = SimulatedNvml(H100, 2, clock=clock)
+    sim.simulatedSetTargetProcesses([(1001, 0), (1002, 1)])
+    sim.nvmlInit()
+    utils, reasons = [], set()
+    for _ in range(720):
+        clock.now += 0.25
+        for i in range(2):
+            handle = sim.nvmlDeviceGetHandleByIndex(i)
+            utils.append(sim.nvmlDeviceGetUtilizationRates(handle).gpu)
+            reasons.add(sim.nvmlDeviceGetCurrentClocksEventReasons(handle))
+            assert sim.nvmlDeviceGetPowerUsage(handle) < sim.nvmlDeviceGetEnforcedPowerLimit(handle)
+    assert min(utils) >= 84 and max(utils) <= 92, (min(utils), max(utils))
+    assert reasons == {pynvml.nvmlClocksEventReasonNone}
+    idle = SimulatedNvml(H100, 3, clock=clock)
+    idle.simulatedSetTargetProcesses([(1001, 0)])
+    idle.nvmlInit()
+    assert idle.nvmlDeviceGetUtilizationRates(idle.nvmlDeviceGetHandleByIndex(2)).gpu == 0  # no rank on GPU 2

@@ -17,9 +17,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.parse
 from pathlib import Path
 
 import psutil
+import pytest
 
 from helpers.agent import free_port, http_get, parse_metrics
 from helpers.paths import WORKLOADS
@@ -28,6 +31,13 @@ from helpers.processes import kill_tree, wait_for
 STALL_SECONDS = 4.0
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
+
+
+def api_incidents(url: str, **query: str) -> list[dict]:
+    """GET /api/incidents: an object whose "incidents" is the list (docs/openapi.yaml)."""
+    body = json.loads(http_get(url + "/api/incidents" + (f"?{urllib.parse.urlencode(query)}" if query else "")))
+    assert isinstance(body, dict) and set(body) == {"incidents"}, body
+    return body["incidents"]
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "profagent", *args], capture_output=True, text=True, timeout=120)
@@ -80,13 +90,13 @@ def test_hang_captures_one_incident_with_every_rank_and_rate_limits_the_repeat(t
         wait_for(lambda: metric(url, "profagent_incidents_total", kind="hang") == [0.0], 30, what="the incidents family")
         wait_for(lambda: len(metric(url, "profagent_rank_stalled")) == 2, 60, what="both ranks sampled")
         assert metric(url, "profagent_rank_stalled") == [0.0, 0.0]  # stepping: no stall, no incident
-        assert json.loads(http_get(url + "/api/incidents")) == []
+        assert api_incidents(url) == []
 
         hang_file.touch()
         hung_at = time.monotonic()
 
         def one_complete_incident() -> dict | None:
-            items = json.loads(http_get(url + "/api/incidents"))
+            items = api_incidents(url)
             return items[0] if len(items) == 1 and items[0]["status"] == "complete" else None
 
         incident = wait_for(one_complete_incident, STALL_SECONDS + 40, interval=0.5, what="a complete hang incident")
@@ -115,6 +125,19 @@ def test_hang_captures_one_incident_with_every_rank_and_rate_limits_the_repeat(t
         assert listed.returncode == 0 and incident["id"] in listed.stdout, listed.stderr
         via_url = run_cli("incidents", "list", "--url", url, "--json")
         assert [i["id"] for i in json.loads(via_url.stdout)] == [incident["id"]]
+        # Another job's bundle in the same folder (another agent of the user wrote it): the
+        # folder lists it, this agent's API and `list --url` do not, nor show it by id.
+        other = inc_dir / "20000101T000000Z-other-job-hang"
+        other.mkdir(mode=0o700)
+        (other / "incident.json").write_text(json.dumps({"id": other.name, "kind": "hang", "job_id": "other-job",
+                                                         "time": 946684800.0, "status": "complete"}))
+        assert other.name in run_cli("incidents", "list", "--dir", str(inc_dir)).stdout
+        assert [i["id"] for i in json.loads(run_cli("incidents", "list", "--url", url, "--json").stdout)] == [incident["id"]]
+        assert [i["id"] for i in api_incidents(url, job="other-job")] == []
+        with pytest.raises(urllib.error.HTTPError) as exc:
+            http_get(f"{url}/api/incidents?id={other.name}")
+        assert exc.value.code == 404
+        shutil.rmtree(other)
         shown = run_cli("incidents", "show", incident["id"], "--dir", str(inc_dir))
         assert shown.returncode == 0 and "Which line" in shown.stdout and "stacks-rank1.txt" in shown.stdout
         assert run_cli("incidents", "show", "nope", "--dir", str(inc_dir)).returncode == 2
@@ -127,7 +150,7 @@ def test_hang_captures_one_incident_with_every_rank_and_rate_limits_the_repeat(t
         hang_file.touch()
         wait_for(lambda: metric(url, "profagent_incidents_rate_limited_total", kind="hang") == [1.0],
                  STALL_SECONDS + 40, what="the second hang seen and rate-limited")
-        assert len(json.loads(http_get(url + "/api/incidents"))) == 1
+        assert len(api_incidents(url)) == 1
         assert metric(url, "profagent_incidents_total", kind="hang") == [1.0]
         hang_file.unlink()
 
@@ -136,7 +159,7 @@ def test_hang_captures_one_incident_with_every_rank_and_rate_limits_the_repeat(t
         assert captured.returncode == 0 and "captured" in captured.stdout, captured.stdout + captured.stderr
         again = run_cli("incidents", "capture", "--config", str(config))
         assert again.returncode == 2 and "rate limited" in again.stderr
-        kinds = sorted(i["kind"] for i in json.loads(http_get(url + "/api/incidents")))
+        kinds = sorted(i["kind"] for i in api_incidents(url))
         assert kinds == ["hang", "manual"]
         for proc in ranks.values():
             assert proc.status() != psutil.STATUS_STOPPED
@@ -186,11 +209,11 @@ def test_step_time_regression_captures_an_incident_with_an_on_demand_trace(tmp_p
 
         wait_for(three_traces, 120, interval=0.5, what="three baseline traces of rank 0")
         baseline = metric(url, "profagent_trace_step_seconds", rank="0")[0]
-        assert json.loads(http_get(url + "/api/incidents")) == []  # a steady job has no incident
+        assert api_incidents(url) == []  # a steady job has no incident
         slow_file.touch()
 
         def regression_incident() -> dict | None:
-            items = [i for i in json.loads(http_get(url + "/api/incidents")) if i["kind"] == "regression"]
+            items = [i for i in api_incidents(url) if i["kind"] == "regression"]
             return items[0] if items and items[0]["status"] == "complete" else None
 
         incident = wait_for(regression_incident, 180, interval=1.0, what="a complete regression incident")

@@ -179,3 +179,36 @@ def test_unknown_option_names_the_flag_meant(tmp_path) -> None:
         assert meant in err and "No such option" in err
     res = subprocess.run([sys.executable, "-m", "profagent", "stacks", "--duration", "5"], capture_output=True, text=True, timeout=30)
     assert "--rate" not in res.stderr
+
+
+SLEEPER = """
+import sys, time
+open(sys.argv[0] + ".ready", "w").close()
+while True:
+    time.sleep(5)
+"""
+
+
+def test_stacks_command_on_an_idle_process_says_idle_and_leaves_no_file(children, tmp_path) -> None:
+    """Every thread asleep: without --idle py-spy keeps no sample. The one line says so and
+    names --idle (not "is it a Python process?"), and no file is left, nor is an existing
+    output truncated; with --idle the same process records fine."""
+    proc = children.python(SLEEPER)
+    wait_for(lambda: (tmp_path / "child_0.py.ready").exists(), 20, what="child ready")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "kept.txt").write_text("the user's earlier recording\n")
+    for fmt, name in (("flamegraph", "new.svg"), ("folded", "kept.txt"), ("speedscope", "new.json")):
+        res = subprocess.run([sys.executable, "-m", "profagent", "stacks", "--pid", str(proc.pid), "--seconds", "1",
+                              "--format", fmt, "-o", str(out_dir / name)], capture_output=True, text=True, timeout=60)
+        err = res.stderr.strip()
+        assert res.returncode == 2, (fmt, res.stdout, err)
+        assert "no running Python code" in err and "--idle" in err and len(err.splitlines()) == 1, err
+        assert "Python process" not in err and "Traceback" not in err
+    assert sorted(p.name for p in out_dir.iterdir()) == ["kept.txt"]  # no SVG, no partial file
+    assert (out_dir / "kept.txt").read_text() == "the user's earlier recording\n"
+    res = subprocess.run([sys.executable, "-m", "profagent", "stacks", "--pid", str(proc.pid), "--seconds", "1",
+                          "--idle", "-o", str(out_dir / "idle.svg")], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "<svg" in (out_dir / "idle.svg").read_text()
+    assert sorted(p.name for p in out_dir.iterdir()) == ["idle.svg", "kept.txt"]

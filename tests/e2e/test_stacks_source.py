@@ -127,6 +127,39 @@ def test_main_thread_blocked_on_a_queue_is_idle(children, tmp_path) -> None:
     assert states.get(("idle", "not_held"), 0) >= 1
 
 
+# A training loop that sleeps between steps (examples/train.py's --step-sleep).
+SLEEPY = """
+import sys, time
+def train():
+    x = 0
+    while True:
+        for i in range(2000):
+            x += i
+        time.sleep(0.05)
+open(sys.argv[0] + ".ready", "w").close()
+train()
+"""
+
+
+def test_a_sleep_in_the_training_loop_is_idle_not_the_loops_function(children, tmp_path) -> None:
+    """py-spy samples the sleep as the loop's own line; once a dump saw that line idle, its
+    samples count as idle (analysis/stacks.classify_with_idle). Dumps come every 15 s and
+    py-spy may catch the thread waking, so this waits for a few of them."""
+    proc = children.python(SLEEPY)
+    wait_ready(proc, str(tmp_path / "child_0.py.ready"))
+    source = make_source()
+    source.start()
+    try:
+        snap = run_until(source, proc.pid, lambda s: cats(s).get("idle", 0) >= 40, timeout=120)
+        before = cats(snap)
+        snap = run_until(source, proc.pid, lambda s: sum(cats(s).values()) >= sum(before.values()) + 100, timeout=60)
+    finally:
+        source.stop()
+    after = cats(snap)
+    new = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert new["idle"] >= 0.6 * sum(new.values()), new  # the loop sleeps ~90% of the time
+
+
 DATALOADER = """
 import sys, time
 import torch

@@ -11,8 +11,9 @@ commit (``PYTHONPATH=src python tests/unit/test_cli_golden.py --write``). Since 
 change it was regenerated once, on purpose, for the new commands (top, diagnose,
 incidents), `stacks --idle`, and `analyze` taking folders; and once more for typer 0.28
 (pinned for start-up time), whose help omits the ``<bool>`` that 0.29 printed after flags; and once for click's plain
-help (``rich_markup_mode=None``, for start-up time) with a short help per command; and for
-the new ``diff`` command (its help and its one-line error).
+help (``rich_markup_mode=None``, for start-up time) with a short help per command; for
+the new ``diff`` command (its help and its one-line error); and once for #23: `incidents
+show` names its argument ``ID`` (not ``incident_id``) and `stacks --idle` shows its default once.
 """
 
 from __future__ import annotations

@@ -16,12 +16,15 @@ Regenerate them only when a family legitimately changes, and say so in the commi
 (``PYTHONPATH=src python tests/unit/test_exposition_golden.py --write``). Since the layout
 change they were regenerated once, on purpose, for: the pod/Slurm/user labels of
 ``profagent_target_info`` (#18), the trace accelerator and incomplete-step families and no
-step time for a trace without steps (#14), worker USS and collectors not applicable (#15), the
-findings families with the per-rank collective-wait share (#24), CPU per collector (#26).
+step time for a trace without steps (#14), worker USS and collectors not applicable (#15),
+every GPU value family, findings and incidents, so that the golden exposition names every
+family the README documents (#23, ``tests/unit/test_docs.py`` holds the two together), the
+per-rank collective-wait share (#24), CPU per collector (#26).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -88,7 +91,7 @@ def golden_state():  # -> profagent.state.State
         read_bytes=1 << 20, write_bytes=4096, ctx_voluntary=1000, ctx_involuntary=10,
     )
     state.publish("host", host.HostSnapshot(
-        (host.GroupUsage(JOB, "0", "main", 1, usage), host.GroupUsage(JOB, "0", "dataloader", 1, usage),
+        (host.GroupUsage(JOB, "0", "main", 1, usage), host.GroupUsage(JOB, "0", "dataloader", 1, _with_uss(usage)),
          host.GroupUsage(JOB, "1", "main", 1, usage)),
         host.NodeUsage(0.25, 1 << 36, 1 << 35, 8),
     ), 0.002)
@@ -97,6 +100,7 @@ def golden_state():  # -> profagent.state.State
         "utilization_ratio": 0.75, "memory_utilization_ratio": 0.5, "memory_used_bytes": 1 << 30,
         "memory_free_bytes": 3 << 30, "memory_total_bytes": 4 << 30, "power_usage_watts": 250.0,
         "energy_joules": 123456.0, "temperature_celsius": 61.0, "sm_clock_hertz": 1.41e9,
+        **_all_gpu_values(),
     })
     mig = device.MigDevice(1, 0, "MIG-1", "1g.10gb", 10 << 30, 1 << 30, 9 << 30)
     state.publish("gpu", gpu.GpuSnapshot(
@@ -161,12 +165,7 @@ def golden_state():  # -> profagent.state.State
         ((JOB, "0", "main", 1), (JOB, "1", "main", 1)), 1,
         (("poll", 40), ("malformed", 1)), (("requested", 2), ("sent", 2), ("expired", 0)),
     ), 0.001)
-    if importlib.util.find_spec("profagent.analysis.findings") is not None:  # (absent at 2202f00)
-        findings = importlib.import_module("profagent.analysis.findings")
-        state.publish("findings", findings.FindingsSnapshot(
-            (findings.Finding("straggler", JOB, "1", "warning", "rank 1 is the straggler", {}, NOW - 40),),
-            NOW, ((JOB, "0", 0.61), (JOB, "1", 0.1)), 12,
-        ), 0.001)
+    _publish_findings_and_incidents(state)
     state.record_error("stacks", "pyspy_failed", 0.01)
     state.record_error("gpu", "nvml_error")
     return state
@@ -180,6 +179,40 @@ def golden_cpu() -> CpuAccount:
     cpu.add("stacks", 0.5)
     cpu.add_child("stacks", 4.0)
     return cpu
+
+
+def _with_uss(usage):  # noqa: ANN001, ANN202 (host.Usage, possibly an old one)
+    """A DataLoader worker's USS, where the Usage type has it."""
+    fields = getattr(usage, "__dataclass_fields__", {})
+    return dataclasses.replace(usage, uss=1 << 28) if "uss" in fields else usage
+
+
+def _all_gpu_values() -> dict[str, float]:
+    """Every other GPU value the renderer knows (ECC, fans, PCIe, NVLink...), so that each
+    family is in the golden file; absent on older layouts, which had none of them."""
+    try:
+        names = _module("profagent.exporters.families.gpu").DEVICE_VALUES
+    except (ModuleNotFoundError, KeyError, AttributeError):
+        return {}
+    given = {"utilization_ratio", "memory_utilization_ratio", "memory_used_bytes", "memory_free_bytes",
+             "memory_total_bytes", "power_usage_watts", "energy_joules", "temperature_celsius", "sm_clock_hertz"}
+    return {name: float(i + 1) for i, name in enumerate(sorted(set(names) - given))}
+
+
+def _publish_findings_and_incidents(state) -> None:  # noqa: ANN001 (State, possibly an old one)
+    try:
+        findings = importlib.import_module("profagent.analysis.findings")
+        incidents = importlib.import_module("profagent.engine.incidents")
+    except ModuleNotFoundError:
+        return  # older layouts had neither
+    state.publish("findings", findings.FindingsSnapshot((
+        findings.Finding("straggler", JOB, "1", "warning", "rank 1 is slow", since=NOW - 120),
+        findings.Finding("dataloader_bound", JOB, None, "info", "the job waits on data", since=NOW - 60),
+    ), NOW, ((JOB, "0", 0.61), (JOB, "1", 0.1)), 12), 0.001)
+    state.publish("incidents", incidents.IncidentsSnapshot(((JOB, "hang", 1),), ((JOB, "hang", 2),)), 0.0)
+    # An off source with nothing to do here (profagent_collector_not_applicable).
+    state.register("nvml_events")
+    state.set_down("nvml_events", "no GPU on this node", not_applicable="no_gpu")
 
 
 def render(content_type: str) -> str:

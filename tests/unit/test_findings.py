@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType
 
 from profagent.analysis.findings import KINDS, FindingsSnapshot
@@ -266,6 +267,16 @@ def test_straggler_and_dataloader_from_traces() -> None:
     assert abs(straggler.evidence["others_median_seconds"] - 0.1025) < 1e-12 and "1.5x" in straggler.summary
     even = TracesSnapshot("job", (RankTrace("0", report(0.100), 1.0), RankTrace("1", report(0.110), 1.0)), (), 0)
     assert Evaluator(cfg()).evaluate({"traces": even}, now=10.0).findings == ()
+
+
+def test_a_trace_without_steps_is_no_straggler() -> None:
+    """An on-demand trace with no ProfilerStep nor optimizer step is one window-long "step"
+    (steps_inferred): 1 s against the other rank's 40 ms steps is not a straggler."""
+    window = dataclasses.replace(report(1.0), steps_inferred=True, step_source="window")
+    traces = TracesSnapshot("job", (RankTrace("0", window, 1.0), RankTrace("1", report(0.040), 1.0)), (), 0)
+    assert not [f for f in Evaluator(cfg()).evaluate({"traces": traces}, now=10.0).findings if f.finding == "straggler"]
+    stepped = TracesSnapshot("job", (RankTrace("0", report(1.0), 1.0), RankTrace("1", report(0.040), 1.0)), (), 0)
+    assert [f.rank for f in Evaluator(cfg()).evaluate({"traces": stepped}, now=10.0).findings if f.finding == "straggler"] == ["0"]
 
 
 # -- memory --------------------------------------------------------------------------------

@@ -6,12 +6,16 @@ import pytest
 
 from profagent.analysis.stacks import (
     CATEGORIES,
+    IDLE_PLACES_MAX,
     StallTracker,
     TopK,
     classify,
+    classify_with_idle,
+    idle_places,
     main_thread_sample,
     parse_folded,
     parse_frame,
+    remember_idle_places,
     thread_states,
 )
 from profagent.sources.stacks.pyspy import PythonBuild, compatibility
@@ -183,6 +187,49 @@ def test_thread_states_counts_py_spy_dump_json() -> None:
     ]
     assert thread_states(dump) == {("active", "held"): 1, ("active", "not_held"): 1, ("idle", "not_held"): 2}
     assert thread_states({"unexpected": 1}) == {}
+
+
+# `py-spy dump --json` of a training loop asleep in time.sleep (examples/train.py's
+# --step-sleep): the main thread's innermost frame is the loop's own line, inactive.
+SLEEPING_DUMP = [
+    {"thread_name": "MainThread", "active": False, "owns_gil": False, "frames": [
+        {"name": "train", "filename": "/w/examples/train.py", "short_filename": "train.py", "line": 93},
+        {"name": "main", "filename": "/w/examples/train.py", "short_filename": "train.py", "line": 111},
+    ]},
+    {"thread_name": "pin_memory", "active": True, "owns_gil": True, "frames": [
+        {"name": "hot", "filename": "/w/x.py", "short_filename": "x.py", "line": 3}]},
+    {"thread_name": "t", "active": False, "frames": []},  # no frames: nothing to learn
+    {"thread_name": "bad", "active": False, "frames": [{"name": "f", "line": "9"}]},  # malformed
+]
+SLEEPING = stack("main (train.py:111)", "train (train.py:93)")
+
+
+def test_a_sleep_in_the_training_loop_is_idle_once_a_dump_saw_its_line_idle() -> None:
+    places = idle_places(SLEEPING_DUMP)
+    assert places == {("train", "train.py", 93)}
+    assert classify(SLEEPING) == "other"  # the record window alone cannot tell
+    assert classify_with_idle(SLEEPING, places) == "idle"
+    assert classify_with_idle(SLEEPING, frozenset()) == "other"
+    # the same function on another line (computing) stays what it was
+    assert classify_with_idle(stack("main (train.py:111)", "train (train.py:90)"), places) == "other"
+    assert idle_places({"unexpected": 1}) == frozenset() and idle_places([{"active": True, "frames": [1]}]) == frozenset()
+
+
+def test_the_idle_rule_never_overrides_a_named_category() -> None:
+    """A DataLoader wait seen idle by a dump is still `dataloader`; a forward pass too."""
+    for category in ("dataloader", "forward", "collective", "compile", "checkpoint_io", "idle"):
+        frames = stack(*CASES[category])
+        leaf = frames[-1]
+        assert classify_with_idle(frames, {(leaf.name, leaf.file, leaf.line)}) == category
+
+
+def test_idle_places_are_bounded_and_keep_the_newest() -> None:
+    known: dict = {}
+    remember_idle_places(known, [("f", "a.py", i) for i in range(IDLE_PLACES_MAX + 10)])
+    assert len(known) == IDLE_PLACES_MAX and ("f", "a.py", 0) not in known
+    remember_idle_places(known, [("f", "a.py", 10)])  # seen again: newest, kept
+    remember_idle_places(known, [("g", "b.py", i) for i in range(IDLE_PLACES_MAX - 1)])
+    assert ("f", "a.py", 10) in known and len(known) == IDLE_PLACES_MAX
 
 
 @pytest.mark.parametrize(

@@ -13,13 +13,17 @@ Categories (``classify``), decided in three tiers; see docs/stacks.md:
    ``dataloader``, ``optimizer``, ``backward``, ``forward``;
 3. the leaf alone: ``idle`` (a thread waiting on a lock, queue, select or socket);
 4. else ``other``.
+
+``classify_with_idle`` adds one rule after these: a stack they leave as ``other`` whose
+leaf line `py-spy dump` saw idle (``idle_places``) is ``idle``. py-spy reads Python frames
+only, so ``time.sleep(...)`` in a training loop is sampled as the loop's own line.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 
 from profagent.analysis.labels import OTHER, shorten
@@ -174,6 +178,52 @@ def classify(frames: tuple[Frame, ...]) -> str:
     if frames and _idle_leaf(frames[-1]):
         return "idle"
     return OTHER
+
+
+# -- waits in C that py-spy does not name (from `py-spy dump --json`) ----------------------
+
+Place = tuple[str, str, int]  # (function, file, line) of a leaf frame, as py-spy names them
+IDLE_PLACES_MAX = 64  # per process group: leaf lines seen idle, the newest kept
+
+
+def idle_places(dump: object) -> frozenset[Place]:
+    """The leaf lines at which `py-spy dump --json` saw a thread idle (not running).
+
+    A thread asleep in a C call (``time.sleep``, a blocking read in an extension) shows
+    its innermost Python frame, the line that made the call, and ``active: false``.
+    ``dump`` is py-spy's parsed JSON: threads with ``active`` and ``frames``, innermost first.
+    """
+    places = set()
+    for t in dump if isinstance(dump, list) else ():
+        if not isinstance(t, dict) or t.get("active", True) or not isinstance(t.get("frames"), list) or not t["frames"]:
+            continue
+        leaf = t["frames"][0]
+        if not isinstance(leaf, dict):
+            continue
+        name, file, line = leaf.get("name"), leaf.get("short_filename") or leaf.get("filename"), leaf.get("line")
+        if isinstance(name, str) and isinstance(file, str) and isinstance(line, int) and not isinstance(line, bool):
+            places.add((name, file, line))
+    return frozenset(places)
+
+
+def remember_idle_places(known: dict[Place, None], seen: Iterable[Place]) -> None:
+    """Add ``seen`` to ``known`` (insertion-ordered), keeping the newest IDLE_PLACES_MAX."""
+    for place in seen:
+        known.pop(place, None)
+        known[place] = None
+    for place in list(known)[: max(0, len(known) - IDLE_PLACES_MAX)]:
+        del known[place]
+
+
+def classify_with_idle(frames: tuple[Frame, ...], idle_at: Container[Place]) -> str:
+    """``classify``, then: a stack it leaves as ``other`` whose leaf is a line a dump saw
+    idle is ``idle``. Named categories (a DataLoader wait, a collective) stay as they are."""
+    category = classify(frames)
+    if category == OTHER and frames:
+        leaf = frames[-1]
+        if (leaf.name, leaf.file, leaf.line) in idle_at:
+            return "idle"
+    return category
 
 
 # -- thread states (from `py-spy dump --json`) --------------------------------------------

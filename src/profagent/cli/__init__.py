@@ -183,7 +183,7 @@ def stacks_cmd(
     fmt: Annotated[str, typer.Option("--format", help="flamegraph (SVG), speedscope (JSON) or folded (text)")] = "flamegraph",
     rate: Annotated[int, typer.Option("--rate", min=1, help="samples per second")] = 100,
     blocking: Annotated[bool, typer.Option("--blocking", help="pause the target for each sample (exact, slower)")] = False,
-    idle: Annotated[bool, typer.Option("--idle/--no-idle", help="include threads that wait (sleep, locks, queues) [default: no]")] = False,
+    idle: Annotated[bool, typer.Option("--idle/--no-idle", help="include threads that wait (sleep, locks, queues)")] = False,
     log_level: LogLevelOpt = None,
 ) -> None:
     """Record a flamegraph of one process with py-spy, without a running agent."""

@@ -70,7 +70,7 @@ def render_report(r: TraceReport, console: Console, rank: str | None = None) -> 
 
     rank = trace_rank(r, rank) or "?"
     device = f", {r.accelerator}" if r.accelerator else ", no accelerator activity"
-    console.print(f"\n[bold]{shown(r.path)}[/bold]  rank {shown(rank)}{shown(device)}, {r.bytes / 1e6:.1f} MB of JSON", highlight=False)
+    console.print(f"\n[bold]{shown(r.path)}[/bold]  rank {shown(rank)}{shown(device)}, {r.bytes / 1e6:.1f} MB of JSON", highlight=False, soft_wrap=True)
     if not r.steps:
         console.print("  no events to analyse in this trace (empty traceEvents)")
         return

@@ -63,6 +63,15 @@ def _get(url: str, query: dict[str, str] | None = None) -> Any:
         raise UserError(f"cannot read {full} ({exc})", "check --url and that the agent runs") from None
 
 
+def _listed(body: Any) -> list[dict[str, Any]]:
+    """The incidents of a GET /api/incidents answer: ``{"incidents": [...]}``, or the bare
+    list that agents before 0.2 answered."""
+    items = body.get("incidents") if isinstance(body, dict) else body
+    if not isinstance(items, list) or not all(isinstance(m, dict) and "id" in m for m in items):
+        raise UserError("the agent's /api/incidents answer is not a list of incidents", "check --url")
+    return items
+
+
 def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
@@ -75,7 +84,7 @@ def list_cmd(url: UrlOpt = None, folder: DirOpt = None, config: ConfigOpt = None
 
     from profagent.analysis.labels import printable_data
 
-    items = _get(url) if url else _store(config, folder).list()
+    items = _listed(_get(url)) if url else _store(config, folder).list()
     out = Console()
     items = printable_data(items)  # job ids, ranks, reasons and paths come from the jobs
     if json_out:
@@ -96,7 +105,7 @@ def list_cmd(url: UrlOpt = None, folder: DirOpt = None, config: ConfigOpt = None
 
 
 @incidents_app.command("show")
-def show_cmd(incident_id: Annotated[str, typer.Argument(help="the id printed by `profagent incidents list`")],
+def show_cmd(incident_id: Annotated[str, typer.Argument(metavar="ID", help="the id printed by `profagent incidents list`")],
              url: UrlOpt = None, folder: DirOpt = None, config: ConfigOpt = None) -> None:
     """Print an incident's summary, then where its files are."""
     from rich.console import Console

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -50,6 +51,31 @@ def record_to_file(
         raise UserError(exc.problem, exc.fix) from None
     if problem:
         raise UserError(problem)
+    # py-spy writes a file of our own beside the output, renamed into place once it is
+    # good: a failed run leaves nothing behind and never truncates an existing output.
+    fd, name = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".partial")
+    os.close(fd)
+    partial = Path(name)
+    try:
+        samples = _record(binary, pid, seconds, rate, fmt, partial, nonblocking, idle)
+        os.chmod(partial, 0o666 & ~_umask())
+        os.replace(partial, output)
+        return samples
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+NO_SAMPLES = "No stack counts found"  # py-spy's flamegraph writer, when no sample was kept
+
+
+def _record(binary: str, pid: int, seconds: int, rate: int, fmt: str, output: Path, nonblocking: bool,
+            idle: bool) -> int:
     args = record_args(binary, pid, seconds, rate, FORMATS[fmt], output, nonblocking, idle=idle)
     stopped_before = is_stopped(pid)
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -63,12 +89,16 @@ def record_to_file(
     finally:
         if not nonblocking:
             resume_if_stopped(pid, stopped_before)
-    if proc.returncode != 0 or not output.exists():
+    m = re.search(r"Samples: (\d+)", out)
+    samples = int(m.group(1)) if m else 0
+    if NO_SAMPLES in err or (proc.returncode == 0 and m and samples == 0 and not idle):
+        raise UserError(f"py-spy saw no running Python code in PID {pid} in {seconds} s: every thread waited",
+                        "add --idle to record waiting threads too (sleep, locks, queues), or --seconds longer")
+    if proc.returncode != 0 or not output.exists() or output.stat().st_size == 0:
         reason = failure_reason(err, pid)
         if reason == "permission":
             raise UserError(f"ptrace denied on PID {pid}", PTRACE_FIX)
         if reason == "target_gone":
             raise UserError(f"PID {pid} exited before py-spy could read it", "attach to a running process")
         raise UserError(f"py-spy failed on PID {pid} ({first_line(err)})", "check that it is a Python process")
-    m = re.search(r"Samples: (\d+)", out)
-    return int(m.group(1)) if m else 0
+    return samples

@@ -45,7 +45,7 @@ from profagent.sources.stacks.source import StacksSource, stacks_route
 from profagent.sources.traces.source import traces_source
 from profagent.state import State
 from profagent.system.unixsock import default_control_socket
-from profagent.target import PidTarget, check_attachable
+from profagent.target import PidTarget, check_attachable, not_a_training_job
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ class Job:
         """``target`` replaces ``PidTarget(pid)`` (watch mode passes a NodeTarget)."""
         set_value_max(config.agent.max_label_bytes)  # before the first environment is read
         self.pid = pid
+        self.watch = target is not None  # a node target: every job of the node, not one tree
         self.state = State()
         self.target = target if target is not None else PidTarget(pid, cmdline_args=config.agent.cmdline_args)
         self.sources, self.disabled = build_sources(config)
@@ -215,7 +216,8 @@ class Agent:
             lambda: [job.state.snapshot("findings")] if job.findings is not None else []
         ))
         self.server.add_route("/api/incidents", incidents_route(
-            IncidentStore(incidents_dir(config.incidents, config.agent.state_dir))))
+            IncidentStore(incidents_dir(config.incidents, config.agent.state_dir)),
+            None if job.watch else lambda: _job_ids(job)))
         self.ranks_api = RanksApi(lambda: [job.state.view()], socket.gethostname())
         self.server.add_route("/api/ranks", self._ranks_route)
 
@@ -248,6 +250,12 @@ class Agent:
         if stopper.is_alive():
             log.warning("stopping took over %g s: exiting anyway", seconds)
         return not stopper.is_alive()
+
+
+def _job_ids(job: Job) -> list[str]:
+    """The job ids an attached agent observes (its tree's), for /api/incidents."""
+    tree = job.state.view().tree
+    return list(tree.job_status()) if tree is not None else []
 
 
 def print_banner(agent: Agent, job: Job, console: Console) -> None:
@@ -297,7 +305,7 @@ def done_serving(exposition: Exposition, gone_for: float, exit_grace: float, now
 def attach(config: Config, pid: int, console: Console) -> int:
     """Run until a signal, or until the target tree has been gone for ``exit_grace`` (and,
     when scraped, until one scrape has seen it gone)."""
-    check_attachable(pid)
+    warning = not_a_training_job(check_attachable(pid))
     job = Job(config, pid)
     agent = Agent(config, job)
     stop = threading.Event()
@@ -305,6 +313,8 @@ def attach(config: Config, pid: int, console: Console) -> int:
     try:
         agent.start()
         print_banner(agent, job, console)
+        if warning:
+            console.print(f"[yellow]warning[/yellow]: {warning}", highlight=False, soft_wrap=True)
         while not stop.wait(0.2):
             if done_serving(agent.exposition, job.runtime.target_gone_for(), config.agent.exit_grace, time.monotonic()):
                 log.info("target PID %d and its whole tree are gone: exiting", pid)

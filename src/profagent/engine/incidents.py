@@ -30,7 +30,7 @@ import stat
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -912,19 +912,31 @@ def _rank_order(p: ProcessInfo) -> tuple[int, str]:
 
 
 # -- reading (CLI, HTTP) ---------------------------------------------------------------------
-def incidents_route(store: IncidentStore) -> Callable[[dict[str, list[str]]], tuple[int, str, bytes]]:
-    """GET /api/incidents -> JSON list of {id, kind, job_id, time, path, rank, reason, status};
-    GET /api/incidents?id=ID -> that incident with its ``summary`` (Markdown) and ``files``."""
+def incidents_route(
+    store: IncidentStore, jobs: Callable[[], Iterable[str]] | None = None,
+) -> Callable[[dict[str, list[str]]], tuple[int, str, bytes]]:
+    """GET /api/incidents[?job=J] -> ``{"incidents": [{id, kind, job_id, time, path, rank,
+    reason, status}, ...]}``, oldest first (an object, like /api/findings and /api/ranks);
+    GET /api/incidents?id=ID -> that incident with its ``summary`` (Markdown) and ``files``.
+
+    ``jobs`` (attach mode) gives the job ids this agent observes: the store's folder is
+    shared by every agent of the user, so only their bundles are listed (docs/openapi.yaml)."""
     keys = ("id", "kind", "job_id", "time", "path", "rank", "reason", "status")
+
+    def listed(job: str | None) -> list[dict[str, Any]]:
+        mine = None if jobs is None else set(jobs())
+        return [m for m in store.list()
+                if (mine is None or m.get("job_id") in mine) and job in (None, m.get("job_id"))]
 
     def route(query: dict[str, list[str]]) -> tuple[int, str, bytes]:
         wanted = (query.get("id") or [""])[0]
+        job = (query.get("job") or [None])[0]
+        items = listed(job)
         if not wanted:
-            return 200, "application/json", orjson.dumps([{k: m.get(k) for k in keys} for m in store.list()])
-        try:
-            meta = find_incident(store, wanted)
-        except UserError as exc:
-            return 404, "text/plain", f"{exc}\n".encode()
+            return 200, "application/json", orjson.dumps({"incidents": [{k: m.get(k) for k in keys} for m in items]})
+        meta = next((m for m in items if m["id"] == wanted), None)
+        if meta is None:
+            return 404, "text/plain", f"no incident {wanted!r} of this agent's jobs\n".encode()
         return 200, "application/json", orjson.dumps({**{k: meta.get(k) for k in keys}, **incident_detail(meta)})
 
     return route

@@ -4,7 +4,7 @@
 the node (``watch``). Both return a ``ProcessTree``.
 """
 
-from profagent.target.pid import PidTarget, check_attachable
+from profagent.target.pid import PidTarget, check_attachable, not_a_training_job
 from profagent.target.tree import (
     ROLE_DATALOADER,
     ROLE_LAUNCHER,
@@ -14,5 +14,5 @@ from profagent.target.tree import (
 )
 
 __all__ = [
-    "ROLE_DATALOADER", "ROLE_LAUNCHER", "ROLE_MAIN", "PidTarget", "ProcessInfo", "ProcessTree", "check_attachable",
+    "ROLE_DATALOADER", "ROLE_LAUNCHER", "ROLE_MAIN", "PidTarget", "ProcessInfo", "ProcessTree", "check_attachable", "not_a_training_job",
 ]

@@ -51,6 +51,32 @@ FULL_SCAN_EVERY = 10.0
 SETTLED_AFTER = 2.0
 
 
+def not_a_training_job(proc: psutil.Process, proc_root: Path = PROC) -> str:
+    """A one-line warning when neither ``proc`` nor any of its descendants is a Python
+    process or carries a rank (RANK, SLURM_PROCID...), else "". Not a refusal: a launcher
+    (a shell script, srun, a container's init) may start its Python ranks later."""
+    try:
+        procs = [proc, *proc.children(recursive=True)]
+        name = proc.name()
+    except psutil.Error:
+        return ""  # gone or unreadable: check_attachable and the target say so
+    for p in procs:
+        try:
+            argv = p.cmdline()
+        except psutil.Error:
+            continue
+        if argv and "python" in argv[0].rsplit("/", 1)[-1]:
+            return ""
+        try:
+            if rank_from_env(read_environ(proc_root, p.pid)) is not None:
+                return ""
+        except OSError:
+            continue
+    return (f"PID {proc.pid} ({name}) is not a Python process, nor is any process under it, and none has a rank "
+            "(RANK, SLURM_PROCID): only its CPU and memory can be observed until one appears; "
+            "did you mean the launcher (torchrun) or a rank? `pgrep -af train`")
+
+
 def check_attachable(pid: int) -> psutil.Process:
     """Return the process, or raise UserError naming the problem and the fix."""
     if pid <= 1:

@@ -174,7 +174,9 @@ def straggler(shares: Iterable[RankShares], traces: Iterable[Any], cfg: Findings
     for rt in traces:
         if "communication" in rt.report.breakdown:
             comm.setdefault(rt.job_id, {})[rt.rank] = rt.report.breakdown["communication"]
-        if rt.report.step_mean:
+        # A trace without steps (no ProfilerStep, no optimizer step) spans its whole window:
+        # a window is not a step time (a 1 s on-demand trace is not a 1 s step).
+        if rt.report.step_mean and not rt.report.steps_inferred:
             steps.setdefault(rt.job_id, {})[rt.rank] = rt.report.step_mean
     low_waiters({job: v for job, v in comm.items() if len(v) > 1 and job not in quiet_jobs}, from_traces)
     for job, by_rank in steps.items():

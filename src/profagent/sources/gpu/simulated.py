@@ -9,9 +9,11 @@ never automatically.
 Behaviour:
 
 - static properties come from a profile (``profiles.py``);
-- utilisation follows a training-like waveform on GPUs that have target processes (a
-  step rhythm with a periodic input-pipeline dip) and stays 0 on the others; power,
-  temperature, clocks and PCIe/NVLink traffic follow utilisation;
+- utilisation is a healthy training job's on GPUs that have target processes (steady
+  around 88%, a few points of step-to-step jitter, never throttled) and stays 0 on the
+  others; power, temperature, clocks and PCIe/NVLink traffic follow utilisation. Anything
+  unhealthy (a dip, a power cap, an XID) is scripted on purpose: ``simulated:FILE.yaml``
+  (``scripted.py``) or the test hooks below;
 - energy, NVLink and ECC counters only go up;
 - per-process memory and utilisation are reported for the PIDs handed over with
   ``simulatedSetTargetProcesses`` (the source passes the target's real rank PIDs, so
@@ -193,13 +195,11 @@ class SimulatedNvml:
         return sorted((pid, lr) for pid, lr in self._targets.items() if lr % self.count == index)
 
     def _util(self, index: int) -> float:
-        """0..1: a step rhythm around 80% with a dip every 20 s (input pipeline), or 0."""
+        """0..1: steady around 88% (a healthy job: no dips, nothing for a finding), or 0."""
         if not self._procs_on(index):
             return 0.0
         t = self._t() + 1.7 * index
-        if t % 20.0 > 18.5:
-            return 0.08
-        return max(0.0, min(1.0, 0.8 + 0.15 * math.sin(2 * math.pi * t / 7.0) + 0.04 * math.sin(2 * math.pi * t / 0.9)))
+        return 0.88 + 0.02 * math.sin(2 * math.pi * t / 7.0) + 0.01 * math.sin(2 * math.pi * t / 0.9)
 
     def _power_mw(self, index: int) -> float:
         p = self.profile
@@ -380,7 +380,7 @@ class SimulatedNvml:
         u = self._util(handle.index)
         if u == 0.0:
             return pynvml.nvmlClocksEventReasonGpuIdle
-        return pynvml.nvmlClocksEventReasonSwPowerCap if u > 0.9 else pynvml.nvmlClocksEventReasonNone
+        return pynvml.nvmlClocksEventReasonNone  # healthy: power stays below the cap (see _power_mw)
 
     def nvmlDeviceGetPcieThroughput(self, handle: Handle, counter: int) -> int:
         """KB/s over the last 20 ms, as in NVML."""

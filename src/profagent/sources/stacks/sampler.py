@@ -30,7 +30,14 @@ from pathlib import Path
 
 import psutil
 
-from profagent.analysis.stacks import Sample, main_thread_sample, parse_folded, thread_states
+from profagent.analysis.stacks import (
+    Place,
+    Sample,
+    idle_places,
+    main_thread_sample,
+    parse_folded,
+    thread_states,
+)
 from profagent.config import StacksConfig
 from profagent.sources.stacks import pyspy
 from profagent.system.cputime import CPU, reap
@@ -81,6 +88,7 @@ class Result:
     wall_end: float
     samples: tuple[Sample, ...] = ()
     states: dict[tuple[str, str], int] = field(default_factory=dict)  # (state, gil) -> threads
+    idle: frozenset[Place] = frozenset()  # dump: leaf lines of the threads seen idle
     error: str = ""  # bounded reason, "" when fine
     detail: str = ""
     native: bool = False  # a record window with native frames (py-spy --native)
@@ -279,7 +287,8 @@ class Sampler:
             try:
                 dump = json.loads(text)
                 main = main_thread_sample(dump, child.pid)
-                return [*extra, Result(**base, states=thread_states(dump), samples=(main,) if main else ())]
+                return [*extra, Result(**base, states=thread_states(dump), samples=(main,) if main else (),
+                                       idle=idle_places(dump))]
             except ValueError:
                 return [*extra, Result(**base, error="parse", detail="py-spy dump printed invalid JSON")]
         return [*extra, Result(**base, samples=tuple(parse_folded(text, child.pid)))]

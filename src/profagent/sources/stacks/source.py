@@ -30,10 +30,13 @@ from profagent.analysis.collectives import (
 from profagent.analysis.stacks import (
     CATEGORIES,
     Frame,
+    Place,
     Sample,
     StallTracker,
     TopK,
     classify,
+    classify_with_idle,
+    remember_idle_places,
 )
 from profagent.config import StacksConfig
 from profagent.errors import SourceUnavailable
@@ -133,6 +136,7 @@ class StacksSource:
         self._categories: dict[tuple[str, str, str], dict[str, int]] = {}
         self._topk: dict[tuple[str, str, str], TopK] = {}
         self._threads: dict[tuple[str, str, str], dict[tuple[str, str], int]] = {}
+        self._idle_places: dict[tuple[str, str, str], dict[Place, None]] = {}  # lines dumps saw idle
         self._stalls: dict[tuple[str, str], StallTracker] = {}
         self._stall_state: dict[tuple[str, str], tuple[bool, float, tuple[Frame, ...]]] = {}
         # collective waits, per (job_id, rank): see analysis/collectives.WaitRatios
@@ -182,8 +186,9 @@ class StacksSource:
     def _forget_ended_jobs(self, tree: ProcessTree) -> None:
         """A job that left the tree (watch mode, after its grace) takes its series along."""
         live = set(tree.job_status())
-        for table in (self._categories, self._topk, self._threads, self._stalls, self._stall_state, self._ratios,
-                      self._judged, self._last_native, self._native_stack, self._steady, self._native_pending):
+        for table in (self._categories, self._topk, self._threads, self._idle_places, self._stalls, self._stall_state,
+                      self._ratios, self._judged, self._last_native, self._native_stack, self._steady,
+                      self._native_pending):
             for key in [k for k in table if k[0] not in live]:
                 del table[key]
         # errors of no job ("": the sampler itself failed) are the agent's: they stay
@@ -260,6 +265,7 @@ class StacksSource:
             counts = self._threads.setdefault(group, {})
             for key, n in r.states.items():
                 counts[key] = counts.get(key, 0) + n
+            remember_idle_places(self._idle_places.setdefault(group, {}), r.idle)
             if r.pid not in self._windowed:  # a first look, within a second, until the first window
                 self._count_main(group, list(r.samples), r.end - r.start)
             return
@@ -279,8 +285,9 @@ class StacksSource:
         """Main-thread samples into the category counters and the top-K leaf functions."""
         cats = self._categories.setdefault(group, dict.fromkeys(CATEGORIES, 0))
         functions: dict[str, int] = {}
+        idle_at = self._idle_places.get(group, {})
         for s in main:
-            cats[classify(s.frames)] += s.count
+            cats[classify_with_idle(s.frames, idle_at)] += s.count
             if s.leaf is not None:
                 functions[s.leaf.function] = functions.get(s.leaf.function, 0) + s.count
         self._topk.setdefault(group, TopK(self.config.top_k)).add(functions, seconds)
