@@ -209,7 +209,7 @@ def _publish_findings_and_incidents(state) -> None:  # noqa: ANN001 (State, poss
         findings.Finding("straggler", JOB, "1", "warning", "rank 1 is slow", since=NOW - 120),
         findings.Finding("dataloader_bound", JOB, None, "info", "the job waits on data", since=NOW - 60),
     ), NOW, ((JOB, "0", 0.61), (JOB, "1", 0.1)), 12), 0.001)
-    state.publish("incidents", incidents.IncidentsSnapshot(((JOB, "hang", 1),), ((JOB, "hang", 2),)), 0.0)
+    state.publish("incidents", incidents.IncidentsSnapshot(((JOB, "hang", 1),), ((JOB, "hang", 2),), (("symlink", 1),)), 0.0)
     # An off source with nothing to do here (profagent_collector_not_applicable).
     state.register("nvml_events")
     state.set_down("nvml_events", "no GPU on this node", not_applicable="no_gpu")
