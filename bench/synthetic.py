@@ -98,7 +98,7 @@ def _stacks_maker() -> Callable[[ProcessTree, int], tuple[str, object]]:
             for rank in range(RANKS)
         )
         stalls = tuple(RankStall(str(rank), False, 1.0, JOB) for rank in range(RANKS))
-        return "stacks", StacksSnapshot(JOB, groups, stalls, (("pyspy_failed", 1),))
+        return "stacks", StacksSnapshot(JOB, groups, stalls, ((JOB, "pyspy_failed", 1),))
 
     return make
 

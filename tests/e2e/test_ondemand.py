@@ -184,7 +184,10 @@ def test_json_of_a_launcher_is_one_document_with_the_cross_rank_summary(traced_j
     ranks = doc["summary"]["ranks"]
     assert sorted(ranks) == ["0", "1"] and all(r["steps"] == 2 for r in ranks.values())
     timed = {r: v["step_seconds"] for r, v in ranks.items()}
-    assert doc["summary"]["straggler_rank"] == max(timed, key=timed.get)
+    assert all(t > 0 for t in timed.values())
+    # The straggler is judged from each rank's collectives, never from step time (#27):
+    # the summary names one or says why none, in words.
+    assert doc["summary"]["straggler_rank"] in (None, *ranks) and doc["summary"]["straggler_why"]
     assert doc["summary"]["spread"] == pytest.approx(max(timed.values()) / min(timed.values()) - 1)
 
 

@@ -91,7 +91,10 @@ def test_the_live_agent_answers_as_docs_openapi_yaml_says(children, tmp_path: Pa
     check(base, "/healthz")
     assert check(base, "/api/findings")["findings"] is not None
     check(base, "/api/findings", "job=nope")
-    assert "openapi_busy" in get(base + "/api/stacks?rank=0")[2].decode()
+    # /api/ranks has a first look (a thread-state dump) before the first py-spy window; the
+    # folded stacks of /api/stacks come with that window.
+    wait_for(lambda: "openapi_busy" in get(base + "/api/stacks?rank=0")[2].decode(), 60, interval=0.5,
+             what="the first py-spy window in /api/stacks")
     check(base, "/api/stacks", "rank=0&seconds=5")
     check(base, "/api/stacks", "rank=9")  # 404
     check(base, "/api/stacks", "rank=0&seconds=x")  # 400

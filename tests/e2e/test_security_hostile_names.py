@@ -94,7 +94,7 @@ def test_hostile_names_reach_no_terminal_and_forge_no_log_line(tmp_path: Path, r
                                                   for frame in frames) for f in findings)
 
     wait_for(hang_found, 90, what="the hang found, with the hostile function in its stacks")
-    incidents = wait_for(lambda: [m for m in json.loads(http_get(url + "/api/incidents"))
+    incidents = wait_for(lambda: [m for m in json.loads(http_get(url + "/api/incidents"))["incidents"]
                                   if m.get("status") == "complete"], 120, what="the hang's incident captured")
 
     outputs = {

@@ -145,7 +145,7 @@ class Node:
                                "--job", job_id, "--wait", "0"], capture_output=True, text=True, timeout=60)
 
     def incidents(self) -> list[dict]:
-        return json.loads(http_get(self.url + "/api/incidents"))
+        return json.loads(http_get(self.url + "/api/incidents"))["incidents"]
 
     def incident(self, job_id: str) -> dict | None:
         mine = [i for i in self.incidents() if i["job_id"] == job_id]
