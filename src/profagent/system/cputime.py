@@ -19,8 +19,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-PYSPY = "pyspy"  # the key under which py-spy children's own CPU is also kept apart
-
 
 class CpuAccount:
     def __init__(self, thread_clock: Callable[[], float] = time.thread_time) -> None:
