@@ -5,6 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # A pinned torch: on our machines 2.13.0 is a local CPU build; unpinned would pull CUDA (GBs).
 TORCH_VERSION ?= 2.13.0
+# pytest workers: the suite mostly waits on real processes, so more workers than cores.
+TEST_WORKERS ?= 3
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
@@ -36,7 +38,7 @@ lint: venv
 	$(VENV)/bin/ruff check src tests bench examples tools
 
 test: venv prometheus lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 demo: venv
 	$(PY) examples/demo.py

@@ -12,7 +12,9 @@ An event, at a step both ranks reach (so every rank takes it at the same step), 
 PLAIN_DDP_EVENT="KIND:STEP" or, once it exists, by the file PLAIN_DDP_TRIGGER holding it:
   hang:S      rank 1 sleeps before its forward of step S (the others wait in backward, or
               in FSDP2's all_gather);
-  mismatch:S  rank 0 enters all_reduce, the other ranks broadcast: they never meet.
+  mismatch:S  rank 0 enters all_reduce, the other ranks a broadcast from rank 0: they never
+              meet (gloo keeps the two apart, and a receiving rank cannot finish alone;
+              as the sender, a rank would return once its bytes are buffered, and move on).
 
 Ground truth goes to DIR/rank<R>.jsonl (one JSON object a line): {"event": "ready",
 "repeat"}, {"event": "step", "step", "seconds"} and {"event": "hang"|"mismatch", "file",
@@ -109,7 +111,7 @@ def main() -> None:
                 dist.all_reduce(t)
             else:
                 note(event="mismatch", file=os.path.basename(__file__), line=here() + 1, collective="broadcast")
-                dist.broadcast(t, src=1)
+                dist.broadcast(t, src=0)
         loss = model(x, repeat)
         loss.backward()
         opt.step()
