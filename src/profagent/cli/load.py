@@ -1,9 +1,10 @@
 """Reading and analysing many traces at once: one process per core, a progress bar on a
 terminal. ``profagent analyze`` and ``profagent diff`` of a folder use it.
 
-Each trace is read and analysed in a worker process (parse + analysis is CPU-bound
-Python and numpy: threads would share one core under the GIL); only the small report
-comes back. One trace, or one core, is read in this process (no pool to start).
+Each trace is read and analysed in its own process (parse + analysis is CPU-bound
+Python and numpy: threads would share one core under the GIL): a pool of one worker per
+core but one, forked from this process, and this process itself; only the small report
+comes back. One trace, or one core, is read in this process alone (no pool to start).
 """
 
 from __future__ import annotations
@@ -52,20 +53,42 @@ def analyse_all(files: Sequence[Path], top_k: int, in_steps: bool = False,
                 out.append(_one(path, top_k, in_steps, iteration_window))
                 tick()
             return out
-        from concurrent.futures import (  # a pool only for several traces
-            ProcessPoolExecutor,
-            as_completed,
-        )
-
-        results: dict[int, Outcome] = {}
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            futures = {pool.submit(_one, path, top_k, in_steps, iteration_window): i for i, path in enumerate(files)}
-            for future in as_completed(futures):
-                results[futures[future]] = future.result()
-                tick()
-        return [results[i] for i in range(len(files))]
+        return _pool_and_here(files, workers, tick, top_k, in_steps, iteration_window)
     finally:
         stop()
+
+
+def _pool_and_here(files: Sequence[Path], workers: int, tick: Callable[[], None], top_k: int, in_steps: bool,
+                   iteration_window: bool) -> list[Outcome]:
+    """A pool of ``workers - 1`` processes reads the traces from the front of the list while
+    this process, whose core would otherwise wait, reads them from the back: it takes a
+    trace by cancelling its future, which succeeds only while no worker has started it.
+    One fewer process to fork, and this one's caches are warm."""
+    import gc
+    from concurrent.futures import ProcessPoolExecutor, wait
+
+    results: dict[int, Outcome] = {}
+    with ProcessPoolExecutor(max_workers=workers - 1) as pool:
+        # The workers are forked at the first submit. The objects made so far (imported
+        # modules) are frozen in them: a collection in a worker would otherwise write to
+        # each object's header and copy its page.
+        gc.freeze()
+        try:
+            futures = [pool.submit(_one, path, top_k, in_steps, iteration_window) for path in files]
+        finally:
+            gc.unfreeze()
+        for future in futures:
+            future.add_done_callback(lambda f: None if f.cancelled() else tick())
+        for i in range(len(files) - 1, -1, -1):
+            if not futures[i].cancel():  # a worker has it, and every trace before it
+                break
+            results[i] = _one(files[i], top_k, in_steps, iteration_window)
+            tick()
+        wait(futures)
+        for i, future in enumerate(futures):
+            if not future.cancelled():
+                results[i] = future.result()
+    return [results[i] for i in range(len(files))]
 
 
 def _progress(total: int) -> tuple[Callable[[], None], Callable[[], None]]:
