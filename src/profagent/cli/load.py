@@ -58,15 +58,28 @@ def analyse_all(files: Sequence[Path], top_k: int, in_steps: bool = False,
         stop()
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # read (and reported) by _one
+        return 0
+
+
 def _pool_and_here(files: Sequence[Path], workers: int, tick: Callable[[], None], top_k: int, in_steps: bool,
                    iteration_window: bool) -> list[Outcome]:
-    """A pool of ``workers - 1`` processes reads the traces from the front of the list while
-    this process, whose core would otherwise wait, reads them from the back: it takes a
-    trace by cancelling its future, which succeeds only while no worker has started it.
-    One fewer process to fork, and this one's caches are warm."""
+    """This process, whose core would otherwise wait, reads its share of the traces (by
+    size, from the back of the list) while a pool of ``workers - 1`` processes reads the
+    rest; then it takes the pool's traces that no worker has started, from the back (a
+    future not yet started can be cancelled). One fewer process to fork, one hand-over per
+    trace only for the pool's, and this process's caches are warm."""
     import gc
     from concurrent.futures import ProcessPoolExecutor, wait
 
+    sizes = [_size(p) for p in files]
+    share, mine, taken = sum(sizes) / workers, len(files), 0
+    while mine > 1 and taken + sizes[mine - 1] / 2 <= share:
+        mine -= 1
+        taken += sizes[mine]
     results: dict[int, Outcome] = {}
     with ProcessPoolExecutor(max_workers=workers - 1) as pool:
         # The workers are forked at the first submit. The objects made so far (imported
@@ -74,13 +87,13 @@ def _pool_and_here(files: Sequence[Path], workers: int, tick: Callable[[], None]
         # each object's header and copy its page.
         gc.freeze()
         try:
-            futures = [pool.submit(_one, path, top_k, in_steps, iteration_window) for path in files]
+            futures = [pool.submit(_one, files[i], top_k, in_steps, iteration_window) for i in range(mine)]
         finally:
             gc.unfreeze()
         for future in futures:
             future.add_done_callback(lambda f: None if f.cancelled() else tick())
         for i in range(len(files) - 1, -1, -1):
-            if not futures[i].cancel():  # a worker has it, and every trace before it
+            if i < mine and not futures[i].cancel():  # a worker has it, and every trace before it
                 break
             results[i] = _one(files[i], top_k, in_steps, iteration_window)
             tick()
