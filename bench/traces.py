@@ -217,30 +217,50 @@ def make_job(out: Path, ranks: int = JOB_RANKS) -> Path:
     return folder
 
 
+def _tree_rss(pid: int) -> int:
+    """RSS bytes of ``pid`` and its descendants, from /proc/PID/task/*/children and statm:
+    a few small reads (psutil's children() scans every process on the machine, ~2 ms a
+    sample on a 2-core machine that the measured tool needs whole)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * PAGE
+            for task in os.scandir(f"/proc/{p}/task"):
+                todo += [int(c) for c in Path(task.path, "children").read_text().split()]
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            pass
+    return total
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
 def _tree_run(argv: list[str], env: dict[str, str]) -> tuple[float, float, int]:
-    """(wall seconds, CPU seconds, peak RSS bytes) of a process tree: the RSS is the peak of
-    the *sum* over the process and its children (both tools read ranks in worker processes,
-    whose memory adds up), sampled every 20 ms."""
-    import psutil
+    """(wall seconds, CPU seconds, peak RSS bytes) of a process tree. The wall is the
+    exact exit (this thread waits in waitpid); the RSS is the peak of the *sum* over the
+    process and its children (both tools read ranks in worker processes, whose memory adds
+    up), sampled every 10 ms by a helper thread."""
+    import threading
 
     began = time.perf_counter()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    root = psutil.Process(proc.pid)
-    peak = 0
-    while proc.poll() is None:
-        total = 0
-        try:
-            for p in [root, *root.children(recursive=True)]:
-                total += p.memory_info().rss
-        except psutil.Error:
-            pass
-        peak = max(peak, total)
-        time.sleep(0.02)
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.01):
+            peak[0] = max(peak[0], _tree_rss(proc.pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    proc.wait()
     wall = time.perf_counter() - began
+    done.set()
+    sampler.join()
     if proc.returncode != 0:
         raise RuntimeError(f"exit {proc.returncode}")
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # cumulative: differences taken by the caller
-    return wall, usage.ru_utime + usage.ru_stime, peak
+    return wall, usage.ru_utime + usage.ru_stime, peak[0]
 
 
 def measure_job(tool: str, folder: Path, repeat: int) -> dict:

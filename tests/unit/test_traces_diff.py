@@ -204,6 +204,34 @@ def test_parallel_reading_keeps_order_and_matches_one_by_one(tmp_path: Path, cap
             assert got == analyze(read_trace(path), 10)
 
 
+def _read_by(path: Path, *_args: object) -> tuple[str, str]:
+    """Stands in for ``load._one`` (module level: pickled by name to the forked worker)."""
+    import os
+
+    return (f"{path.name}:{os.getpid()}", "pid")
+
+
+def test_this_process_reads_its_share_from_the_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes for four traces of one size: this process reads the last two (its half
+    by size, from the back), the pool's worker the others unless this process cancelled
+    them before the worker began (here it may: a trace takes no time); each once, in order.
+    The ticks are all counted on return (the pool's thread that calls them is joined)."""
+    import os
+
+    from profagent.cli import load
+
+    files = []
+    for i in range(4):
+        files.append(tmp_path / f"rank{i}.json")
+        files[-1].write_bytes(b" " * 1000)
+    monkeypatch.setattr(load, "_one", _read_by)
+    ticks = []
+    got = [message for message, _ in load._pool_and_here(files, 2, lambda: ticks.append(1), 10, False, False)]
+    assert [g.split(":")[0] for g in got] == [f.name for f in files] and len(ticks) == 4
+    by = [int(g.split(":")[1]) for g in got]
+    assert by[2] == by[3] == os.getpid()
+
+
 def test_kernels_kept_for_a_diff_are_bounded(tmp_path: Path) -> None:
     """A trace with 600 distinct kernels: the 500 largest are kept, the rest summed as other."""
     from profagent.analysis.trace.report import IN_STEPS_KEPT, analyze

@@ -204,3 +204,27 @@ def test_the_buffer_cap_leaves_real_traces_alone(tmp_path: Path) -> None:
     capped, free = read_trace(path, max_buffered=MiB), read_trace(path)
     assert len(capped) == len(free) == 60_000
     assert _events(capped) == _events(free)
+
+
+def test_zlib_ng_inflates_and_the_standard_library_reads_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """zlib-ng (a declared dependency) inflates; without it the standard library's zlib gives
+    the same trace, the same reasons for bad gzip, and the same caps on a gzip bomb."""
+    import zlib
+
+    assert traceio.zlib.__name__ == "zlib_ng.zlib_ng"
+    fast = read_trace(V100)
+    data = SMALL.read_bytes()
+    cut = _write(tmp_path / "cut.json.gz", data[: len(data) // 2])
+    bad = _write(tmp_path / "bad.json.gz", data[:10] + b"\xff" * 64 + data[74:])
+    bomb = _gz_stream(tmp_path / "bomb.json.gz", (b'{"traceEvents": [', 1), (_SPACES, 12), (b"]}", 1))
+    seen = []
+    for module in (traceio.zlib, zlib):
+        monkeypatch.setattr(traceio, "zlib", module)
+        assert _events(read_trace(V100)) == _events(fast)
+        reasons = []
+        for path, kwargs in ((cut, {}), (bad, {}), (bomb, {"max_buffered": 2 * MiB}), (bomb, {"max_bytes": 4 * MiB})):
+            with pytest.raises(TraceError) as err:
+                read_trace(path, **kwargs)
+            reasons.append(err.value.reason)
+        seen.append(reasons)
+    assert seen[0] == seen[1] == ["truncated", "corrupt", "too_large_event", "too_large"]

@@ -12,7 +12,6 @@ stay two jobs.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -45,6 +44,8 @@ def bound(text: str, limit: int | None = None) -> str:
     raw = text.encode("utf-8", "surrogateescape")
     if len(raw) <= limit:
         return text
+    import hashlib  # only for a value too long (hashlib's import is 3 ms of `profagent analyze`)
+
     digest = hashlib.sha256(raw).hexdigest()[:_HASH_CHARS]
     keep = limit - len(ELLIPSIS.encode()) - _HASH_CHARS
     start = raw[:keep].decode("utf-8", "ignore")  # a character cut in two is dropped

@@ -1,9 +1,10 @@
 """Reading and analysing many traces at once: one process per core, a progress bar on a
 terminal. ``profagent analyze`` and ``profagent diff`` of a folder use it.
 
-Each trace is read and analysed in a worker process (parse + analysis is CPU-bound
-Python and numpy: threads would share one core under the GIL); only the small report
-comes back. One trace, or one core, is read in this process (no pool to start).
+Each trace is read and analysed in its own process (parse + analysis is CPU-bound
+Python and numpy: threads would share one core under the GIL): a pool of one worker per
+core but one, forked from this process, and this process itself; only the small report
+comes back. One trace, or one core, is read in this process alone (no pool to start).
 """
 
 from __future__ import annotations
@@ -52,20 +53,55 @@ def analyse_all(files: Sequence[Path], top_k: int, in_steps: bool = False,
                 out.append(_one(path, top_k, in_steps, iteration_window))
                 tick()
             return out
-        from concurrent.futures import (  # a pool only for several traces
-            ProcessPoolExecutor,
-            as_completed,
-        )
-
-        results: dict[int, Outcome] = {}
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            futures = {pool.submit(_one, path, top_k, in_steps, iteration_window): i for i, path in enumerate(files)}
-            for future in as_completed(futures):
-                results[futures[future]] = future.result()
-                tick()
-        return [results[i] for i in range(len(files))]
+        return _pool_and_here(files, workers, tick, top_k, in_steps, iteration_window)
     finally:
         stop()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # read (and reported) by _one
+        return 0
+
+
+def _pool_and_here(files: Sequence[Path], workers: int, tick: Callable[[], None], top_k: int, in_steps: bool,
+                   iteration_window: bool) -> list[Outcome]:
+    """This process, whose core would otherwise wait, reads its share of the traces (by
+    size, from the back of the list) while a pool of ``workers - 1`` processes reads the
+    rest; then it takes the pool's traces that no worker has started, from the back (a
+    future not yet started can be cancelled). One fewer process to fork, one hand-over per
+    trace only for the pool's, and this process's caches are warm."""
+    import gc
+    from concurrent.futures import ProcessPoolExecutor, wait
+
+    sizes = [_size(p) for p in files]
+    share, mine, taken = sum(sizes) / workers, len(files), 0
+    while mine > 1 and taken + sizes[mine - 1] / 2 <= share:
+        mine -= 1
+        taken += sizes[mine]
+    results: dict[int, Outcome] = {}
+    with ProcessPoolExecutor(max_workers=workers - 1) as pool:
+        # The workers are forked at the first submit. The objects made so far (imported
+        # modules) are frozen in them: a collection in a worker would otherwise write to
+        # each object's header and copy its page.
+        gc.freeze()
+        try:
+            futures = [pool.submit(_one, files[i], top_k, in_steps, iteration_window) for i in range(mine)]
+        finally:
+            gc.unfreeze()
+        for future in futures:
+            future.add_done_callback(lambda f: None if f.cancelled() else tick())
+        for i in range(len(files) - 1, -1, -1):
+            if i < mine and not futures[i].cancel():  # a worker has it, and every trace before it
+                break
+            results[i] = _one(files[i], top_k, in_steps, iteration_window)
+            tick()
+        wait(futures)
+        for i, future in enumerate(futures):
+            if not future.cancelled():
+                results[i] = future.result()
+    return [results[i] for i in range(len(files))]
 
 
 def _progress(total: int) -> tuple[Callable[[], None], Callable[[], None]]:
