@@ -460,8 +460,9 @@ def main() -> None:
         if message.strip():  # empty when the help was shown instead
             error_line(f"{message} (see `profagent --help`)")
         sys.exit(getattr(exc, "exit_code", 2))
-    if _TEARDOWN["skip"]:
-        _exit(code if isinstance(code, int) else 0)
+    code = code if isinstance(code, int) else 0
+    if code or _TEARDOWN["skip"]:  # a command's failure is the process's exit status
+        _exit(code)
 
 
 if __name__ == "__main__":
