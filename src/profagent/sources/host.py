@@ -23,8 +23,9 @@ from profagent.target import ROLE_DATALOADER, ProcessInfo, ProcessTree
 Group = tuple[str, str, str]  # (job_id, rank, role)
 # A worker's USS walks its page tables (/proc/PID/smaps_rollup: 1-3 ms of kernel time for a
 # process that mapped torch, half the host collector's CPU at 8 ranks when read every 10 s):
-# read it this often, and at most USS_PER_TICK workers per tick, the least recently read
-# first. A leak grows over minutes; its alert judges after a 2-minute span.
+# read it when a worker appears (a group's sum never ramps up as its workers are read), then
+# this often, at most USS_PER_TICK re-reads per tick, the least recently read first. A leak
+# grows over minutes; its alert judges after a 2-minute span.
 USS_EVERY = 30.0
 USS_PER_TICK = 2
 
@@ -156,13 +157,13 @@ class HostSource:
             proc = self._procs[key] = self._new_process(info.pid)
         return proc
 
-    def _uss_due(self, workers: list[tuple[tuple[int, float], ProcHandle]]) -> set[tuple[int, float]]:
-        """The workers whose USS is read this tick: never read, or read USS_EVERY ago;
-        at most USS_PER_TICK of them, the least recently read first (never read: first)."""
+    def _uss_due(self, workers: list[tuple[int, float]]) -> set[tuple[int, float]]:
+        """The workers whose USS is read this tick: every one never read, and of those
+        read USS_EVERY ago or more, USS_PER_TICK, the least recently read first."""
         now = self._clock()
-        stale = [(self._uss[key][0] if key in self._uss else float("-inf"), key) for key, _ in workers
-                 if key not in self._uss or now - self._uss[key][0] >= USS_EVERY]
-        return {key for _, key in sorted(stale)[:USS_PER_TICK]}
+        stale = sorted((self._uss[key][0], key) for key in workers
+                       if key in self._uss and now - self._uss[key][0] >= USS_EVERY)
+        return {key for key in workers if key not in self._uss} | {key for _, key in stale[:USS_PER_TICK]}
 
     def _worker_uss(self, key: tuple[int, float], proc: ProcHandle, due: set[tuple[int, float]]) -> int | None:
         if key in due:
@@ -176,8 +177,7 @@ class HostSource:
         # Jobs still listed (watch mode keeps an ended job for its grace period) keep
         # their retired counters; a job no longer listed takes its groups with it.
         live_jobs = {p.job_id for p in tree.processes} | set(tree.job_status())
-        uss_due = self._uss_due([((p.pid, p.create_time), self._process(p))
-                                 for p in tree.processes if p.role == ROLE_DATALOADER])
+        uss_due = self._uss_due([(p.pid, p.create_time) for p in tree.processes if p.role == ROLE_DATALOADER])
         for info in tree.processes:
             key = (info.pid, info.create_time)
             group = (info.job_id, info.rank, info.role)
