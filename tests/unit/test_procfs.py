@@ -4,6 +4,7 @@ with psutil on the live /proc and reads another root when given one."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import psutil
@@ -80,13 +81,15 @@ def test_process_stats_agree_with_psutil() -> None:
     from profagent.system.procfs import read_identity, read_process_stats
 
     me = psutil.Process()
-    before = me.cpu_times()
+    time.sleep(0.01)  # a voluntary context switch at least: the parsed count cannot be a default 0
+    before, ctx0 = me.cpu_times(), me.num_ctx_switches()
     st = read_process_stats(PROC, os.getpid())
     after, mem, ctx, io = me.cpu_times(), me.memory_info(), me.num_ctx_switches(), me.io_counters()
     assert before.user <= st.cpu_user <= after.user and before.system <= st.cpu_system <= after.system
     assert st.threads == me.num_threads() and st.cpu_iowait == before.iowait
     assert abs(st.rss - mem.rss) < 4 << 20  # a few pages may move between the two reads
-    assert 0 < st.ctx_voluntary <= ctx.voluntary and st.ctx_involuntary <= ctx.involuntary
+    assert 0 < ctx0.voluntary <= st.ctx_voluntary <= ctx.voluntary
+    assert ctx0.involuntary <= st.ctx_involuntary <= ctx.involuntary
     assert abs(st.fds - me.num_fds()) <= 1  # listing the folder holds one open
     assert st.read_bytes <= io.read_bytes and st.write_bytes <= io.write_bytes
     booted = psutil.boot_time()

@@ -8,7 +8,6 @@ unreadable file means (usually: the process is gone, or belongs to another user)
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,29 +136,35 @@ class ProcessStats:
     write_bytes: int | None
 
 
-_VOLUNTARY = re.compile(rb"^voluntary_ctxt_switches:\s*(\d+)", re.M)
-_INVOLUNTARY = re.compile(rb"^nonvoluntary_ctxt_switches:\s*(\d+)", re.M)
-_READ_BYTES = re.compile(rb"^read_bytes:\s*(\d+)", re.M)
-_WRITE_BYTES = re.compile(rb"^write_bytes:\s*(\d+)", re.M)
+def _number_after(text: bytes, key: bytes) -> int | None:
+    """The number on the line starting with ``key`` (without its newline), else None."""
+    at = text.find(b"\n" + key)
+    if at < 0:
+        return None
+    start = at + 1 + len(key)
+    end = text.find(b"\n", start)
+    try:
+        return int(text[start:end if end >= 0 else len(text)])
+    except ValueError:
+        return None
 
 
 def read_process_stats(proc_root: Path, pid: int) -> ProcessStats:
     """/proc/PID/stat, status (context switches), io and the fd folder. Raises OSError
     (FileNotFoundError, ProcessLookupError) when the process is gone. Read every tick for
-    every process of the job: plain strings and regexes, no pathlib (half its cost)."""
+    every process of the job: plain strings and ``bytes.find``, no pathlib (half its cost)."""
     root = f"{proc_root}/{pid}"
     fields = _read_bytes(root + "/stat", 4096).rpartition(b")")[2].split()
     if len(fields) < 40:
         raise FileNotFoundError(f"{root}/stat is truncated")
     status = _read_bytes(root + "/status", 16384)
-    voluntary, involuntary = _VOLUNTARY.search(status), _INVOLUNTARY.search(status)
     try:
         fds: int | None = len(os.listdir(root + "/fd"))
     except PermissionError:
         fds = None
     try:
-        io = _read_bytes(root + "/io", 4096)
-        read_bytes, write_bytes = _READ_BYTES.search(io), _WRITE_BYTES.search(io)
+        io = b"\n" + _read_bytes(root + "/io", 4096)
+        read_bytes, write_bytes = _number_after(io, b"read_bytes:"), _number_after(io, b"write_bytes:")
     except PermissionError:
         read_bytes = write_bytes = None
     # stat fields after the name, 0-based: 11 utime, 12 stime, 17 num_threads, 21 rss (pages),
@@ -170,11 +175,11 @@ def read_process_stats(proc_root: Path, pid: int) -> ProcessStats:
         cpu_iowait=int(fields[39]) / CLOCK_TICKS,
         rss=int(fields[21]) * PAGE_SIZE,
         threads=int(fields[17]),
-        ctx_voluntary=int(voluntary.group(1)) if voluntary else 0,
-        ctx_involuntary=int(involuntary.group(1)) if involuntary else 0,
+        ctx_voluntary=_number_after(status, b"voluntary_ctxt_switches:") or 0,
+        ctx_involuntary=_number_after(status, b"nonvoluntary_ctxt_switches:") or 0,
         fds=fds,
-        read_bytes=int(read_bytes.group(1)) if read_bytes else None,
-        write_bytes=int(write_bytes.group(1)) if write_bytes else None,
+        read_bytes=read_bytes,
+        write_bytes=write_bytes,
     )
 
 
