@@ -68,7 +68,8 @@ def read_children(proc_root: Path, pid: int) -> list[int] | None:
     without CONFIG_PROC_CHILDREN. Children started by other threads are not listed.
     """
     try:  # a string path, not pathlib: read for every process of the job every tick
-        return [int(x) for x in _read_bytes(f"{proc_root}/{pid}/task/{pid}/children", 1 << 20).split()]
+        with open(f"{proc_root}/{pid}/task/{pid}/children", "rb") as fh:
+            return [int(x) for x in fh.read().split()]
     except (OSError, ValueError):
         return None
 
@@ -111,7 +112,7 @@ def exited(proc_root: Path, pid: int, born: int | None = None) -> bool:
 def _stat_fields(proc_root: Path, pid: int) -> list[bytes] | None:
     """/proc/PID/stat after the command name (fields 3..), or None if it cannot be read."""
     try:
-        stat = _read_bytes(f"{proc_root}/{pid}/stat", 4096)
+        stat = _read_head(f"{proc_root}/{pid}/stat", 4096)
     except OSError:
         return None
     fields = stat.rpartition(b")")[2].split()  # the name may hold spaces and parentheses
@@ -154,16 +155,16 @@ def read_process_stats(proc_root: Path, pid: int) -> ProcessStats:
     (FileNotFoundError, ProcessLookupError) when the process is gone. Read every tick for
     every process of the job: plain strings and ``bytes.find``, no pathlib (half its cost)."""
     root = f"{proc_root}/{pid}"
-    fields = _read_bytes(root + "/stat", 4096).rpartition(b")")[2].split()
+    fields = _read_head(root + "/stat", 4096).rpartition(b")")[2].split()
     if len(fields) < 40:
         raise FileNotFoundError(f"{root}/stat is truncated")
-    status = _read_bytes(root + "/status", 16384)
+    status = _read_head(root + "/status", 16384)
     try:
         fds: int | None = len(os.listdir(root + "/fd"))
     except PermissionError:
         fds = None
     try:
-        io = b"\n" + _read_bytes(root + "/io", 4096)
+        io = b"\n" + _read_head(root + "/io", 4096)
         read_bytes, write_bytes = _number_after(io, b"read_bytes:"), _number_after(io, b"write_bytes:")
     except PermissionError:
         read_bytes = write_bytes = None
@@ -181,15 +182,6 @@ def read_process_stats(proc_root: Path, pid: int) -> ProcessStats:
         read_bytes=read_bytes,
         write_bytes=write_bytes,
     )
-
-
-def _read_bytes(path: str, limit: int) -> bytes:
-    """The first ``limit`` bytes of a /proc file. Raises OSError."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.read(fd, limit)
-    finally:
-        os.close(fd)
 
 
 def read_text_or_empty(path: str | Path) -> str:
@@ -211,8 +203,9 @@ def boot_time(proc_root: Path) -> float:
 CMDLINE_READ_MAX = 4096  # bytes of a command line read by a scan (a rule needs its start only)
 
 
-def _read_head(path: Path, limit: int) -> bytes:
-    """The first ``limit`` bytes of a /proc file. Raises OSError."""
+def _read_head(path: str | Path, limit: int) -> bytes:
+    """The first ``limit`` bytes of a /proc file (one read: /proc files are generated whole).
+    Raises OSError. Readers of every tick pass plain strings: pathlib cost half their time."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         return os.read(fd, limit)
