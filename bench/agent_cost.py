@@ -189,9 +189,7 @@ def run_one(ranks: int, traces: bool, poll: bool, seconds: float, warmup: float,
             agent.wait(15)
         except subprocess.TimeoutExpired:
             agent.kill()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+        _kill_tree(job)
     cpu0, cpu1 = by_collector(m0), by_collector(m1)
     pyspy = metric(m1, "profagent_pyspy_cpu_seconds_total").get("", 0.0) - \
         metric(m0, "profagent_pyspy_cpu_seconds_total").get("", 0.0)
@@ -202,6 +200,22 @@ def run_one(ranks: int, traces: bool, poll: bool, seconds: float, warmup: float,
                {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1},
                pyspy, (c1.children_user + c1.children_system) - (c0.children_user + c0.children_system),
                rss, ingested)
+
+
+def _kill_tree(job: subprocess.Popen) -> None:
+    """Kill torchrun and every process under it: its ranks run in sessions of their own, so
+    killing its process group alone left them running (and loading the next run)."""
+    try:
+        procs = [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]
+    except psutil.Error:
+        procs = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    psutil.wait_procs(procs, timeout=10)
 
 
 def _wait_up(base: str, agent: subprocess.Popen) -> None:

@@ -6,7 +6,7 @@ import dataclasses
 
 import psutil
 
-from profagent.sources.host import USS_EVERY, HostSource, Usage
+from profagent.sources.host import USS_EVERY, USS_PER_TICK, HostSource, Usage
 from profagent.target import ProcessInfo, ProcessTree
 
 
@@ -152,3 +152,40 @@ def test_worker_uss_is_read_every_uss_every_seconds_not_every_tick() -> None:
     tree = ProcessTree("j", 10, (_info(10, "main"), _info(12, "dataloader")), True)
     src.collect(tree)
     assert reads == [11, 11, 12]
+
+
+def test_uss_is_read_at_once_for_new_workers_then_at_most_uss_per_tick_rereads_a_tick() -> None:
+    """smaps_rollup costs ms of kernel time per worker: re-reads are spread over ticks, the
+    least recently read first; a new worker is read at once (its group's sum never ramps)."""
+    reader = FakeReader()
+    reads: list[int] = []
+    now = [0.0]
+
+    def uss(proc) -> int:
+        reads.append(proc.pid)
+        return 100
+
+    src = HostSource(reader=reader, process_factory=FakeProcess, uss_reader=uss, clock=lambda: now[0])
+    workers = list(range(11, 11 + 2 * USS_PER_TICK + 1))
+    reader.values = {10: Usage(rss=100), **{w: Usage(rss=10) for w in workers}}
+    tree = ProcessTree("j", 10, (_info(10, "main"), *(_info(w, "dataloader") for w in workers)), True)
+    assert _group(src.collect(tree), "0", "dataloader").usage.uss == 100 * len(workers)
+    assert sorted(reads) == workers  # all new: all read
+    reads.clear()
+    now[0] = USS_EVERY - 0.1
+    src.collect(tree)
+    assert reads == []  # cached
+    stale_reads: list[list[int]] = []
+    for tick in range(3):
+        now[0] = USS_EVERY + tick
+        before = len(reads)
+        snap = src.collect(tree)
+        stale_reads.append(reads[before:])
+        assert _group(snap, "0", "dataloader").usage.uss == 100 * len(workers)  # cached ones in the sum
+    assert [len(r) for r in stale_reads] == [USS_PER_TICK, USS_PER_TICK, 1]
+    assert sorted(reads) == workers  # each re-read once
+    reader.values[99] = Usage(rss=10)
+    tree = ProcessTree("j", 10, (*tree.processes, _info(99, "dataloader")), True)
+    reads.clear()
+    src.collect(tree)
+    assert reads == [99]  # a new worker is read at once, whatever the budget

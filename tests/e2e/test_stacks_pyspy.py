@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from helpers.processes import wait_for
 from profagent.config import Config, StacksConfig
@@ -94,11 +95,14 @@ def test_stop_all_kills_a_child_that_ignores_sigint_within_the_grace() -> None:
     assert polite.returncode is not None
 
 
-def test_spawned_children_die_with_their_parent() -> None:
-    """PR_SET_PDEATHSIG: a py-spy child does not outlive an agent killed with SIGKILL."""
+@pytest.mark.parametrize("setpriv", [True, False], ids=["setpriv", "preexec"])
+def test_spawned_children_die_with_their_parent(setpriv: bool) -> None:
+    """PR_SET_PDEATHSIG: a py-spy child does not outlive an agent killed with SIGKILL, set by
+    setpriv (the agent is vforked) or, without it, by a preexec function."""
     code = (
         "import sys, time\n"
         "from profagent.sources.stacks import pyspy\n"
+        + ("" if setpriv else "pyspy.SETPRIV_PATHS = ()\n") +
         "child = pyspy.spawn([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(60)\n"
@@ -118,6 +122,36 @@ def test_spawned_children_die_with_their_parent() -> None:
                 return  # dead, waiting for init to reap it
         time.sleep(0.05)
     raise AssertionError("the child outlived its parent")
+
+
+@pytest.mark.parametrize("setpriv", [True, False], ids=["setpriv", "preexec"])
+def test_a_spawned_child_has_sigkill_as_its_parent_death_signal(tmp_path: Path, monkeypatch, setpriv: bool) -> None:
+    if not setpriv:
+        monkeypatch.setattr(pyspy, "SETPRIV_PATHS", ())
+    pyspy.lifeline.cache_clear()
+    try:
+        assert bool(pyspy.lifeline()) == (setpriv and any(os.path.exists(p) for p in pyspy.SETPRIV_PATHS))
+        out = tmp_path / "out"
+        code = ("import ctypes, os; v = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); "
+                "print(v.value, os.getsid(0) == os.getpid())")  # PR_GET_PDEATHSIG = 2
+        child = pyspy.spawn([sys.executable, "-c", code], stdout_path=out)
+        assert child.wait(60) == 0
+        assert out.read_text().split() == [str(int(signal.SIGKILL)), "True"]  # and in its own session
+    finally:
+        pyspy.lifeline.cache_clear()
+
+
+def test_setpriv_is_taken_from_fixed_root_owned_places_only(tmp_path: Path, monkeypatch) -> None:
+    planted = tmp_path / "setpriv"
+    planted.write_text("#!/bin/sh\nexit 0\n")
+    planted.chmod(0o777)  # anyone may rewrite it: never run as root
+    monkeypatch.setattr(pyspy, "SETPRIV_PATHS", (str(planted),))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    pyspy.lifeline.cache_clear()
+    try:
+        assert pyspy.lifeline() == ()
+    finally:
+        pyspy.lifeline.cache_clear()
 
 
 def test_doctor_check_reports_py_spy_and_a_live_dump() -> None:

@@ -4,6 +4,7 @@ with psutil on the live /proc and reads another root when given one."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import psutil
@@ -73,3 +74,42 @@ def test_exited_tells_a_live_process_from_one_gone_exiting_zombie_or_reused(tmp_
 def test_exited_reads_the_live_proc() -> None:
     me = os.getpid()
     assert not exited(PROC, me, start_ticks(PROC, me))
+
+
+def test_process_stats_agree_with_psutil() -> None:
+    """One read of stat, status, io and the fd folder gives what psutil's six calls gave."""
+    from profagent.system.procfs import read_identity, read_process_stats
+
+    me = psutil.Process()
+    time.sleep(0.01)  # a voluntary context switch at least: the parsed count cannot be a default 0
+    before, ctx0 = me.cpu_times(), me.num_ctx_switches()
+    st = read_process_stats(PROC, os.getpid())
+    after, mem, ctx, io = me.cpu_times(), me.memory_info(), me.num_ctx_switches(), me.io_counters()
+    assert before.user <= st.cpu_user <= after.user and before.system <= st.cpu_system <= after.system
+    assert st.threads == me.num_threads() and st.cpu_iowait == before.iowait
+    assert abs(st.rss - mem.rss) < 4 << 20  # a few pages may move between the two reads
+    assert 0 < ctx0.voluntary <= st.ctx_voluntary <= ctx.voluntary
+    assert ctx0.involuntary <= st.ctx_involuntary <= ctx.involuntary
+    assert abs(st.fds - me.num_fds()) <= 1  # listing the folder holds one open
+    assert st.read_bytes <= io.read_bytes and st.write_bytes <= io.write_bytes
+    booted = psutil.boot_time()
+    ppid, created = read_identity(PROC, os.getpid(), booted)
+    assert ppid == os.getppid() and abs(created - me.create_time()) < 0.01
+
+
+def test_identity_is_none_for_a_zombie_or_a_missing_process(tmp_path: Path) -> None:
+    from profagent.system.procfs import read_identity
+
+    root = fake_proc(tmp_path)
+    assert read_identity(root, 10, 1700000000.0) == (1, 250 / os.sysconf("SC_CLK_TCK") + 1700000000.0)
+    assert read_identity(root, 11, 0.0) is None  # zombie
+    assert read_identity(root, 99, 0.0) is None  # gone
+
+
+def test_process_stats_of_a_process_gone_raise_oserror(tmp_path: Path) -> None:
+    import pytest
+
+    from profagent.system.procfs import read_process_stats
+
+    with pytest.raises(OSError):
+        read_process_stats(fake_proc(tmp_path), 99)

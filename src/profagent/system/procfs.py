@@ -8,11 +8,14 @@ unreadable file means (usually: the process is gone, or belongs to another user)
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from profagent.analysis.labels import bound
 
 PROC = Path("/proc")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 def read_environ(proc_root: Path, pid: int) -> dict[str, str]:
@@ -64,8 +67,8 @@ def read_children(proc_root: Path, pid: int) -> list[int] | None:
     None when the file cannot be read: the process is gone, or the kernel was built
     without CONFIG_PROC_CHILDREN. Children started by other threads are not listed.
     """
-    try:
-        with open(proc_root / str(pid) / "task" / str(pid) / "children", "rb") as fh:
+    try:  # a string path, not pathlib: read for every process of the job every tick
+        with open(f"{proc_root}/{pid}/task/{pid}/children", "rb") as fh:
             return [int(x) for x in fh.read().split()]
     except (OSError, ValueError):
         return None
@@ -79,6 +82,15 @@ def start_ticks(proc_root: Path, pid: int) -> int | None:
     PID, it names one process (a PID is reused, a start time with it is not). None if gone."""
     fields = _stat_fields(proc_root, pid)
     return int(fields[19]) if fields else None
+
+
+def read_identity(proc_root: Path, pid: int, booted: float) -> tuple[int, float] | None:
+    """(ppid, create_time) of a live process from one /proc/PID/stat read; None if it is
+    gone or a zombie. ``create_time`` is psutil's (``booted``: :func:`boot_time`)."""
+    fields = _stat_fields(proc_root, pid)
+    if fields is None or fields[0] in (b"Z", b"X", b"x"):
+        return None
+    return int(fields[1]), int(fields[19]) / CLOCK_TICKS + booted
 
 
 def exited(proc_root: Path, pid: int, born: int | None = None) -> bool:
@@ -100,11 +112,76 @@ def exited(proc_root: Path, pid: int, born: int | None = None) -> bool:
 def _stat_fields(proc_root: Path, pid: int) -> list[bytes] | None:
     """/proc/PID/stat after the command name (fields 3..), or None if it cannot be read."""
     try:
-        stat = (proc_root / str(pid) / "stat").read_bytes()
+        stat = _read_head(f"{proc_root}/{pid}/stat", 4096)
     except OSError:
         return None
     fields = stat.rpartition(b")")[2].split()  # the name may hold spaces and parentheses
     return fields if len(fields) >= 20 else None
+
+
+@dataclass(frozen=True)
+class ProcessStats:
+    """One process' resource counters, read straight from /proc (what psutil's
+    cpu_times, memory_info, num_ctx_switches, num_threads, num_fds and io_counters
+    give, in four reads instead of six and without psutil's per-call overhead)."""
+
+    cpu_user: float  # seconds
+    cpu_system: float
+    cpu_iowait: float  # delayacct_blkio_ticks, as psutil's cpu_times().iowait
+    rss: int  # bytes
+    threads: int
+    ctx_voluntary: int
+    ctx_involuntary: int
+    fds: int | None  # None: not ours to list (another user's process, without root)
+    read_bytes: int | None  # None: /proc/PID/io not readable
+    write_bytes: int | None
+
+
+def _number_after(text: bytes, key: bytes) -> int | None:
+    """The number on the line starting with ``key`` (without its newline), else None."""
+    at = text.find(b"\n" + key)
+    if at < 0:
+        return None
+    start = at + 1 + len(key)
+    end = text.find(b"\n", start)
+    try:
+        return int(text[start:end if end >= 0 else len(text)])
+    except ValueError:
+        return None
+
+
+def read_process_stats(proc_root: Path, pid: int) -> ProcessStats:
+    """/proc/PID/stat, status (context switches), io and the fd folder. Raises OSError
+    (FileNotFoundError, ProcessLookupError) when the process is gone. Read every tick for
+    every process of the job: plain strings and ``bytes.find``, no pathlib (half its cost)."""
+    root = f"{proc_root}/{pid}"
+    fields = _read_head(root + "/stat", 4096).rpartition(b")")[2].split()
+    if len(fields) < 40:
+        raise FileNotFoundError(f"{root}/stat is truncated")
+    status = _read_head(root + "/status", 16384)
+    try:
+        fds: int | None = len(os.listdir(root + "/fd"))
+    except PermissionError:
+        fds = None
+    try:
+        io = b"\n" + _read_head(root + "/io", 4096)
+        read_bytes, write_bytes = _number_after(io, b"read_bytes:"), _number_after(io, b"write_bytes:")
+    except PermissionError:
+        read_bytes = write_bytes = None
+    # stat fields after the name, 0-based: 11 utime, 12 stime, 17 num_threads, 21 rss (pages),
+    # 39 delayacct_blkio_ticks
+    return ProcessStats(
+        cpu_user=int(fields[11]) / CLOCK_TICKS,
+        cpu_system=int(fields[12]) / CLOCK_TICKS,
+        cpu_iowait=int(fields[39]) / CLOCK_TICKS,
+        rss=int(fields[21]) * PAGE_SIZE,
+        threads=int(fields[17]),
+        ctx_voluntary=_number_after(status, b"voluntary_ctxt_switches:") or 0,
+        ctx_involuntary=_number_after(status, b"nonvoluntary_ctxt_switches:") or 0,
+        fds=fds,
+        read_bytes=read_bytes,
+        write_bytes=write_bytes,
+    )
 
 
 def read_text_or_empty(path: str | Path) -> str:
@@ -126,8 +203,9 @@ def boot_time(proc_root: Path) -> float:
 CMDLINE_READ_MAX = 4096  # bytes of a command line read by a scan (a rule needs its start only)
 
 
-def _read_head(path: Path, limit: int) -> bytes:
-    """The first ``limit`` bytes of a /proc file. Raises OSError."""
+def _read_head(path: str | Path, limit: int) -> bytes:
+    """The first ``limit`` bytes of a /proc file (one read: /proc files are generated whole).
+    Raises OSError. Readers of every tick pass plain strings: pathlib cost half their time."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         return os.read(fd, limit)

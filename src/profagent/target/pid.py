@@ -24,7 +24,14 @@ import psutil
 from profagent.analysis.labels import shorten
 from profagent.errors import UserError
 from profagent.logs import LogOnce
-from profagent.system.procfs import PROC, read_children, read_environ
+from profagent.system.procfs import (
+    PROC,
+    boot_time,
+    children_map,
+    read_children,
+    read_environ,
+    read_identity,
+)
 from profagent.target.cmdline import label_cmdline
 from profagent.target.placement import Placement, placement_of
 from profagent.target.tree import (
@@ -49,6 +56,8 @@ FULL_SCAN_EVERY = 10.0
 # parent's environment and command line (a rank caught there looked like a second launcher,
 # for good). Its reads are used but not cached until it is this old.
 SETTLED_AFTER = 2.0
+
+Known = dict[int, tuple[int, float]]  # pid -> (ppid, create_time) of live, non-zombie processes
 
 
 def not_a_training_job(proc: psutil.Process, proc_root: Path = PROC) -> str:
@@ -138,29 +147,33 @@ class PidTarget:
         self._job_id: str | None = None
         self._log_once = LogOnce(log)
         self._placements: dict[tuple[int, float], Placement] = {}  # (pid, create_time) -> placement
+        self._booted: float | None = None  # boot time, read once
 
     # -- discovery ---------------------------------------------------------------
-    def _alive(self, pid: int, create_time: float | None) -> psutil.Process | None:
-        try:
-            proc = psutil.Process(pid)
-            if create_time is not None and abs(proc.create_time() - create_time) > 0.01:
-                return None  # PID reused by an unrelated process
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return None
-            return proc
-        except psutil.Error:
-            return None
+    # One /proc/PID/stat read per process and tick tells whether it lives, its parent and
+    # its start time; psutil objects cost three reads and their overhead for each.
+    # Like psutil before, these read the real /proc; ``proc_root`` points the environment,
+    # placement and children-file reads at a fixture (tests) or another root.
+    def _identity(self, pid: int, create_time: float | None) -> tuple[int, float] | None:
+        """(ppid, create_time) if ``pid`` lives (and is still the process started at
+        ``create_time``), else None."""
+        if self._booted is None:
+            self._booted = boot_time(PROC)
+        found = read_identity(PROC, pid, self._booted)
+        if found is None or (create_time is not None and abs(found[1] - create_time) > 0.01):
+            return None  # gone, a zombie, or the PID reused by an unrelated process
+        return found
 
-    def _collect(self, children: dict[int, list[int]] | None = None) -> list[psutil.Process]:
+    def _collect(self, children: dict[int, list[int]] | None = None) -> Known:
         """The root and its descendants; if the root died, whatever we knew that lives on.
-        ``children`` (ppid -> pids, read once for all targets) saves psutil's walk of
-        every process of the host for each target."""
-        roots = []
-        root = self._alive(self.pid, self._known.get(self.pid))
+        ``children`` (ppid -> pids, read once for all targets) saves a walk of every
+        process of the host for each target."""
+        roots: Known = {}
+        root = self._identity(self.pid, self._known.get(self.pid))
         if root is not None:
-            roots.append(root)
+            roots[self.pid] = root
         else:
-            roots = [p for pid, ct in self._known.items() if (p := self._alive(pid, ct))]
+            roots = {pid: found for pid, ct in self._known.items() if (found := self._identity(pid, ct))}
         if children is not None:  # watch mode read the whole process table once for every job
             return self._full_scan(roots, children)
         now = self._clock()
@@ -173,39 +186,28 @@ class PidTarget:
             return self._full_scan(roots)
         return walked
 
-    @staticmethod
-    def _full_scan(roots: list[psutil.Process], children: dict[int, list[int]] | None = None) -> list[psutil.Process]:
+    def _full_scan(self, roots: Known, children: dict[int, list[int]] | None = None) -> Known:
         """The roots and all their descendants, from ``children`` (ppid -> pids) if given,
-        else from psutil's walk of every process of the host."""
-        seen: dict[int, psutil.Process] = {}
-        for proc in roots:
-            seen[proc.pid] = proc
-            if children is not None:
-                stack = list(children.get(proc.pid, ()))
-                while stack:
-                    pid = stack.pop()
-                    if pid in seen:
-                        continue
-                    try:
-                        seen[pid] = psutil.Process(pid)
-                    except psutil.Error:
-                        continue
-                    stack.extend(children.get(pid, ()))
+        else from a read of every process of the host."""
+        if children is None:
+            children = children_map(PROC)
+        seen: Known = dict(roots)
+        stack = [kid for pid in roots for kid in children.get(pid, ())]
+        while stack:
+            pid = stack.pop()
+            if pid in seen or (found := self._identity(pid, None)) is None:
                 continue
-            try:
-                for child in proc.children(recursive=True):
-                    seen.setdefault(child.pid, child)
-            except psutil.Error:
-                continue
-        return list(seen.values())
+            seen[pid] = found
+            stack.extend(children.get(pid, ()))
+        return seen
 
-    def _walk(self, roots: list[psutil.Process]) -> list[psutil.Process] | None:
+    def _walk(self, roots: Known) -> Known | None:
         """The roots, every process known from the last tree that is still the same one,
         and their main threads' children, recursively; None if no children file reads."""
-        seen: dict[int, psutil.Process] = {p.pid: p for p in roots}
+        seen: Known = dict(roots)
         for pid, create_time in self._known.items():
-            if pid not in seen and (proc := self._alive(pid, create_time)) is not None:
-                seen[pid] = proc
+            if pid not in seen and (found := self._identity(pid, create_time)) is not None:
+                seen[pid] = found
         todo, readable = list(seen), False
         while todo:
             kids = self._read_children(self.proc_root, todo.pop())
@@ -213,10 +215,10 @@ class PidTarget:
                 continue
             readable = True
             for pid in kids:
-                if pid not in seen and (proc := self._alive(pid, None)) is not None:
-                    seen[pid] = proc
+                if pid not in seen and (found := self._identity(pid, None)) is not None:
+                    seen[pid] = found
                     todo.append(pid)
-        return list(seen.values()) if readable else None
+        return seen if readable else None
 
     def _settled(self, create_time: float) -> bool:
         return self._wall() - create_time >= SETTLED_AFTER
@@ -246,16 +248,9 @@ class PidTarget:
 
     # -- classification ------------------------------------------------------------
     def refresh(self, children: dict[int, list[int]] | None = None) -> ProcessTree:
-        procs = self._collect(children)
-        info: dict[int, tuple[int, float, str]] = {}
-        for proc in procs:
-            try:
-                with proc.oneshot():
-                    if proc.status() == psutil.STATUS_ZOMBIE:
-                        continue  # exited, not yet reaped by its parent
-                    info[proc.pid] = (proc.ppid(), proc.create_time(), self._cmdline(proc))
-            except psutil.Error:
-                continue
+        info: dict[int, tuple[int, float, str]] = {
+            pid: (ppid, ct, self._cmdline(pid, ct)) for pid, (ppid, ct) in self._collect(children).items()
+        }
         if not info:
             self._known = {}
             self._env_cache.clear()
@@ -299,14 +294,14 @@ class PidTarget:
         )
         return ProcessTree(job_id, self.pid, processes, alive=True)
 
-    def _cmdline(self, proc: psutil.Process) -> str:
+    def _cmdline(self, pid: int, create_time: float) -> str:
         """The command-line label, read once per settled process (reading it every tick
         was a third of the refresh)."""
-        key = (proc.pid, proc.create_time())
+        key = (pid, create_time)
         label = self._cmdlines.get(key)
         if label is None:
-            label = _short_cmdline(proc, self.cmdline_args)
-            if self._settled(key[1]):
+            label = _short_cmdline(pid, self.cmdline_args)
+            if self._settled(create_time):
                 self._cmdlines[key] = label
         return label
 
@@ -349,10 +344,12 @@ def _ranked_subtrees(
     return result
 
 
-def _short_cmdline(proc: psutil.Process, with_args: bool = False) -> str:
+def _short_cmdline(pid: int, with_args: bool = False) -> str:
+    """The label of a process's command line ("" if it exited meanwhile)."""
     try:
+        proc = psutil.Process(pid)
         parts = proc.cmdline()
+        text = label_cmdline(parts, with_args) if parts else proc.name()
     except psutil.Error:
-        parts = []
-    text = label_cmdline(parts, with_args) if parts else proc.name()
+        return ""
     return shorten(text, CMDLINE_MAX)

@@ -1,8 +1,9 @@
 """The py-spy sampler thread: back-to-back record windows and periodic dumps per process.
 
-One thread for all the sampled processes: every POLL seconds it reaps finished py-spy
-children, parses their output into ``Result``s, and starts what is due: the next
-``record`` window at once, a ``dump --json`` every STATE_EVERY seconds. A py-spy that
+One thread for all the sampled processes: it sleeps until a py-spy child exits (a pidfd),
+a run is due, or the owner changes the targets, at most MAX_WAIT seconds; then it reaps
+finished py-spy children, parses their output into ``Result``s, and starts what is due:
+the next ``record`` window at once, a ``dump --json`` every STATE_EVERY seconds. A py-spy that
 fails on a process is retried after RETRY_AFTER seconds, doubling up to RETRY_MAX.
 The owner sets the processes with ``set_targets`` and takes results with ``drain``.
 
@@ -40,12 +41,14 @@ from profagent.analysis.stacks import (
 )
 from profagent.config import StacksConfig
 from profagent.sources.stacks import pyspy
+from profagent.system.childwait import ChildWaiter
 from profagent.system.cputime import CPU, reap
 from profagent.system.procfs import PROC, exited, start_ticks
 
 log = logging.getLogger(__name__)
 
-POLL = 0.1  # seconds between checks of the py-spy children (each check costs the agent CPU)
+POLL = 0.1  # shortest sleep; the check interval where pidfds are missing (each check costs the agent CPU)
+MAX_WAIT = 1.0  # longest sleep with no child ending and nothing due
 RETRY_AFTER = 5.0  # seconds before sampling a process again after py-spy failed on it,
 RETRY_MAX = 300.0  # doubling on each consecutive failure up to this
 MAX_PENDING = 1000  # results kept until drained
@@ -73,6 +76,7 @@ class PySpyChild:
     stopped_before: bool = False  # in state T before py-spy started: not ours to SIGCONT
     born: int | None = None  # the target's start time (clock ticks): tells a reused PID
     native: bool = False  # a blocking --native window
+    pidfd: int | None = None  # readable once py-spy exits (None: no pidfds here, poll)
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,7 @@ class Sampler:
         self._results: list[Result] = []
         self._seq = 0
         self._native: set[int] = set()  # pids whose next record window is native
+        self._waiter = ChildWaiter()
 
     def start(self) -> None:
         me = psutil.Process()
@@ -130,19 +135,27 @@ class Sampler:
     def stop(self) -> None:
         """Every py-spy child is gone when this returns (< 1 s)."""
         self._stop.set()
+        self._waiter.wake()
         if self._thread is not None:
             self._thread.join(1.0)
         with self._lock:
             children = list(self._children.values())
             self._children.clear()
         pyspy.stop_all([j.proc for j in children])  # the thread normally did it already
+        for j in children:
+            ChildWaiter.forget(j.pidfd)
+        if self._thread is None or not self._thread.is_alive():
+            self._waiter.close()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
     def set_targets(self, wanted: dict[int, tuple[str, str]]) -> None:
         """The processes to sample: pid -> (rank, role)."""
         with self._lock:
+            changed = wanted.keys() != self._wanted.keys()
             self._wanted = dict(wanted)
+        if changed:
+            self._waiter.wake()  # a new process is due at once
 
     def set_pace(self, pace: dict[int, tuple[int, float]]) -> None:
         """(samples per second, window seconds) of each process' next record windows;
@@ -154,6 +167,7 @@ class Sampler:
         """Make the next record window of ``pid`` a native one (C/C++ frames too)."""
         with self._lock:
             self._native.add(pid)
+        self._waiter.wake()
 
     def drain(self) -> list[Result]:
         """Results finished since the last call, oldest first."""
@@ -163,20 +177,25 @@ class Sampler:
 
     def _run(self) -> None:
         try:
-            while not self._stop.wait(POLL):
+            while not self._stop.is_set():
                 try:
                     with CPU.charge("stacks"):
                         self._step()
+                        pidfds, timeout = self._sleep_plan()
                 except Exception as exc:  # keep sampling; the error is counted and logged once
                     with self._lock:
                         self._results.append(Result("record", 0, "", "", 0.0, 0.0, 0.0, error=type(exc).__name__, detail=str(exc)))
                     log.debug("stacks sampler step failed", exc_info=True)
+                    pidfds, timeout = [], POLL
+                if not self._stop.is_set():
+                    self._waiter.wait(pidfds, timeout)
         finally:
             with self._lock:
                 children = list(self._children.values())
                 self._children.clear()
             pyspy.stop_all([j.proc for j in children])
             for j in children:
+                ChildWaiter.forget(j.pidfd)
                 if j.native or not self.config.nonblocking:
                     pyspy.resume_if_stopped(j.pid, j.stopped_before)
 
@@ -190,6 +209,7 @@ class Sampler:
             child_cpu = reap(child.proc)  # wait4, not poll(): py-spy's own CPU is the stacks source's cost
             if child_cpu is not None:
                 CPU.add_child("stacks", child_cpu)
+                ChildWaiter.forget(child.pidfd)
                 done.extend(self._harvest(child, now))
                 del children[key]
         due = [(kind, pid) for pid in wanted for kind in ("record", "dump")
@@ -251,7 +271,26 @@ class Sampler:
                 self._results.append(Result(kind, pid, rank, role, now, now, self._wall(), error="spawn", detail=str(exc),
                                             native=native))
             return None
-        return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall(), stopped_before, born, native)
+        return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall(), stopped_before, born, native,
+                          ChildWaiter.watch(proc.pid))
+
+    def _sleep_plan(self) -> tuple[list[int], float]:
+        """What to wait on after a step: the running children's pidfds, and for how long.
+
+        Until the next run is due, within [POLL, MAX_WAIT]. A run deferred by the
+        ``max_pyspy`` cap waits for a child to end (its pidfd wakes us); a process that
+        was due but exiting is looked at again after POLL. Without pidfds: POLL.
+        """
+        with self._lock:
+            children = dict(self._children)
+            wanted = list(self._wanted)
+        if any(child.pidfd is None for child in children.values()):
+            return [], POLL
+        capped = len(children) >= self.config.max_pyspy
+        due = [self._next.get((kind, pid), 0.0) for pid in wanted for kind in ("record", "dump")
+               if (kind, pid) not in children and not (capped and (kind, pid) in self._deferred)]
+        timeout = MAX_WAIT if not due else min(MAX_WAIT, max(POLL, min(due) - self._clock()))
+        return [c.pidfd for c in children.values() if c.pidfd is not None], timeout
 
     def _harvest(self, child: PySpyChild, now: float) -> list[Result]:
         text = _read(child.out)

@@ -64,6 +64,9 @@ from profagent.target import ProcessTree
 
 log = logging.getLogger(__name__)
 
+WORK_POLL = 0.1  # seconds between looks at files waiting to settle
+WORK_IDLE = 1.0  # seconds between looks with none waiting (a new file wakes the worker at once)
+
 STATE_FILE = "traces-processed.json"
 WARN_PER_REASON = 10  # then every 1000th
 PUBLISH_INTERVAL = 0.25  # default seconds between publishing (collect() never waits)
@@ -301,22 +304,30 @@ class TracesSource:
     # -- worker --------------------------------------------------------------------
     def _work(self) -> None:
         while not self._stop.is_set():
-            self._watcher.wake.wait(0.1)
+            # A file waiting to settle is looked at 10 times a second; with none, a new one
+            # wakes the worker (watchdog's notify), so it only sleeps (most of a job's life).
+            self._watcher.wake.wait(WORK_POLL if self._watcher.waiting else WORK_IDLE)
             self._watcher.wake.clear()
             if self._tree is None:
                 continue  # whose trace a file is needs the target: wait for the first collect()
-            for verdict in self._watcher.due(self._clock()):
-                if self._stop.is_set():
+            with CPU.charge("traces"):
+                if self._work_once():
                     return
-                try:
-                    with CPU.charge("traces"):
-                        self._handle(verdict)
-                except Exception as exc:  # a bug must not end the worker: count the file
-                    log.debug("handling %s failed", verdict.path, exc_info=True)
-                    self._count(verdict, "invalid", "internal_error", f"{type(exc).__name__}: {exc}")
-            if self._watcher.waiting != self._snapshot.waiting:
-                with self._lock:
-                    self._snapshot = self._build(self._snapshot.job_id)
+
+    def _work_once(self) -> bool:
+        """Handle what is due; True if stopped meanwhile."""
+        for verdict in self._watcher.due(self._clock()):
+            if self._stop.is_set():
+                return True
+            try:
+                self._handle(verdict)
+            except Exception as exc:  # a bug must not end the worker: count the file
+                log.debug("handling %s failed", verdict.path, exc_info=True)
+                self._count(verdict, "invalid", "internal_error", f"{type(exc).__name__}: {exc}")
+        if self._watcher.waiting != self._snapshot.waiting:
+            with self._lock:
+                self._snapshot = self._build(self._snapshot.job_id)
+        return False
 
     def _handle(self, verdict: Verdict) -> None:
         if verdict.action != "attempt":
