@@ -64,6 +64,5 @@ class FindingsSnapshot:
     wait_shares: tuple[tuple[str, str, float], ...] = ()
     evaluations: int = 0  # ticks evaluated since the engine started (proof that it looked)
     # jobs with a finding not yet confirmed (a straggler named from stacks waits for the
-    # rank's own next windows) or a rank in its first judged window: py-spy samples them at
-    # the full rate meanwhile, so the straggler rule answers as soon as before
+    # rank's own next windows): py-spy samples them at the full rate meanwhile
     unconfirmed_jobs: tuple[str, ...] = ()

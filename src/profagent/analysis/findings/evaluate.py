@@ -36,9 +36,8 @@ class Evaluator:
         self._memory: dict[tuple[str, str, str], MemorySeries] = {}
         self._errors: dict[tuple[int, str], CountsWindow] = {}  # (gpu, uuid) -> error counters
         self._pending: dict[tuple[str, str, str], float] = {}
-        # straggler candidate (job, rank) -> (its judged samples at the last tick, windows since
-        # it was first named, when it was last named)
-        self._stragglers: dict[tuple[str, str], tuple[int, int, float]] = {}
+        # straggler candidate (job, rank) -> (its judged samples when last seen, windows since named)
+        self._stragglers: dict[tuple[str, str], tuple[int, int]] = {}
         self._since: dict[tuple[str, str, str], float] = {}
 
     # -- histories ----------------------------------------------------------------------
@@ -135,17 +134,15 @@ class Evaluator:
                 break
 
         found: list[Finding] = []
-        still: set[tuple[str, str]] = set()  # (job, rank) whose stack stands still
+        suspected: set[str] = set()
         if stacks is not None:
             stalls = [_stall_with_job(s, stacks.job_id) for s in stacks.stalls]
             for job in sorted({s.job_id for s in stalls}):
                 found += hang(stalls, job)
-            still = {(s.job_id, s.rank) for s in stalls if s.suspected or s.stalled}
-        suspected = {job for job, _ in still}
+            suspected = {s.job_id for s in stalls if s.suspected or s.stalled}
         hung = frozenset(f.job_id for f in found if f.finding == "hang")
         # a rank whose stack stands still may be hanging: no straggler then (it waits least)
-        quiet = hung | suspected
-        confirmed, unconfirmed = self._confirm_stragglers(straggler(shares, rank_traces, cfg, quiet), hung, still, now)
+        confirmed, unconfirmed = self._confirm_stragglers(straggler(shares, rank_traces, cfg, hung | suspected))
         found += confirmed
         found += bound(shares, rank_traces, cfg)
         found += memory_leak(self._memory_inputs(snapshots), cfg)
@@ -159,37 +156,30 @@ class Evaluator:
         found += self._hold(held, cfg.gpu_idle_seconds, now)
         self._evaluations += 1
         waits = tuple((s.job_id, s.rank, round(s.wait_share, 4)) for s in shares if warmed_up(s, cfg))
-        # a rank in its first judged window: the straggler rule judges it soon, at the full rate
-        judging = {s.job_id for s in shares if 0 < s.judged_seconds <= cfg.window_seconds} - quiet
-        unconfirmed = tuple(sorted(set(unconfirmed) | judging))
         return FindingsSnapshot(self._stamp(found, now), now, waits, self._evaluations, unconfirmed)
 
-    def _confirm_stragglers(self, candidates: list[Finding], hung: frozenset[str], still: set[tuple[str, str]],
-                            now: float) -> tuple[list[Finding], tuple[str, ...]]:
+    def _confirm_stragglers(self, candidates: list[Finding]) -> tuple[list[Finding], tuple[str, ...]]:
         """The stragglers that stand, and the jobs with one still to confirm. A straggler from
         traces stands at once; one from stacks once the rank's judged samples have grown at
-        STRAGGLER_CONFIRM_WINDOWS evaluations since it was first named, its own stack never
-        standing still (``still``) nor its job hung meanwhile. Near the threshold, or while
-        another rank's stack stands still a window (it waits a whole window under load), a
-        rank is named at some ticks and not at others: it stays a candidate while it was
-        named within the findings window."""
-        named = {(f.job_id, f.rank) for f in candidates if f.evidence.get("signal") == "stacks"}
-        state: dict[tuple[str, str], tuple[int, int, float]] = {}
-        for key in set(self._stragglers) | named:
-            window = self._waits.get(key)
-            if key[0] in hung or key in still or window is None:
+        STRAGGLER_CONFIRM_WINDOWS evaluations since it was first named, and it was named at
+        each of them."""
+        keys = {(f.job_id, f.rank) for f in candidates if f.evidence.get("signal") == "stacks"}
+        self._stragglers = {k: v for k, v in self._stragglers.items() if k in keys}
+        out, waiting = [], set()
+        for f in candidates:
+            key = (f.job_id, f.rank)
+            if key not in keys:
+                out.append(f)
                 continue
-            judged = window.latest().get("judged", 0)
-            last, windows, seen = self._stragglers.get(key, (judged, 0, now))
-            if key in named:
-                seen = now
-            elif now - seen > self.config.window_seconds:
-                continue  # no longer a candidate
-            state[key] = (judged, windows + (judged > last), seen)
-        self._stragglers = state
-        out = [f for f in candidates if (f.job_id, f.rank) not in named
-               or state[(f.job_id, f.rank)][1] >= STRAGGLER_CONFIRM_WINDOWS]
-        waiting = {job for (job, _), (_, windows, _) in state.items() if windows < STRAGGLER_CONFIRM_WINDOWS}
+            window = self._waits.get(key)
+            judged = window.latest().get("judged", 0) if window is not None else 0
+            last, windows = self._stragglers.get(key, (judged, 0))
+            windows += judged > last
+            self._stragglers[key] = (judged, windows)
+            if windows >= STRAGGLER_CONFIRM_WINDOWS:
+                out.append(f)
+            else:
+                waiting.add(f.job_id)
         return out, tuple(sorted(waiting))
 
     def _hold(self, candidates: list[Finding], seconds: float, now: float) -> list[Finding]:
