@@ -157,11 +157,11 @@ class Job:
 
     def has_findings(self, job_id: str) -> bool:
         """Whether a finding began on the job in the last FRESH_FINDING seconds (from the
-        findings engine's latest tick), or one still to confirm: one that has lasted longer
-        is established, and the steady pace keeps it tracked."""
+        findings engine's latest tick): one that has lasted longer is established, and the
+        steady pace keeps it tracked."""
         snapshot = self.state.snapshot("findings")
-        return snapshot is not None and (job_id in snapshot.unconfirmed_jobs or any(
-            f.job_id in ("", job_id) and snapshot.time - f.since < FRESH_FINDING for f in snapshot.findings))
+        return snapshot is not None and any(
+            f.job_id in ("", job_id) and snapshot.time - f.since < FRESH_FINDING for f in snapshot.findings)
 
     def watched(self) -> None:
         """Someone looks at the ranks (`profagent top`): sample stacks at the full rate."""

@@ -63,6 +63,3 @@ class FindingsSnapshot:
     # the window, for ranks past their warm-up (profagent_collective_wait_ratio)
     wait_shares: tuple[tuple[str, str, float], ...] = ()
     evaluations: int = 0  # ticks evaluated since the engine started (proof that it looked)
-    # jobs with a finding not yet confirmed (a straggler named from stacks waits for the
-    # rank's own next windows): py-spy samples them at the full rate meanwhile
-    unconfirmed_jobs: tuple[str, ...] = ()

@@ -18,11 +18,6 @@ from profagent.analysis.findings.leak import MemoryInput, memory_leak
 from profagent.config import FindingsConfig
 
 MAIN, DATALOADER = "main", "dataloader"
-# A straggler named from stacks stands once the rank's own stacks have moved on by this many
-# windows: at the onset of a hang the others already wait while the culprit's window in
-# flight began before it stopped, so it looks like a straggler; its next window, all of it
-# after the others were seen waiting, shows the stall instead (and no straggler is named).
-STRAGGLER_CONFIRM_WINDOWS = 2
 
 
 class Evaluator:
@@ -36,8 +31,6 @@ class Evaluator:
         self._memory: dict[tuple[str, str, str], MemorySeries] = {}
         self._errors: dict[tuple[int, str], CountsWindow] = {}  # (gpu, uuid) -> error counters
         self._pending: dict[tuple[str, str, str], float] = {}
-        # straggler candidate (job, rank) -> (its judged samples when last seen, windows since named)
-        self._stragglers: dict[tuple[str, str], tuple[int, int]] = {}
         self._since: dict[tuple[str, str, str], float] = {}
 
     # -- histories ----------------------------------------------------------------------
@@ -142,8 +135,7 @@ class Evaluator:
             suspected = {s.job_id for s in stalls if s.suspected or s.stalled}
         hung = frozenset(f.job_id for f in found if f.finding == "hang")
         # a rank whose stack stands still may be hanging: no straggler then (it waits least)
-        confirmed, unconfirmed = self._confirm_stragglers(straggler(shares, rank_traces, cfg, hung | suspected))
-        found += confirmed
+        found += straggler(shares, rank_traces, cfg, hung | suspected)
         found += bound(shares, rank_traces, cfg)
         found += memory_leak(self._memory_inputs(snapshots), cfg)
         held: list[Finding] = []
@@ -156,31 +148,7 @@ class Evaluator:
         found += self._hold(held, cfg.gpu_idle_seconds, now)
         self._evaluations += 1
         waits = tuple((s.job_id, s.rank, round(s.wait_share, 4)) for s in shares if warmed_up(s, cfg))
-        return FindingsSnapshot(self._stamp(found, now), now, waits, self._evaluations, unconfirmed)
-
-    def _confirm_stragglers(self, candidates: list[Finding]) -> tuple[list[Finding], tuple[str, ...]]:
-        """The stragglers that stand, and the jobs with one still to confirm. A straggler from
-        traces stands at once; one from stacks once the rank's judged samples have grown at
-        STRAGGLER_CONFIRM_WINDOWS evaluations since it was first named, and it was named at
-        each of them."""
-        keys = {(f.job_id, f.rank) for f in candidates if f.evidence.get("signal") == "stacks"}
-        self._stragglers = {k: v for k, v in self._stragglers.items() if k in keys}
-        out, waiting = [], set()
-        for f in candidates:
-            key = (f.job_id, f.rank)
-            if key not in keys:
-                out.append(f)
-                continue
-            window = self._waits.get(key)
-            judged = window.latest().get("judged", 0) if window is not None else 0
-            last, windows = self._stragglers.get(key, (judged, 0))
-            windows += judged > last
-            self._stragglers[key] = (judged, windows)
-            if windows >= STRAGGLER_CONFIRM_WINDOWS:
-                out.append(f)
-            else:
-                waiting.add(f.job_id)
-        return out, tuple(sorted(waiting))
+        return FindingsSnapshot(self._stamp(found, now), now, waits, self._evaluations)
 
     def _hold(self, candidates: list[Finding], seconds: float, now: float) -> list[Finding]:
         """Findings whose evidence has lasted ``seconds``; ``since`` is when it began."""

@@ -29,10 +29,6 @@ class CountsWindow:
         while len(self._ring) > 2 and self._ring[1][0] <= t - self.window:
             self._ring.popleft()
 
-    def latest(self) -> dict[str, int]:
-        """The counters as last added (empty before the first)."""
-        return dict(self._ring[-1][1]) if self._ring else {}
-
     def delta(self) -> dict[str, int]:
         if len(self._ring) < 2:
             return {}
