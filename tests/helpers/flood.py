@@ -67,6 +67,8 @@ class Flood:
             return []
 
     def stop(self) -> None:
+        if self.proc.returncode is not None:  # reaped: its group id may be another's now
+            return
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:

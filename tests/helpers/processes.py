@@ -76,7 +76,14 @@ def kill_tree(proc: subprocess.Popen, timeout: float = 10) -> None:
     The process group is not enough: torchrun starts each rank in its own session. So the
     tree is frozen first (SIGSTOP, top down, until no new descendant appears: a stopped
     process cannot fork), then every process found is killed, and all are waited for.
+
+    A child already reaped (``returncode`` set) is left alone: its PID, and its process
+    group's, may belong to another process by now (pid_max is 32768 here, and the suite
+    wraps it), such as another test's agent in a parallel worker. Until it is reaped, a
+    child keeps its PID even as a zombie.
     """
+    if proc.returncode is not None:
+        return
     try:
         root = psutil.Process(proc.pid)
     except psutil.Error:
