@@ -22,9 +22,11 @@ import gzip
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -88,8 +90,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("dashboards-e2e")
     traces = tmp / "traces"
     traces.mkdir()
-    sockets = tmp / "sockets"  # a private Kineto endpoint, not the machine-wide @dynolog
-    sockets.mkdir()
+    # a private Kineto endpoint, not the machine-wide @dynolog; short: a Kineto client's
+    # socket there is named dynoconfigclient<uuid> (52 bytes) and a socket path has 108 at most
+    sockets = Path(tempfile.mkdtemp(prefix="pa-", dir="/tmp"))
+    os.chmod(sockets, 0o755)
     env = {**os.environ, "TORCHELASTIC_RUN_ID": JOB_ID, "KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(sockets)}
     job = subprocess.Popen(
         [sys.executable, str(ROOT / "examples" / "train.py"), "--ranks", "2", "--workers", "1",
@@ -121,6 +125,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         if agent is not None:
             agent.stop()
         kill_tree(job)
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 # -- helpers ---------------------------------------------------------------------------

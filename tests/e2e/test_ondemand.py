@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -85,15 +87,18 @@ def test_ctxt_is_answered() -> None:
 @pytest.fixture(scope="module")
 def ondemand_env(tmp_path_factory):
     base = tmp_path_factory.mktemp("ondemand")  # under /tmp, where libkineto may write
-    sockets = base / "sockets"
-    sockets.mkdir()
+    # Short: a Kineto client's socket there is named dynoconfigclient<uuid> (52 bytes), and a
+    # socket path has 108 at most (under pytest-xdist, basetemp gains popen-gwN/).
+    sockets = Path(tempfile.mkdtemp(prefix="pa-", dir="/tmp"))
+    os.chmod(sockets, 0o755)
     cfg = base / "agent.toml"
     cfg.write_text(
         f"[ondemand]\nsocket_dir = '{sockets}'\ncontrol_socket = '{base / 'control.sock'}'\n"
         f"trace_dir = '{base / 'traces'}'\n[stacks]\nenabled = false\n"
     )
-    return {"base": base, "sockets": sockets, "config": cfg,
-            "env": {"KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(sockets)}}
+    yield {"base": base, "sockets": sockets, "config": cfg,
+           "env": {"KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(sockets)}}
+    shutil.rmtree(sockets, ignore_errors=True)
 
 
 def _trace_cli(env: dict, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
