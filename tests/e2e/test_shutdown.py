@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,6 +106,7 @@ def test_sigterm_with_every_source_busy_exits_zero_quickly(tmp_path: Path, run_a
                 rank.terminate()
         psutil.wait_procs(ranks, timeout=10)
         kill_tree(job)
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def test_stopping_the_incidents_source_kills_a_running_dump(tmp_path: Path) -> None:
