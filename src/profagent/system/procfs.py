@@ -112,11 +112,16 @@ def exited(proc_root: Path, pid: int, born: int | None = None) -> bool:
 def _stat_fields(proc_root: Path, pid: int) -> list[bytes] | None:
     """/proc/PID/stat after the command name (fields 3..), or None if it cannot be read."""
     try:
-        stat = _read_head(f"{proc_root}/{pid}/stat", 4096)
+        fields = _after_name(_read_head(f"{proc_root}/{pid}/stat", 4096))
     except OSError:
         return None
-    fields = stat.rpartition(b")")[2].split()  # the name may hold spaces and parentheses
     return fields if len(fields) >= 20 else None
+
+
+def _after_name(stat: bytes) -> list[bytes]:
+    """The fields of a /proc/PID/stat text after the command name (which may hold spaces
+    and parentheses)."""
+    return stat.rpartition(b")")[2].split()
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,7 @@ def read_process_stats(proc_root: Path, pid: int) -> ProcessStats:
     (FileNotFoundError, ProcessLookupError) when the process is gone. Read every tick for
     every process of the job: plain strings and ``bytes.find``, no pathlib (half its cost)."""
     root = f"{proc_root}/{pid}"
-    fields = _read_head(root + "/stat", 4096).rpartition(b")")[2].split()
+    fields = _after_name(_read_head(root + "/stat", 4096))
     if len(fields) < 40:
         raise FileNotFoundError(f"{root}/stat is truncated")
     status = _read_head(root + "/status", 16384)
@@ -233,7 +238,7 @@ def process_table(proc_root: Path) -> dict[int, tuple[int, float, str]]:
             raw = _read_head(proc_root / entry.name / "cmdline", CMDLINE_READ_MAX)
         except OSError:  # gone between the listing and the read
             continue
-        fields = stat.rpartition(b")")[2].split()  # the name may hold spaces and parentheses
+        fields = _after_name(stat)
         if len(fields) < 20 or fields[0] == b"Z":
             continue
         argv = raw.decode(errors="replace").rstrip("\0").split("\0")
@@ -251,7 +256,7 @@ def children_map(proc_root: Path) -> dict[int, list[int]]:
             stat = _read_head(proc_root / entry.name / "stat", 4096)
         except OSError:
             continue
-        fields = stat.rpartition(b")")[2].split()
+        fields = _after_name(stat)
         if len(fields) >= 2 and fields[0] != b"Z":
             children.setdefault(int(fields[1]), []).append(int(entry.name))
     return children
