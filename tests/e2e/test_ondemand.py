@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -9,6 +10,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from hypothesis import strategies as st
 from helpers.agent import free_port, http_get, parse_metrics
 from helpers.paths import ROOT
 from helpers.processes import kill_tree, wait_for
+from profagent.doctor.check import Check
 from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.endpoint import Endpoint, NoPollers, match_pid
 
@@ -244,8 +247,8 @@ def test_name_taken_turns_the_source_off_and_the_rest_runs(tmp_path: Path, run_a
         from profagent.config import load_config
         from profagent.doctor.ondemand import check_ondemand as doctor_check
 
-        rows = list(doctor_check(load_config(cfg, {}, {})))
-        assert rows[0].status == "warn" and "has on-demand tracing off" in rows[0].detail, rows
+        row = _endpoint_row(doctor_check(load_config(cfg, {}, {})))
+        assert row.status == "warn" and "has on-demand tracing off" in row.detail, row
     finally:
         squatter.close()
 
@@ -280,17 +283,63 @@ def test_periodic_mode_rotates_ranks_and_keeps_only_its_own_last_k(tmp_path: Pat
     assert user_file.read_text() == "{}"  # the user's file is never touched
 
 
+def _endpoint_row(rows: Iterable[Check]) -> Check:
+    return next(r for r in rows if r.name == "Kineto endpoint")
+
+
 def test_doctor_reports_a_free_endpoint(tmp_path: Path) -> None:
     from profagent.config import load_config
     from profagent.doctor.ondemand import check_ondemand as doctor_check
 
     cfg = load_config(None, {}, {"ondemand.socket_dir": str(tmp_path), "ondemand.control_socket": str(tmp_path / "c")})
-    rows = list(doctor_check(cfg))
-    assert rows[0].status == "ok" and "is free" in rows[0].detail
+    row = _endpoint_row(doctor_check(cfg))
+    assert row.status == "ok" and "is free" in row.detail
     squatter = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     squatter.bind(str(tmp_path / "dynolog"))
     try:
-        rows = list(doctor_check(cfg))
-        assert rows[0].status == "warn" and "another daemon" in rows[0].detail
+        row = _endpoint_row(doctor_check(cfg))
+        assert row.status == "warn" and "another daemon" in row.detail
     finally:
         squatter.close()
+
+
+def test_a_socket_folder_too_long_for_the_jobs_sockets_is_named_with_its_fix(caplog: pytest.LogCaptureFixture) -> None:
+    """libkineto binds "<dir>/dynoconfigclient<uuid>" without checking that it fits a socket
+    path (107 bytes): past 54 bytes of folder no job can poll, although the agent's own
+    "<dir>/dynolog" binds. The doctor and the agent's log both say so; 54 bytes is fine."""
+    from profagent.config import load_config
+    from profagent.doctor.ondemand import check_ondemand as doctor_check
+    from profagent.sources.ondemand.source import OndemandSource
+
+    short = tempfile.mkdtemp(prefix="pa-", dir="/tmp")
+    try:
+        fits = short + "/" + "d" * (kineto.MAX_SOCKET_DIR_BYTES - len(short) - 1)
+        assert len(fits) == 54
+        # the longest socket path a job would bind in it: exactly the limit
+        client = fits + "/dynoconfigclient" + "0" * 36
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
+            os.makedirs(fits)
+            probe.bind(client)  # 107 bytes: fits
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe, pytest.raises(OSError):
+            probe.bind(fits + "d/dynoconfigclient" + "0" * 36)  # one byte more: refused by the kernel
+        assert kineto.socket_dir_problem(fits) is None
+        too_long = fits + "x"
+        problem = kineto.socket_dir_problem(too_long)
+        assert problem is not None and "55 bytes" in problem
+
+        def rows(folder: str) -> dict[str, Check]:
+            cfg = load_config(None, {}, {"ondemand.socket_dir": folder, "ondemand.control_socket": short + "/c"})
+            return {r.name: r for r in doctor_check(cfg)}
+
+        assert "Kineto socket folder" not in rows(fits)
+        row = rows(too_long)["Kineto socket folder"]
+        assert row.status == "warn" and row.detail == problem and "at most 54 bytes" in row.fix
+        assert rows(too_long)["Kineto endpoint"].status == "ok"  # the agent's own socket still binds
+
+        source = OndemandSource(1.0, short + "/traces", socket_dir=too_long)
+        with caplog.at_level(logging.WARNING, logger="profagent.sources.ondemand.source"):
+            source.start()
+            source.stop()
+        assert [r.getMessage() for r in caplog.records] == [f"{problem}; {kineto.SOCKET_DIR_FIX}"]
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
