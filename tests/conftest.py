@@ -23,8 +23,22 @@ def children(tmp_path: Path) -> Iterator[Children]:
     kids.cleanup()
 
 
+AGENT_LOG_LINES_ON_FAILURE = 60
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_FAILED] = report.failed  # for fixtures' teardown (run_agent)
+    return report
+
+
+CALL_FAILED = pytest.StashKey[bool]()
+
+
 @pytest.fixture
-def run_agent(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
+def run_agent(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., AgentProcess]]:
     agents: list[AgentProcess] = []
 
     def start(args: list[str], env: dict[str, str] | None = None) -> AgentProcess:
@@ -35,6 +49,11 @@ def run_agent(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
     yield start
     for agent in agents:
         agent.stop()
+    if request.node.stash.get(CALL_FAILED, False):  # the agents' own account, in the failure's report
+        for agent in agents:
+            tail = agent.output.splitlines()[-AGENT_LOG_LINES_ON_FAILURE:]
+            print(f"--- agent {' '.join(agent.proc.args[3:6])} (PID {agent.proc.pid}), last lines of its log ---",
+                  *tail, sep="\n")
 
 
 @pytest.fixture

@@ -92,7 +92,9 @@ def job(tmp_path: Path):
 
 def start_agent(run_agent, tmp_path: Path, pid: int, agent_out: list | None = None) -> str:
     config = tmp_path / f"profagent-{pid}.toml"
-    config.write_text(f"[stacks]\nstall_seconds = {STALL_SECONDS}\nwindow = 2\nrate = 50\n"
+    # its own state folder: as root the default is /var/lib/profagent, where hang incidents would stay
+    config.write_text(f"state_dir = '{tmp_path / 'state'}'\n"
+                      f"[stacks]\nstall_seconds = {STALL_SECONDS}\nwindow = 2\nrate = 50\n"
                       f"native_every_seconds = {NATIVE_EVERY}\n"
                       f"[findings]\nwindow_seconds = {WINDOW_SECONDS}\nmin_samples = 30\n"
                       "[ondemand]\nenabled = false\n")
@@ -159,11 +161,21 @@ def test_plain_ddp_healthy_then_hang_one_culprit_with_its_line(job, run_agent, t
     hang = watch.until(lambda fs: next((f for f in fs if f["finding"] == "hang"), None),
                        STALL_SECONDS + 60, "the hang finding")
     assert time.monotonic() - hung_at <= STALL_SECONDS + 60
+    line = f"{truth['file']}:{truth['line']}"
+    # Rank 0 is named waiting from its native frames (the first verdict waits for those in
+    # flight). If a periodic native window caught it stepping for most of the window before
+    # it blocked, it looks like a rank computing in one C++ call until its next native look
+    # (stall_seconds / 2 later): meanwhile the finding names rank 1 alone, stuck at its line
+    # (docs/diagnosis.md). Never another culprit.
+    hang = watch.until(lambda fs: next((f for f in fs if f["finding"] == "hang" and f["evidence"]["waiting_ranks"]),
+                                       None), STALL_SECONDS, "rank 0 named waiting")
+    assert all(f["rank"] == "1" and f["evidence"]["culprit_ranks"] == ["1"] for f in watch.kinds("hang")), \
+        json.dumps(watch.kinds("hang"), indent=1)
     findings = watch.poll()
     assert [f["finding"] for f in findings] == ["hang"], findings  # one job-level finding, nothing else
     assert hang["rank"] == "1" and hang["severity"] == "critical", hang
-    line = f"{truth['file']}:{truth['line']}"
-    assert hang["evidence"]["culprit_ranks"] == ["1"] and hang["evidence"]["waiting_ranks"] == ["0"]
+    assert hang["evidence"]["culprit_ranks"] == ["1"] and hang["evidence"]["waiting_ranks"] == ["0"], \
+        json.dumps(hang, indent=1)
     assert hang["evidence"]["roles"]["1"]["at"].endswith(f"({line})"), hang["evidence"]["roles"]
     assert line in hang["summary"] and "rank 0 waits in all_reduce from backward (DDP's reducer)" in hang["summary"]
     assert hang["evidence"]["roles"]["0"]["native_frames"] is True

@@ -67,7 +67,9 @@ class AgentProcess:
             [sys.executable, "-m", "profagent", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            # its own state folder unless the test names one: as root the default is
+            # /var/lib/profagent, where trace offsets and incident bundles would stay behind
+            env={"PROFAGENT_STATE_DIR": str(tmp / "state"), **os.environ, **(env or {})},
         )
 
     @property

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -159,10 +160,17 @@ def test_frames_from_json_keeps_native_frames_nameless_of_file() -> None:
     assert frames == (Frame("main", "t.py", 3), Frame("pthread_cond_wait (libc.so.6)", "", 0))
 
 
+def top_of(samples: list) -> tuple:
+    return max(samples, key=lambda s: s.count).frames
+
+
 def test_a_thread_computing_in_one_long_cpp_call_is_moving_a_blocked_one_is_not() -> None:
     blocked = raw_main("ddp_reducer_record_native.raw", 12077)
     computing = raw_main("ddp_straggler_job_rank1.raw", 24265)  # the straggler: backward's own compute
-    assert not moving(blocked) and moving(computing)
+    assert not moving(blocked, top_of(blocked)) and moving(computing, top_of(computing))
+    # the straggler's window, then most of a window blocked in the reducer: it waits
+    blocked_after = [*computing, *(dataclasses.replace(s, count=s.count * 2) for s in blocked)]
+    assert not moving(blocked_after, top_of(blocked_after))
     # its Python stack alone stands still at one line most of the time
     top = max(computing, key=lambda s: s.count)
     assert str(python_only(top).frames[-1]) == "_engine_run_backward (torch/autograd/graph.py:979)"

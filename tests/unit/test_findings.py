@@ -73,6 +73,38 @@ def test_plain_ddp_rank_waiting_in_the_reducer_is_a_victim_from_its_native_frame
     # Without its native frames the same rank looks stuck in backward: the finding waits for them
     pending = RankStall("0", True, 130.0, "job", frames(*IN_BACKWARD), native_pending=True)
     assert hang([pending, stall("1", True, AT_LINE_68)], "job") == []
+    # ... also while that rank only stands still, short of its own stall_seconds (it blocked
+    # after the culprit stopped): the first verdict names it waiting, not a lone stuck rank
+    standing = RankStall("0", False, 8.0, "job", frames(*IN_BACKWARD), suspected=True, native_pending=True)
+    assert hang([standing, stall("1", True, AT_LINE_68, 10.5)], "job") == []
+    standing = RankStall("0", False, 8.0, "job", frames(*IN_BACKWARD), suspected=True, native=frames(*REDUCER_NATIVE))
+    [f] = hang([standing, stall("1", True, AT_LINE_68, 10.5)], "job")
+    assert f.evidence["diagnosis"] == "culprit" and f.evidence["waiting_ranks"] == ["0"] and f.rank == "1"
+    # ... or none yet, its state from before it blocked (a native window in flight, for
+    # seconds, updates nothing): the first verdict waits for it too
+    frozen = RankStall("0", False, 0.0, "job", frames(*IN_BACKWARD), native_pending=True)
+    assert hang([frozen, stall("1", True, AT_LINE_68, 10.5)], "job") == []
+    # once a verdict is out, a native window in flight (a periodic one) never takes it back
+    [f] = hang([frozen, stall("1", True, AT_LINE_68, 10.5)], "job", settled=True)
+    assert f.evidence["diagnosis"] == "stuck" and f.evidence["culprit_ranks"] == ["1"]
+    # ... even one whose stack from before shows it waiting in a collective: on a loaded node
+    # a native window may run for 20 s, and a culprit caught in backward just before it stopped
+    # would make "every rank waits" of a job that one rank holds up
+    stale = RankStall("1", False, 0.0, "job", frames(*IN_BACKWARD), native=frames(*REDUCER_NATIVE),
+                      native_pending=True)
+    blocked = RankStall("0", True, 22.0, "job", frames(*IN_BACKWARD), native=frames(*REDUCER_NATIVE))
+    assert hang([blocked, stale], "job") == []
+    [f] = hang([blocked, stall("1", True, AT_LINE_68, 12.0)], "job")
+    assert f.evidence["diagnosis"] == "culprit" and f.rank == "1" and f.evidence["waiting_ranks"] == ["0"]
+    # the culprit's own later native windows (every stall_seconds / 2; under load one after
+    # the other) never hold the first verdict back
+    relooked = RankStall("1", True, 30.0, "job", frames(*AT_LINE_68), native=frames(*AT_LINE_68), native_pending=True)
+    victim = RankStall("0", True, 29.0, "job", frames(*IN_BACKWARD), native=frames(*REDUCER_NATIVE))
+    [f] = hang([victim, relooked], "job")
+    assert f.evidence["diagnosis"] == "culprit" and f.rank == "1"
+    # ... except a stalled rank's first native frames, which may still change its role
+    first = RankStall("0", True, 130.0, "job", frames(*IN_BACKWARD), native_pending=True)
+    assert hang([first, stall("1", True, AT_LINE_68)], "job", settled=True) == []
     # ... and if none come (native off or failed), both ranks are said to be stuck: one finding
     [f] = hang([RankStall("0", True, 130.0, "job", frames(*IN_BACKWARD)), stall("1", True, AT_LINE_68)], "job")
     assert f.rank is None and f.evidence["diagnosis"] == "stuck" and f.evidence["culprit_ranks"] == ["0", "1"]
@@ -141,6 +173,22 @@ def test_since_is_kept_while_active_and_cleared_with_the_evidence() -> None:
     moving = {"stacks": stacks(stall("0", False, IN_ALL_REDUCE, 0), stall("1", False, AT_LINE_68, 0))}
     assert ev.evaluate(moving, now=1020.0).findings == ()
     assert [f.since for f in ev.evaluate(hung2, now=1030.0).findings] == [1030.0]
+
+
+def test_the_first_hang_verdict_waits_for_native_frames_in_flight_then_holds() -> None:
+    """Rank 1 stopped; rank 0's native window is in flight, its last state from before it
+    blocked. The first verdict waits for it (rank 0 then named waiting in DDP's reducer);
+    later native windows in flight never take the finding back."""
+    ev = Evaluator(cfg())
+    culprit = stall("1", True, AT_LINE_68, 10.5)
+    frozen = RankStall("0", False, 0.0, "job", frames(*IN_BACKWARD), native_pending=True)
+    assert ev.evaluate({"stacks": stacks(frozen, culprit)}, now=1000.0).findings == ()
+    victim = RankStall("0", False, 4.0, "job", frames(*IN_BACKWARD), suspected=True, native=frames(*REDUCER_NATIVE))
+    [f] = ev.evaluate({"stacks": stacks(victim, culprit)}, now=1001.0).findings
+    assert f.evidence["diagnosis"] == "culprit" and f.evidence["waiting_ranks"] == ["0"] and f.since == 1001.0
+    again = dataclasses.replace(victim, native_pending=True, native=())  # its next native window, in flight
+    [f] = ev.evaluate({"stacks": stacks(again, culprit)}, now=1002.0).findings
+    assert f.finding == "hang" and f.since == 1001.0
 
 
 def feed_shares(ev: Evaluator, per_rank: dict[str, dict[str, int]], ticks: int, start: float = 0.0,

@@ -70,12 +70,47 @@ def test_a_rank_computing_in_one_long_backward_is_not_stalled() -> None:
     src, sampler, clock = source()
     native = fixture("ddp_straggler_job_rank1.raw", 24265)
     top = max((python_only(s) for s in native if s.main), key=lambda s: s.count)
-    window(src, clock, 24265, [top])  # under load a plain window may catch only backward's line
-    window(src, clock, 24265, native, native=True)
+    # one long C++ call under one Python line: native frames move, the Python stack does not
+    under_top = [s for s in native if s.main and python_only(s).folded == top.folded]
+    window(src, clock, 24265, [top])
+    assert sampler.native == [24265]
+    window(src, clock, 24265, under_top, native=True)
     for _ in range(6):
         window(src, clock, 24265, [top])
     [stall] = src._snapshot("").stalls
     assert stall.unchanged_seconds > 10 and not stall.stalled and not stall.suspected
+
+
+def test_a_rank_whose_python_stack_moves_in_its_native_windows_is_never_stalled() -> None:
+    src, sampler, clock = source()
+    native = fixture("ddp_straggler_job_rank1.raw", 24265)
+    top = max((python_only(s) for s in native if s.main), key=lambda s: s.count)
+    # under load a plain window may catch only backward's line; each native window asked for
+    # (delivered next, as the sampler does) shows the other lines too
+    for _ in range(12):
+        asked = len(sampler.native)
+        window(src, clock, 24265, [top])
+        if len(sampler.native) > asked:
+            window(src, clock, 24265, native, native=True)
+        [stall] = src._snapshot("").stalls
+        assert not stall.stalled, stall
+
+
+def test_a_ddp_rank_that_blocks_during_a_periodic_native_window_waits_it_does_not_compute() -> None:
+    """A periodic native window in which the rank stepped, then blocked in backward's reducer
+    for most of it: its frames moved, but its most sampled stack is the collective. The rank
+    is a victim in that collective from then on, not a rank computing in one long C++ call."""
+    src, sampler, clock = source(native_every_seconds=10.0)
+    stepping = [s for s in fixture("ddp_straggler_job_rank1.raw", 12077) if s.main]
+    blocked = fixture("ddp_reducer_record_native.raw", 12077)
+    plain = [python_only(s) for s in blocked]
+    window(src, clock, 12077, [python_only(s) for s in stepping])
+    window(src, clock, 12077, [*stepping[:3], *blocked], native=True)
+    for _ in range(6):
+        window(src, clock, 12077, plain)
+    [stall] = src._snapshot("").stalls
+    assert stall.stalled and stall.suspected
+    assert "c10d::Reducer::finalize_backward (libtorch_cpu.so)" in [f.name for f in stall.native]
 
 
 def test_waits_are_judged_from_the_first_steady_native_window_on() -> None:
@@ -104,3 +139,23 @@ def test_a_native_window_asked_of_a_process_that_is_no_longer_the_rank_is_asked_
     assert sampler.native == [111]
     window(src, clock, 24264, plain)  # the real rank 0
     assert sampler.native == [111, 24264]
+
+
+def test_a_rank_whose_backward_stands_still_every_step_gets_one_native_look_per_half_stall() -> None:
+    """Long steps: each backward stands still for whole windows. A look from an earlier step
+    (not the one that saw the stack begin to stand) brings no new native window before half
+    of stall_seconds: a native window pauses the rank at each sample."""
+    src, sampler, clock = source()
+    native = fixture("ddp_straggler_job_rank1.raw", 24265)
+    top = max((python_only(s) for s in native if s.main), key=lambda s: s.count)
+    under_top = [s for s in native if s.main and python_only(s).folded == top.folded]
+    other = [python_only(s) for s in native if s.main and python_only(s).folded != top.folded]
+    window(src, clock, 24265, [top])
+    window(src, clock, 24265, under_top, native=True)  # the look, within this step's run
+    assert sampler.native == [24265]
+    window(src, clock, 24265, other)  # the next step: optimizer and forward, the stack moves
+    window(src, clock, 24265, [top])  # backward stands still again, 4 s after the look
+    assert sampler.native == [24265]
+    window(src, clock, 24265, other)
+    window(src, clock, 24265, [top])  # 8 s after the look, past stall_seconds / 2: look again
+    assert sampler.native == [24265, 24265]

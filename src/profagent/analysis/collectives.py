@@ -186,11 +186,12 @@ def native_waits(native_main: Iterable[Sample]) -> int:
     return sum(s.count for s in native_main if in_collective(s.frames))
 
 
-def moving(native_main: Sequence[Sample]) -> bool:
-    """Native stacks that change, outside any collective: the thread computes (one long C++
-    call under one Python line, e.g. a slow backward). A thread waiting in a collective is
-    not moving even if its innermost frames spin."""
-    return len({s.folded for s in native_main}) > 1 and not all(in_collective(s.frames) for s in native_main)
+def moving(native_main: Sequence[Sample], dominant: Sequence[Frame]) -> bool:
+    """Native stacks that change, the most sampled (``dominant``) outside any collective: the
+    thread computes (one long C++ call under one Python line, e.g. a slow backward). A thread
+    that spent most of the window in a collective waits: it is not moving even if its
+    innermost frames spin, or it computed before it blocked there (a DDP rank mid-window)."""
+    return len({s.folded for s in native_main}) > 1 and not in_collective(dominant)
 
 
 # -- py-spy dump text and JSON ----------------------------------------------------------------

@@ -32,6 +32,7 @@ class Evaluator:
         self._errors: dict[tuple[int, str], CountsWindow] = {}  # (gpu, uuid) -> error counters
         self._pending: dict[tuple[str, str, str], float] = {}
         self._since: dict[tuple[str, str, str], float] = {}
+        self._hung: frozenset[str] = frozenset()  # jobs with a hang finding at the last evaluation
 
     # -- histories ----------------------------------------------------------------------
     def _new(self, name: str, snapshot: Any) -> bool:
@@ -131,9 +132,9 @@ class Evaluator:
         if stacks is not None:
             stalls = [_stall_with_job(s, stacks.job_id) for s in stacks.stalls]
             for job in sorted({s.job_id for s in stalls}):
-                found += hang(stalls, job)
+                found += hang(stalls, job, settled=job in self._hung)
             suspected = {s.job_id for s in stalls if s.suspected or s.stalled}
-        hung = frozenset(f.job_id for f in found if f.finding == "hang")
+        hung = self._hung = frozenset(f.job_id for f in found if f.finding == "hang")
         # a rank whose stack stands still may be hanging: no straggler then (it waits least)
         found += straggler(shares, rank_traces, cfg, hung | suspected)
         found += bound(shares, rank_traces, cfg)

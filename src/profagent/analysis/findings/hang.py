@@ -53,15 +53,30 @@ def _here(s: Any) -> Frame | None:
     return python[-1] if python else (s.frames[-1] if s.frames else None)
 
 
-def hang(stalls: Iterable[Any], job_id: str) -> list[Finding]:
-    """The job's ``hang`` finding (at most one) from its ranks' ``RankStall``."""
+def _native_may_change_its_role(s: Any, wait: CollectiveWait | None, settled: bool) -> bool:
+    """Wait for native frames on their way that may change a rank's role: a stalled rank's
+    first ones (a collective in C++, DDP's reducer, makes it a victim); before the first
+    verdict (``settled`` False), those of any rank not stalled: while py-spy reads a native
+    window (seconds, far more on a loaded node) its rank's stack is not updated, so it may
+    show the rank from before the others stopped. A stalled rank's later native windows
+    (every stall_seconds / 2; under load one after the other) are not waited for."""
+    if not s.native_pending:
+        return False
+    if s.stalled:
+        return wait is None and not s.native
+    return not settled
+
+
+def hang(stalls: Iterable[Any], job_id: str, settled: bool = False) -> list[Finding]:
+    """The job's ``hang`` finding (at most one) from its ranks' ``RankStall``. ``settled``:
+    the job had one at the last evaluation (it is not held back again for native frames)."""
     rows = sorted((s for s in stalls if s.job_id == job_id and s.frames), key=lambda s: (len(s.rank), s.rank))
     stalled = [s for s in rows if s.stalled]
     if not stalled:
         return []
     waits = {s.rank: collective_wait(s.native or s.frames) for s in rows}
-    if any(s.native_pending and not s.native and waits[s.rank] is None for s in stalled):
-        return []  # its native frames are on their way: they may show a collective in C++
+    if any(_native_may_change_its_role(s, waits[s.rank], settled) for s in rows):
+        return []
     waiting = [s for s in rows if waits[s.rank] is not None]
     culprits = [s for s in rows if waits[s.rank] is None]
     seconds = max(s.unchanged_seconds for s in stalled)

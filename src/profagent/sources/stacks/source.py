@@ -338,7 +338,7 @@ class StacksSource:
             waits = float(native_waits(native_main))
             if native_main:
                 top = _dominant(native_main)
-                self._native_stack[key] = NativeLook(python_frames(top), top, moving(native_main), self._clock())
+                self._native_stack[key] = NativeLook(python_frames(top), top, moving(native_main, top), self._clock())
         elif ratios.learned:
             waits = ratios.waits(main)
         else:
