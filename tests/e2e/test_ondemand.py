@@ -96,6 +96,7 @@ def ondemand_env(tmp_path_factory):
     os.chmod(sockets, 0o755)
     cfg = base / "agent.toml"
     cfg.write_text(
+        f"state_dir = '{base / 'state'}'\n"  # as root the default is /var/lib/profagent
         f"[ondemand]\nsocket_dir = '{sockets}'\ncontrol_socket = '{base / 'control.sock'}'\n"
         f"trace_dir = '{base / 'traces'}'\n[stacks]\nenabled = false\n"
     )
