@@ -112,9 +112,11 @@ def test_live_view_shows_both_ranks_and_marks_the_hung_one_stalled(job, run_agen
 
 def test_once_at_80_columns_and_in_process_agent(job, tmp_path) -> None:
     proc, _ = job
+    state = tmp_path / "state"
     res = subprocess.run([*TOP, "--pid", str(proc.pid), "--once", "--gpu-backend", "off"], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
+                         text=True, timeout=120, env={**os.environ, "COLUMNS": "80", "PROFAGENT_STATE_DIR": str(state)})
     assert res.returncode == 0, res.stderr
+    assert not (state / "incidents").exists()  # a viewer captures no incident bundles
     lines = res.stdout.splitlines()
     assert all(len(line) <= 80 for line in lines), res.stdout
     assert row(res.stdout, "0") and row(res.stdout, "1")

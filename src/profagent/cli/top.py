@@ -543,11 +543,13 @@ def local_feed(config: Any, pid: int) -> LocalFeed:
 
     check_attachable(pid)
     # Our own agent, for as long as top shows it: quick ticks, so the first screen has CPU
-    # rates and a first look at each rank's stack within a second.
+    # rates and a first look at each rank's stack within a second. A viewer captures no
+    # incident bundles (nor creates their folder): that is the running agent's job.
     config = dataclasses.replace(
         config,
         host=dataclasses.replace(config.host, interval=config.host.interval or LOCAL_INTERVAL),
         stacks=dataclasses.replace(config.stacks, interval=config.stacks.interval or LOCAL_INTERVAL),
+        incidents=dataclasses.replace(config.incidents, enabled=False),
     )
     job = Job(config, pid)
     job.start()
