@@ -24,17 +24,15 @@ def children(tmp_path: Path) -> Iterator[Children]:
 
 
 AGENT_LOG_LINES_ON_FAILURE = 60
+CALL_FAILED = pytest.StashKey[bool]()  # the test's call phase failed (for fixtures' teardown)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     report = yield
     if report.when == "call":
-        item.stash[CALL_FAILED] = report.failed  # for fixtures' teardown (run_agent)
+        item.stash[CALL_FAILED] = report.failed
     return report
-
-
-CALL_FAILED = pytest.StashKey[bool]()
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from profagent.system.unixsock import call, default_control_socket
 
 def check_ondemand(config: Config) -> Iterator[Check]:
     """Is the Kineto endpoint free, held by a profagent agent (and who polls it), or by another daemon?"""
-    if config.ondemand.socket_dir and (problem := kineto.socket_dir_problem(config.ondemand.socket_dir)):
+    if problem := kineto.socket_dir_problem(config.ondemand.socket_dir):
         yield Check("ondemand", "Kineto socket folder", WARN, problem, kineto.SOCKET_DIR_FIX)
     endpoint = Endpoint(config.ondemand.socket_dir)
     where = endpoint.describe()

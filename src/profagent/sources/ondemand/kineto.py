@@ -21,25 +21,24 @@ REQ_HEAD = struct.Struct("<iiq")
 CTXT = struct.Struct("<iiq")
 MAX_PIDS = 1024
 DAEMON_NAME = "dynolog"
+ACTIVITIES = 2  # bit in the request type: the process can start an activity trace
 # Each process binds "dynoconfigclient" + a 36-character UUID in KINETO_IPC_SOCKET_DIR, and
 # libkineto does not check that "<dir>/<name>" fits a socket path (107 bytes and a NUL).
 CLIENT_NAME_BYTES = len("dynoconfigclient") + 36
 SOCKET_PATH_MAX = 107
 MAX_SOCKET_DIR_BYTES = SOCKET_PATH_MAX - 1 - CLIENT_NAME_BYTES  # 54
-
-
 SOCKET_DIR_FIX = (f"set ondemand.socket_dir, and the jobs' KINETO_IPC_SOCKET_DIR, to a folder of at most "
                   f"{MAX_SOCKET_DIR_BYTES} bytes")
 
 
 def socket_dir_problem(socket_dir: str) -> str | None:
-    """Why processes cannot poll a daemon whose sockets are in ``socket_dir``, or None."""
+    """Why processes cannot poll a daemon whose sockets are in ``socket_dir``, or None (also
+    for "": the abstract namespace has no folder)."""
     size = len(socket_dir.encode(errors="surrogateescape"))
     if size <= MAX_SOCKET_DIR_BYTES:
         return None
     return (f"the Kineto socket folder is {size} bytes long: a job's socket in it (\"dynoconfigclient\" and a UUID) "
             f"would pass the {SOCKET_PATH_MAX}-byte limit of a socket path, so no job could poll")
-ACTIVITIES = 2  # bit in the request type: the process can start an activity trace
 
 
 class MalformedDatagram(SourceError, ValueError):

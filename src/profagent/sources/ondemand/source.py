@@ -87,7 +87,7 @@ class OndemandSource:
                         "other users can write traces there only if it is 1777; set ondemand.trace_dir to a folder "
                         "the agent creates", self.trace_dir, mode)
         self.endpoint.bind()
-        if self.endpoint.socket_dir and (problem := kineto.socket_dir_problem(self.endpoint.socket_dir)):
+        if problem := kineto.socket_dir_problem(self.endpoint.socket_dir):
             log.warning("%s; %s", problem, kineto.SOCKET_DIR_FIX)  # the agent's own socket fits; the jobs' would not
         self._spawn(lambda: self.endpoint.serve(self._stop), "kineto")
 
