@@ -28,6 +28,7 @@ WORKLOAD = ROOT / "tests" / "workloads" / "plain_ddp.py"
 STALL_SECONDS = 10.0
 WINDOW_SECONDS = 20.0  # findings.window_seconds: a rank is judged after a full window of steady stacks
 NATIVE_EVERY = 10.0  # stacks.native_every_seconds (300 by default)
+STRAGGLER_SHARE = 0.2  # findings.straggler_share (the default)
 HEALTHY_SECONDS = 60.0  # from the launch: start-up, the first native windows, warm-up, two full windows judged
 
 
@@ -195,17 +196,31 @@ def test_plain_ddp_healthy_then_hang_one_culprit_with_its_line(job, run_agent, t
     assert not again.kinds("straggler") and {f["finding"] for f in again.seen} == {"hang"}, again.seen
 
 
+@pytest.mark.timeout(420)  # a warm-up as long as the node's load makes it, then a mismatch
 def test_plain_ddp_straggler_then_collective_mismatch(job, run_agent, tmp_path) -> None:
     j = job("straggler")
     url = start_agent(run_agent, tmp_path, j.proc.pid)
     ready = {r: j.wait_event(r, "ready") for r in (0, 1)}
-    slow = max(ready, key=lambda r: ready[r]["repeat"])  # the ground truth: the rank doing twice the work
-    assert ready[slow]["repeat"] == 2 * ready[1 - slow]["repeat"]
+    slow = max(ready, key=lambda r: ready[r]["repeat"])  # the ground truth: the rank doing 3x the work
+    assert ready[slow]["repeat"] == 3 * ready[1 - slow]["repeat"]
     watch = Watch(url)
-    started = time.monotonic()
-    f = watch.until(lambda fs: next((f for f in fs if f["finding"] == "straggler"), None), 120, "a straggler")
-    # warm-up (a full 20 s window of judged stacks) plus the first native windows: within a minute
-    assert time.monotonic() - started <= 60 + 30, "straggler named late"  # + slack for a loaded machine
+    # How long warm-up and the first native windows take depends on the node's load (34-117 s
+    # seen); what must not is the agent's reaction once its own judged shares, exported beside
+    # the findings, show the straggler with a margin over the rule: within 10 evaluations.
+    clear_at: list[int] = []  # the agent's evaluation count when the test first saw that
+
+    def named(findings: list[dict]) -> dict | None:
+        f = next((f for f in findings if f["finding"] == "straggler"), None)
+        shares = watch.judged
+        if f is None and not clear_at and len(shares) == 2:
+            mine, other = shares[str(slow)], shares[str(1 - slow)]
+            if other - mine > STRAGGLER_SHARE + 0.05 and mine <= 0.45 * other:
+                clear_at.append(watch.evaluations)
+        return f
+
+    f = watch.until(named, 240, "a straggler")
+    late = [watch.evaluations - clear_at[0]] if clear_at else []
+    assert not late or late[0] <= 10, f"straggler named {late[0]} evaluations after the shares showed it"
     assert f["rank"] == str(slow), f
     assert {x["rank"] for x in watch.kinds("straggler")} == {str(slow)}
     ev = f["evidence"]

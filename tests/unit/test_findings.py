@@ -270,6 +270,21 @@ def test_straggler_is_the_rank_that_waits_least_once_every_rank_is_warmed_up() -
     assert snap.evaluations == 10
 
 
+def test_a_gap_alone_is_no_straggler_when_every_rank_waits_a_lot() -> None:
+    """Shares measured on a loaded node (two plain DDP jobs and stress-ng on 2 cores): gloo's
+    transfers wait for a CPU on every rank, so a healthy job's ranks drifted 24 points apart
+    (0.61, 0.375), as far as a rank doing twice the others' work (0.55, 0.31). A straggler
+    also waits at most half the others' median: neither is named; a rank doing three times
+    the work, once its share fell to 0.3 against 0.66, is."""
+    for shares in ((0.614, 0.375), (0.55, 0.31)):
+        ev = Evaluator(cfg(window_seconds=20.0))
+        loaded = {"0": (shares[0], {"backward": 60, "forward": 40}), "1": (shares[1], {"backward": 60, "forward": 40})}
+        assert feed_waits(ev, loaded, 6).findings == ()
+    ev = Evaluator(cfg(window_seconds=20.0))
+    clear = {"0": (0.66, {"backward": 60, "forward": 40}), "1": (0.3, {"backward": 60, "forward": 40})}
+    assert [(f.finding, f.rank) for f in feed_waits(ev, clear, 6).findings] == [("straggler", "1")]
+
+
 def test_no_straggler_while_a_rank_compiles_or_has_not_been_judged() -> None:
     ev = Evaluator(cfg(window_seconds=20.0))
     compiling = {**STRAGGLER_JOB, "1": (0.05, {"compile": 70, "forward": 30})}

@@ -6,7 +6,7 @@ reducer, FSDP2's hooks).
 usage: PLAIN_DDP_LOG=DIR torchrun --nproc-per-node N plain_ddp.py MODE [ddp|fsdp]
 (positional only: torchrun's own parser would take an abbreviated --option)
 MODE: healthy (every rank at the same pace) or straggler (rank PLAIN_DDP_SLOW_RANK does
-twice the compute of the others each step).
+SLOW_FACTOR times the compute of the others each step).
 
 An event, at a step both ranks reach (so every rank takes it at the same step), given by
 PLAIN_DDP_EVENT="KIND:STEP" or, once it exists, by the file PLAIN_DDP_TRIGGER holding it:
@@ -33,7 +33,11 @@ from lifeline import bound
 
 MAX_SECONDS = int(os.environ.get("PLAIN_DDP_MAX_SECONDS", "400"))
 SLOW_RANK = int(os.environ.get("PLAIN_DDP_SLOW_RANK", "1"))
-WORK = 6  # matmuls per forward; the straggler does 2 x WORK
+WORK = 6  # matmuls per forward
+# The straggler's work: three times the others'. Steps this small are half gloo transfers, and
+# on a loaded node those wait for a CPU on every rank: a 2x straggler's collective-wait share
+# (0.31) was then more than half the others' (0.55), which docs/diagnosis.md does not name.
+SLOW_FACTOR = 3
 
 parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=["healthy", "straggler"])
@@ -93,7 +97,7 @@ def main() -> None:
     else:
         model = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    repeat = 2 * WORK if args.mode == "straggler" and rank == SLOW_RANK else WORK
+    repeat = SLOW_FACTOR * WORK if args.mode == "straggler" and rank == SLOW_RANK else WORK
     note(event="ready", repeat=repeat)
     events = Event()
     step = 0
