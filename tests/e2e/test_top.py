@@ -125,6 +125,25 @@ def test_once_at_80_columns_and_in_process_agent(job, tmp_path) -> None:
     assert "train_step" in res.stdout
 
 
+def test_in_process_agent_hosts_no_kineto_endpoint(job, children, tmp_path) -> None:
+    """A viewer leaves the job's on-demand tracing to the running agent: an endpoint held
+    by `top` would make that agent, restarted meanwhile, turn on-demand tracing off."""
+    proc, _ = job
+    sockets, control = tmp_path / "s", tmp_path / "c.sock"
+    config = tmp_path / "top.toml"
+    config.write_text(f"[ondemand]\nsocket_dir = '{sockets}'\ncontrol_socket = '{control}'\n")
+    out = tmp_path / "top.out"
+    with out.open("wb") as fh:
+        top = subprocess.Popen([*TOP, "--pid", str(proc.pid), "--gpu-backend", "off", "--config", str(config),
+                                "--interval", "1"], stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                               env={**os.environ, "PROFAGENT_STATE_DIR": str(tmp_path / "state")})
+    children.procs.append(top)
+    # its agent is up: the table shows both ranks at work (its sources started with it)
+    wait_for(lambda: "train_step" in out.read_text(errors="replace"), 60, what="a table from top")
+    assert top.poll() is None, out.read_text()
+    assert not sockets.exists() and not control.exists(), sorted(os.listdir(tmp_path))
+
+
 def test_url_with_basic_auth_and_bad_input(job, run_agent, tmp_path) -> None:
     proc, _ = job
     web = tmp_path / "web.yml"
