@@ -276,13 +276,13 @@ def test_a_gap_alone_is_no_straggler_when_every_rank_waits_a_lot() -> None:
     (0.61, 0.375), as far as a rank doing twice the others' work (0.55, 0.31). A straggler
     also waits at most half the others' median: neither is named; a rank doing three times
     the work, once its share fell to 0.3 against 0.66, is."""
-    for shares in ((0.614, 0.375), (0.55, 0.31)):
-        ev = Evaluator(cfg(window_seconds=20.0))
-        loaded = {"0": (shares[0], {"backward": 60, "forward": 40}), "1": (shares[1], {"backward": 60, "forward": 40})}
-        assert feed_waits(ev, loaded, 6).findings == ()
-    ev = Evaluator(cfg(window_seconds=20.0))
-    clear = {"0": (0.66, {"backward": 60, "forward": 40}), "1": (0.3, {"backward": 60, "forward": 40})}
-    assert [(f.finding, f.rank) for f in feed_waits(ev, clear, 6).findings] == [("straggler", "1")]
+    def found(rank0: float, rank1: float) -> list[tuple[str, str | None]]:
+        steps = {"backward": 60, "forward": 40}
+        snap = feed_waits(Evaluator(cfg(window_seconds=20.0)), {"0": (rank0, steps), "1": (rank1, steps)}, 6)
+        return [(f.finding, f.rank) for f in snap.findings]
+
+    assert found(0.614, 0.375) == [] and found(0.55, 0.31) == []
+    assert found(0.66, 0.3) == [("straggler", "1")]
 
 
 def test_no_straggler_while_a_rank_compiles_or_has_not_been_judged() -> None:
