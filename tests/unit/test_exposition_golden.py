@@ -88,7 +88,7 @@ def golden_state():  # -> profagent.state.State
 
     usage = host.Usage(
         cpu_user=12.5, cpu_system=1.25, cpu_iowait=0.5, rss=2 << 30, threads=17, fds=42,
-        read_bytes=1 << 20, write_bytes=4096, ctx_voluntary=1000, ctx_involuntary=10,
+        read_bytes=1 << 20, write_bytes=4096, ctx_voluntary=1000, ctx_involuntary=10, run_queue=3.25,
     )
     state.publish("host", host.HostSnapshot(
         (host.GroupUsage(JOB, "0", "main", 1, usage), host.GroupUsage(JOB, "0", "dataloader", 1, _with_uss(usage)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
-from profagent.analysis.findings import KINDS, FindingsSnapshot
+from profagent.analysis.findings import KINDS, Finding, FindingsSnapshot
 from profagent.analysis.findings.evaluate import Evaluator
 from profagent.analysis.findings.hang import hang
 from profagent.analysis.findings.history import CountsWindow, MemorySeries
@@ -244,13 +244,21 @@ def judged(rank: str, waits: float, n: int, **shares: int) -> StackGroup:
 
 
 def feed_waits(ev: Evaluator, per_rank: dict[str, tuple[float, dict[str, int]]], ticks: int, start: float = 0.0,
-               step: float = 5.0, stall_rows: tuple[RankStall, ...] = ()) -> FindingsSnapshot:
-    """Every ``step`` s each rank's judged samples grow by 100, its waits by ``share`` x 100."""
+               step: float = 5.0, stall_rows: tuple[RankStall, ...] = (),
+               run_queue: dict[str, float] | None = None) -> FindingsSnapshot:
+    """Every ``step`` s each rank's judged samples grow by 100, its waits by ``share`` x 100
+    (and, with ``run_queue``, the host source says its main thread waited that share of the
+    ``step`` for a CPU)."""
     snap = FindingsSnapshot()
     for i in range(1, ticks + 1):
         groups = tuple(judged(r, share * 100 * i, 100 * i, **{c: n * i for c, n in d.items()})
                        for r, (share, d) in per_rank.items())
-        snap = ev.evaluate({"stacks": stacks(*stall_rows, groups=groups)}, now=start + i * step)
+        snapshots = {"stacks": stacks(*stall_rows, groups=groups)}
+        if run_queue:
+            snapshots["host"] = HostSnapshot(
+                tuple(GroupUsage("job", r, "main", 1, Usage(run_queue=100.0 + q * step * i)) for r, q in run_queue.items()),
+                NodeUsage(0.5, 16 * GIB, 8 * GIB, 8))
+        snap = ev.evaluate(snapshots, now=start + i * step)
     return snap
 
 
@@ -283,6 +291,26 @@ def test_a_gap_alone_is_no_straggler_when_every_rank_waits_a_lot() -> None:
 
     assert found(0.614, 0.375) == [] and found(0.55, 0.31) == []
     assert found(0.66, 0.3) == [("straggler", "1")]
+
+
+def test_a_straggler_slowed_by_cpu_contention_says_so() -> None:
+    """A rank whose main thread waited for a CPU (schedstat's run queue) at least
+    findings.contention_share of the window: on a loaded node ranks slow unevenly, and a
+    balanced job's ranks were measured 0.26 against 0.59 apart (docs/diagnosis.md). The
+    finding stays, and names the node as a possible cause; a rank that barely queued is
+    not said to be contended, nor one whose run queue was never read."""
+    def straggler(run_queue: dict[str, float] | None) -> Finding:
+        [f] = feed_waits(Evaluator(cfg(window_seconds=20.0)), STRAGGLER_JOB, 6, run_queue=run_queue).findings
+        assert (f.finding, f.rank) == ("straggler", "1")
+        return f
+
+    f = straggler({"0": 0.18, "1": 0.22, "2": 0.15})
+    assert f.evidence["cpu_contended"] and f.evidence["run_queue_shares"] == {"0": 0.18, "1": 0.22, "2": 0.15}
+    assert "waits for a CPU 22% of the time" in f.summary and "may be the node" in f.summary
+    f = straggler({"0": 0.3, "1": 0.09, "2": 0.3})  # the others queue, it barely does: the rank
+    assert not f.evidence["cpu_contended"] and "CPU" not in f.summary
+    f = straggler(None)
+    assert f.evidence["run_queue_shares"] == {} and not f.evidence["cpu_contended"]
 
 
 def test_no_straggler_while_a_rank_compiles_or_has_not_been_judged() -> None:

@@ -113,3 +113,30 @@ def test_process_stats_of_a_process_gone_raise_oserror(tmp_path: Path) -> None:
 
     with pytest.raises(OSError):
         read_process_stats(fake_proc(tmp_path), 99)
+
+
+def test_run_queue_is_the_main_threads_wait_for_a_cpu() -> None:
+    """schedstat's second field (ns runnable, not running), of the thread-group leader."""
+    from profagent.system.procfs import read_process_stats
+
+    def waited() -> float:
+        return int(Path(f"/proc/{os.getpid()}/schedstat").read_text().split()[1]) / 1e9
+
+    before = waited()
+    st = read_process_stats(PROC, os.getpid())
+    assert st.run_queue is not None and before <= st.run_queue <= waited()
+
+
+def test_run_queue_is_absent_where_schedstat_is_missing_or_unreadable(tmp_path: Path) -> None:
+    from profagent.system.procfs import read_process_stats
+
+    d = tmp_path / "10"
+    (d / "fd").mkdir(parents=True)
+    (d / "stat").write_text("10 (python) S 1 " + " ".join(["0"] * 45) + "\n")
+    (d / "status").write_text("voluntary_ctxt_switches:\t3\nnonvoluntary_ctxt_switches:\t1\n")
+    (d / "io").write_text("read_bytes: 0\nwrite_bytes: 0\n")
+    assert read_process_stats(tmp_path, 10).run_queue is None  # a kernel without schedstats
+    (d / "schedstat").write_text("garbage\n")
+    assert read_process_stats(tmp_path, 10).run_queue is None
+    (d / "schedstat").write_text("123 2500000000 7\n")
+    assert read_process_stats(tmp_path, 10).run_queue == 2.5

@@ -17,7 +17,7 @@ PLAIN_DDP_EVENT="KIND:STEP" or, once it exists, by the file PLAIN_DDP_TRIGGER ho
               as the sender, a rank would return once its bytes are buffered, and move on).
 
 Ground truth goes to DIR/rank<R>.jsonl (one JSON object a line): {"event": "ready",
-"repeat"}, {"event": "step", "step", "seconds"} and {"event": "hang"|"mismatch", "file",
+"repeat", "pid"}, {"event": "step", "step", "seconds"} and {"event": "hang"|"mismatch", "file",
 "line", "collective"}. Every rank is bounded (lifeline.bound).
 """
 
@@ -98,7 +98,7 @@ def main() -> None:
         model = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     repeat = SLOW_FACTOR * WORK if args.mode == "straggler" and rank == SLOW_RANK else WORK
-    note(event="ready", repeat=repeat)
+    note(event="ready", repeat=repeat, pid=os.getpid())
     events = Event()
     step = 0
     while True:

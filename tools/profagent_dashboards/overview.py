@@ -132,6 +132,14 @@ def build() -> Dashboard:
             "CPU cores busy, user + system, per rank (main process and its DataLoader workers)",
         ))
         .with_panel(ts(
+            "Waiting for a CPU per rank", PERCENT,
+            [q(f'rate(profagent_process_run_queue_seconds_total{{{RANK}, role="main"}}[$__rate_interval])',
+               "rank {{rank}}")],
+            "share of the time each rank's main thread was runnable but waited for a CPU (schedstat): CPU "
+            "contention on the node. Above 10% a straggler named from stacks says the node may be the cause",
+            max_value=1,
+        ))
+        .with_panel(ts(
             "Resident memory per rank and role", BYTES,
             [q(f"profagent_process_resident_memory_bytes{{{RANK}}}", "rank {{rank}} {{role}}"),
              q(f"profagent_process_unique_memory_bytes{{{RANK}}}", "rank {{rank}} {{role}} USS")],

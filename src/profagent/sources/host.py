@@ -37,6 +37,7 @@ COUNTER_FIELDS = (
     "write_bytes",
     "ctx_voluntary",
     "ctx_involuntary",
+    "run_queue",
 )
 
 
@@ -55,6 +56,7 @@ class Usage:
     write_bytes: int | None = None
     ctx_voluntary: int = 0
     ctx_involuntary: int = 0
+    run_queue: float | None = None  # seconds the main thread (of each process) waited for a CPU
 
 
 USAGE_FIELDS = tuple(f.name for f in fields(Usage))  # once: fields() per call was a tenth of a tick
@@ -113,6 +115,7 @@ def read_usage(proc: ProcHandle) -> Usage:
         write_bytes=st.write_bytes,
         ctx_voluntary=st.ctx_voluntary,
         ctx_involuntary=st.ctx_involuntary,
+        run_queue=st.run_queue,
     )
 
 

@@ -140,6 +140,7 @@ class ProcessStats:
     fds: int | None  # None: not ours to list (another user's process, without root)
     read_bytes: int | None  # None: /proc/PID/io not readable
     write_bytes: int | None
+    run_queue: float | None = None  # seconds its main thread waited for a CPU; None: no schedstat
 
 
 def _number_after(text: bytes, key: bytes) -> int | None:
@@ -173,6 +174,7 @@ def read_process_stats(proc_root: Path, pid: int) -> ProcessStats:
         read_bytes, write_bytes = _number_after(io, b"read_bytes:"), _number_after(io, b"write_bytes:")
     except PermissionError:
         read_bytes = write_bytes = None
+    run_queue = _run_queue(root)
     # stat fields after the name, 0-based: 11 utime, 12 stime, 17 num_threads, 21 rss (pages),
     # 39 delayacct_blkio_ticks
     return ProcessStats(
@@ -186,7 +188,21 @@ def read_process_stats(proc_root: Path, pid: int) -> ProcessStats:
         fds=fds,
         read_bytes=read_bytes,
         write_bytes=write_bytes,
+        run_queue=run_queue,
     )
+
+
+def _run_queue(root: str) -> float | None:
+    """Seconds the process's main thread (the thread-group leader) has been runnable but
+    waiting for a CPU: /proc/PID/schedstat's second field, in ns. None on a kernel built
+    without schedstats."""
+    try:
+        fields = _read_head(root + "/schedstat", 128).split()
+    except FileNotFoundError:
+        if os.path.exists(root):
+            return None  # no schedstats here; the process itself is still there
+        raise
+    return int(fields[1]) / 1e9 if len(fields) >= 2 and fields[1].isdigit() else None
 
 
 def read_text_or_empty(path: str | Path) -> str:

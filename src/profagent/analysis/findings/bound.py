@@ -29,10 +29,17 @@ class RankShares:
     judged: int = 0  # main-thread samples of the window judged for collective waits
     waits: float = 0.0  # how many of them waited in a collective (Python or native frames)
     judged_seconds: float = 0.0  # since the rank's first judged window
+    run_queue: float = 0.0  # seconds of the window its main thread waited for a CPU...
+    run_queue_over: float = 0.0  # ...out of these (host source: /proc/PID/schedstat)
 
     @property
     def wait_share(self) -> float:
         return self.waits / self.judged if self.judged else 0.0
+
+    @property
+    def run_queue_share(self) -> float | None:
+        """Share of the window its main thread was runnable but waited for a CPU."""
+        return self.run_queue / self.run_queue_over if self.run_queue_over > 0 else None
 
     @property
     def total(self) -> int:
@@ -154,12 +161,19 @@ def straggler(shares: Iterable[RankShares], traces: Iterable[Any], cfg: Findings
 
     def from_stacks(job: str, rank: str, share: float, median: float, in_coll: Mapping[str, float]):
         cat, cat_share = judged[job][rank].top()
-        return (f"rank {rank} is the straggler: the others spend {median:.0%} of their time waiting "
-                f"in collectives, it spends {share:.0%}; its main thread is mostly in {cat} ({cat_share:.0%})",
+        summary = (f"rank {rank} is the straggler: the others spend {median:.0%} of their time waiting "
+                   f"in collectives, it spends {share:.0%}; its main thread is mostly in {cat} ({cat_share:.0%})")
+        queued = {r: round(q, 3) for r, x in judged[job].items() if (q := x.run_queue_share) is not None}
+        contended = queued.get(rank, 0.0) >= cfg.contention_share
+        if contended:
+            summary += (f", and waits for a CPU {queued[rank]:.0%} of the time: the node's CPUs are contended, "
+                        "which slows ranks unevenly; the cause may be the node, not the rank")
+        return (summary,
                 {"signal": "stacks", "collective_share": round(share, 3),
                  "others_median_collective_share": round(median, 3),
                  "shares": {k: round(v, 3) for k, v in in_coll.items()}, "busiest_category": cat,
-                 "top_functions": _functions(judged[job][rank])})
+                 "top_functions": _functions(judged[job][rank]),
+                 "run_queue_shares": queued, "cpu_contended": contended})
 
     def from_traces(job: str, rank: str, share: float, median: float, by_rank: Mapping[str, float]):
         return (f"rank {rank} is the straggler: in the last traces the others spend {median:.0%} of the step "

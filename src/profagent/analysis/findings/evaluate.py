@@ -26,6 +26,7 @@ class Evaluator:
         self._seen: dict[str, Any] = {}  # source -> the snapshot already folded into histories
         self._shares: dict[tuple[str, str], CountsWindow] = {}
         self._waits: dict[tuple[str, str], CountsWindow] = {}  # judged samples and collective waits
+        self._run_queue: dict[tuple[str, str], CountsWindow] = {}  # a rank's main thread waiting for a CPU
         self._evaluations = 0
         self._functions: dict[tuple[str, str], tuple[tuple[str, int], ...]] = {}
         self._memory: dict[tuple[str, str, str], MemorySeries] = {}
@@ -57,6 +58,9 @@ class Evaluator:
             for g in host.groups:
                 if g.role not in (MAIN, DATALOADER) or not g.processes:
                     continue
+                if g.role == MAIN and getattr(g.usage, "run_queue", None) is not None:
+                    self._run_queue.setdefault((g.job_id, g.rank), CountsWindow(cfg.window_seconds)).add(
+                        now, {"run_queue": g.usage.run_queue})
                 uss = getattr(g.usage, "uss", None)
                 value = uss if (g.role == DATALOADER and uss is not None) else g.usage.rss
                 self._series((g.job_id, g.rank, f"host:{g.role}"), now, value)
@@ -81,8 +85,14 @@ class Evaluator:
             delta = waits.delta() if waits is not None else {}
             judged_for = now - waits.first_seen if waits is not None and waits.first_seen is not None else 0.0
             out.append(RankShares(job, rank, w.delta(), now - (w.first_seen or now), self._functions.get((job, rank), ()),
-                                  delta.get("judged", 0), delta.get("waits", 0.0), judged_for))
+                                  delta.get("judged", 0), delta.get("waits", 0.0), judged_for,
+                                  *self._run_queue_of(job, rank)))
         return out
+
+    def _run_queue_of(self, job: str, rank: str) -> tuple[float, float]:
+        """(seconds its main thread waited for a CPU, seconds read over) in the window."""
+        w = self._run_queue.get((job, rank))
+        return (w.delta().get("run_queue", 0.0), w.span()) if w is not None else (0.0, 0.0)
 
     def _memory_inputs(self, snapshots: Mapping[str, Any]) -> list[MemoryInput]:
         host, gpu = snapshots.get("host"), snapshots.get("gpu")
@@ -110,6 +120,9 @@ class Evaluator:
             self._waits = {k: v for k, v in self._waits.items() if k in live}
         if host is not None or gpu is not None:
             live_mem = {(g.job_id, g.rank, f"host:{g.role}") for g in (host.groups if host else ())}
+            if host is not None:
+                live = {(g.job_id, g.rank) for g in host.groups if g.role == MAIN}
+                self._run_queue = {k: v for k, v in self._run_queue.items() if k in live}
             live_mem |= {(p.job_id or gpu.job_id, p.rank, f"gpu:{p.gpu}") for p in (gpu.processes if gpu else ())}
             self._memory = {k: v for k, v in self._memory.items() if k in live_mem}
 

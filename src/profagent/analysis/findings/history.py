@@ -29,6 +29,10 @@ class CountsWindow:
         while len(self._ring) > 2 and self._ring[1][0] <= t - self.window:
             self._ring.popleft()
 
+    def span(self) -> float:
+        """Seconds between the base of ``delta()`` and the latest counts."""
+        return self._ring[-1][0] - self._ring[0][0] if len(self._ring) > 1 else 0.0
+
     def delta(self) -> dict[str, int]:
         if len(self._ring) < 2:
             return {}

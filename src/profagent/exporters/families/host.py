@@ -25,6 +25,11 @@ def render(snap: HostSnapshot, out: Families) -> None:
     ctx = out.counter(
         "profagent_process_context_switches", "context switches of the group by kind", (*GROUP, "kind")
     )
+    run_queue = out.counter(
+        "profagent_process_run_queue_seconds",
+        "time the main thread of each of the group's processes was runnable but waited for a CPU "
+        "(schedstat): CPU contention", GROUP,
+    )
     for g in snap.groups:
         labels = [g.job_id, g.rank, g.role]
         u = g.usage
@@ -45,6 +50,8 @@ def render(snap: HostSnapshot, out: Families) -> None:
             write.add_metric(labels, u.write_bytes)
         ctx.add_metric([*labels, "voluntary"], u.ctx_voluntary)
         ctx.add_metric([*labels, "involuntary"], u.ctx_involuntary)
+        if u.run_queue is not None:
+            run_queue.add_metric(labels, u.run_queue)
 
     node = snap.node
     out.gauge("profagent_node_cpu_utilization_ratio", "node-wide CPU utilisation (0..1)", ()).add_metric([], node.cpu_ratio)
