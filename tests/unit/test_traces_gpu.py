@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -11,7 +14,10 @@ from helpers.traces import PRIORITY, Reference, raw_trace
 from profagent.analysis.trace.report import analyze
 from profagent.sources.traces.reader import read_trace
 
-TRACES = sorted(shared_traces().glob("*.pt.trace.json.gz"))
+SHARED = sorted(shared_traces().glob("*.pt.trace.json.gz"))
+# Ours, from an H100 (tests/unit/fixtures/h100/README.md): an in-process and an on-demand trace
+H100 = sorted((Path(__file__).parent / "fixtures" / "h100").glob("*.pt.trace.json.gz"))
+TRACES = SHARED + H100
 
 
 @pytest.fixture(scope="module", params=TRACES, ids=[p.name.split(".")[0] for p in TRACES])
@@ -20,7 +26,7 @@ def pair(request: pytest.FixtureRequest) -> tuple[Reference, object]:
 
 
 def test_all_shared_traces_present() -> None:
-    assert len(TRACES) == 7, TRACES
+    assert len(SHARED) == 7 and len(H100) == 2, TRACES
 
 
 def test_steps_match(pair) -> None:
@@ -142,3 +148,17 @@ def test_idle_split_brute_force(pair) -> None:
     assert g.host_wait_ratio == pytest.approx(host / window, abs=1e-9)
     assert g.kernel_wait_ratio == pytest.approx(queued / window, abs=1e-9)
     assert g.idle_other_ratio == pytest.approx(other / window, abs=1e-9)
+
+
+def test_h100_steps_match_the_workloads_own_timing() -> None:
+    """The H100 job timed each step itself, CUDA-synchronised (fixtures/h100). The last
+    traced step is left out: the job's clock also counts prof.step() stopping the profiler
+    and writing the trace, which the traced step does not hold."""
+    folder = Path(__file__).parent / "fixtures" / "h100"
+    truth = {e["step"]: e["seconds"] for e in map(json.loads, (folder / "ground-truth-rank0.jsonl").read_text().splitlines())
+             if e["event"] == "step"}
+    report = analyze(read_trace(folder / "ddp-gloo-rank0.pt.trace.json.gz"))
+    steps = [(int(s.name.split("#")[1]), s.seconds) for s in report.steps]
+    assert [k for k, _ in steps] == [7, 8, 9] and report.accelerator == "cuda"
+    for k, seconds in steps[:-1]:
+        assert seconds == pytest.approx(truth[k], abs=2e-3), k
