@@ -135,7 +135,7 @@ class FindingsConfig:
     compile_grace_seconds: float = _opt(300.0, "...after the first N seconds of the rank (warm-up compilation is normal)")
     straggler_ratio: float = _opt(1.25, "straggler: a rank's traced step time above this times the median of the other ranks")
     straggler_share: float = _opt(0.2, "straggler: a rank's share of samples in collectives this much (absolute) below the other ranks' median")
-    contention_share: float = _opt(0.1, "straggler: a rank named from its stacks whose main thread waited for a CPU (run queue) this share of the window or more is said to be slowed by CPU contention on the node")
+    contention_share: float = _opt(0.05, "straggler: a rank named from its stacks whose main thread waited for a CPU (run queue) this share of the window or more is said to be slowed by CPU contention on the node")
     gpu_idle_ratio: float = _opt(0.1, "gpu_idle: utilisation of a GPU the rank uses below this...")
     gpu_idle_seconds: float = _opt(60.0, "...for this long")
     gpu_errors_seconds: float = _opt(600.0, "gpu_errors: an XID or uncorrected ECC error keeps the finding active this long")

@@ -225,8 +225,9 @@ def test_plain_ddp_healthy_then_hang_one_culprit_with_its_line(job, run_agent, t
     # rank 1 is what a straggler is (the other waits for it) and may be named so for that
     # window: only rank 1, and gone once the hang is found (above).
     onset = [f for f in watch.kinds("straggler") if not f["evidence"]["cpu_contended"]]
-    assert {f["rank"] for f in onset} <= {"1"}, onset
-    assert not [f for f in onset if f["since"] < hung_wall], onset
+    assert {f["rank"] for f in onset} <= {"1"}, json.dumps({"hung_wall": hung_wall, "stragglers": onset}, indent=1)
+    assert not [f for f in onset if f["since"] < hung_wall], \
+        json.dumps({"hung_wall": hung_wall, "stragglers": onset}, indent=1)
 
     # An agent restarted during the hang: the same single finding again, and no straggler meanwhile.
     agents[0].stop()
