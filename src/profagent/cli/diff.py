@@ -109,7 +109,7 @@ def render(d: Diff, console: Console) -> None:
         for i in range(max(len(left), len(right))):
             cells = []
             for rows in (left, right):
-                cells += [shown(shorten(rows[i][0], 60)), _ms(rows[i][1])] if i < len(rows) else ["", ""]
+                cells += [shown(shorten(rows[i][0])), _ms(rows[i][1])] if i < len(rows) else ["", ""]
             tops.add_row(*cells)
         console.print(tops)
 
@@ -118,11 +118,11 @@ def render(d: Diff, console: Console) -> None:
     ranked.add_column("name", overflow="fold", max_width=70)
     ranked.add_column("delta ms", justify="right")
     for row in d.contributors[:CONTRIBUTORS_SHOWN]:
-        ranked.add_row(row["kind"], shown(shorten(row["name"], 80)), f"{row['delta'] * 1e3:+.3f}")
+        ranked.add_row(row["kind"], shown(shorten(row["name"])), f"{row['delta'] * 1e3:+.3f}")
     console.print(ranked)
     for title, rows in (("appeared", d.appeared), ("vanished", d.vanished)):
         if rows:
-            console.print(f"{title}: " + "; ".join(f"{r['kind']} {shown(shorten(r['name'], 60))} ({_ms(r['seconds'])} ms)"
+            console.print(f"{title}: " + "; ".join(f"{r['kind']} {shown(shorten(r['name']))} ({_ms(r['seconds'])} ms)"
                                                    for r in rows[:5]), highlight=False)
     for w in (*b.warnings, *c.warnings):
         console.print(f"warning: {shown(w)}", highlight=False)

@@ -200,7 +200,7 @@ def verdict(d: Diff) -> str:
         if delta * sign <= 0:
             continue
         more = "more" if delta > 0 else "less"
-        name = shorten(row["name"], 60)
+        name = shorten(row["name"])
         if row["kind"] == "kernel":
             phrases.append((abs(delta), f"{_ms(delta)} {more} in kernel {name}"))
         elif row["kind"] == "op":
