@@ -58,7 +58,7 @@ class Evaluator:
             for g in host.groups:
                 if g.role not in (MAIN, DATALOADER) or not g.processes:
                     continue
-                if g.role == MAIN and getattr(g.usage, "run_queue", None) is not None:
+                if g.role == MAIN and g.usage.run_queue is not None:
                     self._run_queue.setdefault((g.job_id, g.rank), CountsWindow(cfg.window_seconds)).add(
                         now, {"run_queue": g.usage.run_queue})
                 uss = getattr(g.usage, "uss", None)
