@@ -183,10 +183,9 @@ def test_unknown_option_names_the_flag_meant(tmp_path) -> None:
 
 
 SLEEPER = """
-import sys, time
+import signal, sys
 open(sys.argv[0] + ".ready", "w").close()
-while True:
-    time.sleep(5)
+signal.pause()  # asleep for good: a loop of sleeps would wake into a window now and then
 """
 
 
@@ -195,7 +194,8 @@ def test_stacks_command_on_an_idle_process_says_idle_and_leaves_no_file(children
     names --idle (not "is it a Python process?"), and no file is left, nor is an existing
     output truncated; with --idle the same process records fine."""
     proc = children.python(SLEEPER)
-    wait_for(lambda: (tmp_path / "child_0.py.ready").exists(), 20, what="child ready")
+    wait_for(lambda: (tmp_path / "child_0.py.ready").exists()
+             and psutil.Process(proc.pid).status() == psutil.STATUS_SLEEPING, 20, what="child asleep in pause()")
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     (out_dir / "kept.txt").write_text("the user's earlier recording\n")

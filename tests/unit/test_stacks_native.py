@@ -6,10 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from profagent.analysis.collectives import native_waits, python_only
+from profagent.analysis.findings.hang import hang
 from profagent.analysis.stacks import parse_folded
 from profagent.config import StacksConfig
 from profagent.sources.stacks.sampler import Result
-from profagent.sources.stacks.source import StacksSource
+from profagent.sources.stacks.source import STALE_GRACE, StacksSource
 
 FIXTURES = Path(__file__).parent / "fixtures" / "native"
 WINDOW = 2.0
@@ -159,3 +160,60 @@ def test_a_rank_whose_backward_stands_still_every_step_gets_one_native_look_per_
     window(src, clock, 24265, other)
     window(src, clock, 24265, [top])  # 8 s after the look, past stall_seconds / 2: look again
     assert sampler.native == [24265, 24265]
+
+
+def _samples(pid: int, *stacks: tuple[str, int]) -> list:
+    return parse_folded("\n".join(f"thread ({pid}): MainThread;{stack} {n}" for stack, n in stacks), pid)
+
+
+def test_a_rank_read_from_before_the_others_stalled_holds_the_hang_verdict_until_read_again() -> None:
+    """Run 41 of the fresh-clone chain: rank 1 stopped at its line during a 20 s steady window
+    begun before; rank 0 stalled in the reducer meanwhile. The verdict read rank 1 from the
+    window before, in backward, and said every rank waits. It now waits for rank 1's next
+    window, read at the full rate as soon as a stall is suspected in its job."""
+    src, sampler, clock = source(native=False, steady_rate=4, steady_window=20.0, warmup_seconds=0.0)
+    forward = "<module> (train.py:80);main (train.py:70);Net.forward (train.py:30)"
+    waiting = ("<module> (train.py:80);main (train.py:70);wrapper (torch/distributed/c10d_logger.py:81);"
+               "all_reduce (torch/distributed/distributed_c10d.py:3252)")
+    sleeping = "<module> (train.py:80);main (train.py:68);sleep (<built-in>)"
+    wanted = {100: ("0", "main"), 101: ("1", "main")}
+    assert src._pace(wanted) == {100: (4, 20.0), 101: (4, 20.0)}  # steady
+    src._fold(Result("record", 101, "1", "main", 0.0, 20.0, 20.0,
+                     samples=tuple(_samples(101, (forward, 50), (waiting, 30)))))
+    for start in range(2, 20, 2):  # rank 0 stands in the collective from t=2 on
+        clock.t = start + WINDOW
+        src._fold(Result("record", 100, "0", "main", start, clock.t, clock.t,
+                         samples=tuple(_samples(100, (waiting, 100)))))
+        if start == 2:  # suspected after one window: every rank of the job at the full rate
+            assert src._pace(wanted) == {100: (20, 2.0), 101: (20, 2.0)}
+    zero, one = src._snapshot("").stalls
+    assert zero.stalled and not one.stalled and one.stale
+    assert hang([zero, one], "") == []  # not "every rank waits"
+    assert hang([zero, one], "", settled=True) != []  # a verdict out is never taken back
+    src._fold(Result("record", 101, "1", "main", 20.0, 22.0, 22.0, samples=tuple(_samples(101, (sleeping, 40)))))
+    clock.t = 22.0
+    zero, one = src._snapshot("").stalls
+    assert not one.stale
+    [f] = hang([zero, one], "")
+    assert f.rank == "1" and f.evidence["diagnosis"] == "culprit" and f.evidence["waiting_ranks"] == ["0"]
+
+
+def test_a_rank_never_read_again_is_judged_from_its_last_window_after_a_grace() -> None:
+    src, _, clock = source(native=False, steady_rate=4, steady_window=20.0)
+    waiting = "<module> (train.py:80);main (train.py:70);all_reduce (torch/distributed/distributed_c10d.py:3252)"
+    forward = "<module> (train.py:80);main (train.py:70);Net.forward (train.py:30)"
+    src._fold(Result("record", 101, "1", "main", 0.0, 20.0, 20.0,
+                     samples=tuple(_samples(101, (waiting, 30), (forward, 50)))))
+    for start in range(2, 60, 2):
+        clock.t = start + WINDOW
+        src._fold(Result("record", 100, "0", "main", start, clock.t, clock.t,
+                         samples=tuple(_samples(100, (waiting, 100)))))
+        one = src._snapshot("").stalls[1]
+        # stale while a window begun before the stall may still come back (py-spy failing on it)
+        assert one.stale == (zero_stalled(src) and clock.t - 20.0 < 20.0 + STALE_GRACE), clock.t
+    [f] = hang(src._snapshot("").stalls, "")
+    assert f.rank == "1" and f.evidence["diagnosis"] == "culprit"  # its last window: mostly forward
+
+
+def zero_stalled(src: StacksSource) -> bool:
+    return src._snapshot("").stalls[0].stalled

@@ -77,6 +77,8 @@ def hang(stalls: Iterable[Any], job_id: str, settled: bool = False) -> list[Find
     waits = {s.rank: collective_wait(s.native or s.frames) for s in rows}
     if any(_native_may_change_its_role(s, waits[s.rank], settled) for s in rows):
         return []
+    if not settled and any(s.stale for s in rows):  # a rank shown from before the job stopped
+        return []
     waiting = [s for s in rows if waits[s.rank] is not None]
     culprits = [s for s in rows if waits[s.rank] is None]
     seconds = max(s.unchanged_seconds for s in stalled)

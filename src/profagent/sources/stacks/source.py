@@ -54,6 +54,10 @@ RING_MAX_LINES = 5000  # distinct stacks kept per window
 GpuBusy = Callable[[str, str], "bool | None"]  # (rank, job_id) -> GPUs busy? None: unknown
 JobHot = Callable[[str], bool]  # job_id -> a finding is active on the job
 WATCH_HOLD = 30.0  # seconds of full rate after `profagent top` or /api/stacks last asked
+# A rank whose last window began before another rank of its job stalled is shown as it was
+# before the job stopped: the hang verdict waits for its next window, this long at most past
+# the longest window (py-spy start-up and harvest, longer on a loaded node)
+STALE_GRACE = 15.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,9 @@ class RankStall:
     # the same stack with its native frames, from a native window taken while it stood still
     native: tuple[Frame, ...] = ()
     native_pending: bool = False  # a native window of this stack is asked for and not back yet
+    # not stalled, and its last window began before another rank of the job stalled: its
+    # stack is from before the job stopped (a long steady window), a newer one is on its way
+    stale: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,6 +153,7 @@ class StacksSource:
         self._native_pending: dict[tuple[str, str], tuple[int, float]] = {}  # -> (pid, asked at)
         self._native_stack: dict[tuple[str, str], NativeLook] = {}  # the last native window's main stack
         self._steady: dict[tuple[str, str], bool] = {}  # the rank's last window was steady
+        self._looked: dict[tuple[str, str], tuple[float, float]] = {}  # (start, end) of its last main window
         self._mains: dict[tuple[str, str], int] = {}  # (job_id, rank) -> pid of its main process
         self._errors: dict[tuple[str, str], int] = {}  # (job_id, reason) -> failed py-spy runs
         self._log_once = LogOnce(log)
@@ -188,7 +196,7 @@ class StacksSource:
         live = set(tree.job_status())
         for table in (self._categories, self._topk, self._threads, self._idle_places, self._stalls, self._stall_state,
                       self._ratios, self._judged, self._last_native, self._native_stack, self._steady,
-                      self._native_pending):
+                      self._native_pending, self._looked):
             for key in [k for k in table if k[0] not in live]:
                 del table[key]
         # errors of no job ("": the sampler itself failed) are the agent's: they stay
@@ -234,11 +242,13 @@ class StacksSource:
         full, steady = (cfg.rate, cfg.window), (cfg.steady_rate, cfg.steady_window)
         if cfg.steady_rate <= 0 or now < self._watched_until:
             return dict.fromkeys(wanted, full)
+        # a stall suspected in any rank: every rank of its job at full rate, so the hang
+        # verdict reads each rank as it is now, not from a long steady window
+        suspects = {job for (job, _), state in self._stall_state.items() if state[1] > 0}
         pace = {}
-        for pid, (rank, _) in wanted.items():
+        for pid in wanted:
             job = self._job(pid)
-            suspect = self._stall_state.get((job, rank), (False, 0.0, ()))[1] > 0
-            pace[pid] = full if (now - self._first_seen[pid] < cfg.warmup_seconds or suspect
+            pace[pid] = full if (now - self._first_seen[pid] < cfg.warmup_seconds or job in suspects
                                  or self._hot(job)) else steady
         return pace
 
@@ -313,6 +323,7 @@ class StacksSource:
             except Exception:  # the GPU hook is someone else's: never let it break stacks
                 busy = None
         status = tracker.update(main, r.start, r.end, busy)
+        self._looked[(job, r.rank)] = (r.start, r.end)
         was = self._stall_state.get((job, r.rank), (False, 0.0, ()))[0]
         self._stall_state[(job, r.rank)] = (status.stalled, status.unchanged_seconds, _dominant(main))
         if status.started:
@@ -418,7 +429,7 @@ class StacksSource:
                 tuple((state, gil, n) for (state, gil), n in sorted(threads.items())),
                 job_id=group[0], judged=judged, collective_wait=waits,
             ))
-        stalls = tuple(self._rank_stall(key, *state) for key, state in sorted(self._stall_state.items()))
+        stalls = self._mark_stale([self._rank_stall(key, *state) for key, state in sorted(self._stall_state.items())])
         errors = tuple((job, reason, n) for (job, reason), n in sorted(self._errors.items()))
         return StacksSnapshot(job_id, tuple(groups), stalls, errors)
 
@@ -432,6 +443,24 @@ class StacksSource:
         return RankStall(key[1], stalled and not moving, unchanged, key[0], frames,
                          suspected=unchanged > 0 and not moving, native=look.frames if same else (),
                          native_pending=key in self._native_pending)
+
+    def _mark_stale(self, stalls: list[RankStall]) -> tuple[RankStall, ...]:
+        """Mark the ranks whose last window began before another rank of their job stalled
+        (``RankStall.stale``), while a newer window may still come."""
+        now = self._clock()
+        longest = max(self.config.window, self.config.steady_window if self.config.steady_rate > 0 else 0.0)
+        began: dict[str, float] = {}  # job -> when its earliest stalled rank's stack stood still
+        for s in stalls:
+            if s.stalled:
+                since = self._looked[(s.job_id, s.rank)][1] - s.unchanged_seconds
+                began[s.job_id] = min(began.get(s.job_id, since), since)
+        marked = []
+        for s in stalls:
+            start, end = self._looked.get((s.job_id, s.rank), (now, now))
+            stale = (not s.stalled and s.job_id in began and start < began[s.job_id]
+                     and now - end < longest + STALE_GRACE)
+            marked.append(dataclasses.replace(s, stale=True) if stale else s)
+        return tuple(marked)
 
     # -- /api/stacks ----------------------------------------------------------------------------
     def ranks(self) -> list[tuple[str, str]]:
