@@ -53,7 +53,7 @@ def test_steady_after_warmup_and_full_rate_while_watched(children, run_agent, tm
 
 
 def test_pace_policy() -> None:
-    """Full rate: warm-up, a suspected stall, a finding on the job, someone watching."""
+    """Full rate: warm-up, a stall suspected in the job, a finding on the job, someone watching."""
     now = [0.0]
     hot_jobs: set[str] = set()
     source = StacksSource(StacksConfig(rate=20, window=5, steady_rate=4, steady_window=20, warmup_seconds=60),
@@ -66,8 +66,10 @@ def test_pace_policy() -> None:
     now[0] = 60.0
     assert source._pace(wanted) == {1: steady, 2: steady, 3: steady}
     source._stall_state[("a", "1")] = (False, 20.0, ())  # rank 1 of job a: one unchanged stack
+    # every rank of job a (the hang verdict reads each as it is now), not job b
+    assert source._pace(wanted) == {1: full, 2: full, 3: steady}
     hot_jobs.add("b")
-    assert source._pace(wanted) == {1: steady, 2: full, 3: full}
+    assert source._pace(wanted) == {1: full, 2: full, 3: full}
     source._stall_state[("a", "1")] = (False, 0.0, ())
     hot_jobs.clear()
     source.watched()
