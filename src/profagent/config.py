@@ -60,7 +60,7 @@ class AgentConfig:
 @dataclass
 class HttpConfig:
     request_deadline: float = _opt(10.0, "seconds a client has to send a whole request (TLS handshake, headers and body) or to take a whole answer; keep-alive idle time counts")
-    max_connections: int = _opt(256, "HTTP connections open at once; at the cap the one that has been sending its request longest is closed")
+    max_connections: int = _opt(256, "HTTP connections open at once; at the cap the one that has been sending its request longest is closed (one that has begun a request before one that has sent nothing yet)")
     max_connections_per_client: int = _opt(16, "HTTP connections open at once from one client address (an IPv6 client: its /64)")
     workers: int = _opt(4, "threads that compute answers; requests are read without them, scrapes first")
     auth_backoff_max: float = _opt(5.0, "a failed basic-auth login holds that client's failing answers 0.1 s, doubling per failure up to this; a correct password is never refused (0 = no delay)")

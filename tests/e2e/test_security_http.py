@@ -105,6 +105,41 @@ def test_connections_per_client_are_capped() -> None:
         server.shutdown()
 
 
+def test_at_the_cap_a_connection_that_sent_nothing_yet_goes_after_those_that_began() -> None:
+    """Fresh-clone run 55: under the slowloris test, a scrape from the attacker's address was
+    closed before it had sent its request (the next connections of the attacker each closed
+    the oldest). A client that has begun a request and not finished it goes first, though
+    younger."""
+    server = _server(max_connections_per_client=4, request_deadline=60.0)
+
+    def connect() -> socket.socket:
+        return socket.create_connection(("127.0.0.1", server.port), timeout=30, source_address=("127.0.0.5", 0))
+
+    quiet = [connect()]  # connected, nothing sent yet: the oldest
+    wait_for(lambda: len(server._server._conns) == 1, 30, what="the quiet connection accepted")
+    held = []
+    try:
+        for _ in range(3):
+            held.append(connect())
+            held[-1].sendall(b"GET /metrics HTTP/1.1\r\n")
+        wait_for(lambda: sum(bool(c.buf) for c in list(server._server._conns.values())) == 3, 30,
+                 what="3 begun requests read")
+        for n in (1, 2):  # each new connection closes the oldest begun request, not the quiet one
+            quiet.append(connect())
+            held[n - 1].settimeout(30)
+            assert _closed_by_server(held[n - 1]), n
+            assert server.refused["per_client"] == n
+        quiet[0].settimeout(0.2)
+        assert not _closed_by_server(quiet[0])
+        quiet[0].settimeout(30)
+        quiet[0].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert quiet[0].recv(64).startswith(b"HTTP/1.1 200")
+    finally:
+        for s in (*held, *quiet):
+            s.close()
+        server.shutdown()
+
+
 def test_connection_cap_closes_the_slowest_to_make_room() -> None:
     server = _server(max_connections=8, max_connections_per_client=100)
     try:

@@ -9,7 +9,8 @@ request (``http.request_deadline``); only then does one of a few workers compute
 scrapes and already-proven credentials first. A slow client therefore holds a socket and a
 buffer, never a worker. Connections are capped in all and per client
 (``http.max_connections``, ``http.max_connections_per_client``); at the cap, the connection
-that has been reading its request longest is closed to make room. Failed logins delay the
+that has been reading its request longest is closed to make room, one that has begun a
+request before one that has sent nothing yet. Failed logins delay the
 failing answers of that client only (``http.auth_backoff_max``); a correct password is
 always accepted.
 """
@@ -313,8 +314,9 @@ class _EventServer:
                 return
             client = client_key(str(address[0]))
             # At a cap, the connection that has been sending its request longest makes room
-            # (a scrape sends its request at once, a slow client is the oldest); a client
-            # sharing its address with an attacker (loopback) is thus still served.
+            # (a scrape sends its request at once, a slow client is the oldest; see
+            # _evict_slowest); a client sharing its address with an attacker (loopback) is
+            # thus still served.
             if self._per_client.get(client, 0) >= self.limits.max_connections_per_client and not self._evict_slowest(client):
                 self._refuse("per_client", sock, f"more than {self.limits.max_connections_per_client} connections from {client}")
                 continue
@@ -342,18 +344,34 @@ class _EventServer:
         sock.close()
 
     def _evict_slowest(self, client: str | None) -> bool:
-        """Close the connection (of ``client``, or of anyone) that has been reading its request longest."""
-        waiting = [c for c in self._conns.values()
-                   if c.state in (_HANDSHAKE, _READING) and (client is None or c.client == client)]
-        if not waiting:
-            return False
+        """Close the connection (of ``client``, or of anyone) that has been reading its request
+        longest, one that has sent part of a request before one that has sent nothing yet: a
+        scrape just accepted may not have sent its request, a slow client has begun. A
+        candidate's socket is read first, so a request already there (the accept loop ran
+        before the selector) is answered, not lost."""
+        candidates = sorted((c for c in self._conns.values()
+                             if c.state in (_HANDSHAKE, _READING) and (client is None or c.client == client)),
+                            key=lambda c: (not c.buf, c.deadline))
+        for conn in candidates:
+            if conn.state == _READING:
+                self._read(conn)
+                if id(conn) not in self._conns:
+                    return True  # it had hung up (or failed): its slot is free
+            if conn.state in (_HANDSHAKE, _READING):
+                self._evict(conn, client)
+                return True
+        # every candidate had its whole request in (now queued) or had gone: room was made, or
+        # the caller finds none left over its cap
+        return self._per_client.get(client, 0) < self.limits.max_connections_per_client if client \
+            else len(self._conns) < self.limits.max_connections
+
+    def _evict(self, conn: _Conn, client: str | None) -> None:
         reason = "per_client" if client else "evicted"
         self.refused[reason] += 1
         if self.refused[reason] % 100 == 1:
             cap = f"{self.limits.max_connections_per_client} connections from {client}" if client else f"{self.limits.max_connections} HTTP connections"
             log.warning("%s at once: closing the slowest to make room (%d so far)", cap, self.refused[reason])
-        self._close(min(waiting, key=lambda c: c.deadline))
-        return True
+        self._close(conn)
 
     def _close(self, conn: _Conn) -> None:
         if self._conns.pop(id(conn), None) is None:
