@@ -360,10 +360,7 @@ class _EventServer:
             if conn.state in (_HANDSHAKE, _READING):
                 self._evict(conn, client)
                 return True
-        # every candidate had its whole request in (now queued) or had gone: room was made, or
-        # the caller finds none left over its cap
-        return self._per_client.get(client, 0) < self.limits.max_connections_per_client if client \
-            else len(self._conns) < self.limits.max_connections
+        return False  # every candidate had its whole request in: queued, it still holds its slot
 
     def _evict(self, conn: _Conn, client: str | None) -> None:
         reason = "per_client" if client else "evicted"
