@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -79,6 +83,39 @@ def test_request_goes_to_the_matching_pollers_once() -> None:
     assert endpoint.handle(kineto.encode_poll(kineto.Poll(3, 0, (21, 20, 1))))[40:] == b""
     now[0] = 61.0
     assert endpoint.pollers() == []  # silent for a minute: gone
+
+
+def test_a_config_libkineto_dropped_is_sent_again_and_a_written_one_is_not(tmp_path: Path) -> None:
+    """libkineto drops a timed config it could not start within ~2 s, and then polls free to
+    trace: that poll, 3 s or more after the send and with no trace file, gets it again."""
+    now = [0.0]
+    endpoint = Endpoint(clock=lambda: now[0])
+
+    def poll(pid: int, can_trace: bool = True) -> str:
+        return endpoint.handle(kineto.encode_poll(kineto.Poll(3 if can_trace else 1, 0, (pid, 1))))[40:].decode()
+
+    poll(11), poll(12)
+    request = endpoint.request(match_pid(1), kineto.TraceOptions(), str(tmp_path), timeout=30)
+    assert "ACTIVITIES_LOG_FILE" in poll(11) and "ACTIVITIES_LOG_FILE" in poll(12)
+    now[0] = 2.9
+    assert poll(11) == ""  # too soon: libkineto may not have started it yet
+    now[0] = 5.0
+    assert poll(12, can_trace=False) == ""  # warming up: busy
+    Path(request.targets[12].file).write_text("{}")  # rank 12 wrote its trace
+    assert poll(12) == ""
+    assert f"REQUEST_TRACE_ID={request.id}" in poll(11)  # dropped: sent again
+    assert endpoint.counts()["resent"] == 1 and request.targets[11].resent == 1
+    for k in range(2, 4):  # at most MAX_RESENDS times, each after RESEND_AFTER
+        now[0] += 5.0
+        assert "ACTIVITIES_LOG_FILE" in poll(11)
+        assert request.targets[11].resent == k
+    now[0] += 5.0
+    assert poll(11) == ""
+    assert endpoint.counts() | {"poll": 0} == {"poll": 0, "requested": 1, "sent": 2, "resent": 3}
+    late = endpoint.request(match_pid(1), kineto.TraceOptions(), str(tmp_path), timeout=30)
+    assert "ACTIVITIES_LOG_FILE" in poll(11)
+    now[0] += 30.0
+    assert poll(11) == "" and late.targets[11].resent == 0  # past its timeout: never again
 
 
 def test_ctxt_is_answered() -> None:
@@ -198,6 +235,58 @@ def test_json_of_a_launcher_is_one_document_with_the_cross_rank_summary(traced_j
     # the summary names one or says why none, in words.
     assert doc["summary"]["straggler_rank"] in (None, *ranks) and doc["summary"]["straggler_why"]
     assert doc["summary"]["spread"] == pytest.approx(max(timed.values()) / min(timed.values()) - 1)
+
+
+def _aten_events(path: str) -> int:
+    """Operator events in a finished trace file (0 while it is missing or being written)."""
+    try:
+        return sum(str(e.get("name", "")).startswith("aten::") for e in json.loads(Path(path).read_text())["traceEvents"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+@pytest.mark.slow
+def test_a_trace_dropped_by_a_job_paused_when_it_arrived_is_sent_again(tmp_path: Path) -> None:
+    """A job stopped (SIGSTOP, as a blocking py-spy dump does) just after it picked up a config
+    misses libkineto's start window and drops it, saying so only in its own stderr. The
+    endpoint sends it again at the job's next free poll, and the trace comes."""
+    sockets = Path(tempfile.mkdtemp(prefix="pa-", dir="/tmp"))
+    os.chmod(sockets, 0o755)
+    endpoint = Endpoint(str(sockets))
+    endpoint.bind()
+    stop = threading.Event()
+    threading.Thread(target=endpoint.serve, args=(stop,), daemon=True).start()
+    stderr = tmp_path / "job.stderr"
+    env = {**os.environ, "KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(sockets),
+           "KINETO_ONDEMAND_TRACE_DIR": str(tmp_path)}
+    with stderr.open("wb") as err:
+        job = subprocess.Popen([sys.executable, TRAIN, "--workers", "1", "--step-sleep", "0.005"], env=env,
+                               stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        wait_for(lambda: any(p.pid == job.pid for p in endpoint.pollers()), timeout=60, what="the job polling")
+        # The job's own log is the ground truth: libkineto's drop, or a pause that came after
+        # it had started the trace (then try again; the window is 1 s, the pause 2.5 s).
+        for _ in range(3):
+            request = endpoint.request(match_pid(job.pid), kineto.TraceOptions(duration_ms=200), str(tmp_path), 60)
+            target = request.targets[job.pid]
+            wait_for(lambda: target.sent_at is not None, timeout=30, interval=0.01, what="the config sent")  # noqa: B023
+            time.sleep(0.1)  # the job has read it; libkineto starts it 1 to 2 s after
+            os.kill(job.pid, signal.SIGSTOP)
+            try:
+                time.sleep(2.5)
+            finally:
+                os.kill(job.pid, signal.SIGCONT)
+            wait_for(lambda: _aten_events(target.file), timeout=60, interval=0.2, what="the trace file")  # noqa: B023
+            if "insufficient time for warmup" in stderr.read_text(errors="replace"):
+                break
+        else:
+            pytest.fail("the job never dropped the config: each pause missed libkineto's start window")
+        assert target.resent >= 1 and endpoint.counts()["resent"] >= 1
+    finally:
+        stop.set()
+        kill_tree(job)
+        endpoint.close()
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def _isolated_agent(tmp_path: Path, run_agent, children):

@@ -163,7 +163,7 @@ def golden_state():  # -> profagent.state.State
 
     state.publish("ondemand", ondemand.OndemandSnapshot(
         ((JOB, "0", "main", 1), (JOB, "1", "main", 1)), 1,
-        (("poll", 40), ("malformed", 1)), (("requested", 2), ("sent", 2), ("expired", 0)),
+        (("poll", 40), ("malformed", 1)), (("requested", 2), ("sent", 2), ("resent", 1), ("expired", 0)),
     ), 0.001)
     _publish_findings_and_incidents(state)
     state.record_error("stacks", "pyspy_failed", 0.01)

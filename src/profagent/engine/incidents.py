@@ -56,7 +56,7 @@ from profagent.config import IncidentsConfig, TracesConfig
 from profagent.errors import SourceUnavailable, UserError
 from profagent.exporters.exposition import Exposition
 from profagent.sources.ondemand import kineto
-from profagent.sources.ondemand.endpoint import NoPollers
+from profagent.sources.ondemand.endpoint import NoPollers, TraceTarget
 from profagent.sources.stacks import pyspy
 from profagent.sources.traces.reader import TraceError, read_trace
 from profagent.sources.traces.source import traced_pids
@@ -767,15 +767,21 @@ class Capture:
             self.notes.append(f"on-demand trace of rank {rank_of.get(pid, pid)} (PID {pid}) refused ({why})")
         now = self.source._wall()  # the ranks went on writing their own traces during the capture
         own = self._self_profiling(now)
-        for pid in waiting:
+        for pid, target in waiting.items():
             rank = rank_of.get(pid, str(pid))
-            why = ""
-            if rank in own:
-                why = self._profiles_itself(own[rank], now)
-            elif pid in self.busy_at_request:
-                why = ": it was busy with another trace when asked, and stayed so"
             self.notes.append(f"no on-demand trace from rank {rank} (PID {pid}) within "
-                              f"{self.source.config.capture_timeout:g} s{why}")
+                              f"{self.source.config.capture_timeout:g} s{self._no_trace_why(target, rank, own, now)}")
+
+    def _no_trace_why(self, target: TraceTarget, rank: str, own: dict[str, LatestTrace], now: float) -> str:
+        """Why a rank that was asked for a trace sent none, for the bundle's notes."""
+        if rank in own:
+            return self._profiles_itself(own[rank], now)
+        if target.sent_at is not None:
+            times = f" {1 + target.resent} times (it polled free with no trace: libkineto dropped it)" if target.resent else ""
+            return f": it was sent the config{times}; no complete trace came to {target.file}"
+        if target.pid in self.busy_at_request:
+            return ": it was busy with another trace when asked, and stayed so"
+        return ": it did not poll free to trace (libkineto polls every ~5 s)"
 
     def _copy_trace(self, path: Path, name: str, uid: int, seen: dict[int, tuple[int, int, int]], pid: int) -> bool:
         """Copy the rank's trace into the bundle (gzip) once libkineto has finished it (it

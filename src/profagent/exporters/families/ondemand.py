@@ -24,7 +24,7 @@ def render(snap: OndemandSnapshot, out: Families) -> None:
         datagrams.add_metric([kind], n)
     requests = out.counter(
         "profagent_ondemand_trace_requests",
-        "on-demand trace requests: requested (by profagent trace or the periodic mode), sent (config delivered to a process), expired (never picked up)",
+        "on-demand trace requests: requested (by profagent trace or the periodic mode), sent (config delivered to a process), resent (sent again: libkineto dropped it), expired (never picked up)",
         ("status",),
     )
     for status, n in snap.requests:

@@ -49,6 +49,12 @@ MALFORMED_LOG_EVERY = 100
 MAX_POLLERS = 4096  # far more processes than a node traces; a flood cannot grow the registry past it
 MAX_POLLERS_PER_USER = 256  # ondemand.max_pollers_per_user: far more ranks than one user runs on a node
 MAX_ANCESTORS = 32  # pids kept per poll (the process and its ancestors)
+# libkineto starts a timed config within 2 s of receiving it, or drops it without a word
+# ("insufficient time for warmup": a process paused then, by a debugger or a blocking
+# py-spy dump, misses that window). A poll free to trace this long after the send, with no
+# trace file, is such a drop: the config is sent again, at most MAX_RESENDS times.
+RESEND_AFTER = 3.0
+MAX_RESENDS = 3
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
 
@@ -75,6 +81,12 @@ class TraceTarget:
     pid: int
     file: str
     sent_at: float | None = None
+    resent: int = 0  # times sent again after libkineto dropped it
+
+    def dropped(self, now: float) -> bool:
+        """Sent, and the process polls free to trace with no file: libkineto dropped it."""
+        return (self.sent_at is not None and self.resent < MAX_RESENDS and now - self.sent_at >= RESEND_AFTER
+                and not os.path.lexists(self.file))
 
 
 @dataclass
@@ -225,9 +237,15 @@ class Endpoint:
                 return kineto.reply_config("")  # a trace is already running there
             for request in self._requests.values():
                 target = request.targets.get(message.pid)
-                if target is not None and target.sent_at is None and now < request.deadline:
+                if target is None or now >= request.deadline:
+                    continue
+                if target.sent_at is None or target.dropped(now):
+                    kind = "sent"
+                    if target.sent_at is not None:
+                        kind = "resent"
+                        target.resent += 1
                     target.sent_at = now
-                    self._counts["sent"] = self._counts.get("sent", 0) + 1
+                    self._counts[kind] = self._counts.get(kind, 0) + 1
                     return kineto.reply_config(kineto.config_text(request.log_file, request.options, request.id))
         return kineto.reply_config("")
 

@@ -39,7 +39,7 @@ class OndemandSnapshot:
     processes: tuple[tuple[str, str, str, int], ...]  # (job_id, rank, role, count) of pollers in the tree
     unmatched: int  # pollers outside the target tree
     datagrams: tuple[tuple[str, int], ...]  # kind -> count (poll, ctxt, malformed)
-    requests: tuple[tuple[str, int], ...]  # status -> count (requested, sent, written, expired)
+    requests: tuple[tuple[str, int], ...]  # status -> count (requested, sent, resent, expired)
 
 
 class OndemandSource:
@@ -129,7 +129,7 @@ class OndemandSource:
             groups[key] = groups.get(key, 0) + 1
         counts = self.endpoint.counts()
         datagrams = tuple((k, counts.get(k, 0)) for k in ("poll", "ctxt", "malformed"))
-        requests = tuple((k, counts.get(k, 0)) for k in ("requested", "sent", "expired"))
+        requests = tuple((k, counts.get(k, 0)) for k in ("requested", "sent", "resent", "expired"))
         return OndemandSnapshot(
             tuple((*k, n) for k, n in sorted(groups.items())), unmatched, datagrams, requests
         )
