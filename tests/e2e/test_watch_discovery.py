@@ -242,7 +242,11 @@ def test_is_python() -> None:
 
 def test_reconfigure_applies_new_markers_on_the_next_refresh(children) -> None:
     tok_a, tok_b = token(), token()
-    children.python(SLEEPER, env=job_env(tok_b, SLURM_JOB_ID="rc-b"))
+    job = children.python(SLEEPER, env=job_env(tok_b, SLURM_JOB_ID="rc-b"))
+    # Only one scan follows the reconfigure (below): the job must have exec'd by then, or that
+    # scan reads the forked child's environment, which is pytest's (run 84, under load).
+    wait_for(lambda: psutil.Process(job.pid).environ().get("PAW_TOKEN") == tok_b,
+             what="the job running with its own environment")
     target = _target(tok_a, scan_interval=3600.0)  # only the first refresh scans on its own
     assert _jobs(target.refresh()) == {}
     target.reconfigure(Rules(None, (("PAW_TOKEN", tok_b),), False), Limits(scan_interval=3600.0))
