@@ -220,3 +220,26 @@ def test_torn_dumps_that_never_stop_are_reported_as_a_failure(children, tmp_path
     assert len(log.read_text().splitlines()) == TORN_READS_TOLERATED
     assert [(r.kind, r.error) for r in errors] == [("dump", "pyspy_failed")]
     assert errors[0].detail.startswith(f"{TORN_READS_TOLERATED} torn reads in a row: Error: Failed to get stack traces")
+
+
+def test_a_steady_window_is_cut_short_when_its_process_needs_the_full_pace(children) -> None:
+    """A stall suspected during a steady window: the rank's next look, and a native window
+    asked of it, come now, not when the steady window would have ended (here never)."""
+    target = children.python("import time\nwhile True:\n    time.sleep(0.01)\n")
+    sampler = Sampler(pyspy.find_pyspy(), StacksConfig(rate=20, window=1.0))
+    sampler.start()
+    try:
+        sampler.set_pace({target.pid: (4, 3600.0)})
+        sampler.set_targets({target.pid: ("0", "main")})
+        wait_for(lambda: ("record", target.pid) in sampler._children, what="the steady window running")
+        assert sampler._children[("record", target.pid)].window == 3600
+        sampler.request_native(target.pid)
+        sampler.set_pace({target.pid: (20, 1.0)})
+        got = _drain_until(sampler, lambda rs: any(r.kind == "record" and r.native for r in rs),
+                           "the native window, after the steady one was cut")
+    finally:
+        sampler.stop()
+    records = [r for r in got if r.kind == "record"]
+    assert [r for r in got if r.error] == []
+    assert records[-1].native and sum(s.count for s in records[-1].samples) > 0
+    assert all(r.samples for r in records)  # the cut window kept what it had sampled (or gave nothing)

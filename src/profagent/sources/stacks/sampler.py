@@ -4,7 +4,9 @@ One thread for all the sampled processes: it sleeps until a py-spy child exits (
 a run is due, or the owner changes the targets, at most MAX_WAIT seconds; then it reaps
 finished py-spy children, parses their output into ``Result``s, and starts what is due:
 the next ``record`` window at once, a ``dump --json`` every STATE_EVERY seconds. A py-spy that
-fails on a process is retried after RETRY_AFTER seconds, doubling up to RETRY_MAX.
+fails on a process is retried after RETRY_AFTER seconds, doubling up to RETRY_MAX. The owner
+sets each process' pace (``set_pace``); a window longer than its process' new pace is cut
+short, so a job that needs the full pace (a stall suspected) gets it at once.
 The owner sets the processes with ``set_targets`` and takes results with ``drain``.
 
 At most ``stacks.max_pyspy`` children run at once, whatever the number of ranks (a job
@@ -77,6 +79,8 @@ class PySpyChild:
     born: int | None = None  # the target's start time (clock ticks): tells a reused PID
     native: bool = False  # a blocking --native window
     pidfd: int | None = None  # readable once py-spy exits (None: no pidfds here, poll)
+    window: int = 0  # a record window's seconds (0: a dump)
+    cut: bool = False  # asked to stop early: its process is wanted at a faster pace now
 
 
 @dataclass(frozen=True)
@@ -159,9 +163,12 @@ class Sampler:
 
     def set_pace(self, pace: dict[int, tuple[int, float]]) -> None:
         """(samples per second, window seconds) of each process' next record windows;
-        a process not named gets the full rate (``config.rate``, ``config.window``)."""
+        a process not named gets the full rate (``config.rate``, ``config.window``). A
+        window running longer than its process' new one is cut short (see _cut_slow_windows)."""
         with self._lock:
-            self._pace = dict(pace)
+            changed, self._pace = pace != self._pace, dict(pace)
+        if changed:
+            self._waiter.wake()
 
     def request_native(self, pid: int) -> None:
         """Make the next record window of ``pid`` a native one (C/C++ frames too)."""
@@ -205,6 +212,7 @@ class Sampler:
             children = dict(self._children)
         now = self._clock()
         done = []
+        self._cut_slow_windows(children)
         for key, child in list(children.items()):
             child_cpu = reap(child.proc)  # wait4, not poll(): py-spy's own CPU is the stacks source's cost
             if child_cpu is not None:
@@ -243,14 +251,30 @@ class Sampler:
             self._results.extend(done)
             del self._results[:-MAX_PENDING]  # nobody drains while the target is gone
 
+    def _window(self, pid: int) -> tuple[int, int]:
+        """(rate, whole seconds) of ``pid``'s next record window."""
+        with self._lock:
+            rate, seconds = self._pace.get(pid, (self.config.rate, self.config.window))
+        return rate, max(1, round(seconds))
+
+    def _cut_slow_windows(self, children: dict[tuple[str, int], PySpyChild]) -> None:
+        """Stop early each record window longer than its process' pace now allows: a steady
+        window (20 s) still running when a stall is suspected in its job would otherwise hold
+        that rank's next look, and any native window asked of it, until it ends. py-spy stops
+        on SIGINT within a sample and writes what it has: a shorter window, harvested as usual.
+        Here, in the thread that reaps: the child cannot have been reaped, so its PID is ours."""
+        for child in children.values():
+            if child.kind == "record" and not child.cut and child.window > self._window(child.pid)[1]:
+                child.cut = True
+                log.debug("stacks: PID %d: its %d s window cut short for a faster pace", child.pid, child.window)
+                pyspy.interrupt(child.proc)
+
     def _launch(self, kind: str, pid: int, rank: str, role: str, now: float) -> PySpyChild | None:
         assert self._tmp is not None and self._binary is not None
         self._seq += 1
         out = self._tmp / f"{kind}-{pid}-{self._seq}.out"
         err = self._tmp / f"{kind}-{pid}-{self._seq}.err"
-        with self._lock:
-            rate, window_seconds = self._pace.get(pid, (self.config.rate, self.config.window))
-        window = max(1, round(window_seconds))
+        rate, window = self._window(pid)
         native = False
         if kind == "record":
             with self._lock:
@@ -272,7 +296,7 @@ class Sampler:
                                             native=native))
             return None
         return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall(), stopped_before, born, native,
-                          ChildWaiter.watch(proc.pid))
+                          ChildWaiter.watch(proc.pid), window=window if kind == "record" else 0)
 
     def _sleep_plan(self) -> tuple[list[int], float]:
         """What to wait on after a step: the running children's pidfds, and for how long.
@@ -304,6 +328,12 @@ class Sampler:
             detail = f"PID {child.pid} was left stopped after a blocking py-spy sample: resumed it with SIGCONT"
             extra.append(Result(**base, error="target_resumed", detail=detail))
         key = (child.kind, child.pid)
+        if child.cut and not text.strip():  # cut before it sampled (SIGINT while py-spy attached): not a failure
+            self._next[key] = now
+            if child.native:
+                with self._lock:
+                    self._native.add(child.pid)  # the native window asked for is still owed
+            return extra
         if child.proc.returncode != 0 and not text.strip() and child.native:
             # a native window that failed (no symbols, unwinding refused): plain windows go on at once
             reason = pyspy.failure_reason(stderr, child.pid)
