@@ -208,3 +208,46 @@ def test_on_demand_trace_copy_refuses_what_is_not_the_ranks_trace(children, tmp_
         assert err.value.reason == reason
     assert capture._copy_trace(foreign, "d.json.gz", 65534, {}, 4) is True  # the rank's own user: fine
     assert not (capture.folder / "c.json.gz").exists()
+
+
+def test_the_capture_asks_for_traces_once_its_dumps_have_resumed_the_ranks(children, tmp_path: Path) -> None:
+    """A native dump stops its rank; inside a trace that pause reads as a slow step (run
+    113: a false straggler at 2.8x). So the trace request goes out after every dump."""
+    from types import SimpleNamespace
+
+    from profagent.analysis.incidents import Trigger
+    from profagent.engine.incidents import Capture
+
+    child = children.python("import time\nwhile True:\n    time.sleep(0.05)\n", env={"RANK": "0", "WORLD_SIZE": "1"})
+    tree = wait_for(lambda: (t := PidTarget(child.pid).refresh()) and t.mains() and t, 30, what="the child's tree")
+    events: list[str] = []
+
+    class Ondemand:
+        endpoint = SimpleNamespace(pollers=lambda: [SimpleNamespace(pid=child.pid, can_trace=True)])
+
+        def request(self, wanted, options, timeout):
+            running = [p for p in source._dumps if p.poll() is None]
+            events.append(f"request ({len(running)} dumps running)")
+            assert wanted(SimpleNamespace(pid=child.pid))
+            return SimpleNamespace(targets={})  # nothing to wait for
+
+    source = IncidentsSource(IncidentsConfig(capture_timeout=30), tmp_path / "incidents", State(), ondemand=Ondemand())
+    source.start()
+    wait_for(lambda: "<module>" in source.run_dump(pyspy.dump_text_args(_pyspy(), child.pid, "nonblocking"))[0],
+             30, what="the child's interpreter readable")
+    run_dump = source.run_dump
+
+    def dump(*args, **kw):
+        out = run_dump(*args, **kw)
+        events.append("dumped")
+        return out
+
+    source.run_dump = dump  # type: ignore[method-assign]
+    try:
+        capture = Capture(source, Trigger("manual", tree.job_id, None, "test"), tree,
+                          source.store.create("manual", tree.job_id, time.time()), time.time(), 0)
+        capture.run()
+    finally:
+        source.stop()
+    assert events == ["dumped", "request (0 dumps running)"]
+    assert "<module>" in (capture.folder / "stacks-rank0.txt").read_text()

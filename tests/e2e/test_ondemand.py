@@ -26,7 +26,7 @@ from helpers.paths import ROOT
 from helpers.processes import kill_tree, wait_for
 from profagent.doctor.check import Check
 from profagent.sources.ondemand import kineto
-from profagent.sources.ondemand.endpoint import Endpoint, NoPollers, match_pid
+from profagent.sources.ondemand.endpoint import TIMED_START, Endpoint, NoPollers, match_pid
 
 TRAIN = str(ROOT / "examples" / "train.py")
 
@@ -116,6 +116,30 @@ def test_a_config_libkineto_dropped_is_sent_again_and_a_written_one_is_not(tmp_p
     assert "ACTIVITIES_LOG_FILE" in poll(11)
     now[0] += 30.0
     assert poll(11) == "" and late.targets[11].resent == 0  # past its timeout: never again
+
+
+def test_a_config_is_not_sent_again_once_its_trace_would_have_ended_nor_an_iteration_one(tmp_path: Path) -> None:
+    """A free poll with no file after a timed trace would have ended (TIMED_START plus its
+    duration after the send) may come while libkineto writes it; libkineto never drops an
+    iteration config for its warm-up. Sent again, either made a second trace."""
+    now = [0.0]
+    endpoint = Endpoint(clock=lambda: now[0])
+
+    def poll(pid: int) -> str:
+        return endpoint.handle(kineto.encode_poll(kineto.Poll(3, 0, (pid, 1))))[40:].decode()
+
+    poll(11)
+    timed = endpoint.request(match_pid(1), kineto.TraceOptions(duration_ms=1000), str(tmp_path), timeout=60)
+    assert "ACTIVITIES_LOG_FILE" in poll(11)
+    now[0] = TIMED_START + 1.0  # its trace would have ended now
+    assert poll(11) == "" and timed.targets[11].resent == 0
+    now[0] = 20.0
+    iterations = endpoint.request(match_pid(1), kineto.TraceOptions(iterations=3), str(tmp_path), timeout=60)
+    assert "ACTIVITIES_ITERATIONS=3" in poll(11)
+    for t in (24.0, 30.0, 40.0):  # free polls with no file: the config waits for its iterations
+        now[0] = t
+        assert poll(11) == ""
+    assert iterations.targets[11].resent == 0 and "resent" not in endpoint.counts()
 
 
 def test_ctxt_is_answered() -> None:

@@ -52,8 +52,13 @@ MAX_ANCESTORS = 32  # pids kept per poll (the process and its ancestors)
 # libkineto starts a timed config within 2 s of receiving it, or drops it without a word
 # ("insufficient time for warmup": a process paused then, by a debugger or a blocking
 # py-spy dump, misses that window). A poll free to trace this long after the send, with no
-# trace file, is such a drop: the config is sent again, at most MAX_RESENDS times.
+# trace file, is such a drop: the config is sent again, at most MAX_RESENDS times. Only
+# while the trace, had it started, would still run (it starts TIMED_START after the send):
+# after that a free poll may come while the file is being written. An iteration config is
+# never dropped so (libkineto's canStart), and a resend made a second trace (run 113's
+# stressed loop: 12 steps for --iterations 3).
 RESEND_AFTER = 3.0
+TIMED_START = 7.0  # warm-up (5 s) and libkineto's start delay (2 s)
 MAX_RESENDS = 3
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
@@ -83,9 +88,12 @@ class TraceTarget:
     sent_at: float | None = None
     resent: int = 0  # times sent again after libkineto dropped it
 
-    def dropped(self, now: float) -> bool:
-        """Sent, and the process polls free to trace with no file: libkineto dropped it."""
-        return (self.sent_at is not None and self.resent < MAX_RESENDS and now - self.sent_at >= RESEND_AFTER
+    def dropped(self, now: float, options: kineto.TraceOptions) -> bool:
+        """Sent a timed config, and the process polls free to trace with no file while the
+        trace would still be running: libkineto dropped it."""
+        if self.sent_at is None or options.iterations or self.resent >= MAX_RESENDS:
+            return False
+        return (RESEND_AFTER <= now - self.sent_at < TIMED_START + options.duration_ms / 1000
                 and not os.path.lexists(self.file))
 
 
@@ -239,7 +247,7 @@ class Endpoint:
                 target = request.targets.get(message.pid)
                 if target is None or now >= request.deadline:
                     continue
-                if target.sent_at is None or target.dropped(now):
+                if target.sent_at is None or target.dropped(now, request.options):
                     kind = "sent"
                     if target.sent_at is not None:
                         kind = "resent"
