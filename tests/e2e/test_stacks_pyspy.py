@@ -236,7 +236,13 @@ def test_a_steady_window_is_cut_short_when_its_process_needs_the_full_pace(child
     """A stall suspected during a steady window: the rank's next look, and a native window
     asked of it, come now, not when the steady window would have ended (here never)."""
     target = children.python("import time\nwhile True:\n    time.sleep(0.01)\n")
-    sampler = Sampler(pyspy.find_pyspy(), StacksConfig(rate=20, window=1.0))
+    binary = pyspy.find_pyspy()
+    # a readable interpreter first: a py-spy that fails on a Python still starting is
+    # retried after 5 s, then 10 s... (RETRY_AFTER), which is not what this test is about
+    wait_for(lambda: "<module>" in subprocess.run(pyspy.dump_text_args(binary, target.pid, "nonblocking"),
+                                                  capture_output=True, text=True, timeout=30).stdout,
+             60, what="the target's interpreter readable")
+    sampler = Sampler(binary, StacksConfig(rate=20, window=1.0))
     sampler.start()
     try:
         sampler.set_pace({target.pid: (4, 3600.0)})
