@@ -194,9 +194,9 @@ def _drain_until(sampler: Sampler, done, what: str, timeout: float = 20.0) -> li
     try:
         wait_for(ready, timeout=timeout, what=what)
     except pytest.fail.Exception as exc:  # say what did come, and what still runs
-        running = {k: (c.window, c.cut, c.native) for k, c in sampler._children.items()}
+        running = {k: (c.window, c.cut_at, c.native) for k, c in sampler._children.items()}
         raise AssertionError(f"{exc}; results: {[(r.kind, r.native, r.error, r.detail) for r in got]}; "
-                             f"running (window, cut, native): {running}") from None
+                             f"running (window, cut at, native): {running}") from None
     return got
 
 
@@ -261,3 +261,30 @@ def test_a_steady_window_is_cut_short_when_its_process_needs_the_full_pace(child
     assert [r for r in got if r.error] == []
     assert records[-1].native and sum(s.count for s in records[-1].samples) > 0
     assert all(r.samples for r in records)  # the cut window kept what it had sampled (or gave nothing)
+
+
+def test_a_cut_window_whose_pyspy_ignores_sigint_is_killed_and_the_next_one_runs_at_the_new_pace(
+        children, tmp_path: Path) -> None:
+    """SIGINT is lost when it comes before py-spy set its handler in a process that ignores
+    SIGINT (inherited from a pytest-xdist worker or a backgrounded agent; run 141): the cut
+    window is killed after CUT_GRACE, not left to run its 3600 s."""
+    binary = tmp_path / "py-spy"  # a record that ignores SIGINT and waits to be killed
+    binary.write_text(f"#!{sys.executable}\nimport signal, sys, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                      "print('[]') if sys.argv[1] == 'dump' else time.sleep(3600)\n")
+    binary.chmod(0o755)
+    target = children.python("import time\nwhile True:\n    time.sleep(0.01)\n")
+    sampler = Sampler(str(binary), StacksConfig(rate=20, window=1.0))
+    sampler.start()
+    try:
+        sampler.set_pace({target.pid: (4, 3600.0)})
+        sampler.set_targets({target.pid: ("0", "main")})
+        steady = wait_for(lambda: sampler._children.get(("record", target.pid)), what="the steady window running")
+        assert steady.window == 3600
+        sampler.set_pace({target.pid: (20, 1.0)})
+        wait_for(lambda: steady.proc.returncode is not None, 30, what="the cut window killed")
+        nxt = wait_for(lambda: (c := sampler._children.get(("record", target.pid))) is not steady and c, 30,
+                       what="the next window")
+    finally:
+        sampler.stop()
+    assert steady.proc.returncode == -signal.SIGKILL and nxt.window == 1
+    assert [r for r in sampler.drain() if r.error] == []  # a cut window that gave nothing is no failure

@@ -288,14 +288,14 @@ def stop_all(procs: Sequence[subprocess.Popen], grace: float = 0.4) -> None:
             log.warning("py-spy PID %d did not exit after SIGKILL", p.pid)
 
 
-def interrupt(proc: subprocess.Popen) -> None:
+def interrupt(proc: subprocess.Popen, sig: int = signal.SIGINT) -> None:
     """Stop a py-spy record early: on SIGINT it stops sampling, writes what it has sampled,
     resumes a target it had stopped, and exits 0. ``os.kill``, not ``Popen.send_signal``:
     that polls, and a child reaped by waitpid loses its CPU time (system/cputime.reap).
     The caller reaps ``proc``, so its PID cannot have been reused."""
     if proc.returncode is None:
         try:
-            os.kill(proc.pid, signal.SIGINT)
+            os.kill(proc.pid, sig)
         except ProcessLookupError:
             pass
 

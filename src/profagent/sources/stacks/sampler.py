@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
@@ -54,6 +55,7 @@ MAX_WAIT = 1.0  # longest sleep with no child ending and nothing due
 RETRY_AFTER = 5.0  # seconds before sampling a process again after py-spy failed on it,
 RETRY_MAX = 300.0  # doubling on each consecutive failure up to this
 MAX_PENDING = 1000  # results kept until drained
+CUT_GRACE = 2.0  # seconds a window cut short has to stop on SIGINT (py-spy checks once a sample) before SIGKILL
 TORN_READS_TOLERATED = 3  # consecutive torn non-blocking reads retried at once, unreported
 STATE_EVERY = 15.0  # seconds between thread-state dumps per process (a dump costs ~10 ms CPU)
 # py-spy output folders: profagent-stacks-<agent pid>-<agent start, ms>-<random>. The creator
@@ -80,7 +82,7 @@ class PySpyChild:
     native: bool = False  # a blocking --native window
     pidfd: int | None = None  # readable once py-spy exits (None: no pidfds here, poll)
     window: int = 0  # a record window's seconds (0: a dump)
-    cut: bool = False  # asked to stop early: its process is wanted at a faster pace now
+    cut_at: float | None = None  # asked to stop early (SIGINT): its process is wanted at a faster pace now
 
 
 @dataclass(frozen=True)
@@ -262,12 +264,20 @@ class Sampler:
         window (20 s) still running when a stall is suspected in its job would otherwise hold
         that rank's next look, and any native window asked of it, until it ends. py-spy stops
         on SIGINT within a sample and writes what it has: a shorter window, harvested as usual.
+        A py-spy still there CUT_GRACE later is killed: SIGINT is lost when it comes before
+        py-spy set its handler in a process that ignores SIGINT (inherited: a pytest-xdist
+        worker, an agent started in the background by a shell; run 141).
         Here, in the thread that reaps: the child cannot have been reaped, so its PID is ours."""
+        now = self._clock()
         for child in children.values():
-            if child.kind == "record" and not child.cut and child.window > self._window(child.pid)[1]:
-                child.cut = True
+            if child.kind != "record":
+                continue
+            if child.cut_at is None and child.window > self._window(child.pid)[1]:
+                child.cut_at = now
                 log.debug("stacks: PID %d: its %d s window cut short for a faster pace", child.pid, child.window)
                 pyspy.interrupt(child.proc)
+            elif child.cut_at is not None and now - child.cut_at >= CUT_GRACE:
+                pyspy.interrupt(child.proc, signal.SIGKILL)  # its samples are lost; the next window is not
 
     def _launch(self, kind: str, pid: int, rank: str, role: str, now: float) -> PySpyChild | None:
         assert self._tmp is not None and self._binary is not None
@@ -328,7 +338,7 @@ class Sampler:
             detail = f"PID {child.pid} was left stopped after a blocking py-spy sample: resumed it with SIGCONT"
             extra.append(Result(**base, error="target_resumed", detail=detail))
         key = (child.kind, child.pid)
-        if child.cut and not text.strip():  # cut before it sampled (SIGINT while py-spy attached): not a failure
+        if child.cut_at is not None and not text.strip():  # cut before it sampled (SIGINT while py-spy attached): not a failure
             self._next[key] = now
             if child.native:
                 with self._lock:
