@@ -266,7 +266,7 @@ def test_a_steady_window_is_cut_short_when_its_process_needs_the_full_pace(child
 def test_a_cut_window_whose_pyspy_ignores_sigint_is_killed_and_the_next_one_runs_at_the_new_pace(
         children, tmp_path: Path) -> None:
     """SIGINT is lost when it comes before py-spy set its handler in a process that ignores
-    SIGINT (inherited from a pytest-xdist worker or a backgrounded agent; run 141): the cut
+    SIGINT (inherited from an agent a shell started in the background; runs 131, 141): the cut
     window is killed after CUT_GRACE, not left to run its 3600 s."""
     binary = tmp_path / "py-spy"  # a record that ignores SIGINT and waits to be killed
     binary.write_text(f"#!{sys.executable}\nimport signal, sys, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"

@@ -265,8 +265,8 @@ class Sampler:
         that rank's next look, and any native window asked of it, until it ends. py-spy stops
         on SIGINT within a sample and writes what it has: a shorter window, harvested as usual.
         A py-spy still there CUT_GRACE later is killed: SIGINT is lost when it comes before
-        py-spy set its handler in a process that ignores SIGINT (inherited: a pytest-xdist
-        worker, an agent started in the background by a shell; run 141).
+        py-spy set its handler in a process that ignores SIGINT (inherited from an agent
+        that a shell started in the background, as `cmd &` does; runs 131 and 141).
         Here, in the thread that reaps: the child cannot have been reaped, so its PID is ours."""
         now = self._clock()
         for child in children.values():
