@@ -105,24 +105,33 @@ def families_with_samples(text: str) -> set[str]:
     return {line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 
-def active_findings(base: str) -> set[str]:
-    """The names of the findings active now, from GET /api/findings."""
+def active_findings(base: str) -> dict[str, str]:
+    """Finding name -> its summary, for the findings active now (GET /api/findings)."""
     try:
         body = json.loads(scrape(f"{base}/api/findings") or "{}")
     except ValueError:
-        return set()
+        return {}
     rows = body.get("findings", []) if isinstance(body, dict) else body
-    return {f["finding"] for f in rows if isinstance(f, dict) and "finding" in f}
+    return {f["finding"]: str(f.get("summary", "")) for f in rows if isinstance(f, dict) and "finding" in f}
 
 
-def print_findings_seen(seen: set[str]) -> None:
-    """Which findings the run showed, and whether the demo provoked each on purpose."""
+def remember(seen: dict[str, str], base: str) -> None:
+    """Adds the findings active now to ``seen``, keeping each one's first summary."""
+    for name, summary in active_findings(base).items():
+        seen.setdefault(name, summary)
+
+
+def print_findings_seen(seen: dict[str, str]) -> None:
+    """Which findings the run showed, and whether the demo provoked each on purpose; an
+    unprovoked one with its summary, for the report."""
     if not seen:
         print(f"demo: findings seen: none yet (the demo provokes {', '.join(PROVOKED)})", flush=True)
         return
     print("demo: findings seen: " + ", ".join(
         f"{name} ({'provoked on purpose' if name in PROVOKED else 'NOT provoked: a false alarm, please report it'})"
         for name in sorted(seen)), flush=True)
+    for name in sorted(set(seen) - set(PROVOKED)):
+        print(f"demo: {name} said: {seen[name]}", flush=True)
 
 
 def print_capabilities(url: str) -> bool:
@@ -275,7 +284,7 @@ def run(args: argparse.Namespace, agent: subprocess.Popen, work: Path, base: str
         job: subprocess.Popen, stop: list[bool], began: float) -> int:
     """Everything after the start: stops the agent and the job on the way out."""
     top: subprocess.Popen | None = None
-    seen: set[str] = set()  # findings active at any check
+    seen: dict[str, str] = {}  # findings active at any check, with their first summary
     watching = False
     try:
         for _ in range(150):  # the agent is up once /healthz answers
@@ -293,10 +302,10 @@ def run(args: argparse.Namespace, agent: subprocess.Popen, work: Path, base: str
         elif not stop[0]:
             print("demo: rank 0 did not poll the Kineto endpoint in time: no on-demand trace", flush=True)
         watching = True
-        seen |= active_findings(base)
+        remember(seen, base)
         if not stop[0]:
             diagnose_and_capture(base, config)
-            seen |= active_findings(base)
+            remember(seen, base)
         if not stop[0]:
             diff_traces(work / "traces")
         top_cmd = [*PROFAGENT, "top", "--url", base]
@@ -307,7 +316,7 @@ def run(args: argparse.Namespace, agent: subprocess.Popen, work: Path, base: str
             while not stop[0] and top.poll() is None and agent.poll() is None:
                 if args.seconds and time.monotonic() - began >= args.seconds:
                     break
-                seen |= active_findings(base)
+                remember(seen, base)
                 time.sleep(1)
             return 0
         all_seen = False
@@ -318,7 +327,7 @@ def run(args: argparse.Namespace, agent: subprocess.Popen, work: Path, base: str
                 next_print = now + args.every
                 print(f"\n--- profagent top --once --url {base}   (metrics: {url}; Ctrl-C stops the demo) ---", flush=True)
                 print_output([*top_cmd, "--once"])
-                seen |= active_findings(base)
+                remember(seen, base)
                 if not all_seen:
                     all_seen = print_capabilities(url)
             if args.seconds and time.monotonic() - began >= args.seconds:
