@@ -133,7 +133,7 @@ class FindingsConfig:
     bound_ratio: float = _opt(0.3, "dataloader_bound / host_sync_bound / optimizer_bound: that category's share of the main thread (or of the traced step) above this")
     compile_ratio: float = _opt(0.2, "compile_storm: share of the main thread in torch.compile above this...")
     compile_grace_seconds: float = _opt(300.0, "...after the first N seconds of the rank (warm-up compilation is normal)")
-    straggler_ratio: float = _opt(1.25, "straggler: a rank's traced step time above this times the median of the other ranks")
+    straggler_ratio: float = _opt(1.25, "straggler: a rank's traced step time above this times the median of the other ranks (in a job whose traces show a collective)")
     straggler_share: float = _opt(0.2, "straggler: a rank's share of samples in collectives this much (absolute) below the other ranks' median")
     contention_share: float = _opt(0.05, "straggler: a rank named from its stacks whose main thread waited for a CPU (run queue) this share of the window or more is said to be slowed by CPU contention on the node")
     gpu_idle_ratio: float = _opt(0.1, "gpu_idle: utilisation of a GPU the rank uses below this...")

@@ -43,8 +43,12 @@ pytestmark = [
 
 def trace_of(pid: int, rank: int | None = None, scale: float = 1.0) -> str:
     """SMALL as if taken from ``pid`` (its CPU rows renamed), optionally claiming a rank
-    and with every duration multiplied by ``scale`` (a slower step)."""
+    and with every duration multiplied by ``scale`` (a slower step). A gloo all_reduce is
+    added at the end of its step: a straggler is named only among ranks that communicate."""
     data = json.loads(gzip.decompress(SMALL.read_bytes()))
+    step = next(e for e in data["traceEvents"] if e.get("name") == "ProfilerStep#1" and e.get("pid") == SMALL_PID)
+    data["traceEvents"].append({"ph": "X", "cat": "cpu_op", "name": "gloo:all_reduce", "pid": SMALL_PID,
+                                "tid": step["tid"], "ts": step["ts"] + 0.85 * step["dur"], "dur": 0.1 * step["dur"]})
     for e in data["traceEvents"]:
         if e.get("pid") == SMALL_PID:
             e["pid"] = pid

@@ -339,10 +339,12 @@ def test_no_straggler_while_a_hang_is_suspected_nor_once_it_is_declared() -> Non
         assert "straggler" not in [f.finding for f in feed_waits(ev, STRAGGLER_JOB, ticks, stall_rows=rows).findings]
 
 
-def report(step: float, dataloader: float = 0.0) -> TraceReport:
+def report(step: float, dataloader: float = 0.0, communication: float = 0.1) -> TraceReport:
+    """A rank's trace; ``communication``: the share of its step in collectives."""
     return TraceReport(
         path=f"/t/{step}.json", rank=None, bytes=1, steps=(), steps_inferred=False, step_mean=step,
-        step_max=step, breakdown={"dataloader": dataloader, "cpu_exec": 1 - dataloader}, gpu=None, devices=(),
+        step_max=step, breakdown={"dataloader": dataloader, "communication": communication,
+                                  "cpu_exec": 1 - dataloader - communication}, gpu=None, devices=(),
         launch_delay=None, cpu_seconds=0, gpu_seconds=0, cpu_gpu_ratio=None, top_ops=(), top_kernels=(),
         annotations=(), memory_peak={}, cpu_pids=(), accelerator=None, step_source="profiler_step",
         steps_incomplete=(), steps_dropped=0, gpu_lag=None, warnings=(),
@@ -358,6 +360,20 @@ def test_straggler_and_dataloader_from_traces() -> None:
     assert abs(straggler.evidence["others_median_seconds"] - 0.1025) < 1e-12 and "1.5x" in straggler.summary
     even = TracesSnapshot("job", (RankTrace("0", report(0.100), 1.0), RankTrace("1", report(0.110), 1.0)), (), 0)
     assert Evaluator(cfg()).evaluate({"traces": even}, now=10.0).findings == ()
+
+
+def test_ranks_that_never_communicate_have_no_straggler_from_step_times() -> None:
+    """Independent ranks (no collective in any rank's trace, as in the demo) wait for no
+    one: a rank's steps twice as long as the other's name no straggler, as in `analyze`.
+    One rank showing a collective is enough for the job to be judged."""
+    def stragglers(comm0: float, comm1: float) -> list[str]:
+        traces = TracesSnapshot("job", (RankTrace("0", report(0.040, communication=comm0), 1.0),
+                                        RankTrace("1", report(0.100, communication=comm1), 1.0)), (), 0)
+        return [f.rank for f in Evaluator(cfg()).evaluate({"traces": traces}, now=10.0).findings if f.finding == "straggler"]
+
+    assert stragglers(0.0, 0.0) == []
+    assert stragglers(0.0, 0.05) == ["1"]
+    assert stragglers(0.1, 0.1) == ["1"]
 
 
 def test_a_trace_without_steps_is_no_straggler() -> None:

@@ -137,7 +137,8 @@ def straggler(shares: Iterable[RankShares], traces: Iterable[Any], cfg: Findings
     """The rank the others wait for: its share of time waiting in collectives (stacks,
     native frames included) or in communication (traces) is far below the others' while
     theirs is high. In a synchronous job every rank's step takes as long as the slowest,
-    so step time alone names no one; it still names a rank whose traced step is longer.
+    so step time alone names no one; it still names a rank whose traced step is longer,
+    when the job's traces show a collective (ranks that never communicate wait for no one).
     ``quiet_jobs``: jobs with a hang or a suspected one (a stalled rank waits least of all).
     """
     out: list[Finding] = []
@@ -194,7 +195,10 @@ def straggler(shares: Iterable[RankShares], traces: Iterable[Any], cfg: Findings
             steps.setdefault(rt.job_id, {})[rt.rank] = rt.report.step_mean
     low_waiters({job: v for job, v in comm.items() if len(v) > 1 and job not in quiet_jobs}, from_traces)
     for job, by_rank in steps.items():
-        if len(by_rank) < 2 or job in quiet_jobs:
+        # Ranks that never communicate wait for no one (as `analyze` says): their steps
+        # differ with their own load and instrumentation, e.g. one rank profiling itself
+        # with profile_memory on a busy node (the demo under stress-ng, run 162).
+        if len(by_rank) < 2 or job in quiet_jobs or not any(comm.get(job, {}).values()):
             continue
         for rank, step in by_rank.items():
             median = _median_others(by_rank, rank)
