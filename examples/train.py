@@ -76,6 +76,8 @@ def train(args: argparse.Namespace) -> None:
         )
         profiler.start()
 
+    while args.start_after and not os.path.exists(args.start_after):
+        time.sleep(0.1)
     step = 0
     for x, y in loader:
         loss = loss_fn(model(x), y)
@@ -106,6 +108,8 @@ def main() -> int:
     parser.add_argument("--profile-ranks", default="", help="comma-separated ranks that profile themselves (default all)")
     parser.add_argument("--slow-data", type=float, default=0.0, help="seconds of sleep per sample")
     parser.add_argument("--step-sleep", type=float, default=0.01, help="seconds of sleep per step")
+    parser.add_argument("--start-after", default="",
+                        help="wait until this file exists before the first step, torch loaded (a job waiting for its data)")
     args = parser.parse_args()
     if args.ranks:
         return launch(args)

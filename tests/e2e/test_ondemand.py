@@ -26,7 +26,14 @@ from helpers.paths import ROOT
 from helpers.processes import kill_tree, wait_for
 from profagent.doctor.check import Check
 from profagent.sources.ondemand import kineto
-from profagent.sources.ondemand.endpoint import TIMED_START, Endpoint, NoPollers, match_pid
+from profagent.sources.ondemand.endpoint import (
+    MAX_RESENDS,
+    RESEND_AFTER,
+    TIMED_START,
+    Endpoint,
+    NoPollers,
+    match_pid,
+)
 
 TRAIN = str(ROOT / "examples" / "train.py")
 
@@ -38,7 +45,7 @@ def test_poll_round_trip_and_config_text() -> None:
     assert len(kineto.encode_poll(poll)) == 40 + 16 + 12
     text = kineto.config_text("/tmp/x/a.json", kineto.TraceOptions(iterations=3, profile_memory=True), "id1")
     assert "ACTIVITIES_ITERATIONS=3" in text and "PROFILE_START_ITERATION_ROUNDUP=1" in text
-    assert "ACTIVITIES_DURATION_MSECS" not in text and "PROFILE_PROFILE_MEMORY=true" in text
+    assert "ACTIVITIES_DURATION_MSECS=0" in text and "PROFILE_PROFILE_MEMORY=true" in text  # no timed fallback
     assert text.splitlines()[0] == "ACTIVITIES_LOG_FILE=/tmp/x/a.json" and not text.endswith("\0")
     assert kineto.output_path("/tmp/x/a.json", 7) == "/tmp/x/a_7.json"
 
@@ -118,10 +125,10 @@ def test_a_config_libkineto_dropped_is_sent_again_and_a_written_one_is_not(tmp_p
     assert poll(11) == "" and late.targets[11].resent == 0  # past its timeout: never again
 
 
-def test_a_config_is_not_sent_again_once_its_trace_would_have_ended_nor_an_iteration_one(tmp_path: Path) -> None:
+def test_a_timed_config_is_not_sent_again_once_its_trace_would_have_ended(tmp_path: Path) -> None:
     """A free poll with no file after a timed trace would have ended (TIMED_START plus its
-    duration after the send) may come while libkineto writes it; libkineto never drops an
-    iteration config for its warm-up. Sent again, either made a second trace."""
+    duration after the send) may come while libkineto writes it: sent again, it would make
+    a second trace."""
     now = [0.0]
     endpoint = Endpoint(clock=lambda: now[0])
 
@@ -133,13 +140,39 @@ def test_a_config_is_not_sent_again_once_its_trace_would_have_ended_nor_an_itera
     assert "ACTIVITIES_LOG_FILE" in poll(11)
     now[0] = TIMED_START + 1.0  # its trace would have ended now
     assert poll(11) == "" and timed.targets[11].resent == 0
-    now[0] = 20.0
-    iterations = endpoint.request(match_pid(1), kineto.TraceOptions(iterations=3), str(tmp_path), timeout=60)
+
+
+def test_an_iteration_config_is_sent_again_until_the_process_steps_then_never(tmp_path: Path) -> None:
+    """libkineto drops an iteration config that comes before the process's first step (and
+    would run a 500 ms timed trace instead, were the duration not 0): while the process
+    polls free with no file, it gets it again every RESEND_AFTER, with no cap, until the
+    request's deadline; once its trace is written, never."""
+    now = [0.0]
+    endpoint = Endpoint(clock=lambda: now[0])
+
+    def poll(pid: int, can_trace: bool = True) -> str:
+        return endpoint.handle(kineto.encode_poll(kineto.Poll(3 if can_trace else 1, 0, (pid, 1))))[40:].decode()
+
+    poll(11)
+    request = endpoint.request(match_pid(1), kineto.TraceOptions(iterations=3), str(tmp_path), timeout=60)
+    config = poll(11)
+    assert "ACTIVITIES_ITERATIONS=3" in config and "ACTIVITIES_DURATION_MSECS=0" in config
+    now[0] = RESEND_AFTER - 0.1
+    assert poll(11) == ""  # too soon
+    sends = 0
+    for t in range(1, 7):  # more than MAX_RESENDS: the process has not stepped yet
+        now[0] = t * RESEND_AFTER
+        sends += "ACTIVITIES_ITERATIONS=3" in poll(11)
+    assert sends == 6 > MAX_RESENDS and request.targets[11].resent == 6
+    now[0] += RESEND_AFTER
+    assert poll(11, can_trace=False) == ""  # it steps: tracing, busy
+    Path(request.targets[11].file).write_text("{}")
+    now[0] += RESEND_AFTER
+    assert poll(11) == "" and request.targets[11].resent == 6  # written: never again
+    late = endpoint.request(match_pid(1), kineto.TraceOptions(iterations=3), str(tmp_path), timeout=10)
     assert "ACTIVITIES_ITERATIONS=3" in poll(11)
-    for t in (24.0, 30.0, 40.0):  # free polls with no file: the config waits for its iterations
-        now[0] = t
-        assert poll(11) == ""
-    assert iterations.targets[11].resent == 0 and "resent" not in endpoint.counts()
+    now[0] += 10.0
+    assert poll(11) == "" and late.targets[11].resent == 0  # past its deadline
 
 
 def test_ctxt_is_answered() -> None:
@@ -238,6 +271,57 @@ def test_iteration_trace_of_one_rank(traced_job, ondemand_env) -> None:
     report = json.loads(res.stdout)
     [trace] = report["traces"]  # the JSON report of the new trace
     assert trace["step_source"] == "optimizer" and len(trace["steps"]) == 3  # --iterations 3: 3 steps
+
+
+@pytest.mark.slow
+def test_an_iteration_trace_asked_before_the_first_step_has_those_steps(tmp_path: Path) -> None:
+    """A process that polls but has not stepped yet (loading its data) gets --iterations 2:
+    libkineto drops the config (with a duration in it, it ran a 500 ms timed trace instead:
+    no step here, 13 and 11 steps on a loaded node); the CLI says it waits for a step, and
+    once the job trains the trace has exactly 2 steps."""
+    sockets = Path(tempfile.mkdtemp(prefix="pa-", dir="/tmp"))  # short: see ondemand_env
+    os.chmod(sockets, 0o755)
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(f"state_dir = '{tmp_path / 'state'}'\n[ondemand]\nsocket_dir = '{sockets}'\n"
+                   f"control_socket = '{tmp_path / 'control.sock'}'\ntrace_dir = '{tmp_path / 'traces'}'\n"
+                   "[stacks]\nenabled = false\n")
+    go = tmp_path / "go"
+    env = {**os.environ, "KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(sockets)}
+    job = subprocess.Popen([sys.executable, TRAIN, "--workers", "0", "--step-sleep", "0.005", "--start-after", str(go)],
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    port = free_port()
+    agent = subprocess.Popen([sys.executable, "-m", "profagent", "attach", "--pid", str(job.pid), "--listen",
+                              f"127.0.0.1:{port}", "--config", str(cfg), "--interval", "0.5"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cli = None
+    try:
+        def polls() -> bool:
+            samples = parse_metrics(http_get(f"http://127.0.0.1:{port}/metrics")).get("profagent_ondemand_processes", [])
+            return any(v >= 1 for _, v in samples)
+
+        wait_for(polls, timeout=60, interval=0.5, what="the job polling the agent")
+        cli = subprocess.Popen([sys.executable, "-m", "profagent", "trace", "--config", str(cfg), "--pid", str(job.pid),
+                                "--iterations", "2", "--json", "--timeout", "120"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        err: list[str] = []
+        reader = threading.Thread(target=lambda: err.extend(cli.stderr), daemon=True)
+        reader.start()
+        wait_for(lambda: any("waiting for an optimizer step" in line for line in err), timeout=60,
+                 what="the CLI saying the job has not stepped")
+        assert not list((tmp_path / "traces").glob("*.json")), "a trace before the job stepped"
+        go.touch()  # the job trains
+        out, _ = cli.communicate(timeout=120)
+        reader.join(10)
+        assert cli.returncode == 0, "".join(err)
+        [trace] = json.loads(out)["traces"]
+        assert trace["step_source"] == "optimizer" and len(trace["steps"]) == 2, (trace["step_source"], trace["steps"])
+    finally:
+        if cli is not None and cli.poll() is None:
+            cli.kill()
+        agent.terminate()
+        agent.wait(timeout=10)
+        kill_tree(job)
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 @pytest.mark.slow

@@ -17,6 +17,9 @@ from profagent.errors import UserError
 from profagent.system.safefs import UnsafePath, open_regular
 from profagent.system.unixsock import call
 
+# a process polling free, with no trace, after an iteration config was sent: libkineto
+# dropped it, as it does before the process's first step (sources/ondemand/endpoint.py)
+NO_STEP = "waiting for an optimizer step"
 HOW_TO_POLL = (
     "start the training script with KINETO_USE_DAEMON=1 in its environment "
     "(no code change; it polls the agent every ~5 s), then run profagent trace again"
@@ -112,6 +115,11 @@ def request_trace(
         while len(done) < len(targets):
             if clock() > deadline:
                 missing = ", ".join(names[p] for p in names if p not in done)
+                unstepped = [names[p] for p in names if p not in done and stage.get(p, "").startswith(NO_STEP)]
+                if args.iterations and unstepped:
+                    raise UserError(f"no trace from {missing} within {args.timeout:.0f} s: {', '.join(unstepped)} "
+                                    "had run no optimizer step when last asked (libkineto counts iterations from them)",
+                                    "retry once it trains, with a longer --timeout, or use --duration-ms")
                 raise UserError(
                     f"no trace from {missing} within {args.timeout:.0f} s",
                     "the process may be idle between iterations, not calling the profiler hooks, or profiling "
@@ -125,6 +133,8 @@ def request_trace(
                     continue
                 if not t["sent"]:
                     new = "waiting for the next poll"
+                elif not path.exists() and args.iterations and t.get("resent"):
+                    new = f"{NO_STEP} (libkineto counts iterations from them; asked {1 + t['resent']} times)"
                 elif not path.exists():
                     new = f"tracing {window} (after libkineto's warm-up)"
                 elif not _complete_json(path):

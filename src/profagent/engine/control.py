@@ -139,7 +139,8 @@ class ControlServer:
             if request is None:
                 return {"ok": False, "error": "unknown request id"}
             return {"ok": True, "targets": [
-                {"pid": t.pid, "file": t.file, "sent": t.sent_at is not None} for t in request.targets.values()
+                {"pid": t.pid, "file": t.file, "sent": t.sent_at is not None, "resent": t.resent}
+                for t in request.targets.values()
             ]}
         if op == "trace":
             try:

@@ -49,14 +49,19 @@ MALFORMED_LOG_EVERY = 100
 MAX_POLLERS = 4096  # far more processes than a node traces; a flood cannot grow the registry past it
 MAX_POLLERS_PER_USER = 256  # ondemand.max_pollers_per_user: far more ranks than one user runs on a node
 MAX_ANCESTORS = 32  # pids kept per poll (the process and its ancestors)
-# libkineto starts a timed config within 2 s of receiving it, or drops it without a word
-# ("insufficient time for warmup": a process paused then, by a debugger or a blocking
-# py-spy dump, misses that window). A poll free to trace this long after the send, with no
-# trace file, is such a drop: the config is sent again, at most MAX_RESENDS times. Only
-# while the trace, had it started, would still run (it starts TIMED_START after the send):
-# after that a free poll may come while the file is being written. An iteration config is
-# never dropped so (libkineto's canStart), and a resend made a second trace (run 113's
-# stressed loop: 12 steps for --iterations 3).
+# libkineto drops a config without a word in two cases, and the process then polls free
+# to trace with no trace file; the config is sent again:
+# - a timed config it receives too late to warm up (it starts within 2 s of receiving it,
+#   "insufficient time for warmup": a process paused then, by a debugger or a blocking
+#   py-spy dump, misses that window). Sent again at most MAX_RESENDS times, and only while
+#   the trace, had it started, would still run (it starts TIMED_START after the send):
+#   after that a free poll may come while the file is being written.
+# - an iteration config it receives before the process's first step (libkineto counts
+#   iterations from optimizer steps). With a duration in it, libkineto would instead run a
+#   timed trace of that duration (500 ms by default: on a loaded node, 13 steps for
+#   --iterations 2, or none at all before the first step); kineto.config_text sets it to 0.
+#   Sent again every RESEND_AFTER until the request's deadline: a second copy is refused
+#   while one waits for its iteration, and a running trace polls busy.
 RESEND_AFTER = 3.0
 TIMED_START = 7.0  # warm-up (5 s) and libkineto's start delay (2 s)
 MAX_RESENDS = 3
@@ -89,12 +94,14 @@ class TraceTarget:
     resent: int = 0  # times sent again after libkineto dropped it
 
     def dropped(self, now: float, options: kineto.TraceOptions) -> bool:
-        """Sent a timed config, and the process polls free to trace with no file while the
-        trace would still be running: libkineto dropped it."""
-        if self.sent_at is None or options.iterations or self.resent >= MAX_RESENDS:
+        """Sent, and the process polls free to trace with no file: libkineto dropped it
+        (see RESEND_AFTER's comment for when to send it again)."""
+        if self.sent_at is None or os.path.lexists(self.file):
             return False
-        return (RESEND_AFTER <= now - self.sent_at < TIMED_START + options.duration_ms / 1000
-                and not os.path.lexists(self.file))
+        age = now - self.sent_at
+        if options.iterations:
+            return age >= RESEND_AFTER
+        return self.resent < MAX_RESENDS and RESEND_AFTER <= age < TIMED_START + options.duration_ms / 1000
 
 
 @dataclass

@@ -139,6 +139,9 @@ def config_text(log_file: str, options: TraceOptions, trace_id: str) -> str:
             "PROFILE_START_ITERATION=0",
             "PROFILE_START_ITERATION_ROUNDUP=1",
             f"ACTIVITIES_ITERATIONS={options.iterations}",
+            # else libkineto runs a timed trace of the default 500 ms when the process has
+            # not stepped yet (see endpoint.RESEND_AFTER)
+            "ACTIVITIES_DURATION_MSECS=0",
         ]
     else:
         lines.append(f"ACTIVITIES_DURATION_MSECS={options.duration_ms}")
