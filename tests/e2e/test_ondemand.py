@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -181,9 +182,9 @@ def test_ctxt_is_answered() -> None:
 
 
 # -- end to end ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ondemand_env(tmp_path_factory):
-    base = tmp_path_factory.mktemp("ondemand")  # under /tmp, where libkineto may write
+@contextlib.contextmanager
+def _ondemand_setup(base: Path) -> Iterator[dict]:
+    """An agent config in ``base`` with its own Kineto socket folder, and a job's environment."""
     # Short: a Kineto client's socket there is named dynoconfigclient<uuid> (52 bytes), and a
     # socket path has 108 at most (under pytest-xdist, basetemp gains popen-gwN/).
     sockets = Path(tempfile.mkdtemp(prefix="pa-", dir="/tmp"))
@@ -194,9 +195,17 @@ def ondemand_env(tmp_path_factory):
         f"[ondemand]\nsocket_dir = '{sockets}'\ncontrol_socket = '{base / 'control.sock'}'\n"
         f"trace_dir = '{base / 'traces'}'\n[stacks]\nenabled = false\n"
     )
-    yield {"base": base, "sockets": sockets, "config": cfg,
-           "env": {"KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(sockets)}}
-    shutil.rmtree(sockets, ignore_errors=True)
+    try:
+        yield {"base": base, "sockets": sockets, "config": cfg,
+               "env": {"KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(sockets)}}
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ondemand_env(tmp_path_factory):
+    with _ondemand_setup(tmp_path_factory.mktemp("ondemand")) as env:  # under /tmp, where libkineto may write
+        yield env
 
 
 def _trace_cli(env: dict, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
@@ -204,31 +213,37 @@ def _trace_cli(env: dict, *args: str, timeout: float = 90) -> subprocess.Complet
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def traced_job(ondemand_env):
-    """A 2-rank job polling the agent, and the agent attached to its launcher."""
-    env = {**os.environ, **ondemand_env["env"]}
-    job = subprocess.Popen([sys.executable, TRAIN, "--ranks", "2", "--workers", "0", "--step-sleep", "0.005"],
-                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+@contextlib.contextmanager
+def _attached(env: dict, job_args: list[str], ranks: list[str]) -> Iterator[dict]:
+    """examples/train.py with ``job_args``, and an agent attached to it, once ``ranks`` poll it."""
+    job = subprocess.Popen([sys.executable, TRAIN, *job_args], env={**os.environ, **env["env"]},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     port = free_port()
-    log = (ondemand_env["base"] / "agent.log").open("wb")
+    log = (env["base"] / "agent.log").open("wb")
     agent = subprocess.Popen([sys.executable, "-m", "profagent", "attach", "--pid", str(job.pid),
-                              "--listen", f"127.0.0.1:{port}", "--config", str(ondemand_env["config"]),
+                              "--listen", f"127.0.0.1:{port}", "--config", str(env["config"]),
                               "--interval", "0.5"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/metrics"
 
-    def both_ranks_poll() -> bool:
+    def ranks_poll() -> bool:
         samples = parse_metrics(http_get(url)).get("profagent_ondemand_processes", [])
-        return sorted(lab["rank"] for lab, v in samples if v >= 1) == ["0", "1"]
+        return sorted(lab["rank"] for lab, v in samples if v >= 1) == ranks
 
     try:
-        wait_for(both_ranks_poll, timeout=60, interval=0.5, what="both ranks polling the agent")
+        wait_for(ranks_poll, timeout=60, interval=0.5, what=f"ranks {ranks} polling the agent")
         yield {"job": job, "agent": agent, "url": url}
     finally:
         agent.terminate()
         agent.wait(timeout=10)
         kill_tree(job)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def traced_job(ondemand_env):
+    """A 2-rank job polling the agent, and the agent attached to its launcher."""
+    with _attached(ondemand_env, ["--ranks", "2", "--workers", "0", "--step-sleep", "0.005"], ["0", "1"]) as job:
+        yield job
 
 
 @pytest.mark.slow
@@ -280,49 +295,28 @@ def test_an_iteration_trace_asked_before_the_first_step_has_those_steps(tmp_path
     libkineto drops the config (with a duration in it, it ran a 500 ms timed trace instead:
     no step here, 13 and 11 steps on a loaded node); the CLI says it waits for a step, and
     once the job trains the trace has exactly 2 steps."""
-    sockets = Path(tempfile.mkdtemp(prefix="pa-", dir="/tmp"))  # short: see ondemand_env
-    os.chmod(sockets, 0o755)
-    cfg = tmp_path / "agent.toml"
-    cfg.write_text(f"state_dir = '{tmp_path / 'state'}'\n[ondemand]\nsocket_dir = '{sockets}'\n"
-                   f"control_socket = '{tmp_path / 'control.sock'}'\ntrace_dir = '{tmp_path / 'traces'}'\n"
-                   "[stacks]\nenabled = false\n")
     go = tmp_path / "go"
-    env = {**os.environ, "KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(sockets)}
-    job = subprocess.Popen([sys.executable, TRAIN, "--workers", "0", "--step-sleep", "0.005", "--start-after", str(go)],
-                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    port = free_port()
-    agent = subprocess.Popen([sys.executable, "-m", "profagent", "attach", "--pid", str(job.pid), "--listen",
-                              f"127.0.0.1:{port}", "--config", str(cfg), "--interval", "0.5"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    cli = None
-    try:
-        def polls() -> bool:
-            samples = parse_metrics(http_get(f"http://127.0.0.1:{port}/metrics")).get("profagent_ondemand_processes", [])
-            return any(v >= 1 for _, v in samples)
-
-        wait_for(polls, timeout=60, interval=0.5, what="the job polling the agent")
-        cli = subprocess.Popen([sys.executable, "-m", "profagent", "trace", "--config", str(cfg), "--pid", str(job.pid),
-                                "--iterations", "2", "--json", "--timeout", "120"],
+    job_args = ["--workers", "0", "--step-sleep", "0.005", "--start-after", str(go)]
+    with _ondemand_setup(tmp_path) as env, _attached(env, job_args, ["0"]) as traced:
+        cli = subprocess.Popen([sys.executable, "-m", "profagent", "trace", "--config", str(env["config"]),
+                                "--pid", str(traced["job"].pid), "--iterations", "2", "--json", "--timeout", "120"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        err: list[str] = []
-        reader = threading.Thread(target=lambda: err.extend(cli.stderr), daemon=True)
-        reader.start()
-        wait_for(lambda: any("waiting for an optimizer step" in line for line in err), timeout=60,
-                 what="the CLI saying the job has not stepped")
-        assert not list((tmp_path / "traces").glob("*.json")), "a trace before the job stepped"
-        go.touch()  # the job trains
-        out, _ = cli.communicate(timeout=120)
-        reader.join(10)
-        assert cli.returncode == 0, "".join(err)
-        [trace] = json.loads(out)["traces"]
-        assert trace["step_source"] == "optimizer" and len(trace["steps"]) == 2, (trace["step_source"], trace["steps"])
-    finally:
-        if cli is not None and cli.poll() is None:
-            cli.kill()
-        agent.terminate()
-        agent.wait(timeout=10)
-        kill_tree(job)
-        shutil.rmtree(sockets, ignore_errors=True)
+        try:
+            err: list[str] = []
+            reader = threading.Thread(target=lambda: err.extend(cli.stderr), daemon=True)
+            reader.start()
+            wait_for(lambda: any("waiting for an optimizer step" in line for line in err), timeout=60,
+                     what="the CLI saying the job has not stepped")
+            assert not list((tmp_path / "traces").glob("*.json")), "a trace before the job stepped"
+            go.touch()  # the job trains
+            out, _ = cli.communicate(timeout=120)
+            reader.join(10)
+        finally:
+            if cli.poll() is None:
+                cli.kill()
+    assert cli.returncode == 0, "".join(err)
+    [trace] = json.loads(out)["traces"]
+    assert trace["step_source"] == "optimizer" and len(trace["steps"]) == 2, (trace["step_source"], trace["steps"])
 
 
 @pytest.mark.slow

@@ -17,9 +17,6 @@ from profagent.errors import UserError
 from profagent.system.safefs import UnsafePath, open_regular
 from profagent.system.unixsock import call
 
-# a process polling free, with no trace, after an iteration config was sent: libkineto
-# dropped it, as it does before the process's first step (sources/ondemand/endpoint.py)
-NO_STEP = "waiting for an optimizer step"
 HOW_TO_POLL = (
     "start the training script with KINETO_USE_DAEMON=1 in its environment "
     "(no code change; it polls the agent every ~5 s), then run profagent trace again"
@@ -111,12 +108,15 @@ def request_trace(
     deadline = clock() + args.timeout
     done: dict[int, Path] = {}
     stage: dict[int, str] = {}
+    # polled free, with no trace, after an iteration config was sent: libkineto dropped it,
+    # as it does before the process's first step (sources/ondemand/endpoint.py)
+    waiting_for_step: set[int] = set()
     with console.status("waiting for the next poll (up to ~5 s)") as status:
         while len(done) < len(targets):
             if clock() > deadline:
                 missing = ", ".join(names[p] for p in names if p not in done)
-                unstepped = [names[p] for p in names if p not in done and stage.get(p, "").startswith(NO_STEP)]
-                if args.iterations and unstepped:
+                unstepped = [names[p] for p in names if p not in done and p in waiting_for_step]
+                if unstepped:
                     raise UserError(f"no trace from {missing} within {args.timeout:.0f} s: {', '.join(unstepped)} "
                                     "had run no optimizer step when last asked (libkineto counts iterations from them)",
                                     "retry once it trains, with a longer --timeout, or use --duration-ms")
@@ -131,10 +131,12 @@ def request_trace(
                 pid, path = t["pid"], Path(t["file"])
                 if pid in done:
                     continue
+                waiting_for_step.discard(pid)
                 if not t["sent"]:
                     new = "waiting for the next poll"
                 elif not path.exists() and args.iterations and t.get("resent"):
-                    new = f"{NO_STEP} (libkineto counts iterations from them; asked {1 + t['resent']} times)"
+                    new = f"waiting for an optimizer step (libkineto counts iterations from them; asked {1 + t['resent']} times)"
+                    waiting_for_step.add(pid)
                 elif not path.exists():
                     new = f"tracing {window} (after libkineto's warm-up)"
                 elif not _complete_json(path):
