@@ -268,9 +268,11 @@ def test_a_cut_window_whose_pyspy_ignores_sigint_is_killed_and_the_next_one_runs
     """SIGINT is lost when it comes before py-spy set its handler in a process that ignores
     SIGINT (inherited from an agent a shell started in the background; runs 131, 141): the cut
     window is killed after CUT_GRACE, not left to run its 3600 s."""
-    binary = tmp_path / "py-spy"  # a record that ignores SIGINT and waits to be killed
+    binary = tmp_path / "py-spy"  # a record that ignores SIGINT, says so, and waits to be killed
+    ignoring = tmp_path / "ignoring-sigint"
     binary.write_text(f"#!{sys.executable}\nimport signal, sys, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-                      "print('[]') if sys.argv[1] == 'dump' else time.sleep(3600)\n")
+                      f"print('[]') if sys.argv[1] == 'dump' else (open({str(ignoring)!r}, 'w').close(), "
+                      "time.sleep(3600))\n")
     binary.chmod(0o755)
     target = children.python("import time\nwhile True:\n    time.sleep(0.01)\n")
     sampler = Sampler(str(binary), StacksConfig(rate=20, window=1.0))
@@ -280,6 +282,8 @@ def test_a_cut_window_whose_pyspy_ignores_sigint_is_killed_and_the_next_one_runs
         sampler.set_targets({target.pid: ("0", "main")})
         steady = wait_for(lambda: sampler._children.get(("record", target.pid)), what="the steady window running")
         assert steady.window == 3600
+        # cut only once the fake ignores SIGINT: before that, SIGINT kills it (CI run of 7118e7c)
+        wait_for(ignoring.exists, 30, what="the steady window's py-spy ignoring SIGINT")
         sampler.set_pace({target.pid: (20, 1.0)})
         wait_for(lambda: steady.proc.returncode is not None, 30, what="the cut window killed")
         nxt = wait_for(lambda: (c := sampler._children.get(("record", target.pid))) is not steady and c, 30,
