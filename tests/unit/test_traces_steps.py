@@ -296,3 +296,32 @@ def test_a_window_of_n_iterations_holds_n_steps(tmp_path: Path) -> None:
     assert [s.seconds * 1e6 for s in by_duration.steps] == pytest.approx([35.0, 35.0])
     assert [s.seconds * 1e6 for s in by_iterations.steps] == pytest.approx([30.0, 35.0, 35.0])
     assert by_iterations.step_source == "optimizer"
+
+
+def test_an_iteration_window_ends_at_its_record_window_end(tmp_path: Path) -> None:
+    """libkineto ends an N-iteration window at the N-th step(), inside that optimizer step's
+    range, and writes "Record Window End" there; torch's recording is stopped later, on
+    another thread, while the job goes on (a real `--iterations 2` on a loaded node held 7
+    Optimizer.step ranges, the third starting 26.8 ms after the window's end). The steps are
+    the window's; a duration window is left as it was."""
+    def x(name: str, cat: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur}
+
+    events = [x("aten::mm", "cpu_op", 1000.0, 5.0)]
+    for ts in (1030.0, 1065.0, 1100.0, 1135.0):
+        events += [x("aten::mm", "cpu_op", ts - 20, 10.0), x("Optimizer.step#SGD.step", "user_annotation", ts, 2.0)]
+    end = 1066.0  # inside the second optimizer step
+    events.append({"ph": "i", "s": "g", "name": "Record Window End", "pid": "", "tid": "", "ts": end})
+    events.append({"ph": "i", "s": "g", "name": "Record Window End", "pid": "", "tid": "", "ts": 1.0})  # not believed
+    path = _write(tmp_path, {"traceEvents": events})
+    trace = read_trace(path)
+    assert trace.window_end == end
+    # brute force: the window's iterations run from its start to each optimizer step that began before its end
+    marks = [e["ts"] for e in events if e["name"].startswith("Optimizer.step#") and e["ts"] < end]
+    bounds = [min(e["ts"] for e in events if e["ph"] == "X")] + marks
+    expected = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    assert expected == [30.0, 35.0]
+    by_iterations = analyze(trace, iteration_window=True)
+    assert [s.seconds * 1e6 for s in by_iterations.steps] == pytest.approx(expected)
+    by_duration = analyze(read_trace(path))
+    assert [s.seconds * 1e6 for s in by_duration.steps] == pytest.approx([35.0, 35.0, 35.0])

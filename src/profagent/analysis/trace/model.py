@@ -64,6 +64,9 @@ class Trace:
     names: list[str] = field(default_factory=list)
     threads: list[tuple[int | str, int | str]] = field(default_factory=list)
     memory: list[tuple[int | None, int | None, int]] = field(default_factory=list)  # type, id, allocated
+    # µs: libkineto's "Record Window End". CPU events after it were recorded while torch's
+    # profiler was being stopped, on another thread, as the job went on (see find_steps)
+    window_end: float | None = None
     cpu_pids: set[int] = field(default_factory=set)  # pids labelled CPU
     gpu_devices: dict[int, int] = field(default_factory=dict)  # trace pid -> device index
     categories: set[str] = field(default_factory=set)  # the kept events' Kineto categories

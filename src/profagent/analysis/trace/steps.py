@@ -30,8 +30,13 @@ starts anywhere in an iteration. A window taken for N iterations
 (``ACTIVITIES_ITERATIONS=N``, ``iteration_window``) is different: libkineto starts it at an
 iteration boundary (the ``step()`` that follows an optimizer step) and stops it at the N-th
 ``step()`` after, so it holds N optimizer steps and N whole iterations; the first step
-then runs from the window's start to the first optimizer step. Without either, the whole traced window (first to last kept event) is one
-span, and ``inferred`` is True: a window is not a step time.
+then runs from the window's start to the first optimizer step. ``step()`` runs inside the
+optimizer step's range, and the window ends there (the trace's ``Record Window End``,
+``Trace.window_end``), but libkineto stops torch's recording on another thread while the
+job goes on: on a loaded node the trace held 7 optimizer steps for N = 2. Optimizer steps
+that start after the window's end are not the window's. Without either, the whole traced
+window (first to last kept event) is one span, and ``inferred`` is True: a window is not a
+step time.
 """
 
 from __future__ import annotations
@@ -117,6 +122,10 @@ def _optimizer_steps(c: Classified, iteration_window: bool = False) -> tuple[Ste
     top = names[np.argmax(counts)]
     starts = unique(t.ts[idx[t.name[idx] == top]])  # sorted; a range recorded twice counts once
     window_start = float(t.ts.min())
+    if iteration_window and t.window_end is not None and t.window_end > window_start:
+        starts = starts[starts < t.window_end]  # the rest ran while libkineto stopped the profiler
+        if len(starts) == 0:
+            return ()
     if iteration_window and window_start < starts[0]:
         starts = np.concatenate([[window_start], starts])
     return tuple(Step(f"iteration {k + 1}", float(a), float(b))

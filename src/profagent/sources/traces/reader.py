@@ -44,6 +44,9 @@ CHUNK = 512 * 1024
 RAW_CHUNK = 1024 * 1024  # compressed bytes read at a time
 MAX_BUFFERED = 16 * 1024 * 1024  # traces.max_buffered_bytes: text held at once (an event is a few KB)
 
+WINDOW_END = "Record Window End"  # libkineto's instant event at the end of the traced window
+
+
 class TraceError(SourceError):
     """A trace that cannot be read. ``reason``: truncated, corrupt, not_a_trace, unreadable."""
 
@@ -94,6 +97,7 @@ class XEvent(msgspec.Struct, tag_field="ph", tag="X", gc=False):
 
 class InstantEvent(msgspec.Struct, tag_field="ph", tag="i", gc=False):
     name: str = ""
+    ts: float | None = None
     args: Args | None = None
 
 
@@ -340,6 +344,8 @@ class _Builder:
         a = e.args
         if e.name == "[memory]" and a is not None and a.total_allocated is not None:
             self.trace.memory.append((a.device_type, a.device_id, a.total_allocated))
+        elif e.name == WINDOW_END and e.ts is not None and self.trace.window_end is None:
+            self.trace.window_end = e.ts  # libkineto writes one; a second is not believed over the first
 
     def _metadata(self, e: Event | MetaEvent) -> None:
         if e.name != "process_labels" or e.args is None or not isinstance(e.pid, int):
