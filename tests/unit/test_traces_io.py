@@ -75,6 +75,18 @@ def test_huge_integers_in_args_and_minified_json(tmp_path: Path) -> None:
     assert report.rank is None and report.steps_inferred
 
 
+@pytest.mark.parametrize("ts", ["12", None, True, [12], {"t": 12}, 2**80])
+def test_an_instant_event_with_an_odd_time_neither_fails_the_trace_nor_ends_its_window(tmp_path: Path, ts) -> None:
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 10, "dur": 5},
+        {"ph": "i", "s": "g", "name": "Record Window End", "pid": "", "tid": "", "ts": ts},
+        {"ph": "i", "s": "t", "name": "[memory]", "pid": 1, "tid": 1, "ts": ts, "args": {"Total Allocated": 1}},
+    ]
+    trace = read_trace(_write(tmp_path / "odd.json", json.dumps({"traceEvents": events})))
+    assert len(trace) == 1 and len(trace.memory) == 1
+    assert trace.window_end == (float(ts) if ts == 2**80 else None)
+
+
 def test_base_time_and_missing_metadata(tmp_path: Path) -> None:
     path = _write(tmp_path / "t.json", {"baseTimeNanoseconds": 1700000000000000000,
                                         "traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "a", "ts": 1.5, "dur": 2.25, "pid": 3, "tid": 3}]})

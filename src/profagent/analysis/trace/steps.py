@@ -122,12 +122,11 @@ def _optimizer_steps(c: Classified, iteration_window: bool = False) -> tuple[Ste
     top = names[np.argmax(counts)]
     starts = unique(t.ts[idx[t.name[idx] == top]])  # sorted; a range recorded twice counts once
     window_start = float(t.ts.min())
-    if iteration_window and t.window_end is not None and t.window_end > window_start:
-        starts = starts[starts < t.window_end]  # the rest ran while libkineto stopped the profiler
-        if len(starts) == 0:
-            return ()
-    if iteration_window and window_start < starts[0]:
-        starts = np.concatenate([[window_start], starts])
+    if iteration_window:
+        if t.window_end is not None and t.window_end > window_start:
+            starts = starts[starts < t.window_end]  # the rest ran while libkineto stopped the profiler
+        if len(starts) and window_start < starts[0]:
+            starts = np.concatenate([[window_start], starts])
     return tuple(Step(f"iteration {k + 1}", float(a), float(b))
                  for k, (a, b) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)))
 

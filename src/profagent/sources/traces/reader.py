@@ -19,6 +19,7 @@ Raises ``TraceError`` (with a short bounded ``reason``) and nothing else for bad
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import typing
@@ -97,7 +98,7 @@ class XEvent(msgspec.Struct, tag_field="ph", tag="X", gc=False):
 
 class InstantEvent(msgspec.Struct, tag_field="ph", tag="i", gc=False):
     name: str = ""
-    ts: float | None = None
+    ts: typing.Any = None  # read for one event only: a bad one elsewhere must not fail the trace
     args: Args | None = None
 
 
@@ -344,8 +345,8 @@ class _Builder:
         a = e.args
         if e.name == "[memory]" and a is not None and a.total_allocated is not None:
             self.trace.memory.append((a.device_type, a.device_id, a.total_allocated))
-        elif e.name == WINDOW_END and e.ts is not None and self.trace.window_end is None:
-            self.trace.window_end = e.ts  # libkineto writes one; a second is not believed over the first
+        elif e.name == WINDOW_END and self.trace.window_end is None and _is_time(e.ts):
+            self.trace.window_end = float(e.ts)  # libkineto writes one; a second is not believed over the first
 
     def _metadata(self, e: Event | MetaEvent) -> None:
         if e.name != "process_labels" or e.args is None or not isinstance(e.pid, int):
@@ -376,6 +377,10 @@ class _Builder:
             per_thread = np.array([t.gpu_devices.get(p, p) if isinstance(p, int) else 0 for p, _ in t.threads],
                                   dtype=np.int64)
             t.device[gpu_missing] = per_thread[t.thread[gpu_missing]]
+
+
+def _is_time(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _meta_into(trace: Trace, meta: Meta) -> None:
