@@ -126,6 +126,15 @@ class OndemandConfig:
 
 
 @dataclass
+class TimelineConfig:
+    enabled: bool = _opt(True, "each rank's step time, stages (data wait, backward, optimizer) and collective arrivals from kernel uprobes on its libtorch: no trace, no code change; needs root (CAP_SYS_ADMIN), see docs/timeline.md")
+    window_seconds: float = _opt(60.0, "steps of the last N seconds give the step-time quantiles, steps per second and the arrival straggler")
+    max_libraries: int = _opt(8, "distinct libtorch files probed at once on the node (each venv or container image is one); more are skipped with one log line")
+    ring_pages: int = _opt(64, "pages of each CPU's ring buffer of probe events (a power of 2); events that do not fit are counted as lost")
+    interval: float = _opt(0.0, "seconds between publishing the figures; 0 = the agent interval")
+
+
+@dataclass
 class FindingsConfig:
     enabled: bool = _opt(True, "evaluate findings (hang, straggler, leak...) every agent tick; see docs/diagnosis.md")
     window_seconds: float = _opt(60.0, "stack samples of the last N seconds decide the *_bound, straggler and compile_storm findings")
@@ -190,6 +199,7 @@ SECTIONS: dict[str, type] = {
     "stacks": StacksConfig,
     "traces": TracesConfig,
     "ondemand": OndemandConfig,
+    "timeline": TimelineConfig,
     "watch": WatchConfig,
     "findings": FindingsConfig,
     "incidents": IncidentsConfig,
@@ -205,6 +215,7 @@ class Config:
     stacks: StacksConfig = field(default_factory=StacksConfig)
     traces: TracesConfig = field(default_factory=TracesConfig)
     ondemand: OndemandConfig = field(default_factory=OndemandConfig)
+    timeline: TimelineConfig = field(default_factory=TimelineConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)
     findings: FindingsConfig = field(default_factory=FindingsConfig)
     incidents: IncidentsConfig = field(default_factory=IncidentsConfig)
@@ -382,6 +393,7 @@ def validate(config: Config) -> None:
         raise UserError(f"'max_label_bytes' is {config.agent.max_label_bytes}", "use 32 bytes or more")
     _validate_watch(config.watch)
     _validate_stacks(config.stacks)
+    _validate_timeline(config.timeline)
     _validate_incidents(config.incidents)
     _validate_http(config.http)
 
@@ -429,6 +441,15 @@ def _validate_stacks(st: StacksConfig) -> None:
         raise UserError(f"'stacks.top_k' is {st.top_k}", "use 1 or more")
     if st.max_pyspy < 1:
         raise UserError(f"'stacks.max_pyspy' is {st.max_pyspy}", "use 1 or more (or --no-stacks)")
+
+
+def _validate_timeline(t: TimelineConfig) -> None:
+    if t.ring_pages < 1 or t.ring_pages > 4096 or t.ring_pages & (t.ring_pages - 1):
+        raise UserError(f"'timeline.ring_pages' is {t.ring_pages}", "use a power of 2 from 1 to 4096, e.g. 64")
+    if t.max_libraries < 1:
+        raise UserError("'timeline.max_libraries' must be at least 1", "set it to 1 or more, or timeline.enabled = false")
+    if t.window_seconds < 1:
+        raise UserError(f"'timeline.window_seconds' is {t.window_seconds}s", "use at least 1 s")
 
 
 def _validate_watch(w: WatchConfig) -> None:

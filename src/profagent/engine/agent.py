@@ -42,6 +42,7 @@ from profagent.sources.host import HostSource
 from profagent.sources.ondemand.kineto import TraceOptions
 from profagent.sources.ondemand.source import OndemandSource
 from profagent.sources.stacks.source import StacksSource, stacks_route
+from profagent.sources.timeline.source import TimelineSource
 from profagent.sources.traces.source import traces_source
 from profagent.state import State
 from profagent.system.unixsock import default_control_socket
@@ -77,6 +78,10 @@ def build_sources(config: Config) -> tuple[list[Source], list[Disabled]]:
         sources.append(StacksSource(config.stacks, interval=config.interval_of("stacks")))
     else:
         disabled.append(Disabled("stacks", "stacks.enabled = false (--no-stacks)"))
+    if config.timeline.enabled:
+        sources.append(TimelineSource(config.timeline, interval=config.interval_of("timeline")))
+    else:
+        disabled.append(Disabled("timeline", "timeline.enabled = false (--no-timeline)"))
     if config.ondemand.enabled:
         ondemand = OndemandSource(
             interval=config.interval_of("ondemand"),
