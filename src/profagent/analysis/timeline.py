@@ -80,6 +80,8 @@ class RankTimeline:
                 self.optimizer_steps += 1
                 self._boundary(t)
             stack = self._open.setdefault(tid, [])
+            if kind in (STEP, DATA):  # never inside a backward: one still open there raised
+                stack[:] = [block for block in stack if block[0] != BACKWARD]
             if len(stack) < MAX_OPEN:
                 stack.append((kind, t))
         elif kind == RECORD_EXIT:
