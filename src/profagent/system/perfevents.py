@@ -22,7 +22,7 @@ import platform
 import select
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 _NR_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}.get(platform.machine())
@@ -186,14 +186,18 @@ class TracepointReader:
         out.sort(key=lambda s: s.time_ns)  # rings are per CPU; a thread may move between them
         return out
 
-    def close(self) -> None:
+    def close(self, each: Callable[[int], None] | None = None) -> None:
+        """Close everything; ``each(tracepoint_id)`` is called once an event's fds are
+        closed (its probe is disarmed then, and its definition can go)."""
         for ring in self.rings.values():
             ring.close()
         self.rings = {}
         fds, self.fds = self.fds, {}
-        for group in fds.values():
+        for tracepoint_id, group in fds.items():
             for fd in group:
                 os.close(fd)
+            if each is not None:
+                each(tracepoint_id)
 
 
 def _online_cpus() -> set[int]:

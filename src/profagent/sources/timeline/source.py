@@ -28,6 +28,7 @@ from profagent.config import TimelineConfig
 from profagent.errors import SourceUnavailable
 from profagent.sources.timeline.probes import LIBRARY_NAMES, PROBES, ProbeSpec, probe_offset
 from profagent.system import elfsyms, perfevents, uprobes
+from profagent.system.cputime import CPU
 from profagent.target import ProcessTree
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ class TimelineSource:
         self._reader: perfevents.TracepointReader | None = None
         self._lock = threading.Lock()
         self._events: dict[int, _Event] = {}  # tracepoint id -> what it is
-        self._defined: list[str] = []  # event names in our group
+        self._defined: dict[int, str] = {}  # tracepoint id -> its event name in our group
         self._libraries: dict[tuple[int, int], ProbedLibrary | None] = {}  # (dev, inode) -> placed
         self._ranks: dict[int, _Rank] = {}  # pid -> its running figures
         self._looked: dict[int, float] = {}  # pid -> when its maps were last read without libtorch
@@ -173,23 +174,26 @@ class TimelineSource:
         self._thread = threading.Thread(target=self._read_loop, name="profagent-timeline", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop reading now; the fds are closed and the definitions removed in a daemon
-        thread (the kernel takes about 0.1 s per probe to disarm it)."""
+    def stop(self, budget: float = 1.0) -> None:
+        """Stop reading now, then close the fds and remove our definitions, for at most
+        ``budget`` seconds (the kernel takes 0.1 s or more to disarm each probe); what is
+        left is finished by a daemon thread, or by the kernel at our exit, and a
+        definition left over is removed by the next agent."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(1.0)
-        reader, self._reader = self._reader, None
-        tracefs, group, names = self._tracefs, self._group, list(self._defined)
+        with self._lock:
+            reader, self._reader = self._reader, None
+        tracefs, group, names = self._tracefs, self._group, dict(self._defined)
         if reader is None or tracefs is None:
             return
 
         def release() -> None:
-            reader.close()
-            for name in names:
-                uprobes.remove(tracefs, group, name)
+            reader.close(each=lambda tp: uprobes.remove(tracefs, group, names[tp]) if tp in names else None)
 
-        threading.Thread(target=release, name="profagent-timeline-release", daemon=True).start()
+        releaser = threading.Thread(target=release, name="profagent-timeline-release", daemon=True)
+        releaser.start()
+        releaser.join(budget)
 
     # -- reading ----------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -202,14 +206,15 @@ class TimelineSource:
                 continue
             assert reader is not None
             try:
-                samples = reader.read(0.1, lock=self._lock)
+                with CPU.charge(self.name):  # the wait in poll costs no CPU
+                    samples = reader.read(0.1, lock=self._lock)
             except (OSError, ValueError) as exc:  # a ring closed under us at stop
                 if not self._stop.is_set():
                     log.warning("timeline: reading probe events failed: %s", exc)
                 self._stop.wait(0.1)
                 continue
             if samples:
-                with self._lock:
+                with CPU.charge(self.name), self._lock:
                     self._fold(samples)
 
     def _fold(self, samples: list[perfevents.Sample]) -> None:
@@ -295,7 +300,7 @@ class TimelineSource:
                 uprobes.remove(self._tracefs, self._group, name)
                 refused.append(f"{spec.key}: {exc.strerror or exc}")
                 continue
-            self._defined.append(name)
+            self._defined[tp] = name
             names.append(spec.key)
         log.info("timeline: probing %s (%d probes%s)", path, len(names),
                  f"; not placed: {'; '.join(refused)}" if refused else "")
