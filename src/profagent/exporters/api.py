@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from profagent.sources.timeline.source import RankSteps
 from profagent.state import StateView
 from profagent.target import ROLE_DATALOADER, ROLE_MAIN
 
@@ -140,7 +141,7 @@ def _rank_row(view: StateView, key: RankKey, now: Counters, before: Counters | N
     assert tree is not None
     procs = [p for p in tree.processes if (p.job_id or tree.job_id, p.rank) == key]
     mains = [p for p in procs if p.role == ROLE_MAIN]
-    host, stacks, traces = (view.snapshots.get(n) for n in ("host", "stacks", "traces"))
+    host, stacks, traces, timeline = (view.snapshots.get(n) for n in ("host", "stacks", "traces", "timeline"))
 
     groups = {g.role: g for g in (host.groups if host is not None else ()) if (g.job_id, g.rank) == key}
     main_usage = groups[ROLE_MAIN].usage if ROLE_MAIN in groups else None
@@ -163,6 +164,7 @@ def _rank_row(view: StateView, key: RankKey, now: Counters, before: Counters | N
     if trace is not None and trace.report.step_mean is not None:
         step = {"mean_seconds": trace.report.step_mean, "max_seconds": trace.report.step_max,
                 "steps": len(trace.report.steps), "age_seconds": max(0.0, wall - trace.ingested_at)}
+    steps = next((r for r in (timeline.ranks if timeline is not None else ()) if (r.job_id, r.rank) == key), None)
     return {
         "rank": key[1],
         "local_rank": mains[0].local_rank if mains else "",
@@ -183,6 +185,19 @@ def _rank_row(view: StateView, key: RankKey, now: Counters, before: Counters | N
         "workers_rss_bytes": workers.usage.rss if workers is not None else None,
         "gpu": _gpu_of_rank(view.snapshots.get("gpu"), key),
         "step": step,
+        "timeline": _timeline_of(steps),
+    }
+
+
+def _timeline_of(steps: RankSteps | None) -> dict[str, Any] | None:
+    """The rank's steps from the kernel probes, over the timeline window."""
+    if steps is None:
+        return None
+    return {
+        "optimizer_steps": steps.optimizer_steps, "p50_seconds": steps.p50, "p90_seconds": steps.p90,
+        "max_seconds": steps.max, "steps_per_second": steps.steps_per_second, "micro_batches": steps.micro_batches,
+        "stage_shares": dict(steps.stage_shares), "stage_now": steps.stage_now or None,
+        "idle_seconds": steps.idle_seconds,
     }
 
 

@@ -61,6 +61,7 @@ class RankSteps:
     max: float | None
     steps_per_second: float | None
     micro_batches: float | None  # backwards per step over the window
+    stage_shares: Mapping[str, float]  # share of the window's step time by stage
     stage_now: str  # data_wait, backward, optimizer, or "" (forward, host work)
     idle_seconds: float | None  # since the rank's last probe event
     lag_buckets: tuple[int, ...]  # per tl.LAG_BUCKETS bound
@@ -384,8 +385,16 @@ class TimelineSource:
             tl.quantile(seconds, 0.5) if seconds else None, tl.quantile(seconds, 0.9) if seconds else None,
             max(seconds) if seconds else None, len(recent) / span if span > 0 else None,
             sum(s.backwards for s in recent) / len(recent) if recent else None,
+            _shares(recent),
             t.stage_now, now - t.last_event if t.last_event is not None else None,
             tuple(r.lag_buckets), r.lag_sum, r.lag_count)
+
+
+def _shares(steps: list[tl.Step]) -> dict[str, float]:
+    total = sum(s.seconds for s in steps)
+    if total <= 0:
+        return {}
+    return {stage: sum(s.stages.get(stage, 0.0) for s in steps) / total for stage in tl.STAGES}
 
 
 def _bucket(bounds: tuple[float, ...], value: float) -> int | None:
