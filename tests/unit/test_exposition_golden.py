@@ -205,6 +205,8 @@ def _publish_findings_and_incidents(state) -> None:  # noqa: ANN001 (State, poss
         incidents = importlib.import_module("profagent.engine.incidents")
     except ModuleNotFoundError:
         return  # older layouts had neither
+    if not hasattr(findings, "Finding"):  # the data contracts moved to profagent.contracts
+        findings = importlib.import_module("profagent.contracts")
     state.publish("findings", findings.FindingsSnapshot((
         findings.Finding("straggler", JOB, "1", "warning", "rank 1 is slow", since=NOW - 120),
         findings.Finding("dataloader_bound", JOB, None, "info", "the job waits on data", since=NOW - 60),

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import orjson
 
-from profagent.analysis.findings import FindingsSnapshot
 from profagent.analysis.findings.evaluate import Evaluator, sort_key
 from profagent.config import FindingsConfig
+from profagent.contracts import FindingsSnapshot
 from profagent.state import State
 
 NAME = "findings"

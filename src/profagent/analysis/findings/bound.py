@@ -13,8 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from profagent.analysis.findings import Finding
 from profagent.config import FindingsConfig
+from profagent.contracts import Finding
 
 
 @dataclass(frozen=True)

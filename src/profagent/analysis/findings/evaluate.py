@@ -9,13 +9,13 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from profagent.analysis.findings import SEVERITIES, Finding, FindingsSnapshot
 from profagent.analysis.findings.bound import RankShares, bound, straggler, warmed_up
 from profagent.analysis.findings.gpu import gpu_errors, gpu_idle, gpu_throttled
 from profagent.analysis.findings.hang import hang
 from profagent.analysis.findings.history import CountsWindow, MemorySeries
 from profagent.analysis.findings.leak import MemoryInput, memory_leak
 from profagent.config import FindingsConfig
+from profagent.contracts import SEVERITIES, Finding, FindingsSnapshot
 
 MAIN, DATALOADER = "main", "dataloader"
 

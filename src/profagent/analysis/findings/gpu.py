@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from profagent.analysis.findings import Finding
 from profagent.config import FindingsConfig
+from profagent.contracts import Finding
 
 THERMAL_OR_HW = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
 POWER = ("sw_power_cap",)

@@ -16,8 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from profagent.analysis.collectives import CollectiveWait, collective_wait, python_frames
-from profagent.analysis.findings import Finding
-from profagent.analysis.stacks import Frame
+from profagent.contracts import Finding, Frame
 
 STACK_EVIDENCE_FRAMES = 12  # innermost frames kept per rank in the evidence
 

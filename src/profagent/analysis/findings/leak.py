@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from profagent.analysis.findings import Finding
 from profagent.analysis.findings.history import MemorySeries
 from profagent.config import FindingsConfig
+from profagent.contracts import Finding
 
 MIN_R2 = 0.8  # the readings must lie close to a line: a sawtooth (allocator caching) is no leak
 
