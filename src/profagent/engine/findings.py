@@ -29,9 +29,7 @@ class FindingsEngine:
 
     def tick(self) -> FindingsSnapshot:
         began = self._clock()
-        view = self.state.view()
-        snapshots = {k: v for k, v in view.snapshots.items() if k != NAME}
-        snapshot = self.evaluator.evaluate(snapshots, self._wall())
+        snapshot = self.evaluator.evaluate(self.state.view(), self._wall())
         self.state.publish(NAME, snapshot, self._clock() - began)
         return snapshot
 
