@@ -16,7 +16,7 @@ from typing import Any
 from profagent.labels import shorten
 
 # -- target: where a process runs, the process tree ----------------------------------------
-LABELS = ("namespace", "pod", "container", "slurm_job_name", "slurm_step", "slurm_task", "slurm_node", "user")
+PLACEMENT_LABELS = ("namespace", "pod", "container", "slurm_job_name", "slurm_step", "slurm_task", "slurm_node", "user")
 
 
 @dataclass(frozen=True)
@@ -31,19 +31,17 @@ class Placement:
     user: str = ""
 
     def labels(self) -> tuple[str, ...]:
-        """Values in the order of ``LABELS``."""
-        return tuple(getattr(self, name) for name in LABELS)
+        """Values in the order of ``PLACEMENT_LABELS``."""
+        return tuple(getattr(self, name) for name in PLACEMENT_LABELS)
 
 
 NOWHERE = Placement()
 
 
+# Roles: ``main`` (a rank process), ``dataloader`` (any descendant of a rank, attributed
+# to it), ``launcher`` (above the ranks, rank "").
 ROLE_MAIN = "main"
-
-
 ROLE_DATALOADER = "dataloader"
-
-
 ROLE_LAUNCHER = "launcher"
 
 

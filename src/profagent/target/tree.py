@@ -1,7 +1,7 @@
-"""The process tree model: what one refresh of a target yields.
+"""Where a process's rank and job come from (torch's and Slurm's variables).
 
-Roles: ``main`` (a rank process), ``dataloader`` (any descendant of a rank, attributed
-to it), ``launcher`` (above the ranks, rank "").
+The tree itself (``ProcessTree``, ``ProcessInfo``, the roles) is a data contract:
+``profagent.contracts``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,3 @@ def rank_from_env(env: dict[str, str]) -> tuple[str, str, str] | None:
         if rank in env:
             return env[rank], env.get(local, ""), env.get(world, "")
     return None
-
-
-

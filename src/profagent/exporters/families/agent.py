@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from profagent import __version__
-from profagent.contracts import LABELS as PLACEMENT_LABELS
-from profagent.contracts import StateView
+from profagent.contracts import PLACEMENT_LABELS, StateView
 from profagent.exporters.families import Families
 
 JOB = ("job_id",)
