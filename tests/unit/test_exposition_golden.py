@@ -66,7 +66,7 @@ def _module(name: str) -> ModuleType:
 
 
 def _timeline_snapshot():  # -> TimelineSnapshot (absent before #38)
-    timeline = importlib.import_module("profagent.sources.timeline.source")
+    timeline = importlib.import_module("profagent.contracts")
     stages = {"data_wait": 1.5, "backward": 4.0, "optimizer": 1.0, "other": 3.5}
     buckets = tuple(10 if i == 6 else 0 for i in range(15))
     lags = tuple(18 if i == 3 else 2 if i == 8 else 0 for i in range(15))
@@ -218,6 +218,8 @@ def _publish_findings_and_incidents(state) -> None:  # noqa: ANN001 (State, poss
         incidents = importlib.import_module("profagent.engine.incidents")
     except ModuleNotFoundError:
         return  # older layouts had neither
+    if not hasattr(findings, "Finding"):  # the data contracts moved to profagent.contracts
+        findings = importlib.import_module("profagent.contracts")
     state.publish("findings", findings.FindingsSnapshot((
         findings.Finding("straggler", JOB, "1", "warning", "rank 1 is slow", since=NOW - 120),
         findings.Finding("dataloader_bound", JOB, None, "info", "the job waits on data", since=NOW - 60),

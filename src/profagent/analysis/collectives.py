@@ -18,7 +18,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from profagent.analysis.stacks import Frame, Sample, parse_frame
+from profagent.analysis.stacks import Sample, parse_frame
+from profagent.contracts import Frame
 
 PYTHON_FILES = ("torch/distributed/",)  # collectives, c10d_logger, FSDP/FSDP2 hooks, DTensor
 

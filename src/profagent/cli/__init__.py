@@ -443,7 +443,7 @@ def main() -> None:
         from rich.console import Console  # only on the error path: start-up stays lean
         from rich.markup import escape
 
-        from profagent.analysis.labels import printable  # a path or a name in the message is data
+        from profagent.labels import printable  # a path or a name in the message is data
 
         Console(stderr=True).print(f"[red]error[/red]: {escape(printable(text))}", highlight=False, soft_wrap=True)
 

@@ -32,10 +32,10 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from profagent.analysis.labels import printable, printable_data
 from profagent.analysis.stacks import CATEGORIES, parse_folded
 from profagent.cli.urls import parse_agent_url
 from profagent.errors import UserError
+from profagent.labels import printable, printable_data
 
 # One letter per stack category, so the bar reads without colour too (plain output).
 CATEGORY_KEYS = {

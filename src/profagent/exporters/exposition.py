@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector,
 from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder
 
+from profagent.contracts import StateView
 from profagent.exporters.families import (
     Families,
     agent,
@@ -28,7 +29,6 @@ from profagent.exporters.families import (
 )
 from profagent.exporters.families import findings as findings_families
 from profagent.exporters.families import traces as traces_families
-from profagent.state import StateView
 from profagent.system.cputime import CPU, CpuAccount
 
 Renderer = Callable[[Any, Families], None]

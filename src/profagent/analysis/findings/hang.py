@@ -16,8 +16,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from profagent.analysis.collectives import CollectiveWait, collective_wait, python_frames
-from profagent.analysis.findings import Finding
-from profagent.analysis.stacks import Frame
+from profagent.analysis.findings.inputs import AnalysisInputs
+from profagent.contracts import Finding, Frame, RankStall
 
 STACK_EVIDENCE_FRAMES = 12  # innermost frames kept per rank in the evidence
 
@@ -48,12 +48,12 @@ def _in(w: CollectiveWait | None) -> str:
     return w.describe() + (f" called at {w.called_at}" if w.called_at is not None else "")
 
 
-def _here(s: Any) -> Frame | None:
+def _here(s: RankStall) -> Frame | None:
     python = python_frames(s.frames)
     return python[-1] if python else (s.frames[-1] if s.frames else None)
 
 
-def _native_may_change_its_role(s: Any, wait: CollectiveWait | None, settled: bool) -> bool:
+def _native_may_change_its_role(s: RankStall, wait: CollectiveWait | None, settled: bool) -> bool:
     """Wait for native frames on their way that may change a rank's role: a stalled rank's
     first ones (a collective in C++, DDP's reducer, makes it a victim); before the first
     verdict (``settled`` False), those of any rank not stalled: while py-spy reads a native
@@ -67,7 +67,7 @@ def _native_may_change_its_role(s: Any, wait: CollectiveWait | None, settled: bo
     return not settled
 
 
-def hang(stalls: Iterable[Any], job_id: str, settled: bool = False) -> list[Finding]:
+def hang(stalls: Iterable[RankStall], job_id: str, settled: bool = False) -> list[Finding]:
     """The job's ``hang`` finding (at most one) from its ranks' ``RankStall``. ``settled``:
     the job had one at the last evaluation (it is not held back again for native frames)."""
     rows = sorted((s for s in stalls if s.job_id == job_id and s.frames), key=lambda s: (len(s.rank), s.rank))
@@ -133,3 +133,12 @@ def hang(stalls: Iterable[Any], job_id: str, settled: bool = False) -> list[Find
     return finding(None, "collective_mismatch",
                    f"collective mismatch for {seconds:.0f} s: the ranks wait in different collectives, "
                    f"a collective skipped or reordered on some ranks: {per_rank}")
+
+
+def analyze(inputs: AnalysisInputs) -> list[Finding]:
+    """The first phase: a hang per job with stalled ranks. A job with a hang at the last
+    evaluation is ``settled`` (its verdict stays put while the stacks stand still)."""
+    out: list[Finding] = []
+    for job in sorted({s.job_id for s in inputs.stalls}):
+        out += hang(inputs.stalls, job, settled=job in inputs.was_hung)
+    return out

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from profagent.analysis.timeline import LAG_BUCKETS, STAGES, STEP_BUCKETS
+from profagent.contracts import TimelineSnapshot
 from profagent.exporters.families import Families
-from profagent.sources.timeline.source import TimelineSnapshot
 
 RANK = ("job_id", "rank")
 

@@ -19,17 +19,23 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from profagent.analysis import timeline as tl
 from profagent.config import TimelineConfig
+from profagent.contracts import (
+    ArrivalStraggler,
+    ProbedLibrary,
+    ProcessTree,
+    RankSteps,
+    TimelineSnapshot,
+)
 from profagent.errors import SourceUnavailable
 from profagent.sources.timeline.probes import LIBRARY_NAMES, PROBES, ProbeSpec, probe_offset
 from profagent.system import elfsyms, perfevents, uprobes
 from profagent.system.cputime import CPU
-from profagent.target import ProcessTree
 
 log = logging.getLogger(__name__)
 
@@ -39,65 +45,6 @@ RECHECK_AFTER = 5.0  # seconds before a rank without libtorch is looked at again
 ARRIVALS_KEPT = 4096  # matched collectives kept per job for the straggler window
 _COMMON = struct.Struct("<H")
 _HEAD = struct.Struct("<8s8s")
-
-
-@dataclass(frozen=True)
-class RankSteps:
-    """One rank's step figures. Totals are counters over the process's life."""
-
-    job_id: str
-    rank: str
-    pid: int
-    optimizer_steps: int
-    steps_total: int
-    step_seconds_sum: float
-    step_buckets: tuple[int, ...]  # per tl.STEP_BUCKETS bound, not cumulative
-    stage_seconds: Mapping[str, float]
-    backwards_total: int
-    collectives_total: int
-    window_steps: int  # steps that ended within the window
-    p50: float | None
-    p90: float | None
-    max: float | None
-    steps_per_second: float | None
-    micro_batches: float | None  # backwards per step over the window
-    stage_shares: Mapping[str, float]  # share of the window's step time by stage
-    stage_now: str  # data_wait, backward, optimizer, or "" (forward, host work)
-    idle_seconds: float | None  # since the rank's last probe event
-    lag_buckets: tuple[int, ...]  # per tl.LAG_BUCKETS bound
-    lag_seconds_sum: float
-    lag_count: int
-
-
-@dataclass(frozen=True)
-class ArrivalStraggler:
-    """The rank of a job that arrived last at most of its recent collectives."""
-
-    job_id: str
-    rank: str
-    last_share: float  # of the window's collectives at which it was last
-    median_lag: float  # seconds behind the first rank, at the median
-    step_seconds: float  # the job's median step time over the window
-    collectives: int
-
-
-@dataclass(frozen=True)
-class ProbedLibrary:
-    path: str  # as the process mapped it (bounded)
-    build_id: str
-    probes: tuple[str, ...]  # events placed
-    refused: tuple[str, ...]  # "key: why" for probes not placed
-
-
-@dataclass(frozen=True)
-class TimelineSnapshot:
-    ranks: tuple[RankSteps, ...] = ()
-    stragglers: tuple[ArrivalStraggler, ...] = ()
-    libraries: tuple[ProbedLibrary, ...] = ()
-    events_total: int = 0
-    events_lost: int = 0
-    events_foreign: int = 0  # from processes that are not ranks we observe
-    window_seconds: float = 0.0
 
 
 @dataclass
