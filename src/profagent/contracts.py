@@ -454,6 +454,7 @@ class RankSteps:
     stage_shares: Mapping[str, float]  # share of the window's step time by stage
     stage_now: str  # data_wait, backward, optimizer, or "" (forward, host work)
     idle_seconds: float | None  # since the rank's last probe event
+    since_step_seconds: float | None  # since its last optimizer step (None before the first)
     lag_buckets: tuple[int, ...]  # per tl.LAG_BUCKETS bound
     lag_seconds_sum: float
     lag_count: int

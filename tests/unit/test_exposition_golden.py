@@ -72,7 +72,7 @@ def _timeline_snapshot():  # -> TimelineSnapshot (absent before #38)
     lags = tuple(18 if i == 3 else 2 if i == 8 else 0 for i in range(15))
     ranks = tuple(
         timeline.RankSteps(JOB, rank, pid, 11, 10, 1.0, buckets, stages, 40, 120, 10, 0.1, 0.11, 0.12, 9.5, 4.0,
-                           {k: v / 10 for k, v in stages.items()}, "backward", 0.01, lags, 0.125, 20)
+                           {k: v / 10 for k, v in stages.items()}, "backward", 0.01, 0.05, lags, 0.125, 20)
         for rank, pid in (("0", 100), ("1", 200)))
     library = timeline.ProbedLibrary("/venv/lib/libtorch_cpu.so", "b7066ed94f422786", ("rf_enter", "bwd"), ())
     return timeline.TimelineSnapshot(ranks, (), (library,), 1000, 0, 12, 60.0)

@@ -66,6 +66,7 @@ class RankTimeline:
     collectives_total: int = 0
     recent: deque[Step] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     last_event: float | None = None
+    last_step: float | None = None  # when Optimizer.step was last called
     stage_now: str = ""  # the stage of the innermost open block ("" outside any)
     _open: dict[int, list[tuple[str, float]]] = field(default_factory=dict)  # tid -> open blocks
     _step_start: float | None = None
@@ -78,6 +79,7 @@ class RankTimeline:
         if kind in (STEP, ZERO_GRAD, DATA, RECORD):
             if kind == STEP:
                 self.optimizer_steps += 1
+                self.last_step = t
                 self._boundary(t)
             stack = self._open.setdefault(tid, [])
             if kind in (STEP, DATA):  # never inside a backward: one still open there raised

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 KINDS = (
     "hang",
+    "stall",
     "straggler",
     "dataloader_bound",
     "host_sync_bound",

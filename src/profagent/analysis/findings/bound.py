@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from profagent.analysis.findings.inputs import AnalysisInputs, RankShares
+from profagent.analysis.findings.steps import probed_jobs
 from profagent.config import FindingsConfig
 from profagent.contracts import Finding, RankTrace
 
@@ -178,5 +179,8 @@ def analyze_bound(inputs: AnalysisInputs) -> list[Finding]:
 
 
 def analyze_straggler(inputs: AnalysisInputs) -> list[Finding]:
-    """No straggler in a job that hangs or may be hanging: its stalled rank waits least."""
-    return straggler(inputs.shares, inputs.rank_traces, inputs.config, inputs.hung | inputs.suspected)
+    """No straggler in a job that hangs or may be hanging: its stalled rank waits least.
+    A job whose collectives the kernel probes match gets its straggler from arrivals
+    (steps.py) instead: wait shares from sampled stacks name healthy ranks under load."""
+    quiet = inputs.hung | inputs.suspected | probed_jobs(inputs)
+    return straggler(inputs.shares, inputs.rank_traces, inputs.config, quiet)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from profagent.analysis.findings import bound, gpu, hang, leak
+from profagent.analysis.findings import bound, gpu, hang, leak, steps
 from profagent.analysis.findings.bound import warmed_up
 from profagent.analysis.findings.history import CountsWindow, MemorySeries
 from profagent.analysis.findings.inputs import AnalysisInputs, MemoryInput, RankShares
@@ -32,6 +32,9 @@ Analyzer = Callable[[AnalysisInputs], list[Finding]]
 # and one line below.
 HANG: Analyzer = hang.analyze
 ANALYZERS: tuple[Analyzer, ...] = (
+    steps.analyze_arrival_straggler,  # before the stack-based kinds: one finding per kind and rank, the first kept
+    steps.analyze_data_wait,
+    steps.analyze_stall,
     bound.analyze_straggler,
     bound.analyze_bound,
     leak.analyze,
@@ -175,7 +178,7 @@ class Evaluator:
         stalls = tuple(_stall_with_job(s, stacks.job_id) for s in stacks.stalls) if stacks is not None else ()
         errors = {index: w.delta() for (index, _), w in self._errors.items()} if gpu is not None else {}
         return AnalysisInputs(
-            config=self.config, now=now, host=view.host, gpu=gpu, stacks=stacks, traces=traces,
+            config=self.config, now=now, host=view.host, gpu=gpu, stacks=stacks, traces=traces, timeline=view.timeline,
             shares=tuple(self._rank_shares(now)), rank_traces=rank_traces, stalls=stalls,
             memory=tuple(self._memory_inputs(view)), gpu_errors=errors, was_hung=self._hung,
             suspected=frozenset(s.job_id for s in stalls if s.suspected or s.stalled))

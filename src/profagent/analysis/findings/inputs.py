@@ -16,6 +16,7 @@ from profagent.contracts import (
     RankStall,
     RankTrace,
     StacksSnapshot,
+    TimelineSnapshot,
     TracesSnapshot,
 )
 
@@ -83,6 +84,7 @@ class AnalysisInputs:
     gpu: GpuSnapshot | None = None
     stacks: StacksSnapshot | None = None
     traces: TracesSnapshot | None = None
+    timeline: TimelineSnapshot | None = None
     shares: tuple[RankShares, ...] = ()  # each rank's main-thread samples over the window
     rank_traces: tuple[RankTrace, ...] = ()  # the last trace of each rank
     stalls: tuple[RankStall, ...] = ()  # each rank's main thread: stalled, suspected, where

@@ -334,6 +334,7 @@ class TimelineSource:
             sum(s.backwards for s in recent) / len(recent) if recent else None,
             _shares(recent),
             t.stage_now, now - t.last_event if t.last_event is not None else None,
+            now - t.last_step if t.last_step is not None else None,
             tuple(r.lag_buckets), r.lag_sum, r.lag_count)
 
 
