@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from helpers.agent import free_port, http_get, parse_metrics
 from helpers.paths import ROOT
 from helpers.processes import kill_tree, wait_for
 from profagent.analysis.timeline import quantile
+from profagent.config import FindingsConfig
 
 WORKLOAD = ROOT / "tests" / "workloads" / "timeline_job.py"
 STAGES = ("data_wait", "backward", "optimizer")
@@ -63,24 +65,30 @@ def value(m: dict, name: str, **labels: str) -> float | None:
     return None
 
 
-def run(tmp_path: Path, run_agent, ranks: int, *args: str) -> tuple[Job, dict]:
-    """Start the job and an agent on it; start the steps once every rank is probed; return
-    the job and the agent's last metrics once the job has logged its truth."""
-    job = Job(tmp_path, ranks, *args)
+def attach(run_agent, job: Job) -> str:
+    """An agent on the job, once every rank is probed (the job waits for its go file)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     agent = run_agent(["attach", "--pid", str(job.proc.pid), "--listen", f"127.0.0.1:{port}", "--no-stacks",
                        "--gpu-backend", "off", "--interval", "0.5"], env={"PROFAGENT_ONDEMAND_ENABLED": "false"})
+    agent.wait_healthy(url, timeout=60)
+
+    def probed() -> bool:
+        m = metrics(url)
+        placed = [v for _, v in m.get("profagent_timeline_probes", [])]
+        seen = {labels["rank"] for labels, _ in m.get("profagent_optimizer_steps_total", [])}
+        return bool(placed) and max(placed) >= 4 and seen == {str(r) for r in range(job.ranks)}
+
+    wait_for(probed, 120, interval=0.5, what="probes on every rank")
+    return url
+
+
+def run(tmp_path: Path, run_agent, ranks: int, *args: str) -> tuple[Job, dict]:
+    """Start the job and an agent on it; start the steps once every rank is probed; return
+    the job and the agent's last metrics once the job has logged its truth."""
+    job = Job(tmp_path, ranks, *args)
     try:
-        agent.wait_healthy(url, timeout=60)
-
-        def probed() -> bool:
-            m = metrics(url)
-            placed = [v for _, v in m.get("profagent_timeline_probes", [])]
-            seen = {labels["rank"] for labels, _ in m.get("profagent_optimizer_steps_total", [])}
-            return bool(placed) and max(placed) >= 4 and seen == {str(r) for r in range(ranks)}
-
-        wait_for(probed, 120, interval=0.5, what="probes on every rank")
+        url = attach(run_agent, job)
         job.start_file.write_text("go")
         wait_for(job.done, 180, interval=0.5, what="the job's steps")
         truths = [job.truth(r) for r in range(ranks)]
@@ -170,5 +178,50 @@ def test_a_backward_that_raises_leaves_the_job_running(tmp_path: Path, run_agent
         truth = job.truth(0)
         assert truth["raised"] == 40
         check_rank(m, truth, 0)
+    finally:
+        job.stop()
+
+
+def findings(url: str) -> dict:
+    return json.loads(http_get(url + "/api/findings"))
+
+
+def test_a_rank_slower_by_half_is_named_the_straggler_from_its_arrivals(tmp_path: Path, run_agent) -> None:
+    job = Job(tmp_path, 2, "--slow-rank", "1", "--slow-factor", "1.5", "--seconds", "90", "--workers", "0")
+    try:
+        url = attach(run_agent, job)
+        began = time.monotonic()
+        job.start_file.write_text("go")
+
+        def named() -> dict | None:
+            return next((f for f in findings(url)["findings"]
+                         if f["finding"] == "straggler" and f["evidence"].get("signal") == "arrivals"), None)
+
+        found = wait_for(named, 60, interval=1.0, what="a straggler named from arrivals")
+        assert time.monotonic() - began < 60
+        assert found["rank"] == "1", found
+        assert found["evidence"]["last_share"] >= FindingsConfig().arrival_last_share
+    finally:
+        job.stop()
+
+
+def test_a_healthy_job_gets_no_straggler_nor_any_other_finding(tmp_path: Path, run_agent) -> None:
+    """Every evaluation of a minute of a healthy 2-rank DDP job with DataLoader workers is
+    read (the evaluation counter proves the agent looked), and none holds a finding."""
+    job = Job(tmp_path, 2, "--seconds", "60", "--workers", "2")
+    try:
+        url = attach(run_agent, job)
+        job.start_file.write_text("go")
+        seen: set[int] = set()
+        deadline = time.monotonic() + 150  # a minute of steps, plus start-up and teardown on a loaded node
+        while not job.done() and time.monotonic() < deadline:
+            answer = findings(url)
+            seen.add(answer["evaluations"])
+            assert answer["findings"] == [], [(f["summary"], f["evidence"]) for f in answer["findings"]]
+            time.sleep(0.5)
+        assert job.done(), "the job did not finish its minute"
+        assert len(seen) >= 60  # one evaluation a tick (0.5 s): two minutes' worth of looks at most, one at least
+        m = metrics(url)
+        assert all(v > 0 for _, v in m["profagent_collective_arrival_lag_seconds_count"])
     finally:
         job.stop()

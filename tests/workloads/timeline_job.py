@@ -3,7 +3,7 @@ timeline tests. Run alone (one process) or under torchrun (DDP over gloo, CPU).
 
 usage: [torchrun --nproc-per-node N] timeline_job.py --truth-dir DIR --go-file FILE
        [--steps N] [--accum K] [--workers W] [--slow-loader-rank R] [--slow-rank R]
-       [--slow-factor F] [--raise-in-backward]
+       [--slow-factor F] [--raise-in-backward] [--seconds S]
 
 It waits for FILE before its first step, so an agent can place its probes first. Then it
 writes DIR/rankR.json: the monotonic time of every optimizer.step() call and, per step,
@@ -25,6 +25,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--truth-dir", required=True)
 parser.add_argument("--go-file", required=True)
 parser.add_argument("--steps", type=int, default=150)
+parser.add_argument("--seconds", type=float, default=0.0, help="run this long instead of --steps")
 parser.add_argument("--accum", type=int, default=1)
 parser.add_argument("--workers", type=int, default=1)
 parser.add_argument("--slow-loader-rank", type=int, default=-1)
@@ -59,7 +60,19 @@ class Failing(torch.autograd.Function):
 
 def model() -> torch.nn.Module:
     return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(16 * 16 * 16, 10))
+        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(32 * 16 * 16, 10))
+
+
+def finished(step: int, until: float, distributed: bool) -> bool:
+    """--steps, or --seconds: then every rank stops at the same step (the first rank past
+    the time decides, through an all_reduce of the flags, as time-boxed jobs do)."""
+    if not args.seconds:
+        return step >= args.steps
+    done = torch.tensor([1.0 if time.monotonic() >= until else 0.0])
+    if distributed:
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+    return bool(done.item())
 
 
 def main() -> None:
@@ -82,7 +95,10 @@ def main() -> None:
     calls: list[float] = []
     stages: list[dict[str, float]] = []
     raised = 0
-    for _ in range(args.steps):
+    until = time.monotonic() + args.seconds
+    step = 0
+    while not finished(step, until, distributed):
+        step += 1
         data = backward = 0.0
         for _ in range(args.accum):
             t0 = time.monotonic()
