@@ -3,7 +3,7 @@
 Starts examples/train.py as a torchrun-like launcher (2 ranks, DataLoader workers,
 profiler traces into a temporary folder), attaches `profagent attach` to the launcher,
 prints the metrics URL, takes one on-demand trace of rank 0 once it polls the Kineto
-endpoint, runs `profagent diagnose`, captures one incident bundle on request and diffs rank 1's
+endpoint, prints every rank's step time and stages from the kernel probes, runs `profagent diagnose`, captures one incident bundle on request and diffs rank 1's
 first trace against its latest (`profagent diff`), then shows `profagent top --url` against the agent: full screen when stdout is
 a terminal (q or Ctrl-C stops the demo), else a `profagent top --once` snapshot every
 --every seconds plus the list of capabilities seen on /metrics. Everything it started is
@@ -50,6 +50,7 @@ CAPABILITIES = [
     ("stall detection", "profagent_rank_stalled"),
     ("watched profiler traces", "profagent_traces_total"),
     ("step time from traces", "profagent_trace_step_seconds"),
+    ("step time and stages from kernel probes, no trace", "profagent_step_stage_seconds_total"),
     ("on-demand tracing (Kineto endpoint)", "profagent_ondemand_processes"),
     ("incidents", "profagent_incidents_total"),
 ]
@@ -169,6 +170,35 @@ def on_demand_trace(launcher: int, config: Path) -> None:
         subprocess.run(cmd, timeout=60, check=False, env=child_env())
     except subprocess.TimeoutExpired:
         print("demo: the on-demand trace did not finish in time", flush=True)
+
+
+def probed_ranks(base: str) -> list[dict]:
+    try:
+        ranks = [r for job in json.loads(scrape(f"{base}/api/ranks")).get("jobs", []) for r in job.get("ranks", [])]
+    except ValueError:
+        return []
+    probed = [r for r in ranks if (r.get("timeline") or {}).get("p50_seconds") is not None]
+    return probed if probed and len(probed) == len(ranks) else []
+
+
+def print_probed_steps(base: str, stop: list[bool], timeout: float = 60.0) -> None:
+    """Each rank's steps from the kernel probes (rank 0 writes no trace of its own), once
+    every rank has a few probed steps."""
+    deadline = time.monotonic() + timeout
+    probed = probed_ranks(base)
+    while not probed and not stop[0] and time.monotonic() < deadline:
+        time.sleep(1)
+        probed = probed_ranks(base)
+    if not probed:
+        print("demo: no steps from the kernel probes yet (the timeline source needs root; see docs/timeline.md)",
+              flush=True)
+        return
+    print("\ndemo: every rank's steps from kernel probes on libtorch (no trace, no code change):", flush=True)
+    for r in probed:
+        t = r["timeline"]
+        stages = ", ".join(f"{k} {v:.0%}" for k, v in sorted(t["stage_shares"].items(), key=lambda kv: -kv[1]))
+        print(f"  rank {r['rank']}: p50 {t['p50_seconds'] * 1e3:.1f} ms, p90 {t['p90_seconds'] * 1e3:.1f} ms, "
+              f"{t['steps_per_second']:.1f} steps/s; {stages}", flush=True)
 
 
 def diagnose_and_capture(base: str, config: Path) -> None:
@@ -303,6 +333,8 @@ def run(args: argparse.Namespace, agent: subprocess.Popen, work: Path, base: str
             print("demo: rank 0 did not poll the Kineto endpoint in time: no on-demand trace", flush=True)
         watching = True
         remember(seen, base)
+        if not stop[0]:
+            print_probed_steps(base, stop)
         if not stop[0]:
             diagnose_and_capture(base, config)
             remember(seen, base)

@@ -470,6 +470,7 @@ class ArrivalStraggler:
     median_lag: float  # seconds behind the first rank, at the median
     step_seconds: float  # the job's median step time over the window
     collectives: int
+    span_seconds: float = 0.0  # from the window's first matched collective to its last
 
 
 @dataclass(frozen=True)

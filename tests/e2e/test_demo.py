@@ -28,6 +28,7 @@ FAMILIES = (
     "profagent_rank_stalled",
     "profagent_traces_total",            # the watched folder
     "profagent_trace_step_seconds",
+    "profagent_step_stage_seconds_total",  # kernel probes: every rank, no trace
     "profagent_ondemand_processes",      # rank 0 polls the Kineto endpoint
     "profagent_incidents_total",
 )

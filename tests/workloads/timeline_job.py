@@ -105,13 +105,13 @@ def main() -> None:
             x, y = next(batches)
             t1 = time.monotonic()
             loss = torch.nn.functional.cross_entropy(net(x), y) / args.accum
-            if args.slow_rank == RANK:  # more work on this rank: a straggler
-                extra = time.monotonic() + (args.slow_factor - 1.0) * 0.01
-                while time.monotonic() < extra:
-                    pass
             t2 = time.monotonic()
             loss.backward()
             t3 = time.monotonic()
+            if args.slow_rank == RANK:  # a straggler: its compute takes slow_factor times as long
+                extra = time.monotonic() + (args.slow_factor - 1.0) * (t3 - t1)
+                while time.monotonic() < extra:
+                    pass
             data += t1 - t0
             backward += t3 - t2
         if args.raise_in_backward:

@@ -32,7 +32,8 @@ def analyze_arrival_straggler(inputs: AnalysisInputs) -> list[Finding]:
     out = []
     quiet = inputs.hung | inputs.suspected | _stopped_jobs(t.ranks, cfg.stall_warning_seconds)
     for s in t.stragglers:
-        if s.job_id in quiet or s.collectives < cfg.arrival_min_collectives or s.step_seconds <= 0:
+        if s.job_id in quiet or s.collectives < cfg.arrival_min_collectives or s.step_seconds <= 0 \
+                or s.span_seconds < cfg.arrival_min_seconds:
             continue
         lag_share = s.median_lag / s.step_seconds
         if s.last_share >= cfg.arrival_last_share and lag_share >= cfg.arrival_lag_share:
@@ -43,6 +44,7 @@ def analyze_arrival_straggler(inputs: AnalysisInputs) -> list[Finding]:
                 f"({lag_share:.0%} of a {s.step_seconds * 1e3:.0f} ms step); the others wait for it",
                 {"signal": "arrivals", "last_share": round(s.last_share, 3), "median_lag_seconds": s.median_lag,
                  "step_seconds": s.step_seconds, "lag_share": round(lag_share, 3), "collectives": s.collectives,
+                 "span_seconds": round(s.span_seconds, 1),
                  "threshold_last_share": cfg.arrival_last_share, "threshold_lag_share": cfg.arrival_lag_share}))
     return out
 
