@@ -225,3 +225,46 @@ def test_a_healthy_job_gets_no_straggler_nor_any_other_finding(tmp_path: Path, r
         assert all(v > 0 for _, v in m["profagent_collective_arrival_lag_seconds_count"])
     finally:
         job.stop()
+
+
+def test_a_save_warns_then_clears_and_a_stuck_rank_is_named_four_times_sooner_than_a_hang(tmp_path: Path,
+                                                                                          run_agent) -> None:
+    """Rank 0 saves a checkpoint for 40 s while rank 1 waits at the barrier: at most a
+    `stall` warning naming the save's line, gone once steps resume, never a `hang`. Then
+    rank 1 stops for good in its forward: a `stall` naming rank 1 and its line within
+    30 s + a few ticks, where the stack-based `hang` takes 120 s."""
+    cfg = FindingsConfig()
+    job = Job(tmp_path, 2, "--steps", "100000", "--workers", "0", "--save-at-step", "60", "--save-seconds", "40",
+              "--hang-at-step", "400")
+    try:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        agent = run_agent(["attach", "--pid", str(job.proc.pid), "--listen", f"127.0.0.1:{port}", "--gpu-backend",
+                           "off", "--interval", "0.5"], env={"PROFAGENT_ONDEMAND_ENABLED": "false"})
+        agent.wait_healthy(url, timeout=60)
+        wait_for(lambda: len({lab["rank"] for lab, _ in metrics(url).get("profagent_optimizer_steps_total", [])}) == 2
+                 and probes_placed(url), 120, interval=0.5, what="probes on both ranks")
+        job.start_file.write_text("go")
+
+        def stall() -> dict | None:
+            return next((f for f in findings(url)["findings"] if f["finding"] == "stall"), None)
+
+        saving = wait_for(lambda: (job.dir / "saving").exists(), 120, interval=0.2, what="the save")
+        assert saving
+        during = wait_for(stall, cfg.stall_warning_seconds + 20, interval=0.5, what="a stall warning during the save")
+        assert during["rank"] == "0" and "save_checkpoint (timeline_job.py:" in during["summary"], during["summary"]
+        wait_for(lambda: (job.dir / "saved1").exists(), 60, interval=0.2, what="the save's end")
+        wait_for(lambda: stall() is None, 20, interval=0.5, what="the warning to clear once steps resume")
+        hanging = wait_for(lambda: (job.dir / "hanging").exists() and float((job.dir / "hanging").read_text()), 300,
+                           interval=0.2, what="rank 1 to stop")
+        found = wait_for(stall, cfg.stall_warning_seconds + 20, interval=0.5, what="a stall naming the stuck rank")
+        named_after = time.monotonic() - hanging
+        assert found["rank"] == "1" and "stuck_in_forward (timeline_job.py:" in found["summary"], found["summary"]
+        assert named_after <= 120 / 4 + 10, named_after  # the hang would come at 120 s
+        assert not any(f["finding"] == "hang" for f in findings(url)["findings"])
+    finally:
+        job.stop()
+
+
+def probes_placed(url: str) -> bool:
+    return any(v >= 4 for _, v in metrics(url).get("profagent_timeline_probes", []))

@@ -32,6 +32,9 @@ parser.add_argument("--slow-loader-rank", type=int, default=-1)
 parser.add_argument("--slow-rank", type=int, default=-1)
 parser.add_argument("--slow-factor", type=float, default=1.5)
 parser.add_argument("--raise-in-backward", action="store_true")
+parser.add_argument("--save-at-step", type=int, default=-1, help="rank 0 saves a checkpoint for --save-seconds, then a barrier")
+parser.add_argument("--save-seconds", type=float, default=40.0)
+parser.add_argument("--hang-at-step", type=int, default=-1, help="rank 1 stops for good in its forward at this step")
 args = parser.parse_args()
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -62,6 +65,15 @@ def model() -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.ReLU(),
         torch.nn.Flatten(), torch.nn.Linear(32 * 16 * 16, 10))
+
+
+def save_checkpoint(seconds: float) -> None:
+    time.sleep(seconds)  # a slow filesystem: the other ranks wait at the barrier
+
+
+def stuck_in_forward() -> None:
+    while True:
+        time.sleep(1)  # never returns: the other ranks wait in the next collective
 
 
 def finished(step: int, until: float, distributed: bool) -> bool:
@@ -99,6 +111,16 @@ def main() -> None:
     step = 0
     while not finished(step, until, distributed):
         step += 1
+        if step == args.save_at_step and distributed:
+            marker = Path(args.truth_dir, "saving")
+            marker.write_text(str(time.monotonic()))
+            if RANK == 0:
+                save_checkpoint(args.save_seconds)
+            dist.barrier()
+            Path(args.truth_dir, f"saved{RANK}").write_text(str(time.monotonic()))
+        if step == args.hang_at_step and RANK == 1:
+            Path(args.truth_dir, "hanging").write_text(str(time.monotonic()))
+            stuck_in_forward()
         data = backward = 0.0
         for _ in range(args.accum):
             t0 = time.monotonic()
