@@ -701,6 +701,9 @@ class Capture:
         binary = self.source._binary
         if binary is None:
             return "", "py-spy is not installed"
+        unsafe = pyspy.unsafe_interpreter(info.pid)
+        if unsafe:
+            return "", f"no py-spy dump: {unsafe}"
         errors = []
         stopped_before = pyspy.is_stopped(info.pid)
         try:

@@ -1,0 +1,114 @@
+"""The third attacker round (issue 41): a root `profagent watch` against `nobody` running a
+watched job of its own, beside another user's job that must keep being served."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from helpers.agent import free_port, http_get, parse_metrics
+from helpers.nobody import nobody_python
+from helpers.processes import kill_tree, pyspy_processes, wait_for
+from helpers.watch import job_env, samples, token, watch_config
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                       reason="plays a root agent against nobody: needs root and setpriv"),
+]
+
+# nobody maps a file named like libpython (executable, as py-spy looks for it), unlinks it,
+# and plants "<path> (deleted)": a FIFO (py-spy, run by root, blocked forever opening it)
+# or a symlink to a file only root may read (root's py-spy opened /etc/shadow).
+PLANTER = """
+import mmap, os, time
+path = os.path.join({folder!r}, "libpython3.11.so.1.0")
+with open(path, "wb") as fh:
+    fh.write(bytes(4096))
+fd = os.open(path, os.O_RDONLY)
+mapped = mmap.mmap(fd, 4096, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_EXEC)
+os.unlink(path)
+planted = path + " (deleted)"
+os.mkfifo(planted) if {plant!r} == "fifo" else os.symlink("/etc/shadow", planted)
+print("planted", flush=True)
+while True:
+    sum(range(3000))
+    time.sleep(0.02)
+"""
+VICTIM = "import time\nwhile True:\n    sum(range(3000))\n    time.sleep(0.02)\n"
+
+
+@pytest.fixture
+def nobody_folder() -> Iterator[Path]:
+    base = Path(tempfile.mkdtemp(prefix="paw-round3-"))
+    base.chmod(0o755)
+    for plant in ("fifo", "symlink"):
+        (base / plant).mkdir()
+        (base / plant).chmod(0o777)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_planted_fifo_or_symlink_at_a_deleted_libpython_is_never_opened_and_others_stay_sampled(
+        run_agent, children, tmp_path: Path, nobody_folder: Path) -> None:
+    """Issue 41 item 1. Bound: no py-spy is ever started on nobody's two ranks (each is
+    refused once, reason unsafe_target, one log line each), and the victim's job, started
+    after them, gets samples that keep growing within 30 s."""
+    tok = token()
+    port = free_port()
+    cfg = watch_config(tmp_path, tok)
+    cfg.write_text(cfg.read_text().replace("[stacks]\nenabled = false", "[stacks]\nenabled = true\nwindow = 1"))
+    attackers: list[subprocess.Popen] = []
+    try:
+        for rank, plant in enumerate(("fifo", "symlink")):
+            code = PLANTER.format(folder=str(nobody_folder / plant), plant=plant)
+            env = job_env(tok, SLURM_JOB_ID="atk-41", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+            attackers.append(nobody_python(code, env, nobody_folder))
+        for plant in ("fifo", "symlink"):
+            wait_for(lambda p=plant: os.path.lexists(nobody_folder / p / "libpython3.11.so.1.0 (deleted)"),
+                     30, what=f"nobody's planted {plant}")
+        agent = run_agent(["watch", "--config", str(cfg), "--listen", f"127.0.0.1:{port}"])
+        url = f"http://127.0.0.1:{port}"
+        agent.wait_healthy(url, timeout=30)
+        attacker_pids = [p.pid for p in attackers]
+        started_on_attacker: list[int] = []
+
+        def look() -> dict:
+            for pid in attacker_pids:
+                started_on_attacker.extend(p.pid for p in pyspy_processes(of=agent.proc.pid, sampling=pid))
+            return parse_metrics(http_get(url + "/metrics"))
+
+        def refused() -> float:
+            return sum(v for _, v in samples(look(), "profagent_stack_sampler_errors_total", job_id="atk-41",
+                                              reason="unsafe_target"))
+
+        wait_for(lambda: refused() >= 2, 60, interval=0.05, what="both of nobody's ranks refused")
+        victim = children.python(VICTIM, env=job_env(tok, SLURM_JOB_ID="victim-41"))
+        began = time.monotonic()
+
+        def victim_samples() -> float:
+            return sum(v for _, v in samples(look(), "profagent_stack_samples_total", job_id="victim-41"))
+
+        first = wait_for(victim_samples, 60, interval=0.05, what="the victim's job sampled")
+        wait_for(lambda: victim_samples() > first, 30, interval=0.05, what="the victim's samples growing")
+        served_after = time.monotonic() - began
+        for _ in range(20):  # and a while longer, looking often
+            look()
+            time.sleep(0.05)
+        print(f"victim sampled and growing after {served_after:.1f} s; refusals {refused():.0f}")
+        assert started_on_attacker == [], "a py-spy was started on a rank whose libpython is planted"
+        assert victim.poll() is None and all(p.poll() is None for p in attackers)  # nobody's job unharmed
+        assert refused() == 2  # each process refused once: skipped until it exits, not retried
+        lines = [ln for ln in agent.output.splitlines() if "is a deleted file" in ln]
+        assert len(lines) == 2, lines
+        assert all("libpython3.11.so.1.0 (deleted)" in ln for ln in lines)
+    finally:
+        for proc in attackers:
+            kill_tree(proc)
