@@ -8,13 +8,15 @@ import shutil
 import subprocess
 import tempfile
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from helpers.agent import free_port, http_get, parse_metrics
-from helpers.nobody import nobody_python
+from helpers.flood import NOBODY_PYTHON, Flood
+from helpers.nobody import as_nobody, nobody_python
 from helpers.processes import kill_tree, pyspy_processes, wait_for
 from helpers.watch import job_env, samples, token, watch_config
 
@@ -112,3 +114,75 @@ def test_planted_fifo_or_symlink_at_a_deleted_libpython_is_never_opened_and_othe
     finally:
         for proc in attackers:
             kill_tree(proc)
+
+
+def _gzip_of_small_events(path: Path, events: int) -> None:
+    """A .json.gz of ``events`` small valid complete events (a block of 10,000 deflated
+    again and again: a few MB on disk, hundreds of MB inflated)."""
+    one = b'{"ph":"X","cat":"cpu_op","name":"aten::add","pid":1,"tid":1,"ts":1,"dur":1}'
+    block = b",".join([one] * 10_000)
+    c = zlib.compressobj(1, zlib.DEFLATED, 31)
+    with open(path, "wb") as fh:
+        fh.write(c.compress(b'{"traceEvents": [' + block))
+        for _ in range(events // 10_000 - 1):
+            fh.write(c.compress(b"," + block))
+        fh.write(c.compress(b"]}") + c.flush())
+
+
+def _peak_rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_small_gzip_of_millions_of_small_events_is_refused_at_the_event_cap_with_bounded_memory(
+        run_agent, tmp_path: Path) -> None:
+    """Issue 41 item 2, at default caps: nobody, with a watched job of its own, drops a .json.gz
+    of 3 M small valid events (the attack: 7 MB inflating to 2,000 MiB cost 4.5 GB and 48 s of
+    CPU, and was ingested). Bound: refused as too_many_events (traces.max_events, 1 M) with
+    the agent's peak RSS up by less than 256 MiB and less than 15 s of its CPU."""
+    tok = token()
+    port = free_port()
+    folder = f"/tmp/paw-ondemand-{tok}"
+    os.mkdir(folder)
+    os.chmod(folder, 0o1777)
+    cfg = watch_config(tmp_path, tok)
+    cfg.write_text(cfg.read_text() + f'\n[ondemand]\ntrace_dir = "{folder}"\n')
+    flood = Flood(1, NOBODY_PYTHON, [NOBODY_PYTHON, "-c", VICTIM], env=job_env(tok))
+    try:
+        agent = run_agent(["watch", "--config", str(cfg), "--listen", f"127.0.0.1:{port}"])
+        url = f"http://127.0.0.1:{port}"
+        agent.wait_healthy(url, timeout=30)
+        wait_for(lambda: any(v == 1 for _, v in parse_metrics(http_get(url + "/metrics")).get("profagent_target_up", [])),
+                 timeout=30, what="nobody's job watched")
+        bomb = tmp_path / "events.json.gz"
+        _gzip_of_small_events(bomb, 3_000_000)
+        assert bomb.stat().st_size < 8 * 2**20
+        baseline, cpu_before = _peak_rss_mib(agent.proc.pid), _cpu_seconds(agent.proc.pid)
+        target = f"{folder}/profagent_x_{flood.pids()[0]}.json.gz"
+        with bomb.open("rb") as src:  # written by nobody itself
+            subprocess.run(as_nobody("/bin/sh", "-c", 'cat > "$1"', "sh", target), stdin=src, check=True)
+
+        def rejected() -> float:
+            rows = parse_metrics(http_get(url + "/metrics")).get("profagent_traces_rejected_total", [])
+            return sum(v for lab, v in rows if lab.get("reason") == "too_many_events")
+
+        wait_for(lambda: rejected() >= 1, timeout=60, what="the trace counted as too_many_events")
+        peak, cpu = _peak_rss_mib(agent.proc.pid), _cpu_seconds(agent.proc.pid) - cpu_before
+        print(f"{bomb.stat().st_size / 2**20:.1f} MiB on disk; peak RSS {baseline:.0f} -> {peak:.0f} MiB; CPU {cpu:.1f} s")
+        assert peak - baseline < 256, f"peak RSS {baseline:.0f} -> {peak:.0f} MiB"
+        assert cpu < 15, f"{cpu:.1f} s of CPU"
+        handled = parse_metrics(http_get(url + "/metrics")).get("profagent_traces_total", [])
+        assert sum(v for lab, v in handled if lab.get("status") == "ingested") == 0
+        assert sum(1 for line in agent.output.splitlines() if "traces.max_events" in line) == 1
+    finally:
+        flood.stop()
+        shutil.rmtree(folder, ignore_errors=True)

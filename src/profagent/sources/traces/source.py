@@ -50,7 +50,13 @@ from profagent.analysis.trace.model import Trace
 from profagent.analysis.trace.report import TraceReport, analyze
 from profagent.config import Config
 from profagent.errors import SourceUnavailable
-from profagent.sources.traces.reader import MAX_BUFFERED, TraceError, read_trace
+from profagent.sources.traces.reader import (
+    MAX_BUFFERED,
+    MAX_INFLATED,
+    Limits,
+    TraceError,
+    read_trace,
+)
 from profagent.sources.traces.watcher import (
     FolderWatcher,
     Processed,
@@ -224,6 +230,8 @@ class TracesSource:
         invalid_after: float = 60.0,
         max_file_bytes: int = 2 * 1024**3,
         max_buffered_bytes: int = MAX_BUFFERED,
+        max_inflated_bytes: int = MAX_INFLATED,
+        limits: Limits = Limits(),  # noqa: B008  (frozen)
         top_k: int = 10,
         polling: bool = False,
         user_dirs: bool = True,
@@ -246,7 +254,7 @@ class TracesSource:
             if reader is read_trace else reader
         if reader is read_trace:  # refuse what the job could not have written; cap the inflated size
             reader = functools.partial(read_trace, max_bytes=max_file_bytes, owner_ok=self._watcher.owner_ok,
-                                       max_buffered=max_buffered_bytes)
+                                       max_buffered=max_buffered_bytes, limits=limits, max_inflated=max_inflated_bytes)
         self._read = reader
         self._baseline_path = baseline
         self._baseline: tuple[TraceReport, ...] = ()
@@ -338,7 +346,8 @@ class TracesSource:
         except TraceError as exc:
             if exc.reason in ("truncated", "unreadable"):
                 self._watcher.failed(verdict, exc.reason, str(exc))
-            elif exc.reason in ("not_a_trace", "symlink", "not_regular", "foreign_owner", "too_large", "too_large_event"):
+            elif exc.reason in ("not_a_trace", "symlink", "not_regular", "foreign_owner", "too_large", "too_large_event",
+                                "too_many_events", "too_many_names"):
                 self._count(verdict, "skipped", exc.reason, str(exc))
             else:
                 self._count(verdict, "invalid", exc.reason, str(exc))
@@ -437,6 +446,8 @@ def traces_source(config: Config, user_dirs: bool = True) -> TracesSource:
         invalid_after=t.invalid_after,
         max_file_bytes=t.max_file_bytes,
         max_buffered_bytes=t.max_buffered_bytes,
+        max_inflated_bytes=t.max_inflated_bytes,
+        limits=Limits(t.max_events, t.max_names, t.max_name_chars),
         top_k=t.top_k,
         polling=t.polling,
         user_dirs=user_dirs,
