@@ -186,3 +186,65 @@ def test_a_small_gzip_of_millions_of_small_events_is_refused_at_the_event_cap_wi
     finally:
         flood.stop()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# One rank recursing 600 deep through 4,000-character function and file names (the attack
+# took the agent to 1.59 GB, peak 1.86 GB, still 1.57 GB after the job ended).
+DEEP = """
+import time
+name = "f" * 4000
+source = f"def {name}(n):\\n    if n == 0:\\n        while True:\\n            sum(range(3000)); time.sleep(0.02)\\n" \\
+         f"    return {name}(n - 1)\\n"
+space = {"time": time}
+exec(compile(source, "/srv/" + "d" * 4000 + "/train.py", "exec"), space)
+space[name](600)
+"""
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_deep_stacks_of_long_names_cost_little_and_leave_with_the_job(
+        run_agent, tmp_path: Path, nobody_folder: Path) -> None:
+    """Issue 41 item 3. Bound: over 8 sampled windows of that rank the agent's peak RSS grows
+    by less than 128 MiB; a sample's stack is cut to 200 frames (the rest one "… N frames"
+    root frame) of 300-character names; once the job has left, RSS is back within 64 MiB of
+    its level before the job."""
+    tok = token()
+    port = free_port()
+    cfg = watch_config(tmp_path, tok)
+    cfg.write_text(cfg.read_text().replace("[stacks]\nenabled = false", "[stacks]\nenabled = true\nwindow = 1"))
+    agent = run_agent(["watch", "--config", str(cfg), "--listen", f"127.0.0.1:{port}"])
+    url = f"http://127.0.0.1:{port}"
+    agent.wait_healthy(url, timeout=30)
+    before = _rss_mib(agent.proc.pid)
+    baseline = _peak_rss_mib(agent.proc.pid)
+    deep = nobody_python(DEEP, job_env(tok, SLURM_JOB_ID="deep-41"), nobody_folder)
+    try:
+        def windows() -> float:
+            rows = samples(parse_metrics(http_get(url + "/metrics")), "profagent_stack_samples_total", job_id="deep-41")
+            return sum(v for _, v in rows)
+
+        first = wait_for(windows, 90, interval=0.2, what="the deep rank sampled")
+        # stacks.rate is 20 samples a second, window 1 s: 120 more samples are 8 windows or more
+        wait_for(lambda: windows() >= first + 8 * 15, 120, interval=0.2, what="8 more windows of the deep rank")
+        peak = _peak_rss_mib(agent.proc.pid)
+        stacks = http_get(url + "/api/stacks?job=deep-41")
+    finally:
+        kill_tree(deep)
+
+    def job_gone() -> bool:
+        rows = parse_metrics(http_get(url + "/metrics")).get("profagent_target_up", [])
+        return not any(lab.get("job_id") == "deep-41" for lab, _ in rows)
+
+    wait_for(job_gone, 60, what="the deep job forgotten")
+    after = _rss_mib(agent.proc.pid)
+    print(f"peak RSS {baseline:.0f} -> {peak:.0f} MiB; RSS {before:.0f} before the job, {after:.0f} after")
+    assert peak - baseline < 128, f"peak RSS {baseline:.0f} -> {peak:.0f} MiB"
+    assert after - before < 64, f"RSS {before:.0f} MiB before the job, {after:.0f} after it left"
+    assert "f" * 301 not in stacks and "frames" in stacks

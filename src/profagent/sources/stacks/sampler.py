@@ -37,18 +37,20 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
 from profagent.analysis.stacks import (
+    MAX_STACKS,
+    MAX_WINDOW_CHARS,
     Place,
     Sample,
+    fold_capped,
     idle_places,
     main_thread_sample,
-    parse_folded,
     thread_states,
 )
 from profagent.config import StacksConfig
@@ -64,11 +66,16 @@ MAX_WAIT = 1.0  # longest sleep with no child ending and nothing due
 RETRY_AFTER = 5.0  # seconds before sampling a process again after py-spy failed on it,
 RETRY_MAX = 300.0  # doubling on each consecutive failure up to this
 MAX_PENDING = 1000  # results kept until drained
+MAX_PENDING_CHARS = 32 << 20  # characters of stacks in the results kept until drained (the oldest go first)
+MAX_OUTPUT_LINE = 8 << 20  # bytes of one line of py-spy output read; a longer line is skipped
+MAX_OUTPUT_BYTES = 64 << 20  # bytes of one py-spy output read (only what the caps keep is held)
 CUT_GRACE = 2.0  # seconds a window cut short has to stop on SIGINT (py-spy checks once a sample) before SIGKILL
 TORN_READS_TOLERATED = 3  # consecutive torn non-blocking reads retried at once, unreported
 DEADLINE_SLACK = 10.0  # seconds a record window may run past its --duration (attach, writing) before it is killed
 DUMP_DEADLINE = 10.0  # seconds a dump may take (one takes ~10 ms; seconds on a loaded node)
 LATE_RUNS_BEFORE_SKIP = 3  # consecutive runs killed at their deadline before the process is skipped
+MAX_DUMP_BYTES = 8 << 20  # bytes of a dump's JSON read; a longer one counts as reason parse
+MAX_STDERR = 64 << 10  # bytes of py-spy's stderr read (only its first line is used)
 STATE_EVERY = 15.0  # seconds between thread-state dumps per process (a dump costs ~10 ms CPU)
 # py-spy output folders: profagent-stacks-<agent pid>-<agent start, ms>-<random>. The creator
 # is in the name so a later agent can remove the folders of one that was SIGKILLed.
@@ -278,6 +285,7 @@ class Sampler:
             self._children = children
             self._results.extend(done)
             del self._results[:-MAX_PENDING]  # nobody drains while the target is gone
+            _trim(self._results)
 
     def _window(self, pid: int) -> tuple[int, int]:
         """(rate, whole seconds) of ``pid``'s next record window."""
@@ -365,9 +373,10 @@ class Sampler:
         return [c.pidfd for c in children.values() if c.pidfd is not None], timeout
 
     def _harvest(self, child: PySpyChild, now: float) -> list[Result]:
-        text = _read(child.out)
-        stderr = _read(child.err)
-        for path in (child.out, child.err):
+        # a record's output is read line by line below, within caps; a dump's (JSON) is small
+        text = _read(child.out, MAX_DUMP_BYTES) if child.kind == "dump" else _head(child.out)
+        stderr = _read(child.err, MAX_STDERR)
+        for path in (child.out, child.err) if child.kind == "dump" else (child.err,):
             path.unlink(missing_ok=True)
         base = dict(kind=child.kind, pid=child.pid, rank=child.rank, role=child.role, start=child.start, end=now,
                     wall_end=self._wall(), native=child.native)
@@ -410,8 +419,17 @@ class Sampler:
                 return [*extra, Result(**base, states=thread_states(dump), samples=(main,) if main else (),
                                        idle=idle_places(dump))]
             except ValueError:
-                return [*extra, Result(**base, error="parse", detail="py-spy dump printed invalid JSON")]
-        return [*extra, Result(**base, samples=tuple(parse_folded(text, child.pid)))]
+                detail = "py-spy dump printed invalid JSON" if len(text) < MAX_DUMP_BYTES else \
+                    f"py-spy dump printed more than {MAX_DUMP_BYTES >> 20} MiB: not read"
+                return [*extra, Result(**base, error="parse", detail=detail)]
+        folded = fold_capped(_lines(child.out), child.pid)
+        child.out.unlink(missing_ok=True)
+        result = Result(**base, samples=tuple(folded.samples))
+        if folded.dropped_stacks:
+            detail = (f"a window of PID {child.pid} had more stacks than are kept (stacks capped: {MAX_STACKS} "
+                      f"distinct, {MAX_WINDOW_CHARS >> 20} MiB of names per window); the rest was dropped")
+            return [*extra, result, Result(**base, error="stacks_capped", detail=detail)]
+        return [*extra, result]
 
 
     def _late_run(self, child: PySpyChild, key: tuple[str, int], base: dict, now: float) -> list[Result]:
@@ -433,6 +451,16 @@ class Sampler:
             results.append(Result(**base, error="pyspy_skipped",
                                   detail=f"PID {child.pid} skipped until it exits: {self._skipped[child.pid]}"))
         return results
+
+
+def _trim(results: list[Result]) -> None:
+    """Drop the oldest results while those kept hold more than MAX_PENDING_CHARS of stacks."""
+    total = 0
+    for i in range(len(results) - 1, -1, -1):
+        total += sum(len(s.folded) for s in results[i].samples)
+        if total > MAX_PENDING_CHARS:
+            del results[: i + 1]
+            return
 
 
 def _ms(create_time: float) -> int:
@@ -470,8 +498,34 @@ def remove_stale_folders(tmp: Path, started: float) -> list[Path]:
     return removed
 
 
-def _read(path: Path) -> str:
+def _read(path: Path, most: int = MAX_OUTPUT_BYTES) -> str:
     try:
-        return path.read_text(errors="replace")
+        with open(path, "rb") as fh:
+            return fh.read(most).decode(errors="replace")
     except FileNotFoundError:
         return ""
+
+
+def _head(path: Path) -> str:
+    """The first bytes of a record's output: enough to tell whether py-spy wrote anything."""
+    return _read(path, 4096)
+
+
+def _lines(path: Path) -> Iterator[str]:
+    """py-spy's output, line by line, at most MAX_OUTPUT_BYTES, a line longer than
+    MAX_OUTPUT_LINE skipped (never held whole)."""
+    try:
+        fh = open(path, "rb")  # noqa: SIM115  (closed below; a generator)
+    except FileNotFoundError:
+        return
+    with fh:
+        total, skipping = 0, False
+        while total < MAX_OUTPUT_BYTES:
+            line = fh.readline(MAX_OUTPUT_LINE)
+            if not line:
+                return
+            total += len(line)
+            whole = line.endswith(b"\n")
+            if not skipping and (whole or len(line) < MAX_OUTPUT_LINE):
+                yield line.decode(errors="replace")
+            skipping = not whole
