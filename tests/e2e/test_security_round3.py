@@ -248,3 +248,39 @@ def test_deep_stacks_of_long_names_cost_little_and_leave_with_the_job(
     assert peak - baseline < 128, f"peak RSS {baseline:.0f} -> {peak:.0f} MiB"
     assert after - before < 64, f"RSS {before:.0f} MiB before the job, {after:.0f} after it left"
     assert "f" * 301 not in stacks and "frames" in stacks
+
+
+def test_a_job_id_claimed_first_with_another_users_name_does_not_take_that_users_label(
+        run_agent, children, tmp_path: Path, nobody_folder: Path) -> None:
+    """Issue 41 item 8: nobody starts first with SLURM_JOB_ID=<id> and SLURM_JOB_USER=root
+    (the attack named alice); root's real job <id> starts after. Bound: within a few scans,
+    root's job is the plain <id> with user="root", nobody's is <id>@nobody with
+    user="nobody", and no series of nobody's carries root's name."""
+    tok = token()
+    port = free_port()
+    job = f"12345{tok[:6]}"
+    cfg = watch_config(tmp_path, tok)
+    agent = run_agent(["watch", "--config", str(cfg), "--listen", f"127.0.0.1:{port}"])
+    url = f"http://127.0.0.1:{port}"
+    agent.wait_healthy(url, timeout=30)
+    forger = nobody_python(VICTIM, job_env(tok, SLURM_JOB_ID=job, SLURM_JOB_USER="root"), nobody_folder)
+    try:
+        def info() -> list[dict[str, str]]:
+            return [lab for lab, v in parse_metrics(http_get(url + "/metrics")).get("profagent_target_info", [])]
+
+        first = wait_for(lambda: [lab for lab in info() if lab.get("job_id", "").startswith(job)], 30,
+                         what="nobody's job watched")
+        assert [(lab["job_id"], lab["user"]) for lab in first] == [(job, "nobody")]  # its owner, not its word
+        began = time.monotonic()
+        children.python(VICTIM, env=job_env(tok, SLURM_JOB_ID=job, SLURM_JOB_USER="root"))
+
+        def both() -> list[tuple[str, str]]:
+            rows = sorted({(lab["job_id"], lab["user"]) for lab in info() if lab.get("job_id", "").startswith(job)})
+            return rows if len(rows) == 2 else []
+
+        rows = wait_for(lambda: (r := both()) and (job, "root") in r and r, 30, what="root's job under its plain id")
+        print(f"relabelled after {time.monotonic() - began:.1f} s: {rows}")
+        assert rows == [(job, "root"), (f"{job}@nobody", "nobody")]
+        assert not [lab for lab in info() if lab.get("job_id") == job and lab.get("user") != "root"]
+    finally:
+        kill_tree(forger)

@@ -7,6 +7,7 @@ cgroup format. Nothing inside the job's root is read (see test_security_placemen
 
 from __future__ import annotations
 
+import pwd
 import subprocess
 import sys
 from pathlib import Path
@@ -89,8 +90,12 @@ def test_slurm_identity_and_user_on_target_info(tmp_path: Path, child: subproces
     _fixture_proc(tmp_path, child.pid, "0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_3\n", env, None)
     [labels] = _info(PidTarget(child.pid, proc_root=tmp_path).refresh())
     assert labels["job_id"] == "4242"
+    # the user is the owner of /proc/PID (the test's user), never SLURM_JOB_USER: the job's
+    # word, which may name another user (issue 41 item 8)
+    owner = pwd.getpwuid((tmp_path / str(child.pid)).stat().st_uid).pw_name
+    assert owner != "alice"
     assert (labels["slurm_job_name"], labels["slurm_step"], labels["slurm_task"], labels["slurm_node"], labels["user"]) == (
-        "llama-pretrain", "0", "3", "gpu-node-17", "alice")
+        "llama-pretrain", "0", "3", "gpu-node-17", owner)
 
 
 @pytest.mark.parametrize(("hostname", "namespace", "want"), [
