@@ -284,3 +284,36 @@ def test_a_job_id_claimed_first_with_another_users_name_does_not_take_that_users
         assert not [lab for lab in info() if lab.get("job_id") == job and lab.get("user") != "root"]
     finally:
         kill_tree(forger)
+
+
+def test_a_flood_of_look_alike_jobs_gets_ten_ignoring_lines_a_minute(tmp_path: Path) -> None:
+    """Issue 41 item 10 (the attack: 821 "ignoring job" warnings in 50 s from 3,000
+    look-alikes). nobody starts 40 processes, each its own job; the watch caps (4 jobs, 2
+    per user) ignore 38 of them, each once. Bound: the log handler the CLI installs lets 10
+    of those lines through per minute, though every one was looked at and ignored."""
+    import io
+    import logging
+
+    from profagent.logs import PrintableFormatter, RateLimit
+    from profagent.target.node import Limits, NodeTarget, Rules
+
+    tok = token()
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(PrintableFormatter("profagent %(levelname)s: %(message)s"))
+    handler.addFilter(RateLimit())
+    logger = logging.getLogger("profagent.target.node")
+    logger.addHandler(handler)
+    flood = Flood(40, NOBODY_PYTHON, [NOBODY_PYTHON, "-c", VICTIM], env=job_env(tok),
+                  each=[{"SLURM_JOB_ID": f"lookalike-{i}"} for i in range(40)])
+    try:
+        target = NodeTarget(Rules(None, (("PAW_TOKEN", tok),), False),
+                            Limits(scan_interval=0.0, max_jobs=4, max_jobs_per_user=2, max_new_per_scan=40),
+                            settle_seconds=0.0, self_pid=-1)
+        wait_for(lambda: target.refresh() and len(target._ignored) >= 38, 60, what="38 look-alike jobs ignored")
+    finally:
+        logger.removeHandler(handler)
+        flood.stop()
+    lines = [line for line in stream.getvalue().splitlines() if "ignoring job" in line]
+    print(f"{len(target._ignored)} jobs ignored, {len(lines)} lines")
+    assert len(lines) == 10, lines
