@@ -317,3 +317,63 @@ def test_a_flood_of_look_alike_jobs_gets_ten_ignoring_lines_a_minute(tmp_path: P
     lines = [line for line in stream.getvalue().splitlines() if "ignoring job" in line]
     print(f"{len(target._ignored)} jobs ignored, {len(lines)} lines")
     assert len(lines) == 10, lines
+
+
+def _inotify_watches(pid: int) -> int:
+    """Inotify watches held by a process (one "inotify wd:" line per watch in its fdinfo)."""
+    total = 0
+    for fd in os.listdir(f"/proc/{pid}/fdinfo"):
+        try:
+            with open(f"/proc/{pid}/fdinfo/{fd}") as fh:
+                total += sum(1 for line in fh if line.startswith("inotify wd:"))
+        except OSError:
+            continue
+    return total
+
+
+def test_folders_made_in_the_ondemand_folder_cost_no_watch_and_delay_no_trace(
+        run_agent, children, tmp_path: Path) -> None:
+    """Issue 41 item 4 (the attack: 30,000 empty folders gave 30,001 root inotify watches, a
+    thread at 45-100% of a core, and another user's traces not ingested within 200 s). nobody
+    makes 3,000 folders, nested too, in the on-demand folder. Bound: the agent keeps 1
+    inotify watch on it, and root's trace written there is ingested within 30 s."""
+    import json
+
+    from test_security_attribution import trace_of
+
+    tok = token()
+    port = free_port()
+    folder = Path(f"/tmp/paw-ondemand-{tok}")
+    folder.mkdir()
+    folder.chmod(0o1777)
+    cfg = watch_config(tmp_path, tok)
+    cfg.write_text(cfg.read_text() + f'\n[ondemand]\ntrace_dir = "{folder}"\n')
+    try:
+        agent = run_agent(["watch", "--config", str(cfg), "--listen", f"127.0.0.1:{port}"])
+        url = f"http://127.0.0.1:{port}"
+        agent.wait_healthy(url, timeout=30)
+        watches_before = _inotify_watches(agent.proc.pid)
+        made = subprocess.run(as_nobody(NOBODY_PYTHON, "-c", "import os, sys\n"
+                                        "for i in range(3000):\n"
+                                        "    os.makedirs(os.path.join(sys.argv[1], f'd{i}', 'sub'))\n", str(folder)),
+                              capture_output=True, text=True, timeout=120)
+        assert made.returncode == 0, made.stderr
+        victim = children.python(VICTIM, env=job_env(tok, SLURM_JOB_ID="victim-41", RANK="0", WORLD_SIZE="1"))
+        wait_for(lambda: any(lab.get("job_id") == "victim-41" for lab, v in
+                             parse_metrics(http_get(url + "/metrics")).get("profagent_target_up", [])), 30,
+                 what="the victim's job watched")
+        began = time.monotonic()
+        (folder / f"profagent_x_{victim.pid}.json").write_text(trace_of(victim.pid))
+
+        def ingested() -> float:
+            rows = parse_metrics(http_get(url + "/metrics")).get("profagent_traces_total", [])
+            return sum(v for lab, v in rows if lab.get("status") == "ingested")
+
+        wait_for(lambda: ingested() >= 1, 30, interval=0.2, what="root's trace ingested")
+        latency = time.monotonic() - began
+        watches = _inotify_watches(agent.proc.pid)
+        print(f"inotify watches {watches_before} -> {watches} with 6,000 folders; ingested after {latency:.1f} s")
+        assert watches == watches_before, (watches_before, watches)
+        assert json.loads((folder / f"profagent_x_{victim.pid}.json").read_text())  # left as it was
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -248,7 +248,7 @@ class TracesSource:
         self.top_k = top_k
         self._dirs = dirs
         self._watcher = FolderWatcher(dirs, Processed(state_dir / STATE_FILE if state_dir is not None else None),
-                                      settle_seconds, invalid_after, max_file_bytes, polling)
+                                      settle_seconds, invalid_after, max_file_bytes, polling, flat=strict_dirs)
         # traces.baseline comes from the config (the admin's): read it with the size cap only
         self._read_baseline_file = functools.partial(read_trace, max_bytes=max_file_bytes) \
             if reader is read_trace else reader

@@ -1,7 +1,8 @@
 """Watching trace folders: which files are traces, when they are complete, what was done.
 
 - Candidates: ``*.json`` and ``*.json.gz`` (``*.pt.trace.json[.gz]`` from
-  ``tensorboard_trace_handler``, on-demand ``*.json``), recursively; ``*.tmp`` and hidden
+  ``tensorboard_trace_handler``, on-demand ``*.json``), recursively (the on-demand folder:
+  its own files only, no watch per subfolder); ``*.tmp`` and hidden
   files are ignored (Kineto writes ``.json`` to a ``.tmp`` file and renames it).
 - Completeness: a ``.json.gz`` is streamed into its final path, so it is read only once
   its size and mtime have been stable for ``settle_seconds``; reading then checks that the
@@ -144,8 +145,13 @@ class FolderWatcher:
         invalid_after: float,
         max_file_bytes: int,
         polling: bool = False,
+        flat: Iterable[Path] = (),
     ) -> None:
+        """``flat``: folders watched and scanned without their subfolders (the on-demand
+        folder: libkineto writes there directly, and anyone may make folders in it: 30,000
+        empty ones were 30,001 root inotify watches and a busy thread)."""
         self.dirs = dirs
+        self.flat = frozenset(flat)
         self.processed = processed
         self.settle = settle_seconds
         self.invalid_after = invalid_after
@@ -201,12 +207,17 @@ class FolderWatcher:
 
     def _schedule(self, observer, dirs):  # type: ignore[no-untyped-def]
         for d in dirs:
-            observer.schedule(self._handler, str(d), recursive=True)
+            observer.schedule(self._handler, str(d), recursive=d not in self.flat)
         observer.daemon = True
         observer.start()
         return observer
 
     def _scan(self, folder: Path) -> None:
+        if folder in self.flat:
+            with contextlib.suppress(OSError), os.scandir(folder) as entries:
+                for entry in entries:
+                    self.notify(os.path.join(folder, entry.name))
+            return
         for root, _, files in os.walk(folder):
             for name in files:
                 self.notify(os.path.join(root, name))
@@ -218,7 +229,7 @@ class FolderWatcher:
         for d in list(self._missing):
             if d.is_dir() and self._observer is not None:
                 try:
-                    self._observer.schedule(self._handler, str(d), recursive=True)
+                    self._observer.schedule(self._handler, str(d), recursive=d not in self.flat)
                 except OSError as exc:
                     log.warning("cannot watch %s (%s)", d, exc)
                     continue
