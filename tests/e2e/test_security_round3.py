@@ -377,3 +377,25 @@ def test_folders_made_in_the_ondemand_folder_cost_no_watch_and_delay_no_trace(
         assert json.loads((folder / f"profagent_x_{victim.pid}.json").read_text())  # left as it was
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_doctor_says_what_to_do_about_an_ondemand_folder_a_user_made_first(tmp_path: Path) -> None:
+    """Issue 41 item 14: nobody pre-creates the on-demand folder (on-demand tracing is then
+    off, as documented); `profagent doctor` names the folder, its owner and the fix."""
+    import sys
+
+    tok = token()
+    folder = f"/tmp/paw-ondemand-{tok}"
+    made = subprocess.run(as_nobody("/bin/mkdir", folder), capture_output=True, text=True, timeout=30)
+    assert made.returncode == 0, made.stderr
+    cfg = tmp_path / "doctor.toml"
+    cfg.write_text(f'[ondemand]\ntrace_dir = "{folder}"\nsocket_dir = "{tmp_path}"\n'
+                   f'control_socket = "{tmp_path / "control"}"\n')
+    try:
+        res = subprocess.run([sys.executable, "-m", "profagent", "doctor", "--config", str(cfg)],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "1000"})
+    finally:
+        os.rmdir(folder)
+    line = next((ln for ln in res.stdout.splitlines() if "on-demand trace folder" in ln), "")
+    assert f"{folder} is a folder of user nobody, made before the agent" in res.stdout, res.stdout
+    assert line and f"rm -r {folder}" in res.stdout
