@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 class OndemandSnapshot:
     processes: tuple[tuple[str, str, str, int], ...]  # (job_id, rank, role, count) of pollers in the tree
     unmatched: int  # pollers outside the target tree
-    datagrams: tuple[tuple[str, int], ...]  # kind -> count (poll, ctxt, malformed)
+    datagrams: tuple[tuple[str, int], ...]  # kind -> count (poll, ctxt, malformed, rate_limited)
     requests: tuple[tuple[str, int], ...]  # status -> count (requested, sent, resent, expired)
 
 
@@ -128,7 +128,7 @@ class OndemandSource:
             key = (info.job_id, info.rank, info.role)
             groups[key] = groups.get(key, 0) + 1
         counts = self.endpoint.counts()
-        datagrams = tuple((k, counts.get(k, 0)) for k in ("poll", "ctxt", "malformed"))
+        datagrams = tuple((k, counts.get(k, 0)) for k in ("poll", "ctxt", "malformed", "rate_limited"))
         requests = tuple((k, counts.get(k, 0)) for k in ("requested", "sent", "resent", "expired"))
         return OndemandSnapshot(
             tuple((*k, n) for k, n in sorted(groups.items())), unmatched, datagrams, requests
