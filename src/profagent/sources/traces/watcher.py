@@ -107,6 +107,7 @@ class Pending:
     failed_sig: Signature | None = None
     reason: str = ""
     message: str = ""
+    failures: int = 0  # attempts that found it incomplete: each doubles the wait before the next
 
 
 @dataclass(frozen=True)
@@ -292,8 +293,15 @@ class FolderWatcher:
         if st.st_size > self.max_bytes:
             return self._final(path, sig, "skipped", "too_large",
                                f"{st.st_size} bytes is over traces.max_file_bytes ({self.max_bytes})")
-        if p.attempted_at is not None and now - p.attempted_at < self.settle:
-            return None  # a file that keeps growing is read at most once per settle period
+        if p.failures and now - p.first_seen >= self.invalid_after:
+            return self._final(path, sig, "invalid", p.reason or "truncated",
+                               p.message or f"still incomplete after {self.invalid_after:g}s")
+        if p.attempted_at is not None and now - p.attempted_at < self.settle * 2 ** min(p.failures, 16):
+            # a file that keeps growing is read at most once per settle period, and each time
+            # it was found incomplete the wait doubles: a .json.gz appended to every 0.7 s
+            # (re-inflated whole at each attempt) kept the agent at 60% of a core; now it costs
+            # about log2(invalid_after / settle_seconds) reads before it counts as invalid
+            return None
         if p.failed_sig == sig or not self._complete_enough(path, p, now):
             if now - p.first_seen >= self.invalid_after:
                 return self._final(path, sig, "invalid", p.reason or "truncated",
@@ -322,6 +330,7 @@ class FolderWatcher:
         p = self._pending.get(verdict.path)
         if p is not None:
             p.failed_sig, p.reason, p.message = verdict.sig, reason, message
+            p.failures += 1
 
     def finished(self, verdict: Verdict, status: str) -> None:
         """The file is counted: remember it and stop watching it."""
