@@ -155,7 +155,9 @@ def test_a_small_gzip_of_millions_of_small_events_is_refused_at_the_event_cap_wi
     os.mkdir(folder)
     os.chmod(folder, 0o1777)
     cfg = watch_config(tmp_path, tok)
-    cfg.write_text(cfg.read_text() + f'\n[ondemand]\ntrace_dir = "{folder}"\n')
+    # its own sockets: another agent on the machine may hold the default ones
+    cfg.write_text(cfg.read_text() + f'\n[ondemand]\ntrace_dir = "{folder}"\nsocket_dir = "{tmp_path}"\n'
+                                     f'control_socket = "{tmp_path / "control.sock"}"\n')
     flood = Flood(1, NOBODY_PYTHON, [NOBODY_PYTHON, "-c", VICTIM], env=job_env(tok))
     try:
         agent = run_agent(["watch", "--config", str(cfg), "--listen", f"127.0.0.1:{port}"])
@@ -347,7 +349,9 @@ def test_folders_made_in_the_ondemand_folder_cost_no_watch_and_delay_no_trace(
     folder.mkdir()
     folder.chmod(0o1777)
     cfg = watch_config(tmp_path, tok)
-    cfg.write_text(cfg.read_text() + f'\n[ondemand]\ntrace_dir = "{folder}"\n')
+    # its own sockets: another agent on the machine may hold the default ones
+    cfg.write_text(cfg.read_text() + f'\n[ondemand]\ntrace_dir = "{folder}"\nsocket_dir = "{tmp_path}"\n'
+                                     f'control_socket = "{tmp_path / "control.sock"}"\n')
     try:
         agent = run_agent(["watch", "--config", str(cfg), "--listen", f"127.0.0.1:{port}"])
         url = f"http://127.0.0.1:{port}"

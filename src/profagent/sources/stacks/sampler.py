@@ -373,11 +373,16 @@ class Sampler:
         return [c.pidfd for c in children.values() if c.pidfd is not None], timeout
 
     def _harvest(self, child: PySpyChild, now: float) -> list[Result]:
-        # a record's output is read line by line below, within caps; a dump's (JSON) is small
+        try:
+            return self._results_of(child, now)
+        finally:
+            for path in (child.out, child.err):
+                path.unlink(missing_ok=True)
+
+    def _results_of(self, child: PySpyChild, now: float) -> list[Result]:
+        # a record's output is read line by line at the end, within caps; a dump's JSON is small
         text = _read(child.out, MAX_DUMP_BYTES) if child.kind == "dump" else _head(child.out)
         stderr = _read(child.err, MAX_STDERR)
-        for path in (child.out, child.err) if child.kind == "dump" else (child.err,):
-            path.unlink(missing_ok=True)
         base = dict(kind=child.kind, pid=child.pid, rank=child.rank, role=child.role, start=child.start, end=now,
                     wall_end=self._wall(), native=child.native)
         extra = []
@@ -423,14 +428,12 @@ class Sampler:
                     f"py-spy dump printed more than {MAX_DUMP_BYTES >> 20} MiB: not read"
                 return [*extra, Result(**base, error="parse", detail=detail)]
         folded = fold_capped(_lines(child.out), child.pid)
-        child.out.unlink(missing_ok=True)
         result = Result(**base, samples=tuple(folded.samples))
         if folded.dropped_stacks:
             detail = (f"a window of PID {child.pid} had more stacks than are kept (stacks capped: {MAX_STACKS} "
                       f"distinct, {MAX_WINDOW_CHARS >> 20} MiB of names per window); the rest was dropped")
             return [*extra, result, Result(**base, error="stacks_capped", detail=detail)]
         return [*extra, result]
-
 
     def _late_run(self, child: PySpyChild, key: tuple[str, int], base: dict, now: float) -> list[Result]:
         """A run killed at its deadline: counted, retried with the back-off, and after
