@@ -366,8 +366,13 @@ def test_folders_made_in_the_ondemand_folder_cost_no_watch_and_delay_no_trace(
         wait_for(lambda: any(lab.get("job_id") == "victim-41" for lab, v in
                              parse_metrics(http_get(url + "/metrics")).get("profagent_target_up", [])), 30,
                  what="the victim's job watched")
+        # the traces source attributes with the tree of its own last tick, which may come a
+        # moment after /metrics shows the job: a trace read before it counts for no job
+        time.sleep(2.0)
         began = time.monotonic()
-        (folder / f"profagent_x_{victim.pid}.json").write_text(trace_of(victim.pid))
+        staged = folder / f"profagent_x_{victim.pid}.json.tmp"  # as libkineto writes: a .tmp renamed
+        staged.write_text(trace_of(victim.pid))
+        staged.rename(folder / f"profagent_x_{victim.pid}.json")
 
         def ingested() -> float:
             rows = parse_metrics(http_get(url + "/metrics")).get("profagent_traces_total", [])
