@@ -449,7 +449,7 @@ class Sampler:
         seconds = child.deadline - child.start
         results = [Result(**base, error="pyspy_deadline",
                           detail=f"py-spy {child.kind} ran past its {seconds:.0f} s deadline: killed")]
-        if late >= LATE_RUNS_BEFORE_SKIP:
+        if late >= LATE_RUNS_BEFORE_SKIP and child.pid not in self._skipped:  # (the other kind's run may end later)
             self._skipped[child.pid] = f"{late} py-spy runs in a row killed at their deadline"
             results.append(Result(**base, error="pyspy_skipped",
                                   detail=f"PID {child.pid} skipped until it exits: {self._skipped[child.pid]}"))
