@@ -106,6 +106,10 @@ class TracesConfig:
     invalid_after: float = _opt(60.0, "seconds a trace may stay incomplete before it counts as invalid")
     max_file_bytes: int = _opt(2 * 1024**3, "traces larger than this, once uncompressed, are skipped (reason too_large; a file of exactly this size is read)")
     max_buffered_bytes: int = _opt(16 * 1024**2, "text of a trace held in memory at once: the metadata before the events, or one event, string or run of blanks; a trace that needs more is skipped (reason too_large_event)")
+    max_inflated_bytes: int = _opt(512 * 1024**2, "text of one trace once uncompressed: beyond it the trace is skipped (reason too_large), at most this much inflated and decoded (CPU)")
+    max_events: int = _opt(1_000_000, "events of one trace (any kind): beyond it the trace is skipped (reason too_many_events); with max_names and max_name_chars one trace costs at most about 256 MiB")
+    max_names: int = _opt(16_384, "distinct event names, and distinct threads, of one trace: beyond it the trace is skipped (reason too_many_names)")
+    max_name_chars: int = _opt(2_048, "characters kept of an event name (and a string pid or tid); a longer one is cut there and ends with '…'")
     top_k: int = _opt(10, "kernels and ops kept per rank; the rest is folded into 'other'")
     interval: float = _opt(0.0, "seconds between publishing newly analysed traces; 0 = 0.25 s (or the agent interval if shorter)")
     baseline: str = _opt("", "a trace file (or folder of one job's traces) that is every job's baseline for the step-time regression and the diff naming its causes (empty: each rank's first steady traces)")
@@ -396,6 +400,11 @@ def validate(config: Config) -> None:
                         "raise them, or set ondemand.enabled = false")
     if config.traces.max_buffered_bytes < 1024**2:
         raise UserError(f"'traces.max_buffered_bytes' is {config.traces.max_buffered_bytes}", "use 1 MiB (1048576) or more")
+    t = config.traces
+    for key, value, least in (("max_inflated_bytes", t.max_inflated_bytes, 1024**2), ("max_events", t.max_events, 1000),
+                              ("max_names", t.max_names, 100), ("max_name_chars", t.max_name_chars, 64)):
+        if value < least:
+            raise UserError(f"'traces.{key}' is {value}", f"use {least} or more")
     if config.agent.max_label_bytes < 32:
         raise UserError(f"'max_label_bytes' is {config.agent.max_label_bytes}", "use 32 bytes or more")
     _validate_watch(config.watch)

@@ -375,7 +375,7 @@ class TracesSnapshot:
 class OndemandSnapshot:
     processes: tuple[tuple[str, str, str, int], ...]  # (job_id, rank, role, count) of pollers in the tree
     unmatched: int  # pollers outside the target tree
-    datagrams: tuple[tuple[str, int], ...]  # kind -> count (poll, ctxt, malformed)
+    datagrams: tuple[tuple[str, int], ...]  # kind -> count (poll, ctxt, malformed, rate_limited)
     requests: tuple[tuple[str, int], ...]  # status -> count (requested, sent, resent, expired)
 
 

@@ -5,6 +5,8 @@
   ``SLURM_JOB_ID`` would start a forged log line and an ESC would drive the reader's
   terminal: control characters are written as visible escapes (``\\x0a``, ``\\x1b``).
 - ``LogOnce``: a failing tick or a recurring condition must not flood the log.
+- ``RateLimit``: and whatever slips through, at most 10 lines per message kind a minute,
+  the number held back said by the kind's next line.
 """
 
 from __future__ import annotations
@@ -49,3 +51,47 @@ class LogOnce:
         """Drop the keys ``keep`` rejects (e.g. jobs that ended), so they may log again."""
         with self._lock:
             self._seen = {key for key in self._seen if keep(key)}
+
+
+class RateLimit(logging.Filter):
+    """At most ``burst`` lines per message kind (logger, level and format string: "ignoring
+    job %s (PID %d)" is one kind whatever the job) every ``window`` seconds. What is held
+    back is counted, and the kind's next line says how many were suppressed. A neighbour
+    who starts 3,000 look-alike processes cannot fill root's journal. DEBUG lines (asked
+    for) pass."""
+
+    def __init__(self, burst: int = 10, window: float = 60.0, clock: Callable[[], float] | None = None) -> None:
+        super().__init__()
+        import time
+
+        self.burst, self.window = burst, window
+        self._clock = clock or time.monotonic
+        self._kinds: dict[tuple[str, int, str], list[float]] = {}  # kind -> [window start, lines, suppressed]
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno <= logging.DEBUG:
+            return True
+        kind = (record.name, record.levelno, str(record.msg))
+        now = self._clock()
+        with self._lock:
+            state = self._kinds.get(kind)
+            if state is None or now - state[0] >= self.window:
+                suppressed = int(state[2]) if state is not None else 0
+                self._kinds[kind] = [now, 1, 0]
+                if len(self._kinds) > MAX_KINDS:  # kinds are format strings of the code: few; bounded anyway
+                    oldest = min(self._kinds, key=lambda k: self._kinds[k][0])
+                    del self._kinds[oldest]
+            elif state[1] < self.burst:
+                state[1] += 1
+                suppressed = 0
+            else:
+                state[2] += 1
+                return False
+        if suppressed:
+            record.msg = f"{record.getMessage()} ({suppressed} more like it suppressed in the last {self.window:.0f} s)"
+            record.args = None
+        return True
+
+
+MAX_KINDS = 4096

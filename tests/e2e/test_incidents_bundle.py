@@ -251,3 +251,36 @@ def test_the_capture_asks_for_traces_once_its_dumps_have_resumed_the_ranks(child
         source.stop()
     assert events == ["dumped", "request (0 dumps running)"]
     assert "<module>" in (capture.folder / "stacks-rank0.txt").read_text()
+
+
+def test_the_bundles_stacks_show_the_redacted_cmdline_not_pyspys_process_line(children, tmp_path: Path) -> None:
+    """Issue 41 item 13: py-spy's dump starts "Process N: <whole command line>"; the bundle's
+    stacks-rank*.txt shows the process' cmdline label instead, its secret never written."""
+    import subprocess
+    import sys
+
+    from profagent.analysis.incidents import Trigger
+    from profagent.engine.incidents import Capture
+
+    secret = "SECRET-41-do-not-write"
+    child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True:\n    time.sleep(0.05)\n",
+                              "--api-key", secret], env={"RANK": "0", "WORLD_SIZE": "1", "PATH": "/usr/bin:/bin"},
+                             start_new_session=True)
+    children.procs.append(child)
+    tree = wait_for(lambda: (t := PidTarget(child.pid).refresh()) and t.mains() and t, 30, what="the child's tree")
+    source = IncidentsSource(IncidentsConfig(capture_timeout=30), tmp_path / "incidents", State())
+    source.start()
+    try:
+        raw = wait_for(lambda: (out := source.run_dump(pyspy.dump_text_args(_pyspy(), child.pid, "nonblocking"))[0])
+                       and "<module>" in out and out, 30, what="the child's interpreter readable")
+        assert secret in raw  # what py-spy itself prints
+        capture = Capture(source, Trigger("manual", tree.job_id, None, "test"), tree,
+                          source.store.create("manual", tree.job_id, time.time()), time.time(), 0)
+        capture.run()
+    finally:
+        source.stop()
+    text = (capture.folder / "stacks-rank0.txt").read_text()
+    label = tree.mains()[0].cmdline
+    assert f"Process {child.pid}: {label}\n" in text and "<module>" in text
+    assert secret not in text and secret not in label
+    assert not any(secret in p.read_text(errors="replace") for p in capture.folder.rglob("*") if p.is_file())

@@ -292,3 +292,57 @@ def test_a_cut_window_whose_pyspy_ignores_sigint_is_killed_and_the_next_one_runs
         sampler.stop()
     assert steady.proc.returncode == -signal.SIGKILL and nxt.window == 1
     assert [r for r in sampler.drain() if r.error] == []  # a cut window that gave nothing is no failure
+
+
+def test_a_pyspy_that_misses_its_deadline_is_killed_counted_backed_off_then_its_process_skipped(
+        children, tmp_path: Path, monkeypatch) -> None:
+    """Issue 41 item 1: a py-spy blocked for good (here a fake that sleeps; in the attack, an
+    open() of a planted FIFO) is killed at its deadline and its slot freed; after
+    LATE_RUNS_BEFORE_SKIP late runs in a row its process is skipped, with its reason, while
+    another process on the same single slot keeps being sampled."""
+    import profagent.sources.stacks.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "DEADLINE_SLACK", 3.0)  # a real py-spy on a loaded machine needs its time
+    monkeypatch.setattr(sampler_module, "DUMP_DEADLINE", 3.0)
+    monkeypatch.setattr(sampler_module, "RETRY_AFTER", 0.2)
+    real = pyspy.find_pyspy()
+    binary = tmp_path / "py-spy"  # hangs on the stuck process, is the real py-spy for the other
+    stuck = children.python("import time\nwhile True:\n    time.sleep(0.01)\n")
+    healthy = children.python("import time\nwhile True:\n    sum(range(3000)); time.sleep(0.01)\n")
+    binary.write_text(f"#!{sys.executable}\nimport os, sys, time\n"
+                      f"if {str(stuck.pid)!r} in sys.argv:\n    time.sleep(3600)\n"
+                      f"os.execv({real!r}, [{real!r}, *sys.argv[1:]])\n")
+    binary.chmod(0o755)
+    sampler = Sampler(str(binary), StacksConfig(rate=20, window=1.0, max_pyspy=2))
+    sampler.start()
+    got = []
+    try:
+        sampler.set_targets({stuck.pid: ("0", "main"), healthy.pid: ("1", "main")})
+        got = _drain_until(sampler, lambda rs: any(r.error == "pyspy_skipped" for r in rs), "the stuck process skipped",
+                           timeout=90.0)
+        # then the healthy one has both slots: its windows go on
+        more = _drain_until(sampler, lambda rs: sum(1 for r in rs if r.kind == "record" and r.samples) >= 2,
+                            "the healthy process' next windows", timeout=60.0)
+        skipped_at = next(r.end for r in got if r.error == "pyspy_skipped")  # when it was skipped
+        started_after = [c for c in sampler._children.values() if c.pid == stuck.pid and c.start > skipped_at]
+    finally:
+        sampler.stop()
+    late = [r for r in got if r.error == "pyspy_deadline"]
+    assert {r.pid for r in late} == {stuck.pid}
+    assert len(late) >= sampler_module.LATE_RUNS_BEFORE_SKIP
+    assert all("deadline: killed" in r.detail for r in late)
+    assert started_after == []  # nothing started on it after the skip
+    # only the other kind's run, started before the skip, may still end (late) afterwards
+    assert [r.error for r in more if r.pid == stuck.pid] in ([], ["pyspy_deadline"])
+    assert any(r.pid == healthy.pid and r.samples for r in got + more)
+    assert stuck.poll() is None and healthy.poll() is None  # neither target harmed
+    assert pyspy_processes_left(binary) == []
+
+
+def pyspy_processes_left(binary: Path) -> list[int]:
+    """PIDs of processes still running the fake py-spy script."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if str(binary) in (p.info["cmdline"] or []):
+            found.append(p.pid)
+    return found

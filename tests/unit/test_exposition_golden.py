@@ -253,3 +253,29 @@ if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     GOLDEN.mkdir(exist_ok=True)
     for content_type, filename in FORMATS.values():
         (GOLDEN / filename).write_text(render(content_type))
+
+
+def test_control_characters_in_label_values_are_escaped_in_every_format() -> None:
+    """Issue 41 item 12: a label value from outside (a trace file's name, a rank, a job id)
+    holding ESC, BEL, C1, a tab, a line or bidi separator reaches /metrics as the escape
+    labels.printable writes, read back as that text by a Prometheus parser; in both formats."""
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from profagent.analysis.labels import printable
+    from profagent.exporters.exposition import _encode, _Families
+    from profagent.exporters.families import Families
+
+    hostile = "0\x1b]2;X\x1b\\\x07\x9b\u202e\u2028\tz\nq\x00é"
+    families = Families()
+    families.gauge("profagent_x", "doc", ("rank",)).add_metric([hostile], 1)
+    for encoder in (generate_latest, generate_openmetrics):
+        body = _encode(encoder, _Families(families))
+        text = body.decode()
+        assert not any(c in text for c in "\x1b\x07\x9b\u202e\u2028\t\x00"), body
+        assert "é" in text  # printable text stays as it is
+        if encoder is generate_latest:
+            [family] = text_string_to_metric_families(text)
+            # the parsed value is the printable form of the whole value (its LF as prometheus escapes it)
+            assert family.samples[0].labels["rank"] == printable(hostile, keep_newlines=True)

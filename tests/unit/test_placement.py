@@ -7,6 +7,7 @@ cgroup format. Nothing inside the job's root is read (see test_security_placemen
 
 from __future__ import annotations
 
+import pwd
 import subprocess
 import sys
 from pathlib import Path
@@ -89,8 +90,12 @@ def test_slurm_identity_and_user_on_target_info(tmp_path: Path, child: subproces
     _fixture_proc(tmp_path, child.pid, "0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_3\n", env, None)
     [labels] = _info(PidTarget(child.pid, proc_root=tmp_path).refresh())
     assert labels["job_id"] == "4242"
+    # the user is the owner of /proc/PID (the test's user), never SLURM_JOB_USER: the job's
+    # word, which may name another user (issue 41 item 8)
+    owner = pwd.getpwuid((tmp_path / str(child.pid)).stat().st_uid).pw_name
+    assert owner != "alice"
     assert (labels["slurm_job_name"], labels["slurm_step"], labels["slurm_task"], labels["slurm_node"], labels["user"]) == (
-        "llama-pretrain", "0", "3", "gpu-node-17", "alice")
+        "llama-pretrain", "0", "3", "gpu-node-17", owner)
 
 
 @pytest.mark.parametrize(("hostname", "namespace", "want"), [
@@ -108,3 +113,19 @@ def test_pod_and_namespace_come_from_the_environment_only_when_valid(
     _fixture_proc(tmp_path, child.pid, RUNTIMES["containerd-cgroupfs-v2"], env, "from-the-file\n")
     [labels] = _info(PidTarget(child.pid, proc_root=tmp_path).refresh())
     assert (labels["pod"], labels["namespace"]) == want
+
+
+@pytest.mark.parametrize(("cgroup", "want"), [
+    ("0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_3\n", "4242"),  # cgroup v2
+    ("12:memory:/slurm/uid_1001/job_4242/step_0\n4:cpuset:/slurm/uid_1001/job_4242/step_0/task_1\n", "4242"),  # v1
+    # a folder a user made in a subtree delegated to it: not slurmd's, not believed
+    ("0::/user.slice/user-65534.slice/user@65534.service/slurm/uid_1001/job_4242\n", None),
+    ("0::/user.slice/user-0.slice/session-1.scope\n", None),
+])
+def test_the_slurm_job_of_a_process_comes_from_slurmds_cgroup_only(tmp_path: Path, cgroup: str, want: str | None) -> None:
+    """Issue 41 item 8: a job id a user cannot forge for another user's job."""
+    from profagent.system.cgroup import slurm_job_of_cgroup
+
+    _fixture_proc(tmp_path, 77, cgroup, {"SLURM_JOB_ID": "4242"}, None)
+    assert slurm_job_of_cgroup(tmp_path, 77) == want
+    assert slurm_job_of_cgroup(tmp_path, 78) is None  # gone

@@ -269,3 +269,33 @@ def test_main_thread_sample_of_a_real_dump_is_root_first() -> None:
     assert [(f.name, f.line) for f in sample.frames] == [("<module>", 5), ("f", 4)]
     assert main_thread_sample(REAL_DUMP[1:], 31296) is None  # no main thread in it
     assert main_thread_sample({"not": "a list"}, 1) is None
+
+
+def test_folding_caps_frame_names_depth_and_stacks_per_window() -> None:
+    """Issue 41 item 3: 600 frames of 4,000-character names and files become 200 cut frames
+    under one "… 400 frames" root frame; the leaf, the thread and the classification stay."""
+    from profagent.analysis import stacks as st
+
+    long_name, long_file = "f" * 4000, "/srv/" + "d" * 4000 + "/torch/nn/modules/module.py"
+    line = "thread (7): MainThread;" + ";".join(f"{long_name} ({long_file}:3)" for _ in range(600)) + " 5"
+    folded = st.fold_capped(line, 7)
+    [sample] = folded.samples
+    assert sample.main and sample.count == 5 and folded.dropped_stacks == 0
+    assert len(sample.frames) == st.MAX_DEPTH + 1 and sample.frames[0].name == "… 400 frames"
+    leaf = sample.frames[-1]
+    assert leaf.name == "f" * st.MAX_FRAME_CHARS + "…" and leaf.file.endswith("torch/nn/modules/module.py")
+    assert len(leaf.file) == st.MAX_FRAME_CHARS + 1 and leaf.line == 3
+    assert sample.folded.startswith("thread (7): MainThread;… 400 frames;")
+    assert len(sample.folded) < (st.MAX_DEPTH + 1) * (2 * st.MAX_FRAME_CHARS + 20)
+    assert st.classify(sample.frames) == "forward"  # the cut file still names its folder
+    # distinct stacks per window, then characters per window
+    many = "\n".join(f"thread (7): MainThread;main (t.py:1);f{i} (t.py:{i}) 2" for i in range(st.MAX_STACKS + 10))
+    capped = st.fold_capped(many, 7)
+    assert len(capped.samples) == st.MAX_STACKS and capped.dropped_stacks == 10 and capped.dropped_samples == 20
+    wide = "\n".join([line] * 100)
+    capped = st.fold_capped(wide, 7)
+    assert 0 < len(capped.samples) < 100 and capped.dropped_stacks == 100 - len(capped.samples)
+    assert sum(len(s.folded) for s in capped.samples[:-1]) < st.MAX_WINDOW_CHARS
+    # a short stack is kept exactly as written
+    [plain] = st.parse_folded("thread (7): MainThread;a (b.py:1);c (d.py:2) 4", 7)
+    assert plain.folded == "thread (7): MainThread;a (b.py:1);c (d.py:2)" and len(plain.frames) == 2

@@ -240,3 +240,48 @@ def test_zlib_ng_inflates_and_the_standard_library_reads_the_same(tmp_path: Path
             reasons.append(err.value.reason)
         seen.append(reasons)
     assert seen[0] == seen[1] == ["truncated", "corrupt", "too_large_event", "too_large"]
+
+
+def _small_events_gz(path: Path, n: int, name=lambda i: "aten::add", tid=lambda i: 1) -> Path:
+    """A .json.gz of ``n`` small valid complete events, written piece by piece."""
+    with gzip.open(path, "wb", compresslevel=1) as fh:
+        fh.write(b'{"traceEvents": [')
+        for start in range(0, n, 10_000):
+            piece = [json.dumps({"ph": "X", "cat": "cpu_op", "name": name(i), "ts": i, "dur": 1, "pid": 1,
+                                 "tid": tid(i)}) for i in range(start, min(n, start + 10_000))]
+            fh.write((b"," if start else b"") + ",".join(piece).encode())
+        fh.write(b"]}")
+    return path
+
+
+def test_content_caps_refuse_a_trace_of_too_many_events_or_names_as_soon_as_they_pass(tmp_path: Path) -> None:
+    """Issue 41 item 2: the cost of a trace is bounded by what is inside it. The same file is
+    read whole without limits (the CLI) and refused by each cap of the agent."""
+    many = _small_events_gz(tmp_path / "many.json.gz", 50_000)
+    assert len(read_trace(many).ts) == 50_000  # no limits: read whole
+    assert len(read_trace(many, limits=traceio.Limits(max_events=50_000)).ts) == 50_000  # exactly the cap: read
+    with pytest.raises(TraceError) as err:
+        read_trace(many, limits=traceio.Limits(max_events=20_000))
+    assert err.value.reason == "too_many_events" and "traces.max_events (20000)" in str(err.value)
+    names = _small_events_gz(tmp_path / "names.json.gz", 5_000, name=lambda i: f"n{i}")
+    with pytest.raises(TraceError) as err:
+        read_trace(names, limits=traceio.Limits(max_names=1_000))
+    assert err.value.reason == "too_many_names"
+    threads = _small_events_gz(tmp_path / "threads.json.gz", 5_000, tid=lambda i: f"t{i}")
+    with pytest.raises(TraceError) as err:
+        read_trace(threads, limits=traceio.Limits(max_names=1_000))
+    assert err.value.reason == "too_many_names"
+    with pytest.raises(TraceError) as err:
+        read_trace(many, max_inflated=1024**2)
+    assert err.value.reason == "too_large" and "traces.max_inflated_bytes" in str(err.value)
+
+
+def test_long_names_and_string_threads_are_cut_at_max_name_chars(tmp_path: Path) -> None:
+    long = "k" * 5_000
+    path = _small_events_gz(tmp_path / "long.json.gz", 3, name=lambda i: long if i else "short",
+                            tid=lambda i: "t" * 300 if i == 2 else 7)
+    trace = read_trace(path, limits=traceio.Limits(max_name_chars=100))
+    names = sorted(trace.names[i] for i in trace.name)
+    assert names == ["k" * 100 + "…", "k" * 100 + "…", "short"]
+    assert sorted(str(tid) for _, tid in trace.threads) == ["7", "t" * 100 + "…"]
+    assert read_trace(path).names.count(long) == 1  # no limits: as written

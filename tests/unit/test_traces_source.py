@@ -338,3 +338,33 @@ def test_attribution_by_kernel_credentials(tmp_path: Path, name: str, cpu_pids: 
     found = attribute(SimpleNamespace(cpu_pids=cpu_pids), str(d / name), file_uid, _two_jobs(job_id),
                       alive=lambda pid: pid in CREDS, credentials=CREDS.get, strict=strict)
     assert (found.job_id or found.reason) == want, found
+
+
+def test_a_gzip_appended_to_forever_is_read_a_few_times_then_counted_invalid(tmp_path: Path) -> None:
+    """Issue 41 item 6 (the attack: a .json.gz appended to every 0.7 s kept the agent at ~60%
+    of a core, re-inflated whole at each attempt). Clock injected: appended every 0.7 s for
+    70 s, it is attempted at most 8 times (the wait doubles after each incomplete read: about
+    log2(invalid_after / settle_seconds)), then counted invalid once invalid_after is over."""
+    from profagent.sources.traces.watcher import FolderWatcher, Processed
+
+    path = tmp_path / "forever.pt.trace.json.gz"
+    path.write_bytes(gzip.compress(b'{"traceEvents": [')[:-8])  # a gzip stream that never ends
+    watcher = FolderWatcher([tmp_path], Processed(None), settle_seconds=0.5, invalid_after=60.0,
+                            max_file_bytes=2**30)
+    attempts, final = 0, None
+    for tick in range(700):  # 70 s, a look every 0.1 s
+        now = tick * 0.1
+        if tick % 7 == 0:
+            with path.open("ab") as fh:
+                fh.write(b"\0" * 16)
+        watcher.notify(str(path))
+        for verdict in watcher.due(now):
+            if verdict.action == "attempt":
+                attempts += 1
+                watcher.failed(verdict, "truncated", "the gzip stream ends early")
+            else:
+                final = (now, verdict.action, verdict.reason)
+        if final:
+            break
+    assert final is not None and final[1:] == ("invalid", "truncated") and 60.0 <= final[0] < 61.0
+    assert 3 <= attempts <= 8, attempts

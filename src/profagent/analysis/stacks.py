@@ -62,24 +62,77 @@ def parse_frame(text: str) -> Frame:
     return Frame(m.group("name"), m.group("file"), int(m.group("line")))
 
 
+# What one window of py-spy output may cost, whatever the job's names and recursion (a rank
+# recursing 600 deep through 4,000-character names and files once took the agent to 1.6 GB):
+MAX_FRAME_CHARS = 300  # of a frame's function name, and of its file (its end is kept: the folders classify)
+MAX_DEPTH = 200  # frames kept per stack, the innermost (the leaf classifies); the rest become one "… N frames"
+MAX_STACKS = 2000  # distinct stacks kept per window; the rest are dropped and counted
+MAX_WINDOW_CHARS = 4 << 20  # characters of stacks kept per window (the folded lines, once cut)
+LONGEST_PART = 2 * MAX_FRAME_CHARS + 24  # a frame "name (file:line)" of two parts within the cap, or a thread part
+
+
+@dataclass(frozen=True)
+class Folded:
+    """One window's samples, and how many distinct stacks (samples) were dropped by the caps."""
+
+    samples: list[Sample]
+    dropped_stacks: int = 0
+    dropped_samples: int = 0
+
+
 def parse_folded(text: str, pid: int) -> list[Sample]:
-    """Parse py-spy raw output of process ``pid``. Malformed lines are skipped."""
-    samples = []
-    for line in text.splitlines():
+    """Parse py-spy raw output of process ``pid``. Malformed lines are skipped; the caps of
+    :func:`fold_capped` hold."""
+    return fold_capped(text, pid).samples
+
+
+def fold_capped(text: str | Iterable[str], pid: int) -> Folded:
+    """py-spy raw output of process ``pid`` (its text, or its lines), each frame cut at
+    MAX_FRAME_CHARS, each stack at MAX_DEPTH frames, at most MAX_STACKS stacks and
+    MAX_WINDOW_CHARS characters in all."""
+    samples: list[Sample] = []
+    kept_chars = dropped = dropped_samples = 0
+    for line in text.splitlines() if isinstance(text, str) else text:
         stack, sep, count = line.rstrip().rpartition(" ")
         if not sep or not count.isdigit() or not stack:
             continue
+        if len(samples) >= MAX_STACKS or kept_chars >= MAX_WINDOW_CHARS:
+            dropped += 1
+            dropped_samples += int(count)
+            continue
         parts = stack.split(";")
+        head: list[str] = []  # the thread part, as py-spy wrote it
         thread, main = "", False
-        m = _THREAD.match(parts[0])
+        m = _THREAD.match(parts[0]) if len(parts[0]) <= LONGEST_PART else None
         if m is not None:
+            head = [parts[0]]
             parts = parts[1:]
             thread = m.group("name") or ""
             tid = m.group("tid")
             main = thread == "MainThread" or (tid.isdigit() and int(tid) == pid)
-        frames = tuple(parse_frame(p) for p in parts)
+        if len(parts) <= MAX_DEPTH and all(len(p) <= LONGEST_PART for p in parts):
+            frames = tuple(parse_frame(p) for p in parts)
+        else:  # cut: the folded line is written again from what is kept
+            skipped = max(0, len(parts) - MAX_DEPTH)
+            frames = tuple(_cut_frame(parse_frame(p)) for p in parts[skipped:])
+            if skipped:
+                frames = (Frame(f"… {skipped} frames", "", 0), *frames)
+            stack = ";".join([*head, *(str(f) for f in frames)])
+        kept_chars += len(stack)
         samples.append(Sample(thread, main, frames, int(count), stack))
-    return samples
+    return Folded(samples, dropped, dropped_samples)
+
+
+def _cut_frame(frame: Frame) -> Frame:
+    """``frame`` with its name's start and its file's end kept, MAX_FRAME_CHARS of each."""
+    name, file = frame.name, frame.file
+    if len(name) <= MAX_FRAME_CHARS and len(file) <= MAX_FRAME_CHARS:
+        return frame
+    if len(name) > MAX_FRAME_CHARS:
+        name = name[:MAX_FRAME_CHARS] + "…"
+    if len(file) > MAX_FRAME_CHARS:
+        file = "…" + file[-MAX_FRAME_CHARS:]
+    return Frame(name, file, frame.line)
 
 
 # -- classification ---------------------------------------------------------------------
@@ -187,7 +240,8 @@ def idle_places(dump: object) -> frozenset[Place]:
             continue
         name, file, line = leaf.get("name"), leaf.get("short_filename") or leaf.get("filename"), leaf.get("line")
         if isinstance(name, str) and isinstance(file, str) and isinstance(line, int) and not isinstance(line, bool):
-            places.add((name, file, line))
+            cut = _cut_frame(Frame(name, file, line))  # as the windows' leaves are cut
+            places.add((cut.name, cut.file, line))
     return frozenset(places)
 
 
@@ -219,13 +273,20 @@ def main_thread_sample(dump: object, pid: int) -> Sample | None:
     for t in dump if isinstance(dump, list) else ():
         if not isinstance(t, dict) or not (t.get("os_thread_id") == pid or t.get("thread_name") == "MainThread"):
             continue
+        listed = t.get("frames") or []
+        listed = listed[:MAX_DEPTH] if isinstance(listed, list) else []  # innermost first: the leaf side kept
         frames = tuple(
-            Frame(str(f.get("name", "")), str(f.get("short_filename") or f.get("filename") or ""), int(f.get("line") or 0))
-            for f in reversed(t.get("frames") or []) if isinstance(f, dict)
+            _cut_frame(Frame(str(f.get("name", "")), str(f.get("short_filename") or f.get("filename") or ""),
+                             _line(f.get("line"))))
+            for f in reversed(listed) if isinstance(f, dict)
         )
         if frames:
             return Sample(str(t.get("thread_name") or ""), True, frames, 1, ";".join(map(str, frames)))
     return None
+
+
+def _line(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def thread_states(dump: object) -> dict[tuple[str, str], int]:

@@ -45,10 +45,11 @@ GpuBackendOpt = Annotated[str | None, typer.Option("--gpu-backend", help="nvml (
 def _setup_logging(level: str) -> None:
     import logging  # here, not at start-up: `--help` and `analyze` never log
 
-    from profagent.logs import PrintableFormatter
+    from profagent.logs import PrintableFormatter, RateLimit
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(PrintableFormatter("profagent %(levelname)s: %(message)s"))
+    handler.addFilter(RateLimit())
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler], force=True)
 
 

@@ -25,6 +25,7 @@ from profagent.sources.stacks.pyspy import (
     resume_if_stopped,
     stop_all,
     target_python,
+    unsafe_interpreter,
 )
 
 FORMATS = {"flamegraph": "flamegraph", "speedscope": "speedscope", "folded": "raw"}
@@ -51,6 +52,9 @@ def record_to_file(
         raise UserError(exc.problem, exc.fix) from None
     if problem:
         raise UserError(problem)
+    unsafe = unsafe_interpreter(pid)
+    if unsafe:
+        raise UserError(f"PID {pid} not recorded: {unsafe}", "record a process whose Python is a regular file")
     # py-spy writes a file of our own beside the output, renamed into place once it is
     # good: a failed run leaves nothing behind and never truncates an existing output.
     fd, name = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".partial")
@@ -71,6 +75,7 @@ def _umask() -> int:
     return mask
 
 
+RECORD_SLACK = 30  # seconds py-spy may run past --seconds (attach, writing a flamegraph) before it is killed
 NO_SAMPLES = "No stack counts found"  # py-spy's flamegraph writer, when no sample was kept
 
 
@@ -82,10 +87,14 @@ def _record(binary: str, pid: int, seconds: int, rate: int, fmt: str, output: Pa
                             text=True, start_new_session=True, preexec_fn=die_with_parent(),
                             env={**os.environ, "RUST_BACKTRACE": "0"})
     try:
-        out, err = proc.communicate()
+        out, err = proc.communicate(timeout=seconds + RECORD_SLACK)
     except KeyboardInterrupt:  # let py-spy write what it has, then stop
         stop_all([proc], grace=2.0)
         out, err = "", ""
+    except subprocess.TimeoutExpired:  # blocked (a file its target planted): never wait for good
+        stop_all([proc], grace=0.2)
+        raise UserError(f"py-spy did not finish within {seconds + RECORD_SLACK} s on PID {pid}: killed",
+                        "check the process with `profagent doctor`, or try again") from None
     finally:
         if not nonblocking:
             resume_if_stopped(pid, stopped_before)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import pwd
+import stat
 from collections.abc import Iterator
 
 from profagent.config import Config
@@ -12,8 +15,31 @@ from profagent.sources.ondemand.endpoint import Endpoint
 from profagent.system.unixsock import call, default_control_socket
 
 
+def check_trace_dir(trace_dir: str) -> Check | None:
+    """A row when the on-demand trace folder exists but the agent will refuse it (a user
+    made it first: a symlink, a file, or a folder of theirs), with what to do; else None."""
+    try:
+        st = os.lstat(trace_dir)
+    except OSError:
+        return None  # absent: the agent creates it
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+        return None
+    what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else "a file"
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = str(st.st_uid)
+    return Check("ondemand", "on-demand trace folder", WARN,
+                 f"{trace_dir} is {what} of user {owner}, made before the agent: the agent refuses it, so "
+                 "on-demand tracing is off",
+                 f"see what {owner} put there, remove it (rm -r {trace_dir}) and restart the agent; or set "
+                 "ondemand.trace_dir to a folder under one only root can write (e.g. /var/lib/profagent/ondemand)")
+
+
 def check_ondemand(config: Config) -> Iterator[Check]:
     """Is the Kineto endpoint free, held by a profagent agent (and who polls it), or by another daemon?"""
+    if row := check_trace_dir(config.ondemand.trace_dir):
+        yield row
     if problem := kineto.socket_dir_problem(config.ondemand.socket_dir):
         yield Check("ondemand", "Kineto socket folder", WARN, problem, kineto.SOCKET_DIR_FIX)
     endpoint = Endpoint(config.ondemand.socket_dir)

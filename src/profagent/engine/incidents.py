@@ -699,12 +699,16 @@ class Capture:
         binary = self.source._binary
         if binary is None:
             return "", "py-spy is not installed"
+        unsafe = pyspy.unsafe_interpreter(info.pid)
+        if unsafe:
+            return "", f"no py-spy dump: {unsafe}"
         errors = []
         stopped_before = pyspy.is_stopped(info.pid)
         try:
             for mode in pyspy.DUMP_MODES:
                 timeout = min(DUMP_TIMEOUT, self._remaining())
                 text, err = self.source.run_dump(pyspy.dump_text_args(binary, info.pid, mode), timeout)
+                text = redact_header(text, info.cmdline)
                 if text:
                     return text, ("" if mode == "native" else f"without native frames ({'; '.join(errors)})")
                 errors.append(f"{mode}: {err}")
@@ -908,6 +912,24 @@ def innermost_frame(dump: str) -> str | None:
 
 def _json(data: Any) -> bytes:
     return json.dumps(data, indent=2, default=str).encode() + b"\n"
+
+
+# py-spy's dump starts "Process 4242: <the whole command line>", then "Python v3.11.7 (...)";
+# the command line may span lines (python -c "...") and carries what the job was given
+_PROCESS_HEADER = re.compile(r"Process (\d+): ")
+
+
+def redact_header(text: str, cmdline: str) -> str:
+    """``text`` with py-spy's "Process N: <command line>" header showing ``cmdline`` instead,
+    the process' cmdline label (program and script; arguments only with agent.cmdline_args,
+    their secrets hidden): the command line carries tokens a bundle must not."""
+    m = _PROCESS_HEADER.match(text)
+    if m is None:
+        return text
+    end = text.find("\nPython v")
+    if end < 0:
+        end = text.find("\nThread ")
+    return f"Process {m.group(1)}: {cmdline}" + (text[end:] if end >= 0 else "\n")
 
 
 def _safe(rank: str) -> str:

@@ -7,6 +7,7 @@ snapshot, so scrapes between two source ticks cost a few dictionary lookups.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -67,11 +68,25 @@ class _Families:
 _EOF = b"# EOF\n"
 
 
+# Control characters in label values (names from jobs and trace files: ESC, BEL, CR, C1,
+# line separators, bidi overrides) as the client library leaves them, raw: a `curl
+# /metrics` in a terminal would obey them. The encoded block has no such byte of its own
+# (its line breaks are the only LF; an LF inside a value is already written "\n").
+_RAW_CONTROL = re.compile(rb"[\x00-\x09\x0b-\x1f\x7f]|\xc2[\x80-\x9f]|\xe2\x80[\xa8-\xae]|\xe2\x81[\xa6-\xa9]")
+
+
+def _visible(match: re.Match[bytes]) -> bytes:
+    """The escape labels.printable writes (``\\x1b``, ``\\u202e``), its backslash doubled as
+    the exposition formats want, so a parser reads back the printable text."""
+    code = ord(match.group().decode())
+    return (f"\\\\x{code:02x}" if code < 0x100 else f"\\\\u{code:04x}").encode()
+
+
 def _encode(encoder: Callable[[Any], bytes], collector: Any) -> bytes:
     """Encode one block; OpenMetrics' "# EOF" is added once, after everything."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    body = encoder(registry)
+    body = _RAW_CONTROL.sub(_visible, encoder(registry))
     return body[: -len(_EOF)] if body.endswith(_EOF) else body
 
 

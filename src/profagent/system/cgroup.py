@@ -143,6 +143,28 @@ def read_pod_identity(proc_root: Path, pid: int) -> PodIdentity | None:
     return parse_pod_identity(text)
 
 
+# slurmd's cgroup of a job's processes: /slurm/uid_1001/job_12345/step_0 (cgroup v1),
+# /system.slice/slurmstepd.scope/job_12345/step_0/user/task_0 (v2). Only root (slurmd)
+# makes these folders, at the top of the hierarchy where no user is delegated a subtree
+# (hence anchored: /user.slice/.../slurm/job_1 is a folder a user made), so a user cannot
+# put a process into another user's job this way.
+_SLURM_JOB_CGROUP = re.compile(r"^/(?:slurm/uid_\d+|system\.slice/slurmstepd\.scope)/job_(\d+)(?:/|$)")
+
+
+def slurm_job_of_cgroup(proc_root: Path, pid: int) -> str | None:
+    """The Slurm job id in the process' cgroup path, None when it is in no Slurm job's
+    cgroup (or is gone)."""
+    try:
+        text = (proc_root / str(pid) / "cgroup").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        m = _SLURM_JOB_CGROUP.search(line.rsplit(":", 1)[-1])
+        if m:
+            return m.group(1)
+    return None
+
+
 @dataclass(frozen=True)
 class SlurmIdentity:
     """A process' place in a Slurm allocation, from its environment ("" = not set)."""

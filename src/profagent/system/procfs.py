@@ -61,6 +61,33 @@ def python_paths(proc_root: Path, pid: int) -> list[str]:
     return names
 
 
+def interpreter_files(proc_root: Path, pid: int) -> list[str]:
+    """The paths py-spy opens to read the target's interpreter: its executable and every
+    executable mapping whose file name (not its folder) names python: libpython, a python binary,
+    as /proc shows them (a deleted file ends in " (deleted)"). Empty when /proc cannot be
+    read. Raises nothing."""
+    root = proc_root / str(pid)
+    paths: list[str] = []
+    try:
+        paths.append(os.readlink(root / "exe"))
+    except OSError:
+        pass
+    try:
+        with open(root / "maps", "rb") as fh:
+            for line in fh:
+                if b"python" not in line:
+                    continue
+                fields = line.split(maxsplit=5)
+                if len(fields) < 6 or b"x" not in fields[1] or not fields[5].startswith(b"/"):
+                    continue
+                path = fields[5].rstrip(b"\n").decode(errors="surrogateescape")
+                if "python" in path.rsplit("/", 1)[-1] and path not in paths:
+                    paths.append(path)
+    except OSError:
+        pass
+    return paths
+
+
 def read_children(proc_root: Path, pid: int) -> list[int] | None:
     """PIDs of the children started by the process' main thread (/proc/PID/task/PID/children).
 

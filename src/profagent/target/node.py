@@ -57,6 +57,7 @@ from pathlib import Path
 from profagent.config import WatchConfig
 from profagent.contracts import ROLE_DATALOADER, ROLE_LAUNCHER, ProcessInfo, ProcessTree
 from profagent.logs import LogOnce
+from profagent.system.cgroup import slurm_identity, slurm_job_of_cgroup
 from profagent.system.procfs import PROC, children_map, process_table, read_environ
 from profagent.target.pid import PidTarget
 from profagent.target.tree import JOB_VARS, RANK_VARS
@@ -121,6 +122,7 @@ class _Root:
     target: PidTarget
     tree: ProcessTree | None = None
     uid: int = -1  # real uid of the root process: part of the job's identity
+    trusted: bool = False  # its Slurm job id is vouched for by slurmd's cgroup, or SLURM_JOB_USER is its owner
 
 
 class NodeTarget:
@@ -160,7 +162,7 @@ class NodeTarget:
         self._uids: dict[Key, int] = {}  # owner of each candidate root (round-robin across users)
         self._loose_rank: dict[Key, bool] = {}  # has a rank but no job id variable (a custom launcher's)
         self._backlog_logged = False
-        self._claims: dict[str, int] = {}  # job id -> uid of its first owner (keeps the plain id)
+        self._claims: dict[str, tuple[int, bool]] = {}  # job id -> (uid, trusted) of the owner of the plain id
         self._env_match: dict[tuple[int, float, str], bool] = {}
         self._ended: dict[str, float] = {}  # job id -> when its last process went
         self._alive_jobs: set[str] = set()
@@ -206,13 +208,14 @@ class NodeTarget:
         if children is None and self._roots:
             children = children_map(self.proc_root)  # once per tick for every job, not once per job
         by_job: dict[str, list[ProcessTree]] = {}
+        self._claim_trusted()
         for key, root in list(self._roots.items()):
             tree = root.target.refresh(children)
             if not tree.alive:
                 del self._roots[key]
                 continue
             root.tree = tree
-            tree = self._own(tree, root.uid)
+            tree = self._own(tree, root.uid, root.trusted)
             by_job.setdefault(tree.job_id, []).append(tree)
 
         for job_id in self._alive_jobs - set(by_job):
@@ -224,7 +227,7 @@ class NodeTarget:
         self._alive_jobs = set(by_job)
         # an id stays claimed while its owner has a root with it, or while it is in its grace
         owned = {(r.tree.job_id, r.uid) for r in self._roots.values() if r.tree}
-        self._claims = {j: u for j, u in self._claims.items() if (j, u) in owned or j in self._ended}
+        self._claims = {j: c for j, c in self._claims.items() if (j, c[0]) in owned or j in self._ended}
         self._capped.forget(lambda job_id: job_id in self._alive_jobs)
 
         processes: list[ProcessInfo] = []
@@ -234,10 +237,26 @@ class NodeTarget:
         self.last_refresh = self._clock()
         return ProcessTree("", 0, tuple(processes), alive=True, jobs=tuple(jobs))
 
-    def _own(self, tree: ProcessTree, uid: int) -> ProcessTree:
+    def _claim_trusted(self) -> None:
+        """A job whose Slurm id is vouched for (``_Root.trusted``) takes its plain id from a
+        user who claimed it first without being vouched for (``SLURM_JOB_ID=12345`` set by
+        hand before alice's job 12345 started): that one is relabelled ``12345@user``."""
+        for root in self._roots.values():
+            if root.tree is None or not root.trusted:
+                continue
+            claim = self._claims.get(root.tree.job_id)
+            if claim is None or (not claim[1] and claim[0] != root.uid):
+                if claim is not None:
+                    log.warning("job id %s: the process of user %s that claimed it first is not in Slurm's job %s; "
+                                "it is %s@%s from now on", root.tree.job_id, _user(claim[0]), root.tree.job_id,
+                                root.tree.job_id, _user(claim[0]))
+                self._claims[root.tree.job_id] = (root.uid, True)
+
+    def _own(self, tree: ProcessTree, uid: int, trusted: bool = False) -> ProcessTree:
         """The tree under its job's label: the job id, suffixed with the user when another
-        user already owns that id (roots are visited in admission order)."""
-        owner = self._claims.setdefault(tree.job_id, uid)
+        user already owns that id (roots are visited in admission order, vouched ones first:
+        see _claim_trusted)."""
+        owner = self._claims.setdefault(tree.job_id, (uid, trusted))[0]
         if owner == uid:
             return tree
         label = f"{tree.job_id}@{_user(uid)}"
@@ -390,13 +409,29 @@ class NodeTarget:
         self._ignored.pop(key, None)
         if job not in known:
             log.info("attached to job %s of user %s (PID %d, %d processes)", tree.job_id, _user(uid), key[0], len(tree.processes))
-        self._roots[key] = _Root(target, tree, uid)
+        self._roots[key] = _Root(target, tree, uid, self._vouched(key[0], uid, tree.job_id))
+
+    def _vouched(self, pid: int, uid: int, job_id: str) -> bool:
+        return _slurm_claim_vouched(self.proc_root, pid, uid, job_id, self._environ(pid))
 
     def _environ(self, pid: int) -> dict[str, str]:
         try:
             return self._read_environ(self.proc_root, pid)
         except OSError:  # gone, or another user's without CAP_SYS_PTRACE/DAC_READ_SEARCH
             return {}
+
+
+def _slurm_claim_vouched(proc_root: Path, pid: int, uid: int, job_id: str, environ: dict[str, str]) -> bool:
+    """Whether ``job_id`` is the process' Slurm job by a word its user cannot forge for
+    another user: slurmd's cgroup names that job; on a node without Slurm cgroups,
+    SLURM_JOB_USER is the process' owner (a user can still name a job id of their own there)."""
+    slurm = slurm_identity(environ)
+    if slurm is None or slurm.job_id != job_id:
+        return False
+    in_cgroup = slurm_job_of_cgroup(proc_root, pid)
+    if in_cgroup is not None:
+        return in_cgroup == job_id
+    return bool(slurm.user) and slurm.user == _user(uid)
 
 
 def _owner(proc_root: Path, pid: int) -> int | None:

@@ -10,7 +10,9 @@ Names come from what the node itself shows, without any API call:
 - else the pod name from the process' ``HOSTNAME`` (Kubernetes sets it to the pod name
   unless the pod sets ``hostname:``) and the namespace from ``POD_NAMESPACE`` (the usual
   downward-API variable), each kept only if it is a valid Kubernetes name;
-- Slurm's job name, step, task and node from the environment (``SLURM_*``).
+- Slurm's job name, step, task and node from the environment (``SLURM_*``);
+- the user from the kernel: the process' owner. ``SLURM_JOB_USER`` is the job's word and
+  may name another user (``nobody`` claimed to be ``alice``), so it is not read here.
 
 Nothing is read inside the job's root (``/proc/PID/root``): the job controls its mount
 namespace (``unshare -Urm`` needs no privilege), so a path there, such as the
@@ -73,5 +75,5 @@ def placement_of(
         slurm_step=slurm.step_id if slurm else "",
         slurm_task=slurm.task if slurm else "",
         slurm_node=slurm.node if slurm else "",
-        user=(slurm.user if slurm and slurm.user else _owner(proc_root, pid)),
+        user=_owner(proc_root, pid),  # never SLURM_JOB_USER: the job's word, which names anyone
     )

@@ -12,6 +12,13 @@ user at ``max_per_user`` replaces that user's least recently seen entry; a new p
 when the registry is full replaces the least recently seen entry of the user holding the
 most (its own, on a tie). So a user who floods it with short-lived pollers only ever evicts its own entries,
 and another user's new job always gets in. Each eviction is counted (``evicted``).
+
+Datagrams are rate-limited before they are read, by the sender's kernel credentials: a
+process may send POLLS_PER_PROCESS a second (bursts of POLL_BURST; libkineto polls about
+once a second), a user USER_POLLS_PER_SECOND (bursts of USER_POLL_BURST). What is over is
+dropped unread and unanswered, counted as ``rate_limited``; the process polls again. 100
+processes polling flat out (44k polls) once cost ~23% of a core and made another user's
+`profagent trace` fail.
 """
 
 from __future__ import annotations
@@ -48,6 +55,10 @@ POLLER_TTL = 60.0  # libkineto polls every ~5 s; silent this long means gone
 MALFORMED_LOG_EVERY = 100
 MAX_POLLERS = 4096  # far more processes than a node traces; a flood cannot grow the registry past it
 MAX_POLLERS_PER_USER = 256  # ondemand.max_pollers_per_user: far more ranks than one user runs on a node
+POLLS_PER_PROCESS, POLL_BURST = 2.0, 5  # datagrams a second per sending process, and its burst
+USER_POLLS_PER_SECOND, USER_POLL_BURST = 50.0, 100  # per user (uid): 50 processes at libkineto's pace
+DRAIN_BATCH = 256  # datagrams read per wake-up, before the stop flag is looked at again
+MAX_BUCKETS = 8192  # senders remembered by the rate limit (the least recently seen go first)
 MAX_ANCESTORS = 32  # pids kept per poll (the process and its ancestors)
 # libkineto drops a config without a word in two cases, and the process then polls free
 # to trace with no trace file; the config is sent again:
@@ -123,7 +134,11 @@ class Endpoint:
     """The Kineto daemon socket, the registry of polling processes and pending requests."""
 
     def __init__(self, socket_dir: str = "", clock: Callable[[], float] = time.monotonic,
-                 max_pollers: int = MAX_POLLERS, max_per_user: int = MAX_POLLERS_PER_USER) -> None:
+                 max_pollers: int = MAX_POLLERS, max_per_user: int = MAX_POLLERS_PER_USER,
+                 poll_rate: tuple[float, int] = (POLLS_PER_PROCESS, POLL_BURST),
+                 user_poll_rate: tuple[float, int] = (USER_POLLS_PER_SECOND, USER_POLL_BURST)) -> None:
+        """``poll_rate``, ``user_poll_rate``: (datagrams a second, burst) per sending process
+        and per user."""
         self.socket_dir = socket_dir
         self._clock = clock
         self.max_pollers, self.max_per_user = max_pollers, min(max_per_user, max_pollers)
@@ -134,6 +149,9 @@ class Endpoint:
         self._counts: dict[str, int] = {}
         self._sock: socket.socket | None = None
         self._ids = itertools.count(1)
+        self._limited = 0  # datagrams over the rate, not yet counted
+        self._per_process = TokenBuckets(*poll_rate)
+        self._per_user = TokenBuckets(*user_poll_rate)
 
     @property
     def address(self) -> str | bytes:
@@ -188,24 +206,45 @@ class Endpoint:
         while not stop.is_set() and self._sock is not None:
             try:
                 readable, _, _ = select.select([self._sock], [], [], 0.2)
-                if not readable:
-                    continue
-                data, ancdata, _, addr = self._sock.recvmsg(65536, socket.CMSG_SPACE(_UCRED.size))
-            except (BlockingIOError, InterruptedError):
-                continue
             except (OSError, ValueError):
                 if stop.is_set() or self._sock is None:
                     return
                 continue
+            if readable:
+                self._drain(DRAIN_BATCH)
+
+    def _drain(self, most: int) -> None:
+        """Read up to ``most`` queued datagrams without waiting: a flood is read as fast as it
+        comes, so the queue (where a full one makes every sender wait, another user's job
+        too) stays short, and what is over the rate costs a recvmsg and two lookups."""
+        sock = self._sock
+        space = socket.CMSG_SPACE(_UCRED.size)
+        for _ in range(most):
+            if sock is None:
+                return
+            try:
+                data, ancdata, _, addr = sock.recvmsg(65536, space, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except (OSError, ValueError):
+                return
+            sender, now = _sender(ancdata), self._clock()
+            if not (self._per_process.take(sender.pid, now) and self._per_user.take(sender.uid, now)):
+                self._limited += 1  # unread, unanswered (counted under the lock once per batch)
+                continue
             with CPU.charge("ondemand"):
-                reply = self.handle(data, _sender(ancdata))
+                reply = self.handle(data, sender)
             if reply is not None and addr:
                 try:
-                    self._sock.sendto(reply, socket.MSG_DONTWAIT, addr)
+                    sock.sendto(reply, socket.MSG_DONTWAIT, addr)
                 except BlockingIOError:
                     self._count("reply_dropped")  # the sender does not read its replies
                 except OSError:
                     self._count("reply_failed")
+        if self._limited:
+            with self._lock:
+                self._counts["rate_limited"] = self._counts.get("rate_limited", 0) + self._limited
+            self._limited = 0
 
     def _count(self, kind: str) -> None:
         with self._lock:
@@ -344,6 +383,26 @@ class Endpoint:
     def counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+
+class TokenBuckets:
+    """One token bucket per key (a PID, a uid): ``rate`` a second, at most ``burst`` saved.
+    Keys are bounded by MAX_BUCKETS: past it the least recently used is forgotten (a flood
+    of short-lived senders only forgets its own, which start full again)."""
+
+    def __init__(self, rate: float, burst: int, max_keys: int = MAX_BUCKETS) -> None:
+        self.rate, self.burst, self.max_keys = rate, float(burst), max_keys
+        self._buckets: dict[int, tuple[float, float]] = {}  # key -> (tokens, when), least recently used first
+
+    def take(self, key: int, now: float) -> bool:
+        """Take one token of ``key``'s bucket; False when it is empty."""
+        tokens, when = self._buckets.pop(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - when) * self.rate)
+        ok = tokens >= 1.0
+        self._buckets[key] = (tokens - 1.0 if ok else tokens, now)
+        if len(self._buckets) > self.max_keys:
+            del self._buckets[next(iter(self._buckets))]
+        return ok
 
 
 def _sender(ancdata: list[tuple[int, int, bytes]]) -> Sender:

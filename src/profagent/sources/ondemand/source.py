@@ -120,7 +120,7 @@ class OndemandSource:
             key = (info.job_id, info.rank, info.role)
             groups[key] = groups.get(key, 0) + 1
         counts = self.endpoint.counts()
-        datagrams = tuple((k, counts.get(k, 0)) for k in ("poll", "ctxt", "malformed"))
+        datagrams = tuple((k, counts.get(k, 0)) for k in ("poll", "ctxt", "malformed", "rate_limited"))
         requests = tuple((k, counts.get(k, 0)) for k in ("requested", "sent", "resent", "expired"))
         return OndemandSnapshot(
             tuple((*k, n) for k, n in sorted(groups.items())), unmatched, datagrams, requests

@@ -34,8 +34,16 @@ from pathlib import Path
 
 import psutil
 
+from profagent.analysis.labels import printable
 from profagent.errors import Unavailable
-from profagent.system.procfs import PROC, exited, python_paths, read_text_or_empty
+from profagent.system.procfs import (
+    PROC,
+    exited,
+    interpreter_files,
+    python_paths,
+    read_text_or_empty,
+)
+from profagent.system.safefs import UnsafePath, open_regular
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +113,33 @@ def target_python(pid: int, proc_root: str | Path = "/proc") -> PythonBuild | No
         m = _PY_NAME.search(name)
         if m:
             return PythonBuild(int(m.group(1)), int(m.group(2)), m.group(3) == "t")
+    return None
+
+
+DELETED = " (deleted)"
+
+
+def unsafe_interpreter(pid: int, proc_root: Path = PROC) -> str | None:
+    """Why py-spy must not read ``pid``, or None when its interpreter files look safe to open.
+
+    py-spy, run by root, opens ``/proc/PID/root`` + each path the target maps its Python
+    from. The target's owner chooses those paths: a mapped libpython unlinked, with a FIFO
+    planted at "<path> (deleted)", blocked py-spy forever; a symlink there made root's
+    py-spy open /etc/shadow. So every such file must be there, a regular file (not a link,
+    FIFO, socket or device, checked without following or blocking), and not deleted. A
+    swap after this check is what the run's deadline (see sampler.DEADLINE_SLACK) is for.
+    """
+    for path in interpreter_files(proc_root, pid):
+        if path.endswith(DELETED):
+            return f"its Python ({printable(path[:200])}) is a deleted file: not read, a path its owner can plant"
+        try:
+            os.close(open_regular(f"{proc_root}/{pid}/root{path}"))
+        except UnsafePath as exc:
+            return f"its Python ({printable(path[:200])}) is refused, {exc}"
+        except FileNotFoundError:
+            return f"its Python ({printable(path[:200])}) is not there: not read"
+        except OSError:
+            continue  # gone, or /proc/PID/root unreadable: py-spy will say so
     return None
 
 

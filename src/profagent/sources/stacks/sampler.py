@@ -13,6 +13,15 @@ At most ``stacks.max_pyspy`` children run at once, whatever the number of ranks 
 of 150 ranks would otherwise get 300 root py-spy processes). Runs that are due wait
 their turn, least recently started first, so every rank is sampled in rotation; each
 wait is counted once, as an error with reason ``pyspy_cap``.
+
+Every run has a deadline: a record window its seconds + DEADLINE_SLACK, a dump
+DUMP_DEADLINE. A py-spy still there then is killed (it may be blocked in an ``open()``
+of a file the target's owner planted, or reading a process that hides its interpreter),
+counted as ``pyspy_deadline``, and its slot is free again; the process is retried with
+the usual back-off, and after LATE_RUNS_BEFORE_SKIP such runs in a row it is skipped
+(``pyspy_skipped``, logged once) until it exits. Before each run the target's interpreter
+files are checked (``pyspy.unsafe_interpreter``): a process whose mapped Python is
+deleted, or not a regular file, is skipped the same way (``unsafe_target``).
 """
 
 from __future__ import annotations
@@ -28,18 +37,20 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
 from profagent.analysis.stacks import (
+    MAX_STACKS,
+    MAX_WINDOW_CHARS,
     Place,
     Sample,
+    fold_capped,
     idle_places,
     main_thread_sample,
-    parse_folded,
     thread_states,
 )
 from profagent.config import StacksConfig
@@ -55,8 +66,16 @@ MAX_WAIT = 1.0  # longest sleep with no child ending and nothing due
 RETRY_AFTER = 5.0  # seconds before sampling a process again after py-spy failed on it,
 RETRY_MAX = 300.0  # doubling on each consecutive failure up to this
 MAX_PENDING = 1000  # results kept until drained
+MAX_PENDING_CHARS = 32 << 20  # characters of stacks in the results kept until drained (the oldest go first)
+MAX_OUTPUT_LINE = 8 << 20  # bytes of one line of py-spy output read; a longer line is skipped
+MAX_OUTPUT_BYTES = 64 << 20  # bytes of one py-spy output read (only what the caps keep is held)
 CUT_GRACE = 2.0  # seconds a window cut short has to stop on SIGINT (py-spy checks once a sample) before SIGKILL
 TORN_READS_TOLERATED = 3  # consecutive torn non-blocking reads retried at once, unreported
+DEADLINE_SLACK = 10.0  # seconds a record window may run past its --duration (attach, writing) before it is killed
+DUMP_DEADLINE = 10.0  # seconds a dump may take (one takes ~10 ms; seconds on a loaded node)
+LATE_RUNS_BEFORE_SKIP = 3  # consecutive runs killed at their deadline before the process is skipped
+MAX_DUMP_BYTES = 8 << 20  # bytes of a dump's JSON read; a longer one counts as reason parse
+MAX_STDERR = 64 << 10  # bytes of py-spy's stderr read (only its first line is used)
 STATE_EVERY = 15.0  # seconds between thread-state dumps per process (a dump costs ~10 ms CPU)
 # py-spy output folders: profagent-stacks-<agent pid>-<agent start, ms>-<random>. The creator
 # is in the name so a later agent can remove the folders of one that was SIGKILLed.
@@ -83,6 +102,8 @@ class PySpyChild:
     pidfd: int | None = None  # readable once py-spy exits (None: no pidfds here, poll)
     window: int = 0  # a record window's seconds (0: a dump)
     cut_at: float | None = None  # asked to stop early (SIGINT): its process is wanted at a faster pace now
+    deadline: float = float("inf")  # killed if still running then
+    late: bool = False  # killed at its deadline
 
 
 @dataclass(frozen=True)
@@ -129,6 +150,8 @@ class Sampler:
         self._results: list[Result] = []
         self._seq = 0
         self._native: set[int] = set()  # pids whose next record window is native
+        self._late: dict[int, int] = {}  # pid -> consecutive runs killed at their deadline
+        self._skipped: dict[int, str] = {}  # pid -> why it is not sampled any more (until it leaves)
         self._waiter = ChildWaiter()
 
     def start(self) -> None:
@@ -215,6 +238,7 @@ class Sampler:
         now = self._clock()
         done = []
         self._cut_slow_windows(children)
+        self._kill_late(children)
         for key, child in list(children.items()):
             child_cpu = reap(child.proc)  # wait4, not poll(): py-spy's own CPU is the stacks source's cost
             if child_cpu is not None:
@@ -223,13 +247,13 @@ class Sampler:
                 done.extend(self._harvest(child, now))
                 del children[key]
         due = [(kind, pid) for pid in wanted for kind in ("record", "dump")
-               if (kind, pid) not in children and now >= self._next.get((kind, pid), 0.0)]
+               if (kind, pid) not in children and pid not in self._skipped and now >= self._next.get((kind, pid), 0.0)]
         due.sort(key=lambda k: self._started.get(k, float("-inf")))  # least recently started first
         for key in due:
             kind, pid = key
             rank, role = wanted[pid]
-            if exited(PROC, pid):
-                continue  # gone (or exiting, or a zombie) since the last tree: nothing to sample or report
+            if pid in self._skipped or exited(PROC, pid):
+                continue  # refused in this step, or gone (exiting, a zombie) since the last tree
             if len(children) >= self.config.max_pyspy:
                 if key not in self._deferred:
                     self._deferred.add(key)
@@ -238,6 +262,12 @@ class Sampler:
                                               "ranks are sampled in turn"))
                 continue
             self._deferred.discard(key)
+            problem = pyspy.unsafe_interpreter(pid)
+            if problem is not None:
+                self._skipped[pid] = problem
+                done.append(Result(kind, pid, rank, role, now, now, self._wall(), error="unsafe_target",
+                                   detail=f"PID {pid} skipped: {problem}"))
+                continue
             child = self._launch(kind, pid, rank, role, now)
             if child is not None:
                 children[key] = child
@@ -246,12 +276,16 @@ class Sampler:
             for key in [k for k in table if k[1] not in wanted]:
                 del table[key]
         self._deferred = {k for k in self._deferred if k[1] in wanted}
+        for table in (self._late, self._skipped):
+            for pid in [p for p in table if p not in wanted]:
+                del table[pid]
         with self._lock:
             self._native &= set(wanted)  # a native window asked of a process no longer sampled
         with self._lock:
             self._children = children
             self._results.extend(done)
             del self._results[:-MAX_PENDING]  # nobody drains while the target is gone
+            _trim(self._results)
 
     def _window(self, pid: int) -> tuple[int, int]:
         """(rate, whole seconds) of ``pid``'s next record window."""
@@ -279,6 +313,16 @@ class Sampler:
             elif child.cut_at is not None and now - child.cut_at >= CUT_GRACE:
                 pyspy.interrupt(child.proc, signal.SIGKILL)  # its samples are lost; the next window is not
 
+    def _kill_late(self, children: dict[tuple[str, int], PySpyChild]) -> None:
+        """SIGKILL each child past its deadline; it is reaped (and counted) on a next step,
+        which its pidfd wakes at once. Here, in the thread that reaps: its PID is ours."""
+        now = self._clock()
+        for child in children.values():
+            if not child.late and now >= child.deadline:
+                child.late = True
+                log.debug("stacks: py-spy %s on PID %d past its deadline: killed", child.kind, child.pid)
+                pyspy.interrupt(child.proc, signal.SIGKILL)
+
     def _launch(self, kind: str, pid: int, rank: str, role: str, now: float) -> PySpyChild | None:
         assert self._tmp is not None and self._binary is not None
         self._seq += 1
@@ -305,8 +349,9 @@ class Sampler:
                 self._results.append(Result(kind, pid, rank, role, now, now, self._wall(), error="spawn", detail=str(exc),
                                             native=native))
             return None
+        deadline = now + (window + DEADLINE_SLACK if kind == "record" else DUMP_DEADLINE)
         return PySpyChild(kind, pid, rank, role, proc, out, err, now, self._wall(), stopped_before, born, native,
-                          ChildWaiter.watch(proc.pid), window=window if kind == "record" else 0)
+                          ChildWaiter.watch(proc.pid), window=window if kind == "record" else 0, deadline=deadline)
 
     def _sleep_plan(self) -> tuple[list[int], float]:
         """What to wait on after a step: the running children's pidfds, and for how long.
@@ -323,14 +368,21 @@ class Sampler:
         capped = len(children) >= self.config.max_pyspy
         due = [self._next.get((kind, pid), 0.0) for pid in wanted for kind in ("record", "dump")
                if (kind, pid) not in children and not (capped and (kind, pid) in self._deferred)]
+        due += [c.deadline for c in children.values() if not c.late]
         timeout = MAX_WAIT if not due else min(MAX_WAIT, max(POLL, min(due) - self._clock()))
         return [c.pidfd for c in children.values() if c.pidfd is not None], timeout
 
     def _harvest(self, child: PySpyChild, now: float) -> list[Result]:
-        text = _read(child.out)
-        stderr = _read(child.err)
-        for path in (child.out, child.err):
-            path.unlink(missing_ok=True)
+        try:
+            return self._results_of(child, now)
+        finally:
+            for path in (child.out, child.err):
+                path.unlink(missing_ok=True)
+
+    def _results_of(self, child: PySpyChild, now: float) -> list[Result]:
+        # a record's output is read line by line at the end, within caps; a dump's JSON is small
+        text = _read(child.out, MAX_DUMP_BYTES) if child.kind == "dump" else _head(child.out)
+        stderr = _read(child.err, MAX_STDERR)
         base = dict(kind=child.kind, pid=child.pid, rank=child.rank, role=child.role, start=child.start, end=now,
                     wall_end=self._wall(), native=child.native)
         extra = []
@@ -338,6 +390,9 @@ class Sampler:
             detail = f"PID {child.pid} was left stopped after a blocking py-spy sample: resumed it with SIGCONT"
             extra.append(Result(**base, error="target_resumed", detail=detail))
         key = (child.kind, child.pid)
+        if child.late:
+            return [*extra, *self._late_run(child, key, base, now)]
+        self._late.pop(child.pid, None)
         if child.cut_at is not None and not text.strip():  # cut before it sampled (SIGINT while py-spy attached): not a failure
             self._next[key] = now
             if child.native:
@@ -369,8 +424,46 @@ class Sampler:
                 return [*extra, Result(**base, states=thread_states(dump), samples=(main,) if main else (),
                                        idle=idle_places(dump))]
             except ValueError:
-                return [*extra, Result(**base, error="parse", detail="py-spy dump printed invalid JSON")]
-        return [*extra, Result(**base, samples=tuple(parse_folded(text, child.pid)))]
+                detail = "py-spy dump printed invalid JSON" if len(text) < MAX_DUMP_BYTES else \
+                    f"py-spy dump printed more than {MAX_DUMP_BYTES >> 20} MiB: not read"
+                return [*extra, Result(**base, error="parse", detail=detail)]
+        folded = fold_capped(_lines(child.out), child.pid)
+        result = Result(**base, samples=tuple(folded.samples))
+        if folded.dropped_stacks:
+            detail = (f"a window of PID {child.pid} had more stacks than are kept (stacks capped: {MAX_STACKS} "
+                      f"distinct, {MAX_WINDOW_CHARS >> 20} MiB of names per window); the rest was dropped")
+            return [*extra, result, Result(**base, error="stacks_capped", detail=detail)]
+        return [*extra, result]
+
+    def _late_run(self, child: PySpyChild, key: tuple[str, int], base: dict, now: float) -> list[Result]:
+        """A run killed at its deadline: counted, retried with the back-off, and after
+        LATE_RUNS_BEFORE_SKIP in a row its process is skipped until it exits."""
+        if child.native:
+            with self._lock:
+                self._native.discard(child.pid)
+        if exited(PROC, child.pid, child.born):
+            return []
+        fails = self._fails[key] = self._fails.get(key, 0) + 1
+        late = self._late[child.pid] = self._late.get(child.pid, 0) + 1
+        self._next[key] = now + min(RETRY_AFTER * 2 ** (fails - 1), RETRY_MAX)
+        seconds = child.deadline - child.start
+        results = [Result(**base, error="pyspy_deadline",
+                          detail=f"py-spy {child.kind} ran past its {seconds:.0f} s deadline: killed")]
+        if late >= LATE_RUNS_BEFORE_SKIP and child.pid not in self._skipped:  # (the other kind's run may end later)
+            self._skipped[child.pid] = f"{late} py-spy runs in a row killed at their deadline"
+            results.append(Result(**base, error="pyspy_skipped",
+                                  detail=f"PID {child.pid} skipped until it exits: {self._skipped[child.pid]}"))
+        return results
+
+
+def _trim(results: list[Result]) -> None:
+    """Drop the oldest results while those kept hold more than MAX_PENDING_CHARS of stacks."""
+    total = 0
+    for i in range(len(results) - 1, -1, -1):
+        total += sum(len(s.folded) for s in results[i].samples)
+        if total > MAX_PENDING_CHARS:
+            del results[: i + 1]
+            return
 
 
 def _ms(create_time: float) -> int:
@@ -408,8 +501,34 @@ def remove_stale_folders(tmp: Path, started: float) -> list[Path]:
     return removed
 
 
-def _read(path: Path) -> str:
+def _read(path: Path, most: int = MAX_OUTPUT_BYTES) -> str:
     try:
-        return path.read_text(errors="replace")
+        with open(path, "rb") as fh:
+            return fh.read(most).decode(errors="replace")
     except FileNotFoundError:
         return ""
+
+
+def _head(path: Path) -> str:
+    """The first bytes of a record's output: enough to tell whether py-spy wrote anything."""
+    return _read(path, 4096)
+
+
+def _lines(path: Path) -> Iterator[str]:
+    """py-spy's output, line by line, at most MAX_OUTPUT_BYTES, a line longer than
+    MAX_OUTPUT_LINE skipped (never held whole)."""
+    try:
+        fh = open(path, "rb")  # noqa: SIM115  (closed below; a generator)
+    except FileNotFoundError:
+        return
+    with fh:
+        total, skipping = 0, False
+        while total < MAX_OUTPUT_BYTES:
+            line = fh.readline(MAX_OUTPUT_LINE)
+            if not line:
+                return
+            total += len(line)
+            whole = line.endswith(b"\n")
+            if not skipping and (whole or len(line) < MAX_OUTPUT_LINE):
+                yield line.decode(errors="replace")
+            skipping = not whole

@@ -14,6 +14,12 @@ A file that needs more (a gzip of a gigabyte of blanks, a 600 MiB name) is refus
 reason ``too_large_event`` as soon as the buffer passes the cap, so the reader's peak
 memory is a small multiple of ``max_buffered`` (the text and its decoded events).
 
+What the text holds is capped too (``Limits``), since a 7 MB gzip of small valid events
+inflated to 2 GB and cost 4.5 GB of memory: events decoded (``too_many_events``), distinct
+names and distinct threads (``too_many_names``) refuse the trace as soon as they pass their
+cap; a name, pid or tid string longer than ``max_name_chars`` is cut there (+ "…"). Each
+piece of text is at most about CHUNK, so the reader holds at most one piece past a cap.
+
 Raises ``TraceError`` (with a short bounded ``reason``) and nothing else for bad input.
 """
 
@@ -24,6 +30,7 @@ import os
 import re
 import typing
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -45,7 +52,30 @@ CHUNK = 512 * 1024
 RAW_CHUNK = 1024 * 1024  # compressed bytes read at a time
 MAX_BUFFERED = 16 * 1024 * 1024  # traces.max_buffered_bytes: text held at once (an event is a few KB)
 
-WINDOW_END = "Record Window End"  # libkineto's instant event at the end of the traced window
+WINDOW_END = "Record Window End"
+
+# Measured on traces of small events, read and analysed in one process: a kept event costs
+# about 180 bytes at the reader's and the analysis' peak, a distinct name about 2.4 bytes per
+# character plus 100. The defaults hold one trace under about 256 MiB: 1 M events (~180 MB)
+# plus 16,384 names of 2,048 characters (~80 MB); real traces have tens of thousands of
+# events and a few hundred names (the longest kernel name seen: 1,817 characters).
+MAX_EVENTS = 1_000_000
+MAX_NAMES = 16_384
+MAX_NAME_CHARS = 2_048
+MAX_INFLATED = 512 * 1024**2
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on what a trace holds (``traces.max_events``, ``max_names``, ``max_name_chars``);
+    None: no cap (a file the user gave on the command line)."""
+
+    max_events: int | None = MAX_EVENTS
+    max_names: int | None = MAX_NAMES
+    max_name_chars: int | None = MAX_NAME_CHARS
+
+
+NO_LIMITS = Limits(None, None, None)  # libkineto's instant event at the end of the traced window
 
 
 class TraceError(SourceError):
@@ -172,15 +202,17 @@ def _open(path: Path, owner_ok: Callable[[int], bool] | None) -> typing.BinaryIO
         raise TraceError(str(exc), exc.reason) from None
 
 
-def _capped(chunks: Iterator[bytes], max_bytes: int | None) -> Iterator[bytes]:
-    """Stop with ``too_large`` once the *inflated* text exceeds ``max_bytes`` (a gzip bomb
-    costs at most that much reading, never that much memory)."""
+def _capped(chunks: Iterator[bytes], max_bytes: int | None, max_inflated: int | None = None) -> Iterator[bytes]:
+    """Stop with ``too_large`` once the *inflated* text exceeds ``max_bytes`` or
+    ``max_inflated`` (a gzip bomb costs at most that much reading, never that much memory)."""
     total = 0
     try:
         for data in chunks:
             total += len(data)
             if max_bytes is not None and total > max_bytes:
                 raise TraceError(f"more than traces.max_file_bytes ({max_bytes}) once uncompressed", "too_large")
+            if max_inflated is not None and total > max_inflated:
+                raise TraceError(f"more than traces.max_inflated_bytes ({max_inflated}) once uncompressed", "too_large")
             yield data
     finally:
         chunks.close()  # type: ignore[attr-defined]
@@ -262,8 +294,10 @@ def _dense(ids: np.ndarray, first_seen: dict) -> tuple[np.ndarray, list]:  # typ
 class _Builder:
     """Turns decoded pieces into columns, keeping only what the analyzers use."""
 
-    def __init__(self, trace: Trace) -> None:
+    def __init__(self, trace: Trace, limits: Limits = NO_LIMITS) -> None:
         self.trace = trace
+        self._limits = limits
+        self._events = 0  # decoded, of any kind (each costs CPU; instants and metadata memory too)
         self._names: dict[str, int] = {}
         self._pids: dict[int | str, int] = {}
         self._tids: dict[int | str, int] = {}
@@ -273,6 +307,10 @@ class _Builder:
     def add(self, events: list) -> None:  # type: ignore[type-arg]
         """Keep what the analyzers use from decoded ``Event`` or tagged events."""
         kinds = KINDS
+        self._events += len(events)
+        limit = self._limits.max_events
+        if limit is not None and self._events > limit:
+            raise TraceError(f"more than traces.max_events ({limit}) events", "too_many_events")
         if events and type(events[0]).__name__ != "Event":
             kept = [e for e in events if type(e) is XEvent and e.cat in kinds]
             instant, meta = InstantEvent, MetaEvent
@@ -311,6 +349,9 @@ class _Builder:
         name = [e.name for e in kept]
         pid = [e.pid for e in kept]
         tid = [e.tid for e in kept]
+        cut = self._limits.max_name_chars
+        if cut is not None:
+            name, pid, tid = _cut(name, cut), _cut(pid, cut), _cut(tid, cut)
         args = [e.args for e in kept]
         # provisional ids: the position of a name's first occurrence (made dense in finish)
         ids = range(self._seen, self._seen + n)
@@ -329,6 +370,9 @@ class _Builder:
             _int_column([-1 if a is None else a.correlation for a in args]),
             _int_column([-1 if a is None else a.device for a in args]),
         ))
+        most = self._limits.max_names
+        if most is not None and max(len(self._names), len(self._pids) + len(self._tids)) > most:
+            raise TraceError(f"more than traces.max_names ({most}) distinct event names or threads", "too_many_names")
 
     def _count_bad(self, kept: list, dur: np.ndarray, good: np.ndarray) -> None:  # type: ignore[type-arg]
         """Count the events left out for their duration, by cause, and keep a few names."""
@@ -379,6 +423,14 @@ class _Builder:
             t.device[gpu_missing] = per_thread[t.thread[gpu_missing]]
 
 
+def _cut(values: list, most: int) -> list:  # type: ignore[type-arg]
+    """``values`` with each string longer than ``most`` cut there, "…" added (one pass to
+    look: almost always nothing to cut)."""
+    if not any(type(v) is str and len(v) > most for v in values):
+        return values
+    return [v[:most] + "…" if type(v) is str and len(v) > most else v for v in values]
+
+
 def _is_time(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -411,7 +463,7 @@ def _decode_error(exc: Exception) -> TraceError:
 
 def read_trace(
     path: str | Path, max_bytes: int | None = None, owner_ok: Callable[[int], bool] | None = None,
-    max_buffered: int = MAX_BUFFERED,
+    max_buffered: int = MAX_BUFFERED, limits: Limits = NO_LIMITS, max_inflated: int | None = None,
 ) -> Trace:
     """Parse a Kineto trace (.json or .json.gz, detected by content).
 
@@ -419,12 +471,14 @@ def read_trace(
     JSON), ``not_a_trace`` (no traceEvents array), ``unreadable`` (OS error), and, for
     files the agent refuses to read: ``symlink``, ``not_regular``, ``foreign_owner``
     (``owner_ok`` said no), ``too_large`` (over ``max_bytes`` uncompressed),
-    ``too_large_event`` (more than ``max_buffered`` bytes of text held at once).
+    ``too_large_event`` (more than ``max_buffered`` bytes of text held at once),
+    ``too_many_events``, ``too_many_names`` (over ``limits``) and ``too_large`` again for
+    more than ``max_inflated`` bytes once uncompressed (``traces.max_inflated_bytes``).
     """
     path = Path(path)
     trace = Trace(str(path))
-    builder = _Builder(trace)
-    chunks = _capped(_chunks(path, owner_ok), max_bytes)
+    builder = _Builder(trace, limits)
+    chunks = _capped(_chunks(path, owner_ok), max_bytes, max_inflated)
     try:
         _stream_into(chunks, trace, builder, max_buffered)
     except OSError as exc:

@@ -51,7 +51,13 @@ from profagent.analysis.trace.report import analyze
 from profagent.config import Config
 from profagent.contracts import ProcessTree, RankTrace, TraceReport, TracesSnapshot
 from profagent.errors import SourceUnavailable
-from profagent.sources.traces.reader import MAX_BUFFERED, TraceError, read_trace
+from profagent.sources.traces.reader import (
+    MAX_BUFFERED,
+    MAX_INFLATED,
+    Limits,
+    TraceError,
+    read_trace,
+)
 from profagent.sources.traces.watcher import (
     FolderWatcher,
     Processed,
@@ -206,6 +212,8 @@ class TracesSource:
         invalid_after: float = 60.0,
         max_file_bytes: int = 2 * 1024**3,
         max_buffered_bytes: int = MAX_BUFFERED,
+        max_inflated_bytes: int = MAX_INFLATED,
+        limits: Limits = Limits(),  # noqa: B008  (frozen)
         top_k: int = 10,
         polling: bool = False,
         user_dirs: bool = True,
@@ -222,13 +230,13 @@ class TracesSource:
         self.top_k = top_k
         self._dirs = dirs
         self._watcher = FolderWatcher(dirs, Processed(state_dir / STATE_FILE if state_dir is not None else None),
-                                      settle_seconds, invalid_after, max_file_bytes, polling)
+                                      settle_seconds, invalid_after, max_file_bytes, polling, flat=strict_dirs)
         # traces.baseline comes from the config (the admin's): read it with the size cap only
         self._read_baseline_file = functools.partial(read_trace, max_bytes=max_file_bytes) \
             if reader is read_trace else reader
         if reader is read_trace:  # refuse what the job could not have written; cap the inflated size
             reader = functools.partial(read_trace, max_bytes=max_file_bytes, owner_ok=self._watcher.owner_ok,
-                                       max_buffered=max_buffered_bytes)
+                                       max_buffered=max_buffered_bytes, limits=limits, max_inflated=max_inflated_bytes)
         self._read = reader
         self._baseline_path = baseline
         self._baseline: tuple[TraceReport, ...] = ()
@@ -320,7 +328,8 @@ class TracesSource:
         except TraceError as exc:
             if exc.reason in ("truncated", "unreadable"):
                 self._watcher.failed(verdict, exc.reason, str(exc))
-            elif exc.reason in ("not_a_trace", "symlink", "not_regular", "foreign_owner", "too_large", "too_large_event"):
+            elif exc.reason in ("not_a_trace", "symlink", "not_regular", "foreign_owner", "too_large", "too_large_event",
+                                "too_many_events", "too_many_names"):
                 self._count(verdict, "skipped", exc.reason, str(exc))
             else:
                 self._count(verdict, "invalid", exc.reason, str(exc))
@@ -419,6 +428,8 @@ def traces_source(config: Config, user_dirs: bool = True) -> TracesSource:
         invalid_after=t.invalid_after,
         max_file_bytes=t.max_file_bytes,
         max_buffered_bytes=t.max_buffered_bytes,
+        max_inflated_bytes=t.max_inflated_bytes,
+        limits=Limits(t.max_events, t.max_names, t.max_name_chars),
         top_k=t.top_k,
         polling=t.polling,
         user_dirs=user_dirs,

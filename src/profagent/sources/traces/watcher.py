@@ -1,7 +1,8 @@
 """Watching trace folders: which files are traces, when they are complete, what was done.
 
 - Candidates: ``*.json`` and ``*.json.gz`` (``*.pt.trace.json[.gz]`` from
-  ``tensorboard_trace_handler``, on-demand ``*.json``), recursively; ``*.tmp`` and hidden
+  ``tensorboard_trace_handler``, on-demand ``*.json``), recursively (the on-demand folder:
+  its own files only, no watch per subfolder); ``*.tmp`` and hidden
   files are ignored (Kineto writes ``.json`` to a ``.tmp`` file and renames it).
 - Completeness: a ``.json.gz`` is streamed into its final path, so it is read only once
   its size and mtime have been stable for ``settle_seconds``; reading then checks that the
@@ -106,6 +107,7 @@ class Pending:
     failed_sig: Signature | None = None
     reason: str = ""
     message: str = ""
+    failures: int = 0  # attempts that found it incomplete: each doubles the wait before the next
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,13 @@ class FolderWatcher:
         invalid_after: float,
         max_file_bytes: int,
         polling: bool = False,
+        flat: Iterable[Path] = (),
     ) -> None:
+        """``flat``: folders watched and scanned without their subfolders (the on-demand
+        folder: libkineto writes there directly, and anyone may make folders in it: 30,000
+        empty ones were 30,001 root inotify watches and a busy thread)."""
         self.dirs = dirs
+        self.flat = frozenset(flat)
         self.processed = processed
         self.settle = settle_seconds
         self.invalid_after = invalid_after
@@ -201,12 +208,17 @@ class FolderWatcher:
 
     def _schedule(self, observer, dirs):  # type: ignore[no-untyped-def]
         for d in dirs:
-            observer.schedule(self._handler, str(d), recursive=True)
+            observer.schedule(self._handler, str(d), recursive=d not in self.flat)
         observer.daemon = True
         observer.start()
         return observer
 
     def _scan(self, folder: Path) -> None:
+        if folder in self.flat:
+            with contextlib.suppress(OSError), os.scandir(folder) as entries:
+                for entry in entries:
+                    self.notify(os.path.join(folder, entry.name))
+            return
         for root, _, files in os.walk(folder):
             for name in files:
                 self.notify(os.path.join(root, name))
@@ -218,7 +230,7 @@ class FolderWatcher:
         for d in list(self._missing):
             if d.is_dir() and self._observer is not None:
                 try:
-                    self._observer.schedule(self._handler, str(d), recursive=True)
+                    self._observer.schedule(self._handler, str(d), recursive=d not in self.flat)
                 except OSError as exc:
                     log.warning("cannot watch %s (%s)", d, exc)
                     continue
@@ -281,8 +293,15 @@ class FolderWatcher:
         if st.st_size > self.max_bytes:
             return self._final(path, sig, "skipped", "too_large",
                                f"{st.st_size} bytes is over traces.max_file_bytes ({self.max_bytes})")
-        if p.attempted_at is not None and now - p.attempted_at < self.settle:
-            return None  # a file that keeps growing is read at most once per settle period
+        if p.failures and now - p.first_seen >= self.invalid_after:
+            return self._final(path, sig, "invalid", p.reason or "truncated",
+                               p.message or f"still incomplete after {self.invalid_after:g}s")
+        if p.attempted_at is not None and now - p.attempted_at < self.settle * 2 ** min(p.failures, 16):
+            # a file that keeps growing is read at most once per settle period, and each time
+            # it was found incomplete the wait doubles: a .json.gz appended to every 0.7 s
+            # (re-inflated whole at each attempt) kept the agent at 60% of a core; now it costs
+            # about log2(invalid_after / settle_seconds) reads before it counts as invalid
+            return None
         if p.failed_sig == sig or not self._complete_enough(path, p, now):
             if now - p.first_seen >= self.invalid_after:
                 return self._final(path, sig, "invalid", p.reason or "truncated",
@@ -311,6 +330,7 @@ class FolderWatcher:
         p = self._pending.get(verdict.path)
         if p is not None:
             p.failed_sig, p.reason, p.message = verdict.sig, reason, message
+            p.failures += 1
 
     def finished(self, verdict: Verdict, status: str) -> None:
         """The file is counted: remember it and stop watching it."""
