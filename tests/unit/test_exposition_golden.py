@@ -263,7 +263,7 @@ def test_control_characters_in_label_values_are_escaped_in_every_format() -> Non
     from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
     from prometheus_client.parser import text_string_to_metric_families
 
-    from profagent.analysis.labels import printable
+    from profagent.labels import printable
     from profagent.exporters.exposition import _encode, _Families
     from profagent.exporters.families import Families
 

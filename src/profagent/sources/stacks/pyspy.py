@@ -34,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-from profagent.analysis.labels import printable
+from profagent.labels import printable
 from profagent.errors import Unavailable
 from profagent.system.procfs import (
     PROC,
