@@ -31,7 +31,8 @@ class Finding:
     """One active finding. ``rank`` is None for a finding about the whole job.
 
     ``evidence`` holds JSON-ready numbers and stack lines; ``since`` is the wall-clock
-    time (Unix seconds) at which the finding was first seen, kept while it stays active.
+    time (Unix seconds) at which the finding was first seen, kept while it stays active;
+    ``advice`` is what to do about it, in a sentence.
     """
 
     finding: str
@@ -41,6 +42,7 @@ class Finding:
     summary: str
     evidence: Mapping[str, Any] = field(default_factory=dict)
     since: float = 0.0
+    advice: str = ""
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -50,7 +52,7 @@ class Finding:
         return {
             "finding": self.finding, "job_id": self.job_id, "rank": self.rank,
             "severity": self.severity, "summary": self.summary,
-            "evidence": dict(self.evidence), "since": self.since,
+            "evidence": dict(self.evidence), "since": self.since, "advice": self.advice,
         }
 
 

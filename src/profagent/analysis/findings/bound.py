@@ -66,12 +66,19 @@ _BOUND = {
 }
 
 
+STRAGGLER_ADVICE = ("see what that rank does more than the others (`profagent top`, its busiest functions): "
+                    "more data per rank, a slower node or GPU, CPU contention; balance the work or move the rank")
+
+
 def _functions(r: RankShares, n: int = 3) -> list[str]:
     return [f"{fn}: {count}" for fn, count in r.functions if fn != "other"][:n]
 
 
-def bound(shares: Iterable[RankShares], traces: Iterable[Any], cfg: FindingsConfig) -> list[Finding]:
-    """Per rank: a category's share of the main thread (or trace step) above cfg.bound_ratio."""
+def bound(shares: Iterable[RankShares], traces: Iterable[Any], cfg: FindingsConfig,
+          held_up: set[tuple[str, str]] | frozenset[tuple[str, str]] = frozenset()) -> list[Finding]:
+    """Per rank: a category's share of the main thread (or trace step) above cfg.bound_ratio.
+    ``held_up``: (job_id, rank) of ranks stalled or waiting on a DataLoader worker that stands
+    still; no ``dataloader_bound`` for them (more workers do not help a hung one)."""
     out: list[Finding] = []
     seen: set[tuple[str, str, str]] = set()
     for r in shares:
@@ -79,6 +86,9 @@ def bound(shares: Iterable[RankShares], traces: Iterable[Any], cfg: FindingsConf
             continue
         for kind, (category, what, fix) in _BOUND.items():
             share = r.share(category)
+            if kind == "dataloader_bound" and (r.job_id, r.rank) in held_up:
+                seen.add((kind, r.job_id, r.rank))
+                continue
             if share > cfg.bound_ratio:
                 seen.add((kind, r.job_id, r.rank))
                 out.append(Finding(
@@ -86,6 +96,7 @@ def bound(shares: Iterable[RankShares], traces: Iterable[Any], cfg: FindingsConf
                     f"rank {r.rank} {what} {share:.0%} of its main thread's time (last {cfg.window_seconds:.0f} s): {fix}",
                     {"share": round(share, 3), "samples": r.total, "category": category,
                      "threshold": cfg.bound_ratio, "top_functions": _functions(r)},
+                    advice=fix,
                 ))
         compile_share = r.share("compile")
         if compile_share > cfg.compile_ratio and r.observed_seconds > cfg.compile_grace_seconds:
@@ -96,16 +107,19 @@ def bound(shares: Iterable[RankShares], traces: Iterable[Any], cfg: FindingsConf
                 "dynamic shapes, changing guards)",
                 {"share": round(compile_share, 3), "samples": r.total, "threshold": cfg.compile_ratio,
                  "observed_seconds": round(r.observed_seconds)},
+                advice="run with TORCH_LOGS=recompiles to see which guard fails; mark dynamic dimensions "
+                       "(torch._dynamo.mark_dynamic) or compile with dynamic=True",
             ))
     for rt in traces:
         ratio = rt.report.breakdown.get("dataloader", 0.0)
         key = ("dataloader_bound", rt.job_id, rt.rank)
-        if ratio > cfg.bound_ratio and key not in seen:
+        if ratio > cfg.bound_ratio and key not in seen and (rt.job_id, rt.rank) not in held_up:
             out.append(Finding(
                 "dataloader_bound", rt.job_id, rt.rank, "warning",
                 f"rank {rt.rank}'s last trace spends {ratio:.0%} of the step in the DataLoader: "
                 + _BOUND["dataloader_bound"][2],
                 {"trace_share": round(ratio, 3), "trace": rt.report.path, "threshold": cfg.bound_ratio},
+                advice=_BOUND["dataloader_bound"][2],
             ))
     return out
 
@@ -151,7 +165,7 @@ def straggler(shares: Iterable[RankShares], traces: Iterable[Any], cfg: Findings
                     found.add((job, rank))
                     summary, evidence = describe(job, rank, share, median, by_rank)
                     out.append(Finding("straggler", job, rank, "warning", summary,
-                                       {**evidence, "threshold": cfg.straggler_share}))
+                                       {**evidence, "threshold": cfg.straggler_share}, advice=STRAGGLER_ADVICE))
 
     by_job: dict[str, list[RankShares]] = {}
     for r in shares:
@@ -209,5 +223,6 @@ def straggler(shares: Iterable[RankShares], traces: Iterable[Any], cfg: Findings
                     f"{step / median:.1f}x the other ranks' median ({median * 1e3:.0f} ms)",
                     {"signal": "trace_steps", "step_seconds": step, "others_median_seconds": median,
                      "steps": dict(by_rank), "threshold_ratio": cfg.straggler_ratio},
+                    advice=STRAGGLER_ADVICE,
                 ))
     return out

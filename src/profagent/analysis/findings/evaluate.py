@@ -12,7 +12,7 @@ from typing import Any
 from profagent.analysis.findings import SEVERITIES, Finding, FindingsSnapshot
 from profagent.analysis.findings.bound import RankShares, bound, straggler, warmed_up
 from profagent.analysis.findings.gpu import gpu_errors, gpu_idle, gpu_throttled
-from profagent.analysis.findings.hang import hang
+from profagent.analysis.findings.hang import hang, held_up_ranks
 from profagent.analysis.findings.history import CountsWindow, MemorySeries
 from profagent.analysis.findings.leak import MemoryInput, memory_leak
 from profagent.config import FindingsConfig
@@ -142,15 +142,17 @@ class Evaluator:
 
         found: list[Finding] = []
         suspected: set[str] = set()
+        held_up: set[tuple[str, str]] = set()
         if stacks is not None:
             stalls = [_stall_with_job(s, stacks.job_id) for s in stacks.stalls]
             for job in sorted({s.job_id for s in stalls}):
                 found += hang(stalls, job, settled=job in self._hung)
             suspected = {s.job_id for s in stalls if s.suspected or s.stalled}
+            held_up = held_up_ranks(stalls)
         hung = self._hung = frozenset(f.job_id for f in found if f.finding == "hang")
         # a rank whose stack stands still may be hanging: no straggler then (it waits least)
         found += straggler(shares, rank_traces, cfg, hung | suspected)
-        found += bound(shares, rank_traces, cfg)
+        found += bound(shares, rank_traces, cfg, held_up)
         found += memory_leak(self._memory_inputs(snapshots), cfg)
         held: list[Finding] = []
         if gpu is not None:
@@ -187,7 +189,7 @@ class Evaluator:
         out = []
         for key, f in unique.items():
             since = self._since.setdefault(key, now)
-            out.append(Finding(f.finding, f.job_id, f.rank, f.severity, f.summary, f.evidence, since))
+            out.append(dataclasses.replace(f, since=since))
         return tuple(sorted(out, key=sort_key))
 
 
