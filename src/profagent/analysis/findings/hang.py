@@ -102,9 +102,11 @@ def _worker_text(s: Any) -> str:
 
 
 def held_up_ranks(stalls: Iterable[Any]) -> set[tuple[str, str]]:
-    """(job_id, rank) of the ranks stalled or waiting on a DataLoader worker that stands still:
-    no rank-level advice (``dataloader_bound``'s "more workers") while they are."""
-    return {(s.job_id, s.rank) for s in stalls if s.stalled or getattr(s, "stuck_workers", ())}
+    """(job_id, rank) of the ranks stalled, or waiting on a DataLoader worker that stands still
+    (or whose workers are being looked at): no rank-level advice (``dataloader_bound``'s "more
+    workers") while they are."""
+    return {(s.job_id, s.rank) for s in stalls
+            if s.stalled or getattr(s, "stuck_workers", ()) or getattr(s, "workers_pending", False)}
 
 
 def _native_may_change_its_role(s: Any, wait: CollectiveWait | None, settled: bool) -> bool:

@@ -180,6 +180,7 @@ class StacksSource:
         # DataLoader workers of ranks waiting for their DataLoader: (job_id, rank) -> pid -> look
         self._workers: dict[tuple[str, str], dict[int, WorkerLook]] = {}
         self._worker_pids: dict[tuple[str, str], set[int]] = {}  # the workers sampled now
+        self._rank_workers: dict[tuple[str, str], set[int]] = {}  # every DataLoader worker of each rank
         self._errors: dict[tuple[str, str], int] = {}  # (job_id, reason) -> failed py-spy runs
         self._log_once = LogOnce(log)
         # ring: (job_id, rank) -> deque of (wall_end, {folded line: count}, bytes)
@@ -239,8 +240,10 @@ class StacksSource:
         # worker that hangs holds the rank up, and only its own stack says where
         waiting = {key for key, (_, unchanged, frames) in self._stall_state.items()
                    if unchanged > 0 and waits_on_dataloader(frames)}
-        self._worker_pids = {}
+        self._worker_pids, self._rank_workers = {}, {}
         for p in tree.processes:
+            if p.role == ROLE_DATALOADER:
+                self._rank_workers.setdefault((p.job_id, p.rank), set()).add(p.pid)
             if p.role == ROLE_DATALOADER and (p.job_id, p.rank) in waiting:
                 wanted[p.pid] = (p.rank, p.role)
                 self._worker_pids.setdefault((p.job_id, p.rank), set()).add(p.pid)
@@ -367,11 +370,8 @@ class StacksSource:
         self._stall_state[(job, r.rank)] = (status.stalled, status.unchanged_seconds, _dominant(main))
         if status.started:
             gpu = "no GPU signal" if busy is None else "its GPUs idle"
-            frames = "\n".join(f"    {f}" for f in status.frames)
-            log.warning(
-                "rank %s stalled: main thread stack unchanged for %.0f s (%s); stack, innermost last:\n%s",
-                r.rank, status.unchanged_seconds, gpu, frames,
-            )
+            log.warning("rank %s stalled: main thread stack unchanged for %.0f s (%s); stack, innermost last:",
+                        r.rank, status.unchanged_seconds, gpu, extra={"lines": [str(f) for f in status.frames]})
         elif was and not status.stalled:
             log.info("rank %s is moving again", r.rank)
 
@@ -385,8 +385,8 @@ class StacksSource:
         frames = _dominant(main)
         stuck = status.unchanged_seconds > 0 and fetching(frames)
         if stuck and not look.stuck:
-            log.warning("rank %s: DataLoader worker PID %d stands still while making a batch; stack, "
-                        "innermost last:\n%s", key[1], pid, "\n".join(f"    {f}" for f in frames))
+            log.warning("rank %s: DataLoader worker PID %d stands still while making a batch; stack, innermost last:",
+                        key[1], pid, extra={"lines": [str(f) for f in frames]})
         looks[pid] = WorkerLook(look.tracker, frames, stuck, status.unchanged_seconds)
 
     def _count_waits(self, key: tuple[str, str], main: list[Sample], native_main: list[Sample] | None) -> None:
@@ -496,7 +496,10 @@ class StacksSource:
         waiting = unchanged > 0 and waits_on_dataloader(frames)
         workers = tuple(WorkerStall(pid, w.stuck, w.unchanged, w.frames)
                         for pid, w in sorted(self._workers.get(key, {}).items())) if waiting else ()
-        pending = waiting and any(pid not in self._workers.get(key, {}) for pid in self._worker_pids.get(key, ()))
+        # its workers' first windows are on their way (asked for at the next collect); not for
+        # ever: a worker py-spy cannot read must not hold the verdict back
+        pending = (waiting and unchanged < self.config.stall_seconds + 2 * STALE_GRACE
+                   and any(pid not in self._workers.get(key, {}) for pid in self._rank_workers.get(key, ())))
         # a rank waiting for a worker that stands still is stalled, whatever its poll loop does
         held = any(w.stuck and w.unchanged_seconds > self.config.stall_seconds for w in workers)
         return RankStall(key[1], (stalled and not moving) or held, unchanged, key[0], frames,
