@@ -234,8 +234,8 @@ def innermost_python(frames: Iterable[Frame]) -> Frame | None:
 def standing_key(frames: Iterable[Frame]) -> str:
     """What must stay the same for a stack to stand still: its Python frames, cut after the
     first frame of wait machinery below the user's innermost line (a DataLoader's poll loop
-    that wakes every 5 s, a select), and the leaf without its line (a loop spinning within
-    one function stands still). Native frames are left out."""
+    that wakes every 5 s, a select). Native frames are left out. Lines are kept: a loop of
+    torch calls in one function shows only that function's lines, and it moves from line to line."""
     py = [f for f in frames if not is_native(f)]
     if not py:
         return ""
@@ -243,8 +243,7 @@ def standing_key(frames: Iterable[Frame]) -> str:
     cut = next((i for i in range(user + 1, len(py)) if _in(py[i].file, _WAIT_MACHINERY)), None)
     if cut is not None:
         py = py[: cut + 1]
-    leaf = py[-1]
-    return ";".join([*(str(f) for f in py[:-1]), f"{leaf.name} ({leaf.file})"])
+    return ";".join(str(f) for f in py)
 
 
 def waits_on_dataloader(frames: Iterable[Frame]) -> bool:
@@ -399,8 +398,7 @@ class StallTracker:
     Windows are the unit: a window whose main-thread samples all share one stack extends
     the run if it is the same stack as before, else starts a new run at the window start.
     A window with several stacks (or none) ends the run. Stacks are compared by
-    ``standing_key``: one wait whose innermost frames change (a poll loop) or a loop spinning
-    in one function stands still. The rank is stalled when the run is longer than
+    ``standing_key``: one wait whose innermost frames change (a poll loop) stands still. The rank is stalled when the run is longer than
     ``stall_seconds`` and ``gpu_busy`` is not True (None = no GPU signal).
     """
 
