@@ -21,6 +21,7 @@ from profagent.analysis.stacks import (
     Frame,
     Sample,
     StallTracker,
+    classify,
     fetching,
     innermost_python,
     own_frame,
@@ -203,3 +204,15 @@ def test_log_records_keep_a_stack_one_escaped_frame_a_line() -> None:
     text = PrintableFormatter("profagent %(levelname)s: %(message)s").format(record)
     assert text.splitlines() == ["profagent WARNING: rank 0 stalled; stack:", "    main (train.py:3)",
                                  "    evil\\x0aprofagent ERROR: forged (x.py:1)"]
+
+
+def test_fsdp2_hooks_and_dynamo_disable_are_not_compile() -> None:
+    samples = [s for s in parse_folded((FIXTURES / "fsdp2_healthy_rank1.raw").read_text(), 0) if "MainThread" in s.folded]
+    disabled = [s for s in samples if any(f.file.endswith("torch/_dynamo/decorators.py") for f in s.frames)]
+    assert disabled, "the fixture has samples in torch._dynamo.disable"
+    assert {classify(s.frames) for s in disabled} <= {"collective", "forward", "backward"}
+    assert not [s for s in samples if classify(s.frames) == "compile"]
+    # a real compilation still is
+    compiling = (parse_frame("main (t.py:3)"), parse_frame("_fn (torch/_dynamo/eval_frame.py:600)"),
+                 parse_frame("_compile (torch/_dynamo/convert_frame.py:900)"))
+    assert classify(compiling) == "compile"

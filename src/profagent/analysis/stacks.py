@@ -102,9 +102,11 @@ def parse_folded(text: str, pid: int) -> list[Sample]:
 
 _COMPILE_DIRS = ("torch/_dynamo/", "torch/_inductor/", "torch/_functorch/_aot_autograd/",
                  "torch/_functorch/aot_autograd.py", "torch/_functorch/partitioners.py")
-# Files of those folders that also run on every call of an already compiled model.
+# Files of those folders that also run on every call of an already compiled model, or of
+# code that is never compiled: ``torch._dynamo.disable`` (decorators.py, eval_frame.py's
+# DisableContext), which FSDP2 wraps around each of its hooks on every call.
 _COMPILE_RUNTIME = ("eval_frame.py", "external_utils.py", "output_code.py", "runtime_wrappers.py",
-                    "torch/_inductor/runtime/", "utils.py")
+                    "torch/_inductor/runtime/", "utils.py", "torch/_dynamo/decorators.py")
 _CHECKPOINT = ("torch/serialization.py", "torch/distributed/checkpoint/", "safetensors/",
                "torch/_weights_only_unpickler.py")
 _SYNC_DIRS = ("torch/cuda/", "torch/cpu/", "torch/xpu/", "torch/mps/", "torch/accelerator/")
