@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.agent import free_port, http_get
+from helpers.agent import free_port, http_get, parse_metrics
 from helpers.paths import ROOT
 from helpers.processes import kill_tree, wait_for
 
@@ -127,7 +127,16 @@ def test_hung_dataloader_worker_is_named_with_its_pid_and_line(job, run_agent, t
     # the location does not flip while the job stays hung
     again = wait_hang(url, lambda f: True, "the hang, later")
     assert again["evidence"]["roles"]["0"]["at"] == hang["evidence"]["roles"]["0"]["at"] and line in again["summary"]
-    assert "what to do" in diagnose(url) and "DataLoader(timeout" in diagnose(url)
+    out = diagnose(url)
+    assert "what to do" in out and "DataLoader(timeout" in out, out
+    # rank 0 is stalled for every reader: the metric and top's state column
+    stalled = {labels["rank"]: value for labels, value in
+               parse_metrics(http_get(url + "/metrics")).get("profagent_rank_stalled", [])}
+    assert stalled.get("0") == 1, stalled
+    top = subprocess.run([sys.executable, "-m", "profagent", "top", "--url", url, "--once"], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    row = next((x for x in top.stdout.splitlines() if x.split()[:1] == ["0"]), "")
+    assert "STALLED" in row, top.stdout
     # the bundle holds every worker's stack, the hung one at its line
     summary = wait_for(lambda: next(iter((tmp_path / "state").rglob("summary.md")), None), 60, interval=0.5,
                        what="the incident bundle")
