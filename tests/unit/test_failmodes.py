@@ -216,3 +216,20 @@ def test_fsdp2_hooks_and_dynamo_disable_are_not_compile() -> None:
     compiling = (parse_frame("main (t.py:3)"), parse_frame("_fn (torch/_dynamo/eval_frame.py:600)"),
                  parse_frame("_compile (torch/_dynamo/convert_frame.py:900)"))
     assert classify(compiling) == "compile"
+
+
+def test_banner_wraps_at_words_on_a_terminal_and_stays_one_line_elsewhere() -> None:
+    from profagent.engine.agent import BANNER_INDENT, banner_line
+
+    words = ("  source stacks: [yellow]off[/yellow]: ptrace denied on PID 4242, so py-spy cannot read its "
+             "stacks: run as root or set kernel.yama.ptrace_scope to 0")
+    plain = words.replace("[yellow]", "").replace("[/yellow]", "")
+    out = io.StringIO()
+    banner_line(Console(file=out, width=40, force_terminal=True, color_system=None), words)
+    lines = out.getvalue().splitlines()
+    assert len(lines) > 2 and all(len(x) <= 40 for x in lines), lines
+    assert all(x.startswith(" " * BANNER_INDENT) for x in lines[1:]), lines
+    assert " ".join(x.strip() for x in lines) == " ".join(plain.split())  # every word whole, none split
+    log = io.StringIO()
+    banner_line(Console(file=log, width=40, force_terminal=False, color_system=None), words)
+    assert log.getvalue() == plain + "\n"

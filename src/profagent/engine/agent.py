@@ -19,6 +19,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from profagent.analysis.labels import printable, set_value_max
 from profagent.config import Config, parse_listen
@@ -258,6 +259,22 @@ def _job_ids(job: Job) -> list[str]:
     return list(tree.job_status()) if tree is not None else []
 
 
+BANNER_INDENT = 6  # continuation lines of a banner line, under its text
+
+
+def banner_line(console: Console, markup: str) -> None:
+    """One line of a start banner. On a terminal it wraps at words, its continuation lines
+    indented under it (a long reason why a source is off); elsewhere (a log, journald) it
+    stays one line, whatever the width."""
+    if not console.is_terminal:
+        console.print(markup, highlight=False, soft_wrap=True)
+        return
+    text = Text.from_markup(markup)
+    lines = text.wrap(console, max(20, console.width - BANNER_INDENT))
+    for i, line in enumerate(lines):
+        console.print(Text(" " * BANNER_INDENT) + line if i else line, highlight=False, soft_wrap=True)
+
+
 def print_banner(agent: Agent, job: Job, console: Console) -> None:
     view = job.state.view()
     tree = view.tree
@@ -269,13 +286,13 @@ def print_banner(agent: Agent, job: Job, console: Console) -> None:
             roles[p.role] = roles.get(p.role, 0) + 1
         parts = ", ".join(f"{n} {role}" for role, n in sorted(roles.items()))
         shown = escape(printable(f"{tree.job_id}: ranks {', '.join(ranks) or '-'}"))  # the job's own words
-        console.print(f"  job {shown} ({parts})", highlight=False)
+        banner_line(console, f"  job {shown} ({parts})")
     for name, health in sorted(view.health.items()):
         state = "[green]on[/green]" if health.up else f"[yellow]off[/yellow]: {health.detail}"
         note = next((getattr(s, "note", "") for s in job.sources if s.name == name), "") if health.up else ""
-        console.print(f"  source {name}: {state}{f' ({note})' if note else ''}", highlight=False, soft_wrap=True)
+        banner_line(console, f"  source {name}: {state}{f' ({note})' if note else ''}")
     for d in job.disabled:
-        console.print(f"  source {d.name}: [yellow]off[/yellow]: {d.why}", highlight=False)
+        banner_line(console, f"  source {d.name}: [yellow]off[/yellow]: {d.why}")
     console.print(f"  metrics: {agent.server.url}", highlight=False)
 
 
