@@ -233,3 +233,55 @@ def test_banner_wraps_at_words_on_a_terminal_and_stays_one_line_elsewhere() -> N
     log = io.StringIO()
     banner_line(Console(file=log, width=40, force_terminal=False, color_system=None), words)
     assert log.getvalue() == plain + "\n"
+
+
+# -- the stacks source: a waiting rank's workers are sampled, the stuck one named ---------------
+
+class FakeSampler:
+    def request_native(self, pid: int) -> None:
+        pass
+
+
+def test_stacks_source_samples_a_waiting_ranks_workers_and_names_the_stuck_one(tmp_path: Path) -> None:
+    from profagent.config import StacksConfig
+    from profagent.sources.stacks.sampler import Result
+    from profagent.sources.stacks.source import StacksSource
+    from profagent.target import ProcessInfo, ProcessTree
+
+    now = [0.0]
+    src = StacksSource(StacksConfig(window=2, stall_seconds=10.0, native=False), clock=lambda: now[0],
+                       wall=lambda: now[0], proc_root=str(tmp_path))
+    src._sampler = FakeSampler()  # type: ignore[assignment]
+
+    def proc(pid: int, role: str, rank: str) -> ProcessInfo:
+        return ProcessInfo(pid, 1, 0.0, role, rank, rank, "2", "python train.py", "job")
+
+    tree = ProcessTree("job", 1, (proc(100, "main", "0"), proc(101, "dataloader", "0"), proc(102, "dataloader", "0"),
+                                  proc(200, "main", "1")), True)
+    [wait] = raw_main("dataloader_wait_rank0.raw")
+    [hung] = raw_main("dataloader_worker_hung.raw")
+    idle = Sample("MainThread", True, dump_main("dataloader_worker_idle.txt"), 100, "idle")
+
+    def window(pid: int, role: str, samples: list[Sample]) -> None:
+        src._fold(Result("record", pid, "0", role, now[0] - 2.0, now[0], now[0], samples=tuple(samples)))
+
+    assert set(src._targets(tree)) == {100, 200}  # stacks.dataloader is off: workers not sampled yet
+    now[0] = 2.0
+    window(100, "main", [wait])
+    assert set(src._targets(tree)) == {100, 101, 102, 200}  # rank 0 waits for its DataLoader
+    [stall] = src._snapshot("job").stalls
+    assert stall.workers_pending and not stall.workers
+    assert held_up_ranks([stall]) == {("job", "0")}
+    for _ in range(7):
+        now[0] += 2.0
+        window(100, "main", [wait])
+        window(101, "dataloader", [hung])
+        window(102, "dataloader", [idle])
+        src._targets(tree)
+    [stall] = src._snapshot("job").stalls
+    assert stall.stalled and not stall.workers_pending
+    assert [(w.pid, w.stuck) for w in stall.workers] == [(101, True), (102, False)]
+    assert stall.stuck_workers[0].unchanged_seconds == 14.0
+    assert str(own_frame(stall.stuck_workers[0].frames)) == "SyntheticImages.__getitem__ (failmodes.py:75)"
+    # /api/stacks holds the workers' windows too
+    assert "dataloader worker;" in src.folded("0", 60.0, "job")

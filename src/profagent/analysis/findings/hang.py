@@ -106,7 +106,7 @@ def held_up_ranks(stalls: Iterable[Any]) -> set[tuple[str, str]]:
     (or whose workers are being looked at): no rank-level advice (``dataloader_bound``'s "more
     workers") while they are."""
     return {(s.job_id, s.rank) for s in stalls
-            if s.stalled or getattr(s, "stuck_workers", ()) or getattr(s, "workers_pending", False)}
+            if s.stalled or s.stuck_workers or s.workers_pending}
 
 
 def _native_may_change_its_role(s: Any, wait: CollectiveWait | None, settled: bool) -> bool:
@@ -136,7 +136,7 @@ def hang(stalls: Iterable[Any], job_id: str, settled: bool = False) -> list[Find
     if not settled and any(s.stale for s in rows):  # a rank shown from before the job stopped
         return []
     # a stalled rank waiting for its DataLoader: its workers' stacks say who holds it up
-    if not settled and any(s.stalled and getattr(s, "workers_pending", False) for s in rows):
+    if not settled and any(s.stalled and s.workers_pending for s in rows):
         return []
     waiting = [s for s in rows if waits[s.rank] is not None]
     culprits = [s for s in rows if waits[s.rank] is None]
@@ -149,7 +149,7 @@ def hang(stalls: Iterable[Any], job_id: str, settled: bool = False) -> list[Find
     } for s in rows}
     workers = {s.rank: [{"pid": w.pid, "stuck": w.stuck, "at": _frames_here(w.frames),
                          "unchanged_seconds": round(w.unchanged_seconds, 1), "stack": _stack_lines(w.frames)}
-                        for w in getattr(s, "workers", ())] for s in rows if getattr(s, "workers", ())}
+                        for w in s.workers] for s in rows if s.workers}
     evidence: dict[str, Any] = {
         "stalled_ranks": _order(s.rank for s in stalled),
         "unchanged_seconds": round(seconds, 1),
@@ -173,10 +173,10 @@ def hang(stalls: Iterable[Any], job_id: str, settled: bool = False) -> list[Find
     def at(s: Any) -> str:
         """"rank 0 at train (train.py:190)", and the worker that holds it up."""
         text = f"rank {s.rank} at {_where(_here(s))}"
-        return f"{text}, waiting for its DataLoader: {_worker_text(s)}" if getattr(s, "stuck_workers", ()) else text
+        return f"{text}, waiting for its DataLoader: {_worker_text(s)}" if s.stuck_workers else text
 
     def advice_for(stuck: Sequence[Any], diagnosis: str) -> str:
-        return ADVICE["worker"] if any(getattr(s, "stuck_workers", ()) for s in stuck) else ADVICE[diagnosis]
+        return ADVICE["worker"] if any(s.stuck_workers for s in stuck) else ADVICE[diagnosis]
 
     # a rank standing still in a collective (stalled, or for a whole window) waits for the
     # culprit even before its own stall_seconds are over
