@@ -35,9 +35,9 @@ from torch.utils.data.distributed import DistributedSampler
 MAX_SECONDS = int(os.environ.get("FAILMODES_MAX_SECONDS", "300"))
 LOG_DIR = os.environ.get("FAILMODES_LOG", ".")
 BATCH = 4
-# An even index, so in rank 0's shard (DistributedSampler, no shuffle), at its step 1500: some
+# An even index, so in rank 0's shard (DistributedSampler, no shuffle), at its step 600: some
 # seconds of training first, so that the agent's window is not mostly the first batch's wait.
-HANG_INDEX = 2 * BATCH * 1500
+HANG_INDEX = 2 * BATCH * 600
 UNEVEN_BATCHES = 12  # rank 0's batches in `uneven`; rank 1 has one more
 SPIN_STEP = 8
 FILE = os.path.basename(__file__)
