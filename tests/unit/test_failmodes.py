@@ -212,6 +212,10 @@ def test_fsdp2_hooks_and_dynamo_disable_are_not_compile() -> None:
     assert disabled, "the fixture has samples in torch._dynamo.disable"
     assert {classify(s.frames) for s in disabled} <= {"collective", "forward", "backward"}
     assert not [s for s in samples if classify(s.frames) == "compile"]
+    # so an FSDP2 rank's windows are steady: its native windows teach its wait ratios, and
+    # it is judged (profagent_collective_wait_ratio) like a DDP rank
+    from profagent.sources.stacks.source import _steady
+    assert _steady(samples)
     # a real compilation still is
     compiling = (parse_frame("main (t.py:3)"), parse_frame("_fn (torch/_dynamo/eval_frame.py:600)"),
                  parse_frame("_compile (torch/_dynamo/convert_frame.py:900)"))
