@@ -16,11 +16,11 @@ import os
 import statistics
 import time
 
+from profagent.contracts import ROLE_MAIN, ProcessInfo, ProcessTree
 from profagent.sources.gpu.nvml import Nvml
 from profagent.sources.gpu.profiles import PROFILES
 from profagent.sources.gpu.simulated import SimulatedNvml
 from profagent.sources.gpu.source import GpuSource
-from profagent.target import ROLE_MAIN, ProcessInfo, ProcessTree
 
 
 def main() -> None:

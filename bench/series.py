@@ -29,17 +29,26 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from profagent.analysis.stacks import CATEGORIES
+from profagent.contracts import (
+    GroupUsage,
+    HostSnapshot,
+    NodeUsage,
+    OndemandSnapshot,
+    ProcessInfo,
+    ProcessTree,
+    RankStall,
+    RankTrace,
+    StackGroup,
+    StacksSnapshot,
+    TracesSnapshot,
+    Usage,
+)
 from profagent.exporters.exposition import Exposition
 from profagent.sources.gpu.nvml import Nvml
 from profagent.sources.gpu.profiles import PROFILES
 from profagent.sources.gpu.simulated import SimulatedNvml
 from profagent.sources.gpu.source import GpuSource
-from profagent.sources.host import GroupUsage, HostSnapshot, NodeUsage, Usage
-from profagent.sources.ondemand.source import OndemandSnapshot
-from profagent.sources.stacks.source import RankStall, StackGroup, StacksSnapshot
-from profagent.sources.traces.source import RankTrace, TracesSnapshot
 from profagent.state import State
-from profagent.target import ProcessInfo, ProcessTree
 
 ROOT = Path(__file__).resolve().parents[1]
 # The shared fixtures: $SHARED_FIXTURES_DIR, else the first shared/ walking up from the

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from profagent.sources.host import GroupUsage, HostSnapshot, NodeUsage, Usage
+from profagent.contracts import GroupUsage, HostSnapshot, NodeUsage, ProcessInfo, ProcessTree, Usage
 from profagent.state import State
-from profagent.target import ProcessInfo, ProcessTree
 
 RANKS = 8
 WORKERS_PER_RANK = 7  # 8 ranks x (1 + 7) = 64 processes
@@ -84,7 +83,7 @@ EXTRA.append(_gpu_maker())
 def _stacks_maker() -> Callable[[ProcessTree, int], tuple[str, object]]:
     """A stacks snapshot with 50 function series per rank (top_k raised to 50)."""
     from profagent.analysis.stacks import CATEGORIES
-    from profagent.sources.stacks.source import RankStall, StackGroup, StacksSnapshot
+    from profagent.contracts import RankStall, StackGroup, StacksSnapshot
 
     def make(tree: ProcessTree, tick: int) -> tuple[str, object]:
         groups = tuple(

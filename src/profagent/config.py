@@ -126,6 +126,15 @@ class OndemandConfig:
 
 
 @dataclass
+class TimelineConfig:
+    enabled: bool = _opt(True, "each rank's step time, stages (data wait, backward, optimizer) and collective arrivals from kernel uprobes on its libtorch: no trace, no code change; needs root (CAP_SYS_ADMIN), see docs/timeline.md")
+    window_seconds: float = _opt(60.0, "steps of the last N seconds give the step-time quantiles, steps per second and the arrival straggler")
+    max_libraries: int = _opt(8, "distinct libtorch files probed at once on the node (each venv or container image is one); more are skipped with one log line")
+    ring_pages: int = _opt(64, "pages of each CPU's ring buffer of probe events (a power of 2); events that do not fit are counted as lost")
+    interval: float = _opt(0.0, "seconds between publishing the figures; 0 = the agent interval")
+
+
+@dataclass
 class FindingsConfig:
     enabled: bool = _opt(True, "evaluate findings (hang, straggler, leak...) every agent tick; see docs/diagnosis.md")
     window_seconds: float = _opt(60.0, "stack samples of the last N seconds decide the *_bound, straggler and compile_storm findings")
@@ -136,6 +145,12 @@ class FindingsConfig:
     straggler_ratio: float = _opt(1.25, "straggler: a rank's traced step time above this times the median of the other ranks (in a job whose traces show a collective)")
     straggler_share: float = _opt(0.2, "straggler: a rank's share of samples in collectives this much (absolute) below the other ranks' median")
     contention_share: float = _opt(0.05, "straggler: a rank named from its stacks whose main thread waited for a CPU (run queue) this share of the window or more is said to be slowed by CPU contention on the node")
+    arrival_last_share: float = _opt(0.6, "straggler from the kernel probes: a rank that called at least this share of the job's collectives last over timeline.window_seconds...")
+    arrival_lag_share: float = _opt(0.05, "...by a median lag behind the first rank of at least this share of the step time...")
+    arrival_min_collectives: int = _opt(50, "...over this many matched collectives at least; where the probes match a job's collectives, they replace the stack wait shares as its straggler signal")
+    min_steps: int = _opt(20, "dataloader_bound from the kernel probes: steps a rank needs in the window before its data-wait share is judged")
+    stall_warning_seconds: float = _opt(30.0, "stall: a warning once every rank of a job has made no optimizer step for this long (kernel probes)...")
+    stall_warning_factor: float = _opt(10.0, "...or this many times its p90 step time, if longer; it clears when steps resume, and a hang takes over at stacks.stall_seconds")
     gpu_idle_ratio: float = _opt(0.1, "gpu_idle: utilisation of a GPU the rank uses below this...")
     gpu_idle_seconds: float = _opt(60.0, "...for this long")
     gpu_errors_seconds: float = _opt(600.0, "gpu_errors: an XID or uncorrected ECC error keeps the finding active this long")
@@ -190,6 +205,7 @@ SECTIONS: dict[str, type] = {
     "stacks": StacksConfig,
     "traces": TracesConfig,
     "ondemand": OndemandConfig,
+    "timeline": TimelineConfig,
     "watch": WatchConfig,
     "findings": FindingsConfig,
     "incidents": IncidentsConfig,
@@ -205,6 +221,7 @@ class Config:
     stacks: StacksConfig = field(default_factory=StacksConfig)
     traces: TracesConfig = field(default_factory=TracesConfig)
     ondemand: OndemandConfig = field(default_factory=OndemandConfig)
+    timeline: TimelineConfig = field(default_factory=TimelineConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)
     findings: FindingsConfig = field(default_factory=FindingsConfig)
     incidents: IncidentsConfig = field(default_factory=IncidentsConfig)
@@ -382,6 +399,7 @@ def validate(config: Config) -> None:
         raise UserError(f"'max_label_bytes' is {config.agent.max_label_bytes}", "use 32 bytes or more")
     _validate_watch(config.watch)
     _validate_stacks(config.stacks)
+    _validate_timeline(config.timeline)
     _validate_incidents(config.incidents)
     _validate_http(config.http)
 
@@ -429,6 +447,15 @@ def _validate_stacks(st: StacksConfig) -> None:
         raise UserError(f"'stacks.top_k' is {st.top_k}", "use 1 or more")
     if st.max_pyspy < 1:
         raise UserError(f"'stacks.max_pyspy' is {st.max_pyspy}", "use 1 or more (or --no-stacks)")
+
+
+def _validate_timeline(t: TimelineConfig) -> None:
+    if t.ring_pages < 1 or t.ring_pages > 4096 or t.ring_pages & (t.ring_pages - 1):
+        raise UserError(f"'timeline.ring_pages' is {t.ring_pages}", "use a power of 2 from 1 to 4096, e.g. 64")
+    if t.max_libraries < 1:
+        raise UserError("'timeline.max_libraries' must be at least 1", "set it to 1 or more, or timeline.enabled = false")
+    if t.window_seconds < 1:
+        raise UserError(f"'timeline.window_seconds' is {t.window_seconds}s", "use at least 1 s")
 
 
 def _validate_watch(w: WatchConfig) -> None:

@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Callable, Hashable
 
-from profagent.analysis.labels import printable
+from profagent.labels import printable
 
 LINE_INDENT = "    "  # continuation lines: indented, so none can pass for a record of its own
 

@@ -8,33 +8,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from types import MappingProxyType
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-from profagent.target import ProcessTree
-
-
-@dataclass(frozen=True)
-class SourceHealth:
-    """What the agent knows about one source. ``detail`` says why it is off."""
-
-    up: bool = True
-    detail: str = ""
-    not_applicable: str = ""  # why an off source has nothing to do here (no_gpu...); "" = a fault
-    errors: Mapping[str, int] = field(default_factory=dict)
-    last_duration: float | None = None
-    last_success: float | None = None
-
-
-@dataclass(frozen=True)
-class StateView:
-    """A consistent copy taken under the lock; safe to read without it."""
-
-    tree: ProcessTree | None
-    snapshots: Mapping[str, Any]
-    health: Mapping[str, SourceHealth]
+from profagent.contracts import ProcessTree, SourceHealth, StateView
 
 
 class State:
@@ -91,13 +69,6 @@ class State:
             self._health[name] = replace(old, up=False, detail=detail, not_applicable=not_applicable)
             self._snapshots.pop(name, None)
 
-    def snapshot(self, name: str) -> Any:
-        return self._snapshots.get(name)
-
     def view(self) -> StateView:
         with self._lock:
-            return StateView(
-                tree=self._tree,
-                snapshots=MappingProxyType(dict(self._snapshots)),
-                health=MappingProxyType(dict(self._health)),
-            )
+            return StateView.of(self._snapshots, self._tree, self._health)

@@ -40,7 +40,7 @@ def test_cpu_per_collector_covers_pyspy_and_stays_within_the_process(children, r
     cpu = _by_collector(text)
     pyspy = metrics["profagent_pyspy_cpu_seconds_total"][0][1]
     own = metrics["process_cpu_seconds_total"][0][1]  # the agent process alone, children not included
-    assert set(cpu) <= {"target", "host", "gpu", "stacks", "traces", "ondemand", "findings", "incidents", "http"}
+    assert set(cpu) <= {"target", "host", "gpu", "stacks", "traces", "ondemand", "timeline", "findings", "incidents", "http"}
     assert cpu["stacks"] >= pyspy > 0  # py-spy's children are the stacks collector's cost
     # What is charged in the agent's own threads is part of the process's CPU (10 ms ticks of slack).
     assert sum(cpu.values()) - pyspy <= own + 0.05

@@ -15,17 +15,18 @@ from prometheus_client.exposition import generate_latest
 from helpers.agent import parse_metrics
 from helpers.processes import wait_for
 from helpers.prometheus import promtool_check_metrics
+from profagent.contracts import ROLE_LAUNCHER, ROLE_MAIN, GpuSnapshot, ProcessInfo, ProcessTree
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.families import Families
 from profagent.exporters.families.gpu import render
 from profagent.sources.gpu.nvml import Nvml
 from profagent.sources.gpu.profiles import A100, H100, H100_MIG
 from profagent.sources.gpu.simulated import SimulatedNvml
-from profagent.sources.gpu.source import GpuSnapshot, GpuSource
+from profagent.sources.gpu.source import GpuSource
 from profagent.sources.host import HostSource
 from profagent.state import State
 from profagent.system.procfs import read_nspid
-from profagent.target import ROLE_LAUNCHER, ROLE_MAIN, PidTarget, ProcessInfo, ProcessTree
+from profagent.target import PidTarget
 
 
 class FakeClock:
@@ -248,7 +249,7 @@ def test_process_utilization_keeps_last_seen_timestamp() -> None:
 def test_rank_busy_from_process_or_device_utilization() -> None:
     from types import MappingProxyType
 
-    from profagent.sources.gpu.source import GpuDevice, ProcessGpuUsage
+    from profagent.contracts import GpuDevice, ProcessGpuUsage
 
     def dev(index: int, util: float | None, up: bool = True) -> GpuDevice:
         values = {} if util is None else {"utilization_ratio": util}

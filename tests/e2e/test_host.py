@@ -6,8 +6,8 @@ import dataclasses
 
 import psutil
 
-from profagent.sources.host import USS_EVERY, USS_PER_TICK, HostSource, Usage
-from profagent.target import ProcessInfo, ProcessTree
+from profagent.contracts import ProcessInfo, ProcessTree, Usage
+from profagent.sources.host import USS_EVERY, USS_PER_TICK, HostSource
 
 
 def _info(pid: int, role: str, rank: str = "0") -> ProcessInfo:

@@ -144,8 +144,8 @@ def test_unreadable_web_config(tmp_path: Path) -> None:
 
 
 def test_exposition_is_cached_per_state_version_and_openmetrics_ends_once() -> None:
+    from profagent.contracts import ProcessInfo, ProcessTree
     from profagent.exporters.exposition import Exposition
-    from profagent.target import ProcessInfo, ProcessTree
 
     state = State()
     tree = ProcessTree("j", 1, (ProcessInfo(1, 0, 0.0, "main", "0", "0", "1", "x", "j"),), True)

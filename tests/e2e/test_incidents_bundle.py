@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from helpers.processes import wait_for
-from profagent.analysis.findings import Finding, FindingsSnapshot
 from profagent.config import IncidentsConfig
+from profagent.contracts import Finding, FindingsSnapshot
 from profagent.engine.incidents import SUMMARY, IncidentsSource, innermost_frame
 from profagent.sources.stacks import pyspy
 from profagent.state import State

@@ -447,8 +447,8 @@ def test_name_taken_turns_the_source_off_and_the_rest_runs(tmp_path: Path, run_a
 
 
 def test_periodic_mode_rotates_ranks_and_keeps_only_its_own_last_k(tmp_path: Path) -> None:
+    from profagent.contracts import ProcessInfo, ProcessTree
     from profagent.sources.ondemand.source import OndemandSource
-    from profagent.target import ProcessInfo, ProcessTree
 
     now = [0.0]
     src = OndemandSource(interval=1, trace_dir=str(tmp_path), periodic_minutes=1, keep=2, clock=lambda: now[0])

@@ -26,12 +26,12 @@ import pytest
 
 from helpers.paths import shared_traces
 from helpers.processes import wait_for
+from profagent.contracts import ProcessInfo, ProcessTree
 from profagent.errors import SourceUnavailable
 from profagent.sources.ondemand.source import OndemandSource
 from profagent.sources.traces import watcher as watcher_module
 from profagent.sources.traces.reader import TraceError, read_trace
 from profagent.sources.traces.source import TracesSource
-from profagent.target import ProcessInfo, ProcessTree
 
 SMALL = shared_traces() / "mi250-rocm.pt.trace.json.gz"
 NOBODY = 65534

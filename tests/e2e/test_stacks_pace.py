@@ -89,7 +89,7 @@ def test_a_broken_findings_hook_never_breaks_stacks() -> None:
 def test_only_a_fresh_finding_keeps_the_full_rate() -> None:
     from types import SimpleNamespace
 
-    from profagent.analysis.findings import Finding, FindingsSnapshot
+    from profagent.contracts import Finding, FindingsSnapshot
     from profagent.engine.agent import FRESH_FINDING, Job
     from profagent.state import State
 

@@ -15,9 +15,10 @@ import pytest
 
 from helpers.processes import pyspy_processes, wait_for
 from profagent.config import StacksConfig
+from profagent.contracts import StacksSnapshot
 from profagent.logs import PrintableFormatter
 from profagent.sources.stacks.pyspy import target_python
-from profagent.sources.stacks.source import StacksSnapshot, StacksSource
+from profagent.sources.stacks.source import StacksSource
 from profagent.target import PidTarget
 
 pytestmark = pytest.mark.slow
@@ -418,8 +419,8 @@ def test_ptrace_denial_is_fatal_only_for_a_process_never_read() -> None:
 def test_sampler_errors_belong_to_their_job_and_leave_with_it() -> None:
     """Watch mode: a failed py-spy run is counted under its process's job, and the count
     goes when the job does; a failure of no job (the sampler's own) stays."""
+    from profagent.contracts import ProcessInfo, ProcessTree
     from profagent.sources.stacks.sampler import Result
-    from profagent.target import ProcessInfo, ProcessTree
 
     def tree(*jobs: str) -> ProcessTree:
         procs = tuple(ProcessInfo(100 + i, 1, 0.0, "main", "0", "0", "1", "python", job_id=j)

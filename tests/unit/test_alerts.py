@@ -75,7 +75,7 @@ def test_prometheus_config_passes_promtool_check() -> None:
 
 
 def test_one_findings_rule_per_severity() -> None:
-    from profagent.analysis.findings import SEVERITIES
+    from profagent.contracts import SEVERITIES
 
     by_severity = {r["labels"]["severity"]: r for r in _rules() if r["alert"].startswith("ProfagentFinding")}
     assert set(by_severity) == set(SEVERITIES)

@@ -6,13 +6,23 @@ from types import MappingProxyType
 
 import orjson
 
-from profagent.analysis.findings import Finding
+from profagent.contracts import (
+    Finding,
+    GpuDevice,
+    GpuSnapshot,
+    GroupUsage,
+    HostSnapshot,
+    NodeUsage,
+    ProcessGpuUsage,
+    ProcessInfo,
+    ProcessTree,
+    RankStall,
+    StackGroup,
+    StacksSnapshot,
+    Usage,
+)
 from profagent.exporters.api import CounterHistory, Counters, RanksApi, ranks_payload
-from profagent.sources.gpu.source import GpuDevice, GpuSnapshot, ProcessGpuUsage
-from profagent.sources.host import GroupUsage, HostSnapshot, NodeUsage, Usage
-from profagent.sources.stacks.source import RankStall, StackGroup, StacksSnapshot
 from profagent.state import State
-from profagent.target import ProcessInfo, ProcessTree
 
 JOB = "job-7"
 

@@ -19,7 +19,8 @@ from profagent.analysis.collectives import (
     parse_dump_text,
     python_only,
 )
-from profagent.analysis.stacks import Frame, classify, parse_folded
+from profagent.analysis.stacks import classify, parse_folded
+from profagent.contracts import Frame
 
 FIXTURES = Path(__file__).parent / "fixtures" / "native"
 

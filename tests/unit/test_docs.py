@@ -192,8 +192,12 @@ def golden_families(text: str) -> dict[str, frozenset[str]]:
     for name, labels in re.findall(r"^(profagent_[a-z0-9_]+)(?:\{(.*?)\})? \S+$", text, re.M):
         if name.endswith("_created") and name.removesuffix("_created") in types:
             continue  # a counter's creation time, not a family of its own
+        found = set(re.findall(r'(?:^|,)([a-z_][a-z0-9_]*)="', labels))
+        base = re.sub(r"_(bucket|count|sum)$", "", name)
+        if types.get(base) == "histogram":  # one family of three series; `le` is the histogram's own
+            name, found = base, found - {"le"}
         assert name in types or name.removesuffix("_total") in types, name
-        out.setdefault(name, set()).update(re.findall(r'(?:^|,)([a-z_][a-z0-9_]*)="', labels))
+        out.setdefault(name, set()).update(found)
     return {f: frozenset(v) for f, v in out.items()}
 
 

@@ -19,7 +19,7 @@ change they were regenerated once, on purpose, for: the pod/Slurm/user labels of
 step time for a trace without steps (#14), worker USS and collectors not applicable (#15),
 every GPU value family, findings and incidents, so that the golden exposition names every
 family the README documents (#23, ``tests/unit/test_docs.py`` holds the two together), the
-per-rank collective-wait share (#24), CPU per collector (#26).
+per-rank collective-wait share (#24), CPU per collector (#26), the step timeline from kernel probes (#38).
 """
 
 from __future__ import annotations
@@ -65,6 +65,19 @@ def _module(name: str) -> ModuleType:
         return importlib.import_module(_OLD[name])
 
 
+def _timeline_snapshot():  # -> TimelineSnapshot (absent before #38)
+    timeline = importlib.import_module("profagent.contracts")
+    stages = {"data_wait": 1.5, "backward": 4.0, "optimizer": 1.0, "other": 3.5}
+    buckets = tuple(10 if i == 6 else 0 for i in range(15))
+    lags = tuple(18 if i == 3 else 2 if i == 8 else 0 for i in range(15))
+    ranks = tuple(
+        timeline.RankSteps(JOB, rank, pid, 11, 10, 1.0, buckets, stages, 40, 120, 10, 0.1, 0.11, 0.12, 9.5, 4.0,
+                           {k: v / 10 for k, v in stages.items()}, "backward", 0.01, 0.05, lags, 0.125, 20)
+        for rank, pid in (("0", 100), ("1", 200)))
+    library = timeline.ProbedLibrary("/venv/lib/libtorch_cpu.so", "b7066ed94f422786", ("rf_enter", "bwd"), ())
+    return timeline.TimelineSnapshot(ranks, (), (library,), 1000, 0, 12, 60.0)
+
+
 def golden_state():  # -> profagent.state.State
     target = _module("profagent.target")
     host = _module("profagent.sources.host")
@@ -83,7 +96,7 @@ def golden_state():  # -> profagent.state.State
         target.ProcessInfo(200, 1, 1.0, "main", "1", "1", "2", "python train.py --rank 1", JOB),
     )
     state.set_tree(target.ProcessTree(JOB, 100, procs, True))
-    for name in ("host", "gpu", "stacks", "traces", "ondemand"):
+    for name in ("host", "gpu", "stacks", "traces", "ondemand", "timeline"):
         state.register(name)
 
     usage = host.Usage(
@@ -205,10 +218,13 @@ def _publish_findings_and_incidents(state) -> None:  # noqa: ANN001 (State, poss
         incidents = importlib.import_module("profagent.engine.incidents")
     except ModuleNotFoundError:
         return  # older layouts had neither
+    if not hasattr(findings, "Finding"):  # the data contracts moved to profagent.contracts
+        findings = importlib.import_module("profagent.contracts")
     state.publish("findings", findings.FindingsSnapshot((
         findings.Finding("straggler", JOB, "1", "warning", "rank 1 is slow", since=NOW - 120),
         findings.Finding("dataloader_bound", JOB, None, "info", "the job waits on data", since=NOW - 60),
     ), NOW, ((JOB, "0", 0.61), (JOB, "1", 0.1)), 12), 0.001)
+    state.publish("timeline", _timeline_snapshot(), 0.001)
     state.publish("incidents", incidents.IncidentsSnapshot(((JOB, "hang", 1),), ((JOB, "hang", 2),), (("symlink", 1),)), 0.0)
     # An off source with nothing to do here (profagent_collector_not_applicable).
     state.register("nvml_events")

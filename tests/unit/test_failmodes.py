@@ -13,9 +13,9 @@ from pathlib import Path
 from rich.console import Console
 
 from profagent.analysis.collectives import collective_wait, moving, parse_dump_text
-from profagent.analysis.findings import Finding
-from profagent.analysis.findings.bound import RankShares, bound
+from profagent.analysis.findings.bound import bound
 from profagent.analysis.findings.hang import hang, held_up_ranks
+from profagent.analysis.findings.inputs import RankShares
 from profagent.analysis.stacks import (
     CATEGORIES,
     Frame,
@@ -32,9 +32,9 @@ from profagent.analysis.stacks import (
 )
 from profagent.cli.diagnose import render
 from profagent.config import FindingsConfig
+from profagent.contracts import Finding, RankStall, WorkerStall
 from profagent.engine.incidents import own_line
 from profagent.logs import PrintableFormatter
-from profagent.sources.stacks.source import RankStall, WorkerStall
 
 FIXTURES = Path(__file__).parent / "fixtures" / "failmodes"
 
@@ -248,9 +248,9 @@ class FakeSampler:
 
 def test_stacks_source_samples_a_waiting_ranks_workers_and_names_the_stuck_one(tmp_path: Path) -> None:
     from profagent.config import StacksConfig
+    from profagent.contracts import ProcessInfo, ProcessTree
     from profagent.sources.stacks.sampler import Result
     from profagent.sources.stacks.source import StacksSource
-    from profagent.target import ProcessInfo, ProcessTree
 
     now = [0.0]
     src = StacksSource(StacksConfig(window=2, stall_seconds=10.0, native=False), clock=lambda: now[0],

@@ -5,17 +5,29 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
-from profagent.analysis.findings import KINDS, Finding, FindingsSnapshot
+from profagent.analysis.findings import KINDS
 from profagent.analysis.findings.evaluate import Evaluator
 from profagent.analysis.findings.hang import hang
 from profagent.analysis.findings.history import CountsWindow, MemorySeries
 from profagent.analysis.stacks import CATEGORIES, parse_frame
-from profagent.analysis.trace.report import TraceReport
 from profagent.config import FindingsConfig
-from profagent.sources.gpu.source import GpuDevice, GpuSnapshot, ProcessGpuUsage
-from profagent.sources.host import GroupUsage, HostSnapshot, NodeUsage, Usage
-from profagent.sources.stacks.source import RankStall, StackGroup, StacksSnapshot
-from profagent.sources.traces.source import RankTrace, TracesSnapshot
+from profagent.contracts import (
+    Finding,
+    FindingsSnapshot,
+    GpuDevice,
+    GpuSnapshot,
+    GroupUsage,
+    HostSnapshot,
+    NodeUsage,
+    ProcessGpuUsage,
+    RankStall,
+    RankTrace,
+    StackGroup,
+    StacksSnapshot,
+    TraceReport,
+    TracesSnapshot,
+    Usage,
+)
 
 MAIN = ("<module> (train.py:80)", "main (train.py:70)")
 IN_ALL_REDUCE = (*MAIN, "wrapper (torch/distributed/c10d_logger.py:81)",

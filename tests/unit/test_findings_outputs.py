@@ -7,15 +7,14 @@ import json
 
 from rich.console import Console
 
-from profagent.analysis.findings import Finding, FindingsSnapshot
 from profagent.cli.diagnose import findings_url, render
+from profagent.contracts import Finding, FindingsSnapshot, TracesSnapshot
 from profagent.engine.agent import FINAL_SCRAPE_WAIT, done_serving
 from profagent.engine.findings import findings_route
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.families import Families, agent
 from profagent.exporters.families import findings as findings_families
 from profagent.exporters.families import traces as traces_families
-from profagent.sources.traces.source import TracesSnapshot
 from profagent.state import State
 
 HANG = Finding("hang", "42", "1", "critical", "ranks 0 wait in all_reduce; the culprit is not in it: rank 1 at main (t.py:68)",
@@ -59,7 +58,7 @@ def test_engine_publishes_in_state_and_on_metrics() -> None:
     state = State(clock=lambda: 5.0)
     engine = FindingsEngine(FindingsConfig(), state, wall=lambda: 1234.0)
     snap = engine.tick()
-    assert state.snapshot("findings") is snap and snap == FindingsSnapshot((), 1234.0, evaluations=1)
+    assert state.view().findings is snap and snap == FindingsSnapshot((), 1234.0, evaluations=1)
     body, _ = Exposition(state.view).render("")
     assert b'profagent_collector_up{collector="findings"} 1.0' in body
 

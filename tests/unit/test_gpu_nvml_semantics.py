@@ -12,13 +12,13 @@ import pynvml
 import pytest
 import yaml
 
+from profagent.contracts import ROLE_MAIN, ProcessInfo, ProcessTree
 from profagent.errors import UserError
 from profagent.sources.gpu.nvml import Nvml, parse_backend
 from profagent.sources.gpu.profiles import H100
 from profagent.sources.gpu.scripted import ScriptedNvml
 from profagent.sources.gpu.simulated import SimulatedNvml
 from profagent.sources.gpu.source import GpuSource
-from profagent.target import ROLE_MAIN, ProcessInfo, ProcessTree
 
 PID = os.getpid()
 MIB = 1024 * 1024

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from profagent.analysis.findings import Finding, FindingsSnapshot
 from profagent.analysis.incidents import (
     IncidentGate,
     LatestTrace,
@@ -15,6 +14,7 @@ from profagent.analysis.incidents import (
     self_profiling,
     to_remove,
 )
+from profagent.contracts import Finding, FindingsSnapshot
 
 
 def hang(job: str, rank: str, since: float) -> Finding:

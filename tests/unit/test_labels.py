@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from profagent.analysis.labels import LABEL_MAX, OTHER, fold_top_k, shorten
+from profagent.labels import LABEL_MAX, OTHER, fold_top_k, shorten
 
 
 def test_shorten_keeps_what_fits_and_marks_what_it_cut() -> None:
@@ -19,7 +19,7 @@ def test_fold_keeps_k_names_merges_equal_shortened_names_and_sums_the_rest() -> 
 
 
 def test_bound_keeps_short_values_and_hashes_long_ones_distinctly() -> None:
-    from profagent.analysis.labels import bound
+    from profagent.labels import bound
 
     assert bound("4242") == "4242" and bound("é" * 64) == "é" * 64  # 128 bytes: fits
     a, b = bound("x" * 120_000 + "a"), bound("x" * 120_000 + "b")

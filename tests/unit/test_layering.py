@@ -26,10 +26,15 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
                            "profagent.system", "profagent.doctor", "profagent.state"),
     "profagent.sources": ("profagent.exporters", "profagent.engine", "profagent.doctor"),
     "profagent.target": ("profagent.sources", "profagent.exporters", "profagent.engine", "profagent.doctor"),
-    "profagent.system": ("profagent.sources", "profagent.exporters", "profagent.engine", "profagent.doctor"),
+    "profagent.system": ("profagent.analysis", "profagent.sources", "profagent.exporters", "profagent.engine",
+                         "profagent.doctor"),
     "profagent.exporters": ("profagent.engine", "profagent.doctor"),
     "profagent.doctor": ("profagent.engine", "profagent.exporters"),
 }
+
+
+# The ground floor: modules every floor may import, which import nothing but each other.
+GROUND = {"profagent.errors", "profagent.config", "profagent.labels", "profagent.contracts"}
 
 
 def module_name(path: Path) -> str:
@@ -136,3 +141,17 @@ def test_find_cycle_finds_one() -> None:
 
 def test_no_import_cycles() -> None:
     assert find_cycle(graph()) is None
+
+
+@pytest.mark.parametrize("module", sorted(GROUND))
+def test_the_ground_floor_imports_only_the_ground_floor(module: str) -> None:
+    """The data contracts (contracts.py) and labels.py among them: any floor can read them."""
+    assert sorted(graph()[module] - GROUND) == []
+
+
+def test_analysis_reads_the_sources_data_through_the_contracts() -> None:
+    """The analyzers take typed snapshots from contracts.py, never from a source's module."""
+    g = graph()
+    assert "profagent.contracts" in g["profagent.analysis.findings.evaluate"]
+    assert "profagent.contracts" in g["profagent.analysis.findings.inputs"]
+    assert not [m for m, deps in g.items() if under(m, "profagent.analysis") and any(under(d, "profagent.sources") for d in deps)]

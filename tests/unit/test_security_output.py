@@ -1,5 +1,5 @@
 """Output is data (issue 25, items 11 and 14): names from the jobs are escaped before any
-terminal or log line, in one place (``analysis.labels.printable``) used at each boundary."""
+terminal or log line, in one place (``labels.printable``) used at each boundary."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from test_top_render import (  # the same fixture rows as top's own tests (rootd
     rank,
 )
 
-from profagent.analysis.labels import printable, printable_data
 from profagent.cli.diagnose import render as render_diagnosis
 from profagent.cli.top import ViewState, screen
+from profagent.labels import printable, printable_data
 from profagent.logs import PrintableFormatter
 
 HOSTILE_RANK = "0\x1b]2;X\x1b\\"

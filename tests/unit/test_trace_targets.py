@@ -14,11 +14,11 @@ import pytest
 from rich.console import Console
 
 from profagent.cli.trace import TraceRequestArgs, request_trace
+from profagent.contracts import ProcessInfo, ProcessTree
 from profagent.engine.control import ControlServer
 from profagent.errors import UserError
 from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.source import OndemandSource
-from profagent.target import ProcessInfo, ProcessTree
 
 LAUNCHER, RANK0, RANK1, WORKER, STRANGER = 100, 101, 102, 103, 200
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from helpers.paths import shared_traces
-from profagent.analysis.labels import LABEL_MAX, shorten
 from profagent.analysis.trace.diff import verdict
 from profagent.cli.diff import diff_paths
+from profagent.labels import LABEL_MAX, shorten
 
 SMALL = shared_traces() / "small-gpu-rank0.pt.trace.json.gz"
 A100 = shared_traces() / "a100-80gb-rank0.pt.trace.json.gz"

@@ -18,10 +18,10 @@ from helpers.agent import parse_metrics
 from helpers.paths import shared_traces
 from helpers.processes import wait_for
 from helpers.prometheus import promtool_check_metrics
+from profagent.contracts import ProcessInfo, ProcessTree, TracesSnapshot
 from profagent.exporters.families import Families
 from profagent.exporters.families.traces import render
-from profagent.sources.traces.source import TracesSnapshot, TracesSource, resolve_rank
-from profagent.target import ProcessInfo, ProcessTree
+from profagent.sources.traces.source import TracesSource, resolve_rank
 
 NCCL = shared_traces() / "a100-2gpu-nccl.pt.trace.json.gz"
 SMALL = shared_traces() / "mi250-rocm.pt.trace.json.gz"

@@ -218,9 +218,9 @@ def test_on_demand_trace_steps_come_from_optimizer_steps(tmp_path: Path) -> None
 
 
 def test_step_seconds_only_from_real_steps(tmp_path: Path) -> None:
+    from profagent.contracts import RankTrace, TracesSnapshot
     from profagent.exporters.families import Families
     from profagent.exporters.families.traces import render
-    from profagent.sources.traces.source import RankTrace, TracesSnapshot
 
     data = _events(shared_traces() / "mi250-rocm.pt.trace.json.gz")
     data["traceEvents"] = [e for e in data["traceEvents"]

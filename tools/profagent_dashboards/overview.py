@@ -97,6 +97,31 @@ def build() -> Dashboard:
             "mean step time of each rank's last profiler trace; a rank above the others is a straggler",
         ))
         .with_panel(ts(
+            "Step time per rank (kernel probes, p50)", SECONDS,
+            [q(f"histogram_quantile(0.5, sum by (job_id, rank, le) (rate(profagent_step_seconds_bucket{{{RANK}}}[$__rate_interval])))",
+               "rank {{rank}}")],
+            "median time from one optimizer step to the next, from uprobes on libtorch: every job, no trace needed",
+        ))
+        .with_panel(ts(
+            "Optimizer steps per second", NONE,
+            [q(f"rate(profagent_optimizer_steps_total{{{RANK}}}[$__rate_interval])", "rank {{rank}}"),
+             q(f"rate(profagent_backward_passes_total{{{RANK}}}[$__rate_interval])", "rank {{rank}} backwards")],
+            "throughput in optimizer steps; backward passes above it mean gradient accumulation",
+        ))
+        .with_panel(ts(
+            "Where each step goes (kernel probes)", PERCENT,
+            [q(f"sum by (rank, stage) (rate(profagent_step_stage_seconds_total{{{RANK}}}[$__rate_interval]))"
+               f" / ignoring(stage) group_left sum by (rank) (rate(profagent_step_seconds_sum{{{RANK}}}[$__rate_interval]))",
+               "rank {{rank}} {{stage}}")],
+            "share of step time in DataLoader waits, backward, optimizer, and the rest (forward, host work)", max_value=1,
+        ))
+        .with_panel(ts(
+            "Collective arrival lag (kernel probes, mean)", SECONDS,
+            [q(f"rate(profagent_collective_arrival_lag_seconds_sum{{{RANK}}}[$__rate_interval])"
+               f" / rate(profagent_collective_arrival_lag_seconds_count{{{RANK}}}[$__rate_interval])", "rank {{rank}}")],
+            "how long after the first rank each rank calls its collectives: the straggler arrives last",
+        ))
+        .with_panel(ts(
             "Where time goes per rank (Python stacks)", PERCENT,
             [q(category_share('role="main"'), "rank {{rank}} {{category}}")],
             "share of main-thread stack samples by category, per rank (see the Python stacks dashboard)",

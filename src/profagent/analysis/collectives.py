@@ -18,7 +18,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from profagent.analysis.stacks import Frame, Sample, is_native, parse_frame, standing_key
+from profagent.analysis.stacks import Sample, is_native, parse_frame, standing_key
+from profagent.contracts import Frame
 
 PYTHON_FILES = ("torch/distributed/",)  # collectives, c10d_logger, FSDP/FSDP2 hooks, DTensor
 

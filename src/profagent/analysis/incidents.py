@@ -26,10 +26,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from profagent.analysis.findings import FindingsSnapshot
-from profagent.analysis.labels import shorten
 from profagent.analysis.trace import diff as trace_diff
 from profagent.analysis.trace.diff import Side
+from profagent.contracts import FindingsSnapshot
+from profagent.labels import shorten
 
 KINDS = ("hang", "regression", "manual")
 BASELINE_TRACES = 8  # normal traces a rank's baseline is the median of

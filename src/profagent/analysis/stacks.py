@@ -27,29 +27,14 @@ import sys
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 
-from profagent.analysis.labels import OTHER, shorten
+from profagent.contracts import Frame
+from profagent.labels import OTHER
 
 CATEGORIES = (
     "dataloader", "host_sync", "optimizer", "backward", "forward",
     "collective", "checkpoint_io", "compile", "idle", "other",
 )
 
-
-@dataclass(frozen=True)
-class Frame:
-    name: str  # py-spy's qualified name, e.g. "Module._call_impl"
-    file: str  # py-spy's short filename, e.g. "torch/nn/modules/module.py"
-    line: int
-
-    @property
-    def function(self) -> str:
-        """The top-K label: ``function (file.py)``, shortened by labels.shorten."""
-        label = f"{self.name} ({self.file.rsplit('/', 1)[-1]})"
-        return shorten(label)
-
-    def __str__(self) -> str:
-        # a native frame (py-spy --native) has no file: its name already reads "symbol (library)"
-        return f"{self.name} ({self.file}:{self.line})" if self.file else self.name
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ def attach(
     stacks: Annotated[bool | None, typer.Option("--stacks/--no-stacks", help="sample Python stacks with py-spy [default on]")] = None,
     stack_rate: Annotated[int | None, typer.Option("--stack-rate", help="py-spy samples per second per process [default 20]")] = None,
     stack_dataloader: Annotated[bool | None, typer.Option("--stack-dataloader/--no-stack-dataloader", help="also sample DataLoader workers [default off]")] = None,
+    timeline: Annotated[bool | None, typer.Option("--timeline/--no-timeline", help="step time and stages from kernel uprobes on libtorch (root) [default on]")] = None,
     trace_dir: Annotated[list[Path] | None, typer.Option("--trace-dir", help="folder watched for torch profiler traces (repeatable)")] = None,
     gpu_backend: GpuBackendOpt = None,
     gpus: Annotated[str | None, typer.Option("--gpus", help="comma-separated GPU indices to report, e.g. 0,1 (default: all)")] = None,
@@ -99,6 +100,7 @@ def attach(
             "stacks.enabled": stacks,
             "stacks.rate": stack_rate,
             "stacks.dataloader": stack_dataloader,
+            "timeline.enabled": timeline,
             "traces.dirs": [str(d) for d in trace_dir] if trace_dir else None,
             "gpu.backend": gpu_backend,
             "gpu.gpus": gpus,
@@ -122,6 +124,7 @@ def watch(
     max_processes: Annotated[int | None, typer.Option("--max-processes-per-job", help="processes exported per job (default 256)")] = None,
     scan_interval: Annotated[float | None, typer.Option("--scan-interval", help="seconds between scans for new jobs (default 2)")] = None,
     stacks: Annotated[bool | None, typer.Option("--stacks/--no-stacks", help="sample Python stacks with py-spy (default on)")] = None,
+    timeline: Annotated[bool | None, typer.Option("--timeline/--no-timeline", help="step time and stages from kernel uprobes on libtorch (root) (default on)")] = None,
     trace_dir: Annotated[list[Path] | None, typer.Option("--trace-dir", help="folder watched for torch profiler traces (repeatable)")] = None,
     gpu_backend: GpuBackendOpt = None,
 ) -> None:
@@ -148,6 +151,7 @@ def watch(
         "watch.max_processes_per_job": max_processes,
         "watch.scan_interval": scan_interval,
         "stacks.enabled": stacks,
+        "timeline.enabled": timeline,
         "traces.dirs": [str(d) for d in trace_dir] if trace_dir else None,
         "gpu.backend": gpu_backend,
     }
@@ -439,7 +443,7 @@ def main() -> None:
         from rich.console import Console  # only on the error path: start-up stays lean
         from rich.markup import escape
 
-        from profagent.analysis.labels import printable  # a path or a name in the message is data
+        from profagent.labels import printable  # a path or a name in the message is data
 
         Console(stderr=True).print(f"[red]error[/red]: {escape(printable(text))}", highlight=False, soft_wrap=True)
 

@@ -16,11 +16,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from profagent.analysis.labels import printable, shorten
 from profagent.analysis.trace.job import STRAGGLER_THRESHOLD, job_summary
-from profagent.analysis.trace.report import TraceReport, findings
+from profagent.analysis.trace.report import findings
 from profagent.cli.load import analyse_all
+from profagent.contracts import TraceReport
 from profagent.errors import UserError
+from profagent.labels import printable, shorten
 
 if TYPE_CHECKING:  # rich is imported only when printing tables: `--json` does without it
     from rich.console import Console

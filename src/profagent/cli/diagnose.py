@@ -19,10 +19,10 @@ from urllib.parse import urlencode, urlunsplit
 from rich.console import Console
 from rich.markup import escape
 
-from profagent.analysis.labels import printable_data
 from profagent.cli.urls import parse_agent_url
 from profagent.config import DEFAULT_PORT, Config
 from profagent.errors import UserError
+from profagent.labels import printable_data
 
 LOCAL_AGENT = f"http://127.0.0.1:{DEFAULT_PORT}"
 COLORS = {"critical": "bold red", "warning": "yellow", "info": "cyan"}

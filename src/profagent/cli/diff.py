@@ -10,11 +10,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from profagent.analysis.labels import shorten
 from profagent.analysis.trace.diff import Diff, Side, diff, side, verdict
 from profagent.cli.analyze import FIXES, expand, shown, trace_rank
 from profagent.cli.load import analyse_all
 from profagent.errors import UserError
+from profagent.labels import shorten
 
 if TYPE_CHECKING:
     from rich.console import Console

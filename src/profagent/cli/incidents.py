@@ -82,7 +82,7 @@ def list_cmd(url: UrlOpt = None, folder: DirOpt = None, config: ConfigOpt = None
     """List captured incidents, oldest first."""
     from rich.console import Console
 
-    from profagent.analysis.labels import printable_data
+    from profagent.labels import printable_data
 
     items = _listed(_get(url)) if url else _store(config, folder).list()
     out = Console()
@@ -117,7 +117,7 @@ def show_cmd(incident_id: Annotated[str, typer.Argument(metavar="ID", help="the 
 
         meta = find_incident(_store(config, folder), incident_id)
         detail = {**meta, **incident_detail(meta)}
-    from profagent.analysis.labels import printable, printable_data
+    from profagent.labels import printable, printable_data
 
     out = Console()
     summary = detail.get("summary")

@@ -14,7 +14,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from profagent.analysis.trace.report import TraceReport, analyze
+from profagent.analysis.trace.report import analyze
+from profagent.contracts import TraceReport
 from profagent.sources.traces.reader import TraceError, read_trace
 
 PROGRESS_FROM = 4  # traces: below this a set reads too fast for a bar to help

@@ -32,10 +32,10 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from profagent.analysis.labels import printable, printable_data
 from profagent.analysis.stacks import CATEGORIES, parse_folded
 from profagent.cli.urls import parse_agent_url
 from profagent.errors import UserError
+from profagent.labels import printable, printable_data
 
 # One letter per stack category, so the bar reads without colour too (plain output).
 CATEGORY_KEYS = {
@@ -117,6 +117,13 @@ def legend() -> Text:
 
 
 # -- pure rendering over the /api/ranks JSON --------------------------------------------
+def step_seconds(row: dict[str, Any]) -> float | None:
+    """The rank's step time: the kernel probes' p50 over their window, else the mean of
+    its last profiler trace."""
+    probed = (row.get("timeline") or {}).get("p50_seconds")
+    return probed if probed is not None else (row.get("step") or {}).get("mean_seconds")
+
+
 def sort_ranks(ranks: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
     """Rows in display order: by rank number, or the worst first for the other keys."""
     def rank_no(r: dict[str, Any]) -> tuple[int, str]:
@@ -131,7 +138,7 @@ def sort_ranks(ranks: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
         "cpu": lambda r: (-(r.get("cpu_percent") or 0.0), rank_no(r)),
         "mem": lambda r: (-(r.get("uss_bytes") or r.get("rss_bytes") or 0), rank_no(r)),
         "gpu": lambda r: (gpu(r), rank_no(r)),  # idle GPUs first: that is the problem
-        "step": lambda r: (-((r.get("step") or {}).get("mean_seconds") or 0.0), rank_no(r)),
+        "step": lambda r: (-(step_seconds(r) or 0.0), rank_no(r)),
     }
     return sorted(ranks, key=keys.get(key, rank_no))
 
@@ -211,7 +218,7 @@ def rank_table(job: dict[str, Any], view: ViewState, interactive: bool = True) -
     table.add_column("top function", no_wrap=True, overflow="ellipsis", ratio=1, min_width=8)
     for i, r in enumerate(rows):
         cpu = r.get("cpu_percent")
-        step = (r.get("step") or {}).get("mean_seconds")
+        step = step_seconds(r)
         top = r.get("top_function") or "-"
         if r.get("top_function_share") is not None:
             top = f"{r['top_function_share'] * 100:.0f}% {top}"

@@ -12,8 +12,8 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from profagent.analysis.labels import printable
 from profagent.errors import UserError
+from profagent.labels import printable
 from profagent.system.safefs import UnsafePath, open_regular
 from profagent.system.unixsock import call
 

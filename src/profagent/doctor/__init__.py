@@ -19,6 +19,7 @@ from profagent.doctor.check import FAIL, OK, WARN, Check
 from profagent.doctor.gpu import check_nvml
 from profagent.doctor.ondemand import check_ondemand
 from profagent.doctor.stacks import check_pyspy
+from profagent.doctor.timeline import check_timeline
 
 __all__ = ["CHECKS", "FAIL", "OK", "WARN", "Check", "run_checks"]
 
@@ -35,7 +36,7 @@ def check_runtime(config: Config) -> Iterable[Check]:
 
 
 # Each entry takes the effective config and yields rows. Order = order in the table.
-CHECKS: list[Callable[[Config], Iterable[Check]]] = [check_runtime, check_nvml, check_pyspy, check_ondemand]
+CHECKS: list[Callable[[Config], Iterable[Check]]] = [check_runtime, check_nvml, check_pyspy, check_ondemand, check_timeline]
 
 
 def run_checks(config: Config, checks: Iterable[Callable[[Config], Iterable[Check]]] = CHECKS) -> list[Check]:

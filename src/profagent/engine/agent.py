@@ -21,7 +21,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from profagent.analysis.labels import printable, set_value_max
 from profagent.config import Config, parse_listen
 from profagent.engine.control import ControlledOndemand, ControlServer
 from profagent.engine.findings import FindingsEngine, findings_route
@@ -37,12 +36,14 @@ from profagent.errors import SourceUnavailable
 from profagent.exporters.api import RanksApi
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.http import AgentHTTPServer, HttpLimits, load_web_config
+from profagent.labels import printable, set_value_max
 from profagent.sources import Source
 from profagent.sources.gpu.source import GpuSource, build_gpu_source
 from profagent.sources.host import HostSource
 from profagent.sources.ondemand.kineto import TraceOptions
 from profagent.sources.ondemand.source import OndemandSource
 from profagent.sources.stacks.source import StacksSource, stacks_route
+from profagent.sources.timeline.source import TimelineSource
 from profagent.sources.traces.source import traces_source
 from profagent.state import State
 from profagent.system.unixsock import default_control_socket
@@ -78,6 +79,10 @@ def build_sources(config: Config) -> tuple[list[Source], list[Disabled]]:
         sources.append(StacksSource(config.stacks, interval=config.interval_of("stacks")))
     else:
         disabled.append(Disabled("stacks", "stacks.enabled = false (--no-stacks)"))
+    if config.timeline.enabled:
+        sources.append(TimelineSource(config.timeline, interval=config.interval_of("timeline")))
+    else:
+        disabled.append(Disabled("timeline", "timeline.enabled = false (--no-timeline)"))
     if config.ondemand.enabled:
         ondemand = OndemandSource(
             interval=config.interval_of("ondemand"),
@@ -153,14 +158,14 @@ class Job:
 
     def gpu_busy(self, rank: str, job_id: str | None = None) -> bool | None:
         """Whether the rank's GPUs work, from the GPU source's latest snapshot (None: unknown)."""
-        snapshot = self.state.snapshot("gpu")
+        snapshot = self.state.view().gpu
         return snapshot.rank_busy(rank, job_id=job_id or None) if snapshot is not None else None
 
     def has_findings(self, job_id: str) -> bool:
         """Whether a finding began on the job in the last FRESH_FINDING seconds (from the
         findings engine's latest tick): one that has lasted longer is established, and the
         steady pace keeps it tracked."""
-        snapshot = self.state.snapshot("findings")
+        snapshot = self.state.view().findings
         return snapshot is not None and any(
             f.job_id in ("", job_id) and snapshot.time - f.since < FRESH_FINDING for f in snapshot.findings)
 
@@ -214,7 +219,7 @@ class Agent:
             lambda: [s for s in job.sources if isinstance(s, StacksSource)]
         ))
         self.server.add_route("/api/findings", findings_route(
-            lambda: [job.state.snapshot("findings")] if job.findings is not None else []
+            lambda: [job.state.view().findings] if job.findings is not None else []
         ))
         self.server.add_route("/api/incidents", incidents_route(
             IncidentStore(incidents_dir(config.incidents, config.agent.state_dir)),

@@ -16,16 +16,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from profagent.contracts import ROLE_LAUNCHER, ROLE_MAIN
 from profagent.errors import NotApplicable, SourceUnavailable
 from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.endpoint import NoPollers, Poller, match_pid
 from profagent.system.safefs import UnsafePath, own_directory
 from profagent.system.unixsock import bind_private, call, close_unix_socket
-from profagent.target.tree import ROLE_LAUNCHER, ROLE_MAIN
 
 if TYPE_CHECKING:
-    from profagent.sources.ondemand.source import OndemandSnapshot, OndemandSource
-    from profagent.target import ProcessTree
+    from profagent.contracts import OndemandSnapshot, ProcessTree
+    from profagent.sources.ondemand.source import OndemandSource
 
 log = logging.getLogger(__name__)
 MAX_LINE = 64 * 1024

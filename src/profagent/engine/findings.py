@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import orjson
 
-from profagent.analysis.findings import FindingsSnapshot
 from profagent.analysis.findings.evaluate import Evaluator, sort_key
 from profagent.config import FindingsConfig
+from profagent.contracts import FindingsSnapshot
 from profagent.state import State
 
 NAME = "findings"
@@ -29,9 +29,7 @@ class FindingsEngine:
 
     def tick(self) -> FindingsSnapshot:
         began = self._clock()
-        view = self.state.view()
-        snapshots = {k: v for k, v in view.snapshots.items() if k != NAME}
-        snapshot = self.evaluator.evaluate(snapshots, self._wall())
+        snapshot = self.evaluator.evaluate(self.state.view(), self._wall())
         self.state.publish(NAME, snapshot, self._clock() - began)
         return snapshot
 

@@ -31,7 +31,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,6 @@ import orjson
 import psutil
 
 from profagent.analysis.collectives import parse_dump_text
-from profagent.analysis.findings import FindingsSnapshot
 from profagent.analysis.incidents import (
     KINDS,
     IncidentGate,
@@ -55,6 +53,14 @@ from profagent.analysis.incidents import (
 )
 from profagent.analysis.stacks import own_frame
 from profagent.config import IncidentsConfig, TracesConfig
+from profagent.contracts import (
+    ROLE_DATALOADER,
+    FindingsSnapshot,
+    IncidentsSnapshot,
+    ProcessInfo,
+    ProcessTree,
+    StateView,
+)
 from profagent.errors import SourceUnavailable, UserError
 from profagent.exporters.exposition import Exposition
 from profagent.sources.ondemand import kineto
@@ -63,10 +69,9 @@ from profagent.sources.stacks import pyspy
 from profagent.sources.traces.reader import TraceError, read_trace
 from profagent.sources.traces.source import traced_pids
 from profagent.sources.traces.watcher import default_state_dir
-from profagent.state import State, StateView
+from profagent.state import State
 from profagent.system.cputime import CPU
 from profagent.system.safefs import UnsafePath, open_regular
-from profagent.target import ROLE_DATALOADER, ProcessInfo, ProcessTree
 
 log = logging.getLogger(__name__)
 
@@ -197,12 +202,6 @@ def _folder_bytes(path: Path) -> int:
 
 
 # -- the source ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class IncidentsSnapshot:
-    counts: tuple[tuple[str, str, int], ...]  # (job_id, kind, incidents captured)
-    suppressed: tuple[tuple[str, str, int], ...] = ()  # (job_id, kind, triggers rate-limited)
-    rejected: tuple[tuple[str, int], ...] = ()  # (reason, on-demand trace files a capture refused)
-
 
 class RateLimitFile:
     """The gate's last captures, kept across restarts: a 0600 file in the state folder,
@@ -463,13 +462,13 @@ class IncidentsSource:
         return IncidentsSnapshot(counts, suppressed, rejected)
 
     def _findings(self, view: StateView, now: float) -> FindingsSnapshot:
-        snap = view.snapshots.get("findings")  # published by the findings engine every tick
+        snap = view.findings  # published by the findings engine every tick
         return snap if snap is not None else FindingsSnapshot((), now)
 
     def _regressions(self, view: StateView, tree: ProcessTree, now: float) -> list[Trigger]:
-        traces = view.snapshots.get("traces")
-        self._regression.set_baseline(getattr(traces, "baseline", ()))
-        for rt in getattr(traces, "ranks", ()):
+        traces = view.traces
+        self._regression.set_baseline(traces.baseline if traces is not None else ())
+        for rt in traces.ranks if traces is not None else ():
             if rt.report.step_mean:
                 self._regression.observe(rt.job_id or tree.job_id, rt.rank, rt.report.step_mean, rt.ingested_at,
                                          rt.report)
@@ -596,7 +595,7 @@ class Capture:
             self._write(name, (text or f"(no stacks: {note})\n").encode())
             if note:
                 self.notes.append(f"{what}: {note}")
-        findings = view.snapshots.get("findings") or FindingsSnapshot((), self.now)
+        findings = view.findings or FindingsSnapshot((), self.now)
         with self._lock:
             trigger = self._trigger_dict()
         self._write("findings.json", _json({
@@ -605,8 +604,8 @@ class Capture:
         }))
         body, _ = Exposition(lambda: view).render("text/plain")
         self._write("metrics.prom", body)
-        traces = view.snapshots.get("traces")
-        for rt in getattr(traces, "ranks", ()):
+        traces = view.traces
+        for rt in traces.ranks if traces is not None else ():
             if rt.job_id in ("", self.trigger.job_id):
                 # The rank the agent knows (from the process), not the trace's distributedInfo,
                 # which a job without torch.distributed lacks.
@@ -854,9 +853,9 @@ class Capture:
                 f"earlier, analysed in trace-analysis-rank{_safe(t.rank)}.json), and libkineto runs one profiler at a time")
 
     def _self_profiling(self, now: float) -> dict[str, LatestTrace]:
-        traces = self.source.state.view().snapshots.get("traces")
+        traces = self.source.state.view().traces
         latest = [LatestTrace(rt.job_id, rt.rank, rt.report.path, traced_pids(rt.report, rt.report.path)[1],
-                              rt.ingested_at) for rt in getattr(traces, "ranks", ())]
+                              rt.ingested_at) for rt in (traces.ranks if traces is not None else ())]
         return self_profiling(latest, self.trigger.job_id, now)
 
     # -- summary -------------------------------------------------------------------------

@@ -12,12 +12,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from profagent.contracts import ProcessTree
 from profagent.errors import SourceError, SourceUnavailable, TargetGone
 from profagent.logs import LogOnce
 from profagent.sources import Source
 from profagent.state import State
 from profagent.system.cputime import CPU, CpuAccount
-from profagent.target import PidTarget, ProcessTree
+from profagent.target import PidTarget
 
 log = logging.getLogger(__name__)
 

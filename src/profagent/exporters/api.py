@@ -17,8 +17,7 @@ from typing import Any
 
 import orjson
 
-from profagent.state import StateView
-from profagent.target import ROLE_DATALOADER, ROLE_MAIN
+from profagent.contracts import ROLE_DATALOADER, ROLE_MAIN, GpuSnapshot, RankSteps, StateView
 
 RankKey = tuple[str, str]  # (job_id, rank)
 HISTORY_SECONDS = 10.0  # rates and shares describe about this many recent seconds
@@ -58,7 +57,7 @@ class CounterHistory:
 
 def current_counters(view: StateView) -> dict[RankKey, Counters]:
     """The cumulative counters of every rank of one job view."""
-    host, stacks = view.snapshots.get("host"), view.snapshots.get("stacks")
+    host, stacks = view.host, view.stacks
     health = view.health.get("host")
     when = health.last_success if health is not None else None
     out: dict[RankKey, Counters] = {}
@@ -97,7 +96,7 @@ def _shares(now: Mapping[str, int], before: Mapping[str, int] | None) -> tuple[d
     return ({k: n / total for k, n in now.items() if n} if total else {}), False
 
 
-def _gpu_of_rank(gpu: Any, key: RankKey) -> dict[str, Any] | None:
+def _gpu_of_rank(gpu: GpuSnapshot | None, key: RankKey) -> dict[str, Any] | None:
     if gpu is None:
         return None
     mine = [p for p in gpu.processes if (p.job_id or gpu.job_id, p.rank) == key and p.role == ROLE_MAIN]
@@ -116,7 +115,7 @@ def _gpu_of_rank(gpu: Any, key: RankKey) -> dict[str, Any] | None:
     }
 
 
-def gpu_summary(gpu: Any) -> dict[str, Any] | None:
+def gpu_summary(gpu: GpuSnapshot | None) -> dict[str, Any] | None:
     """Node GPUs in one line's worth of numbers; None when the GPU source is off."""
     if gpu is None:
         return None
@@ -140,7 +139,7 @@ def _rank_row(view: StateView, key: RankKey, now: Counters, before: Counters | N
     assert tree is not None
     procs = [p for p in tree.processes if (p.job_id or tree.job_id, p.rank) == key]
     mains = [p for p in procs if p.role == ROLE_MAIN]
-    host, stacks, traces = (view.snapshots.get(n) for n in ("host", "stacks", "traces"))
+    host, stacks, traces, timeline = view.host, view.stacks, view.traces, view.timeline
 
     groups = {g.role: g for g in (host.groups if host is not None else ()) if (g.job_id, g.rank) == key}
     main_usage = groups[ROLE_MAIN].usage if ROLE_MAIN in groups else None
@@ -163,6 +162,7 @@ def _rank_row(view: StateView, key: RankKey, now: Counters, before: Counters | N
     if trace is not None and trace.report.step_mean is not None:
         step = {"mean_seconds": trace.report.step_mean, "max_seconds": trace.report.step_max,
                 "steps": len(trace.report.steps), "age_seconds": max(0.0, wall - trace.ingested_at)}
+    steps = next((r for r in (timeline.ranks if timeline is not None else ()) if (r.job_id, r.rank) == key), None)
     return {
         "rank": key[1],
         "local_rank": mains[0].local_rank if mains else "",
@@ -181,15 +181,28 @@ def _rank_row(view: StateView, key: RankKey, now: Counters, before: Counters | N
         "threads": main_usage.threads if main_usage is not None else None,
         "workers": workers.processes if workers is not None else 0,
         "workers_rss_bytes": workers.usage.rss if workers is not None else None,
-        "gpu": _gpu_of_rank(view.snapshots.get("gpu"), key),
+        "gpu": _gpu_of_rank(view.gpu, key),
         "step": step,
+        "timeline": _timeline_of(steps),
+    }
+
+
+def _timeline_of(steps: RankSteps | None) -> dict[str, Any] | None:
+    """The rank's steps from the kernel probes, over the timeline window."""
+    if steps is None:
+        return None
+    return {
+        "optimizer_steps": steps.optimizer_steps, "p50_seconds": steps.p50, "p90_seconds": steps.p90,
+        "max_seconds": steps.max, "steps_per_second": steps.steps_per_second, "micro_batches": steps.micro_batches,
+        "stage_shares": dict(steps.stage_shares), "stage_now": steps.stage_now or None,
+        "idle_seconds": steps.idle_seconds,
     }
 
 
 def findings_of(view: StateView) -> list[dict[str, Any]]:
     """Active findings of the view (none until the findings engine publishes a snapshot)."""
-    snap = view.snapshots.get("findings")
-    return [f.as_dict() for f in getattr(snap, "findings", ())]
+    snap = view.findings
+    return [f.as_dict() for f in snap.findings] if snap is not None else []
 
 
 def ranks_payload(
@@ -216,7 +229,7 @@ def ranks_payload(
                 "alive": status.get(job_id, tree.alive),
                 "root_pid": tree.root_pid if tree.job_id == job_id else None,
                 "world_size": int(next(iter(sizes))) if len(sizes) == 1 and next(iter(sizes)).isdigit() else None,
-                "gpu": gpu_summary(view.snapshots.get("gpu")),
+                "gpu": gpu_summary(view.gpu),
                 "sources": {name: h.up for name, h in sorted(view.health.items())},
                 "findings": [f for f in findings_of(view) if f["job_id"] in (job_id, "")],
                 "ranks": by_job.get(job_id, []),

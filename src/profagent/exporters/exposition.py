@@ -16,10 +16,19 @@ from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector,
 from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder
 
-from profagent.exporters.families import Families, agent, gpu, host, incidents, ondemand, stacks
+from profagent.contracts import StateView
+from profagent.exporters.families import (
+    Families,
+    agent,
+    gpu,
+    host,
+    incidents,
+    ondemand,
+    stacks,
+    timeline,
+)
 from profagent.exporters.families import findings as findings_families
 from profagent.exporters.families import traces as traces_families
-from profagent.state import StateView
 from profagent.system.cputime import CPU, CpuAccount
 
 Renderer = Callable[[Any, Families], None]
@@ -31,6 +40,7 @@ RENDERERS: dict[str, Renderer] = {
     "stacks": stacks.render,
     "traces": traces_families.render,
     "ondemand": ondemand.render,
+    "timeline": timeline.render,
     "findings": findings_families.render,
     "incidents": incidents.render,
 }

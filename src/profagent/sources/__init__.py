@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # annotation only: importing a reader must not pull in psutil
-    from profagent.target import ProcessTree
+    from profagent.contracts import ProcessTree
 
 
 @runtime_checkable

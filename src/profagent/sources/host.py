@@ -17,8 +17,16 @@ from pathlib import Path
 
 import psutil
 
+from profagent.contracts import (
+    ROLE_DATALOADER,
+    GroupUsage,
+    HostSnapshot,
+    NodeUsage,
+    ProcessInfo,
+    ProcessTree,
+    Usage,
+)
 from profagent.system.procfs import PROC, read_process_stats
-from profagent.target import ROLE_DATALOADER, ProcessInfo, ProcessTree
 
 Group = tuple[str, str, str]  # (job_id, rank, role)
 # A worker's USS walks its page tables (/proc/PID/smaps_rollup: 1-3 ms of kernel time for a
@@ -41,23 +49,6 @@ COUNTER_FIELDS = (
 )
 
 
-@dataclass(frozen=True)
-class Usage:
-    """One process' (or one group's) readings. None = not readable here (absent, never 0)."""
-
-    cpu_user: float = 0.0
-    cpu_system: float = 0.0
-    cpu_iowait: float | None = None
-    rss: int = 0
-    uss: int | None = None  # DataLoader workers only: memory unique to the process (no shared pages)
-    threads: int = 0
-    fds: int | None = None
-    read_bytes: int | None = None
-    write_bytes: int | None = None
-    ctx_voluntary: int = 0
-    ctx_involuntary: int = 0
-    run_queue: float | None = None  # seconds the main thread (of each process) waited for a CPU
-
 
 USAGE_FIELDS = tuple(f.name for f in fields(Usage))  # once: fields() per call was a tenth of a tick
 
@@ -69,28 +60,6 @@ def _add(a: Usage, b: Usage) -> Usage:
         values[name] = None if x is None and y is None else (x or 0) + (y or 0)
     return Usage(**values)
 
-
-@dataclass(frozen=True)
-class GroupUsage:
-    job_id: str
-    rank: str
-    role: str
-    processes: int
-    usage: Usage
-
-
-@dataclass(frozen=True)
-class NodeUsage:
-    cpu_ratio: float
-    memory_total: int
-    memory_available: int
-    cpu_count: int
-
-
-@dataclass(frozen=True)
-class HostSnapshot:
-    groups: tuple[GroupUsage, ...]
-    node: NodeUsage
 
 
 @dataclass(frozen=True)

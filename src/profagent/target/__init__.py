@@ -4,14 +4,14 @@
 the node (``watch``). Both return a ``ProcessTree``.
 """
 
-from profagent.target.pid import PidTarget, check_attachable, not_a_training_job
-from profagent.target.tree import (
+from profagent.contracts import (
     ROLE_DATALOADER,
     ROLE_LAUNCHER,
     ROLE_MAIN,
     ProcessInfo,
     ProcessTree,
 )
+from profagent.target.pid import PidTarget, check_attachable, not_a_training_job
 
 __all__ = [
     "ROLE_DATALOADER", "ROLE_LAUNCHER", "ROLE_MAIN", "PidTarget", "ProcessInfo", "ProcessTree", "check_attachable", "not_a_training_job",

@@ -55,17 +55,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from profagent.config import WatchConfig
+from profagent.contracts import ROLE_DATALOADER, ROLE_LAUNCHER, ProcessInfo, ProcessTree
 from profagent.logs import LogOnce
 from profagent.system.procfs import PROC, children_map, process_table, read_environ
 from profagent.target.pid import PidTarget
-from profagent.target.tree import (
-    JOB_VARS,
-    RANK_VARS,
-    ROLE_DATALOADER,
-    ROLE_LAUNCHER,
-    ProcessInfo,
-    ProcessTree,
-)
+from profagent.target.tree import JOB_VARS, RANK_VARS
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,16 @@ from pathlib import Path
 
 import psutil
 
-from profagent.analysis.labels import shorten
+from profagent.contracts import (
+    ROLE_DATALOADER,
+    ROLE_LAUNCHER,
+    ROLE_MAIN,
+    Placement,
+    ProcessInfo,
+    ProcessTree,
+)
 from profagent.errors import UserError
+from profagent.labels import shorten
 from profagent.logs import LogOnce
 from profagent.system.procfs import (
     PROC,
@@ -33,17 +41,8 @@ from profagent.system.procfs import (
     read_identity,
 )
 from profagent.target.cmdline import label_cmdline
-from profagent.target.placement import Placement, placement_of
-from profagent.target.tree import (
-    CMDLINE_MAX,
-    JOB_VARS,
-    ROLE_DATALOADER,
-    ROLE_LAUNCHER,
-    ROLE_MAIN,
-    ProcessInfo,
-    ProcessTree,
-    rank_from_env,
-)
+from profagent.target.placement import placement_of
+from profagent.target.tree import CMDLINE_MAX, JOB_VARS, rank_from_env
 
 log = logging.getLogger(__name__)
 

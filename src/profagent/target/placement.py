@@ -23,34 +23,15 @@ from __future__ import annotations
 import pwd
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
+from profagent.contracts import Placement
 from profagent.system.cgroup import pod_names, read_pod_identity, slurm_identity
 
-LABELS = ("namespace", "pod", "container", "slurm_job_name", "slurm_step", "slurm_task", "slurm_node", "user")
 # Kubernetes names: a namespace is a DNS label (63), a pod name a DNS subdomain (253).
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
-
-@dataclass(frozen=True)
-class Placement:
-    namespace: str = ""
-    pod: str = ""
-    container: str = ""
-    slurm_job_name: str = ""
-    slurm_step: str = ""
-    slurm_task: str = ""
-    slurm_node: str = ""
-    user: str = ""
-
-    def labels(self) -> tuple[str, ...]:
-        """Values in the order of ``LABELS``."""
-        return tuple(getattr(self, name) for name in LABELS)
-
-
-NOWHERE = Placement()
 
 
 def _name_from_env(environ: Mapping[str, str], var: str, pattern: re.Pattern[str]) -> str:

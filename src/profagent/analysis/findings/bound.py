@@ -9,52 +9,14 @@ the stacks source's counters, see history.CountsWindow) and the last trace of ea
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from profagent.analysis.findings import Finding
+from profagent.analysis.findings.hang import held_up_ranks
+from profagent.analysis.findings.inputs import AnalysisInputs, RankShares
+from profagent.analysis.findings.steps import STRAGGLER_ADVICE, probed_jobs
 from profagent.config import FindingsConfig
-
-
-@dataclass(frozen=True)
-class RankShares:
-    """One rank's main-thread samples by category over the window."""
-
-    job_id: str
-    rank: str
-    counts: Mapping[str, int]
-    observed_seconds: float  # since the rank's stacks were first seen
-    functions: Sequence[tuple[str, int]] = ()  # top leaf functions (cumulative)
-    judged: int = 0  # main-thread samples of the window judged for collective waits
-    waits: float = 0.0  # how many of them waited in a collective (Python or native frames)
-    judged_seconds: float = 0.0  # since the rank's first judged window
-    run_queue: float = 0.0  # seconds of the window its main thread waited for a CPU...
-    run_queue_over: float = 0.0  # ...out of these (host source: /proc/PID/schedstat)
-
-    @property
-    def wait_share(self) -> float:
-        return self.waits / self.judged if self.judged else 0.0
-
-    @property
-    def run_queue_share(self) -> float | None:
-        """Share of the window its main thread was runnable but waited for a CPU."""
-        return self.run_queue / self.run_queue_over if self.run_queue_over > 0 else None
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def share(self, category: str) -> float:
-        return self.counts.get(category, 0) / self.total if self.total else 0.0
-
-    def top(self) -> tuple[str, float]:
-        """The busiest category and its share."""
-        if not self.total:
-            return "none", 0.0
-        cat = max(self.counts, key=lambda c: (self.counts[c], c))
-        return cat, self.share(cat)
-
+from profagent.contracts import Finding, RankTrace
 
 _BOUND = {
     "dataloader_bound": ("dataloader", "waits for the DataLoader",
@@ -66,15 +28,11 @@ _BOUND = {
 }
 
 
-STRAGGLER_ADVICE = ("see what that rank does more than the others (`profagent top`, its busiest functions): "
-                    "more data per rank, a slower node or GPU, CPU contention; balance the work or move the rank")
-
-
 def _functions(r: RankShares, n: int = 3) -> list[str]:
     return [f"{fn}: {count}" for fn, count in r.functions if fn != "other"][:n]
 
 
-def bound(shares: Iterable[RankShares], traces: Iterable[Any], cfg: FindingsConfig,
+def bound(shares: Iterable[RankShares], traces: Iterable[RankTrace], cfg: FindingsConfig,
           held_up: set[tuple[str, str]] | frozenset[tuple[str, str]] = frozenset()) -> list[Finding]:
     """Per rank: a category's share of the main thread (or trace step) above cfg.bound_ratio.
     ``held_up``: (job_id, rank) of ranks stalled or waiting on a DataLoader worker that stands
@@ -146,7 +104,7 @@ def _low_waiter(values: Mapping[str, float], threshold: float) -> list[tuple[str
     return out
 
 
-def straggler(shares: Iterable[RankShares], traces: Iterable[Any], cfg: FindingsConfig,
+def straggler(shares: Iterable[RankShares], traces: Iterable[RankTrace], cfg: FindingsConfig,
               quiet_jobs: frozenset[str] | set[str] = frozenset()) -> list[Finding]:
     """The rank the others wait for: its share of time waiting in collectives (stacks,
     native frames included) or in communication (traces) is far below the others' while
@@ -226,3 +184,16 @@ def straggler(shares: Iterable[RankShares], traces: Iterable[Any], cfg: Findings
                     advice=STRAGGLER_ADVICE,
                 ))
     return out
+
+
+def analyze_bound(inputs: AnalysisInputs) -> list[Finding]:
+    """No ``dataloader_bound`` for a rank stalled or waiting on a DataLoader worker that stands still."""
+    return bound(inputs.shares, inputs.rank_traces, inputs.config, held_up_ranks(inputs.stalls))
+
+
+def analyze_straggler(inputs: AnalysisInputs) -> list[Finding]:
+    """No straggler in a job that hangs or may be hanging: its stalled rank waits least.
+    A job whose collectives the kernel probes match gets its straggler from arrivals
+    (steps.py) instead: wait shares from sampled stacks name healthy ranks under load."""
+    quiet = inputs.hung | inputs.suspected | probed_jobs(inputs)
+    return straggler(inputs.shares, inputs.rank_traces, inputs.config, quiet)

@@ -1,29 +1,55 @@
-"""The evaluator: feeds the latest snapshots of every source to the analyzers, keeps the
-short histories they need, holds findings that must last a while (``gpu_idle``), and
-keeps each finding's ``since`` while it stays active. Pure: the caller passes ``now``.
+"""The evaluator: keeps the short histories the analyzers need, bundles them with the
+latest snapshots into ``AnalysisInputs``, runs the analyzers (``HANG``, then
+``ANALYZERS``), holds the kinds that must last a while (``HELD``), and keeps each
+finding's ``since`` while it stays active. Pure: the caller passes ``now``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
 
-from profagent.analysis.findings import SEVERITIES, Finding, FindingsSnapshot
-from profagent.analysis.findings.bound import RankShares, bound, straggler, warmed_up
-from profagent.analysis.findings.gpu import gpu_errors, gpu_idle, gpu_throttled
-from profagent.analysis.findings.hang import hang, held_up_ranks
+from profagent.analysis.findings import bound, gpu, hang, leak, steps
+from profagent.analysis.findings.bound import warmed_up
 from profagent.analysis.findings.history import CountsWindow, MemorySeries
-from profagent.analysis.findings.leak import MemoryInput, memory_leak
+from profagent.analysis.findings.inputs import AnalysisInputs, MemoryInput, RankShares
 from profagent.config import FindingsConfig
+from profagent.contracts import (
+    SEVERITIES,
+    Finding,
+    FindingsSnapshot,
+    RankStall,
+    RankTrace,
+    StateView,
+)
 
 MAIN, DATALOADER = "main", "dataloader"
+
+Analyzer = Callable[[AnalysisInputs], list[Finding]]
+# Two phases. First the hang analyzer: its findings make ``hung`` (the jobs with a hang),
+# which the second phase reads (no straggler nor gpu_idle in a hung job: a hang explains
+# them). Then every other analyzer, in any order: a new finding kind is one module here
+# and one line below.
+HANG: Analyzer = hang.analyze
+ANALYZERS: tuple[Analyzer, ...] = (
+    steps.analyze_arrival_straggler,  # before the stack-based kinds: one finding per kind and rank, the first kept
+    steps.analyze_data_wait,
+    steps.analyze_stall,
+    bound.analyze_straggler,
+    bound.analyze_bound,
+    leak.analyze,
+    gpu.analyze_idle,
+    gpu.analyze_throttled,
+    gpu.analyze_errors,
+)
+# Kinds reported only once their evidence has lasted this config value (seconds).
+HELD = {"gpu_idle": "gpu_idle_seconds"}
 
 
 class Evaluator:
     def __init__(self, config: FindingsConfig) -> None:
         self.config = config
-        self._seen: dict[str, Any] = {}  # source -> the snapshot already folded into histories
+        self._seen: dict[str, object] = {}  # source -> the snapshot already folded into histories
         self._shares: dict[tuple[str, str], CountsWindow] = {}
         self._waits: dict[tuple[str, str], CountsWindow] = {}  # judged samples and collective waits
         self._run_queue: dict[tuple[str, str], CountsWindow] = {}  # a rank's main thread waiting for a CPU
@@ -36,15 +62,15 @@ class Evaluator:
         self._hung: frozenset[str] = frozenset()  # jobs with a hang finding at the last evaluation
 
     # -- histories ----------------------------------------------------------------------
-    def _new(self, name: str, snapshot: Any) -> bool:
+    def _new(self, name: str, snapshot: object) -> bool:
         if snapshot is None or self._seen.get(name) is snapshot:
             return False
         self._seen[name] = snapshot
         return True
 
-    def _observe(self, snapshots: Mapping[str, Any], now: float) -> None:
+    def _observe(self, view: StateView, now: float) -> None:
         cfg = self.config
-        stacks, host, gpu = snapshots.get("stacks"), snapshots.get("host"), snapshots.get("gpu")
+        stacks, host, gpu = view.stacks, view.host, view.gpu
         if self._new("stacks", stacks):
             for g in stacks.groups:
                 if g.role == MAIN:
@@ -94,8 +120,8 @@ class Evaluator:
         w = self._run_queue.get((job, rank))
         return (w.delta().get("run_queue", 0.0), w.span()) if w is not None else (0.0, 0.0)
 
-    def _memory_inputs(self, snapshots: Mapping[str, Any]) -> list[MemoryInput]:
-        host, gpu = snapshots.get("host"), snapshots.get("gpu")
+    def _memory_inputs(self, view: StateView) -> list[MemoryInput]:
+        host, gpu = view.host, view.gpu
         free = {}
         if gpu is not None:
             free = {d.index: d.values.get("memory_free_bytes") for d in gpu.devices if d.up}
@@ -111,9 +137,9 @@ class Evaluator:
             inputs.append(MemoryInput(job, rank, label, kind, series, available))
         return inputs
 
-    def _forget(self, snapshots: Mapping[str, Any]) -> None:
+    def _forget(self, view: StateView) -> None:
         """Drop histories of ranks the sources no longer report (a job that ended)."""
-        stacks, host, gpu = snapshots.get("stacks"), snapshots.get("host"), snapshots.get("gpu")
+        stacks, host, gpu = view.stacks, view.host, view.gpu
         if stacks is not None:
             live = {(g.job_id or stacks.job_id, g.rank) for g in stacks.groups}
             self._shares = {k: v for k, v in self._shares.items() if k in live}
@@ -127,54 +153,46 @@ class Evaluator:
             self._memory = {k: v for k, v in self._memory.items() if k in live_mem}
 
     # -- evaluation ----------------------------------------------------------------------
-    def evaluate(self, snapshots: Mapping[str, Any], now: float) -> FindingsSnapshot:
-        """Every finding active at ``now`` (wall clock) from the latest snapshot of each source."""
+    def evaluate(self, sources: StateView | Mapping[str, object], now: float) -> FindingsSnapshot:
+        """Every finding active at ``now`` (wall clock) from the latest snapshot of each
+        source (a view, or snapshots by source name)."""
+        view = sources if isinstance(sources, StateView) else StateView.of(sources)
         cfg = self.config
-        self._observe(snapshots, now)
-        self._forget(snapshots)
-        stacks, traces, gpu = snapshots.get("stacks"), snapshots.get("traces"), snapshots.get("gpu")
-        shares = self._rank_shares(now)
-        rank_traces = list(traces.ranks) if traces is not None else []
-        for rt in rank_traces:
-            if not rt.job_id and traces.job_id:
-                rank_traces = [_with_job(r, traces.job_id) for r in rank_traces]
-                break
-
-        found: list[Finding] = []
-        suspected: set[str] = set()
-        held_up: set[tuple[str, str]] = set()
-        if stacks is not None:
-            stalls = [_stall_with_job(s, stacks.job_id) for s in stacks.stalls]
-            for job in sorted({s.job_id for s in stalls}):
-                found += hang(stalls, job, settled=job in self._hung)
-            suspected = {s.job_id for s in stalls if s.suspected or s.stalled}
-            held_up = held_up_ranks(stalls)
+        self._observe(view, now)
+        self._forget(view)
+        inputs = self._inputs(view, now)
+        found = HANG(inputs)
         hung = self._hung = frozenset(f.job_id for f in found if f.finding == "hang")
-        # a rank whose stack stands still may be hanging: no straggler then (it waits least)
-        found += straggler(shares, rank_traces, cfg, hung | suspected)
-        found += bound(shares, rank_traces, cfg, held_up)
-        found += memory_leak(self._memory_inputs(snapshots), cfg)
-        held: list[Finding] = []
-        if gpu is not None:
-            activity = {(s.job_id, s.rank): s.top() for s in shares if s.total}
-            held = gpu_idle(gpu, cfg, activity) if not hung else []
-            found += gpu_throttled(gpu)
-            errors = {index: w.delta() for (index, _), w in self._errors.items()}
-            found += gpu_errors(gpu, errors)
-        found += self._hold(held, cfg.gpu_idle_seconds, now)
+        inputs = dataclasses.replace(inputs, hung=hung)
+        for analyze in ANALYZERS:
+            found += analyze(inputs)
+        found = [f for f in found if f.finding not in HELD] + self._hold(
+            [f for f in found if f.finding in HELD], now)
         self._evaluations += 1
-        waits = tuple((s.job_id, s.rank, round(s.wait_share, 4)) for s in shares if warmed_up(s, cfg))
+        waits = tuple((s.job_id, s.rank, round(s.wait_share, 4)) for s in inputs.shares if warmed_up(s, cfg))
         return FindingsSnapshot(self._stamp(found, now), now, waits, self._evaluations)
 
-    def _hold(self, candidates: list[Finding], seconds: float, now: float) -> list[Finding]:
-        """Findings whose evidence has lasted ``seconds``; ``since`` is when it began."""
+    def _inputs(self, view: StateView, now: float) -> AnalysisInputs:
+        stacks, traces, gpu = view.stacks, view.traces, view.gpu
+        rank_traces = tuple(_with_job(r, traces.job_id) for r in traces.ranks) if traces is not None else ()
+        stalls = tuple(_stall_with_job(s, stacks.job_id) for s in stacks.stalls) if stacks is not None else ()
+        errors = {index: w.delta() for (index, _), w in self._errors.items()} if gpu is not None else {}
+        return AnalysisInputs(
+            config=self.config, now=now, host=view.host, gpu=gpu, stacks=stacks, traces=traces, timeline=view.timeline,
+            shares=tuple(self._rank_shares(now)), rank_traces=rank_traces, stalls=stalls,
+            memory=tuple(self._memory_inputs(view)), gpu_errors=errors, was_hung=self._hung,
+            suspected=frozenset(s.job_id for s in stalls if s.suspected or s.stalled))
+
+    def _hold(self, candidates: list[Finding], now: float) -> list[Finding]:
+        """Findings whose evidence has lasted their kind's ``HELD`` seconds; ``since`` is
+        when it began."""
         keys = {f.key for f in candidates}
         for key in [k for k in self._pending if k not in keys]:
             del self._pending[key]
         out = []
         for f in candidates:
             began = self._pending.setdefault(f.key, now)
-            if now - began >= seconds:
+            if now - began >= getattr(self.config, HELD[f.finding]):
                 self._since.setdefault(f.key, began)
                 out.append(f)
         return out
@@ -198,9 +216,9 @@ def sort_key(f: Finding) -> tuple[int, str, str, str]:
     return (-SEVERITIES.index(f.severity), f.finding, f.job_id, f.rank or "")
 
 
-def _with_job(rt: Any, job_id: str) -> Any:
-    return dataclasses.replace(rt, job_id=rt.job_id or job_id)
+def _with_job(rt: RankTrace, job_id: str) -> RankTrace:
+    return rt if rt.job_id or not job_id else dataclasses.replace(rt, job_id=job_id)
 
 
-def _stall_with_job(s: Any, job_id: str) -> Any:
+def _stall_with_job(s: RankStall, job_id: str) -> RankStall:
     return s if s.job_id else dataclasses.replace(s, job_id=job_id)

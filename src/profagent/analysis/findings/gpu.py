@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
-from profagent.analysis.findings import Finding
+from profagent.analysis.findings.inputs import AnalysisInputs
 from profagent.config import FindingsConfig
+from profagent.contracts import Finding, GpuSnapshot
 
 THERMAL_OR_HW = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
 POWER = ("sw_power_cap",)
 
 
-def _users(gpu: Any) -> dict[int, list[tuple[str, str]]]:
+def _users(gpu: GpuSnapshot) -> dict[int, list[tuple[str, str]]]:
     """GPU index -> the (job_id, rank) pairs with processes on it."""
     users: dict[int, list[tuple[str, str]]] = {}
     for p in gpu.processes:
@@ -22,7 +22,7 @@ def _users(gpu: Any) -> dict[int, list[tuple[str, str]]]:
     return users
 
 
-def gpu_idle(gpu: Any, cfg: FindingsConfig, cpu_activity: Mapping[tuple[str, str], tuple[str, float]]) -> list[Finding]:
+def gpu_idle(gpu: GpuSnapshot, cfg: FindingsConfig, cpu_activity: Mapping[tuple[str, str], tuple[str, float]]) -> list[Finding]:
     """A GPU a rank holds is nearly unused. The evaluator requires it for cfg.gpu_idle_seconds.
     ``cpu_activity``: (job, rank) -> (busiest main-thread category, its share)."""
     devices = {d.index: d for d in gpu.devices if d.up}
@@ -49,7 +49,7 @@ def gpu_idle(gpu: Any, cfg: FindingsConfig, cpu_activity: Mapping[tuple[str, str
     return out
 
 
-def gpu_throttled(gpu: Any) -> list[Finding]:
+def gpu_throttled(gpu: GpuSnapshot) -> list[Finding]:
     """Active power or thermal clock-event reasons, per rank using the GPU (else for the job)."""
     users = _users(gpu)
     out: list[Finding] = []
@@ -79,7 +79,7 @@ def gpu_throttled(gpu: Any) -> list[Finding]:
     return out
 
 
-def gpu_errors(gpu: Any, new_errors: Mapping[int, Mapping[str, int]]) -> list[Finding]:
+def gpu_errors(gpu: GpuSnapshot, new_errors: Mapping[int, Mapping[str, int]]) -> list[Finding]:
     """XID events and uncorrected ECC errors seen recently. ``new_errors``: GPU index ->
     {"xid 79": n, "ecc_uncorrected": n} counted by the evaluator over its error window."""
     users = _users(gpu)
@@ -98,3 +98,20 @@ def gpu_errors(gpu: Any, new_errors: Mapping[int, Mapping[str, int]]) -> list[Fi
                 advice="drain the node and check `nvidia-smi -q` and dmesg; most XIDs need a GPU reset",
             ))
     return out
+
+
+def analyze_idle(inputs: AnalysisInputs) -> list[Finding]:
+    """Candidates: the evaluator reports one once it has lasted gpu_idle_seconds (``HELD``).
+    None while a job hangs: its GPUs idle because of the hang, which says more."""
+    if inputs.gpu is None or inputs.hung:
+        return []
+    activity = {(s.job_id, s.rank): s.top() for s in inputs.shares if s.total}
+    return gpu_idle(inputs.gpu, inputs.config, activity)
+
+
+def analyze_throttled(inputs: AnalysisInputs) -> list[Finding]:
+    return gpu_throttled(inputs.gpu) if inputs.gpu is not None else []
+
+
+def analyze_errors(inputs: AnalysisInputs) -> list[Finding]:
+    return gpu_errors(inputs.gpu, inputs.gpu_errors) if inputs.gpu is not None else []

@@ -24,8 +24,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from profagent.analysis.collectives import CollectiveWait, collective_wait
-from profagent.analysis.findings import Finding
-from profagent.analysis.stacks import Frame, innermost_python, own_frame
+from profagent.analysis.findings.inputs import AnalysisInputs
+from profagent.analysis.stacks import innermost_python, own_frame
+from profagent.contracts import Finding, Frame, RankStall
 
 STACK_EVIDENCE_FRAMES = 12  # innermost frames kept per rank in the evidence
 
@@ -56,7 +57,7 @@ def _in(w: CollectiveWait | None) -> str:
     return w.describe() + (f" called at {w.called_at}" if w.called_at is not None else "")
 
 
-def _here(s: Any) -> Frame | None:
+def _here(s: RankStall) -> Frame | None:
     """The rank's own line: the innermost frame of the job's code, else the innermost Python frame."""
     return own_frame(s.frames) or innermost_python(s.frames) or (s.frames[-1] if s.frames else None)
 
@@ -95,13 +96,13 @@ def _from_backward(w: CollectiveWait | None) -> bool:
     return w is not None and "from backward" in w.collective
 
 
-def _worker_text(s: Any) -> str:
+def _worker_text(s: RankStall) -> str:
     stuck = s.stuck_workers
     return "; ".join(f"its DataLoader worker PID {w.pid} stands still at {_frames_here(w.frames)} "
                      f"for {w.unchanged_seconds:.0f} s" for w in stuck)
 
 
-def held_up_ranks(stalls: Iterable[Any]) -> set[tuple[str, str]]:
+def held_up_ranks(stalls: Iterable[RankStall]) -> set[tuple[str, str]]:
     """(job_id, rank) of the ranks stalled, or waiting on a DataLoader worker that stands still
     (or whose workers are being looked at): no rank-level advice (``dataloader_bound``'s "more
     workers") while they are."""
@@ -109,7 +110,7 @@ def held_up_ranks(stalls: Iterable[Any]) -> set[tuple[str, str]]:
             if s.stalled or s.stuck_workers or s.workers_pending}
 
 
-def _native_may_change_its_role(s: Any, wait: CollectiveWait | None, settled: bool) -> bool:
+def _native_may_change_its_role(s: RankStall, wait: CollectiveWait | None, settled: bool) -> bool:
     """Wait for native frames on their way that may change a rank's role: a stalled rank's
     first ones (a collective in C++, DDP's reducer, makes it a victim); before the first
     verdict (``settled`` False), those of any rank not stalled: while py-spy reads a native
@@ -123,7 +124,7 @@ def _native_may_change_its_role(s: Any, wait: CollectiveWait | None, settled: bo
     return not settled
 
 
-def hang(stalls: Iterable[Any], job_id: str, settled: bool = False) -> list[Finding]:
+def hang(stalls: Iterable[RankStall], job_id: str, settled: bool = False) -> list[Finding]:
     """The job's ``hang`` finding (at most one) from its ranks' ``RankStall``. ``settled``:
     the job had one at the last evaluation (it is not held back again for native frames)."""
     rows = sorted((s for s in stalls if s.job_id == job_id and s.frames), key=lambda s: (len(s.rank), s.rank))
@@ -170,12 +171,12 @@ def hang(stalls: Iterable[Any], job_id: str, settled: bool = False) -> list[Find
         return [Finding("hang", job_id, rank, "critical", summary, {**evidence, "diagnosis": diagnosis},
                         advice=advice or ADVICE[diagnosis])]
 
-    def at(s: Any) -> str:
+    def at(s: RankStall) -> str:
         """"rank 0 at train (train.py:190)", and the worker that holds it up."""
         text = f"rank {s.rank} at {_where(_here(s))}"
         return f"{text}, waiting for its DataLoader: {_worker_text(s)}" if s.stuck_workers else text
 
-    def advice_for(stuck: Sequence[Any], diagnosis: str) -> str:
+    def advice_for(stuck: Sequence[RankStall], diagnosis: str) -> str:
         return ADVICE["worker"] if any(s.stuck_workers for s in stuck) else ADVICE[diagnosis]
 
     # a rank standing still in a collective (stalled, or for a whole window) waits for the
@@ -220,3 +221,12 @@ def hang(stalls: Iterable[Any], job_id: str, settled: bool = False) -> list[Find
     return finding(None, "collective_mismatch",
                    f"collective mismatch for {seconds:.0f} s: the ranks wait in different collectives, "
                    f"a collective skipped or reordered on some ranks: {per_rank}")
+
+
+def analyze(inputs: AnalysisInputs) -> list[Finding]:
+    """The first phase: a hang per job with stalled ranks. A job with a hang at the last
+    evaluation is ``settled`` (its verdict stays put while the stacks stand still)."""
+    out: list[Finding] = []
+    for job in sorted({s.job_id for s in inputs.stalls}):
+        out += hang(inputs.stalls, job, settled=job in inputs.was_hung)
+    return out

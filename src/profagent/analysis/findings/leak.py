@@ -7,23 +7,12 @@ memory still available (node MemAvailable, or the GPU's free memory).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from profagent.analysis.findings import Finding
-from profagent.analysis.findings.history import MemorySeries
+from profagent.analysis.findings.inputs import AnalysisInputs, MemoryInput
 from profagent.config import FindingsConfig
+from profagent.contracts import Finding
 
 MIN_R2 = 0.8  # the readings must lie close to a line: a sawtooth (allocator caching) is no leak
 
-
-@dataclass(frozen=True)
-class MemoryInput:
-    job_id: str
-    rank: str
-    what: str  # "host memory (RSS) of the main process", "GPU 0 memory"...
-    kind: str  # "host" or "gpu"
-    series: MemorySeries
-    available: float | None  # bytes still available to grow into
 
 
 def _human(n: float) -> str:
@@ -70,3 +59,7 @@ def memory_leak(inputs: list[MemoryInput], cfg: FindingsConfig) -> list[Finding]
                     "tracemalloc or memray show who allocates"),
         ))
     return out
+
+
+def analyze(inputs: AnalysisInputs) -> list[Finding]:
+    return memory_leak(list(inputs.memory), inputs.config)

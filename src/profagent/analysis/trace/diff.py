@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from profagent.analysis.labels import shorten
 from profagent.analysis.trace.breakdown import CATEGORIES
-from profagent.analysis.trace.report import TraceReport
+from profagent.contracts import TraceReport
+from profagent.labels import shorten
 
 LISTED = 15  # kernels and ops kept in contributors, appeared and vanished
 UNCHANGED = 0.005  # a step-time change below 0.5% is "no change" in the verdict

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from profagent.analysis.trace.report import TraceReport
+from profagent.contracts import TraceReport
 
 STRAGGLER_THRESHOLD = 0.25
 MIN_GAP = 100e-6  # seconds per step

@@ -6,10 +6,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
-from profagent.analysis.labels import OTHER, fold_top_k
 from profagent.analysis.trace.annotations import Annotation, annotation_gpu_time, annotations
 from profagent.analysis.trace.breakdown import CATEGORIES, step_breakdown
 from profagent.analysis.trace.cputime import cpu_gpu_time
@@ -20,71 +19,8 @@ from profagent.analysis.trace.memory import peak_allocated
 from profagent.analysis.trace.model import Trace
 from profagent.analysis.trace.steps import find_steps
 from profagent.analysis.trace.tops import Top, kernel_stats, top_kernels, top_ops, totals_in_steps
-
-
-@dataclass(frozen=True)
-class StepTime:
-    name: str
-    seconds: float
-    breakdown: dict[str, float]  # category -> seconds
-
-
-@dataclass(frozen=True)
-class GpuSummary:
-    """Averages over the devices with GPU activity (ratios of the step window)."""
-
-    devices: int
-    utilization: float
-    idle_ratio: float
-    compute_ratio: float
-    non_compute_ratio: float
-    host_wait_ratio: float
-    kernel_wait_ratio: float
-    idle_other_ratio: float
-    overlap_ratio: float | None
-    memcpy_share: float  # of GPU busy time
-
-
-@dataclass(frozen=True)
-class TraceReport:
-    path: str
-    rank: str | None  # from distributedInfo only; the source may resolve it otherwise
-    bytes: int
-    accelerator: str | None  # cuda, rocm, mtia, xpu, privateuse1; None: no device work
-    steps: tuple[StepTime, ...]  # complete steps only
-    steps_inferred: bool
-    step_source: str  # profiler_step (ProfilerStep#N), optimizer (Optimizer.step# markers), window
-    steps_incomplete: tuple[tuple[str, float], ...]  # (name, seconds): excluded last step
-    steps_dropped: int  # ProfilerStep ranges of zero or negative length
-    gpu_lag: float | None  # seconds the device ran past the last step's end on its work
-    warnings: tuple[str, ...]
-    step_mean: float | None
-    step_max: float | None
-    breakdown: dict[str, float]  # category -> ratio of step time
-    gpu: GpuSummary | None
-    devices: tuple[dict[str, Any], ...]
-    launch_delay: dict[str, float] | None  # seconds: mean, p50, p99, max
-    cpu_seconds: float
-    gpu_seconds: float
-    cpu_gpu_ratio: float | None
-    top_ops: tuple[tuple[str, float, int], ...]  # (name, self CPU seconds, calls)
-    top_kernels: tuple[tuple[str, float, int], ...]  # (name, GPU seconds, launches)
-    annotations: tuple[tuple[str, float, int], ...]  # (name, total seconds, count)
-    memory_peak: dict[str, int]  # device -> bytes
-    cpu_pids: tuple[int, ...]
-    events_dropped: dict[str, int] = field(default_factory=dict)  # left out for their dur: missing, negative, non_finite
-    # per top kernel: name, count, total/mean/min/max seconds, launched_by (the ATen op)
-    kernel_stats: tuple[dict[str, Any], ...] = ()
-    annotation_gpu: dict[str, float] = field(default_factory=dict)  # annotation -> s of GPU work launched inside
-    # only with analyze(..., in_steps=True) (profagent diff): every kernel's GPU seconds and
-    # every op's self CPU seconds, of those starting inside the steps
-    in_steps: dict[str, dict[str, float]] | None = None
-    world_size: int | None = None  # distributedInfo
-    backend: str | None = None
-    started_at: float | None = None  # Unix seconds of the first event (baseTimeNanoseconds + ts), if plausible
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+from profagent.contracts import GpuSummary, StepTime, TraceReport
+from profagent.labels import OTHER, fold_top_k
 
 
 def _gpu_summary(devices: tuple[DeviceTime, ...]) -> GpuSummary | None:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profagent.analysis.labels import OTHER
 from profagent.analysis.trace.intervals import Merged, covered, unique
 from profagent.analysis.trace.kinds import Classified
 from profagent.analysis.trace.model import KERNEL
+from profagent.labels import OTHER
 
 
 @dataclass(frozen=True)

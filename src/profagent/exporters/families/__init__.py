@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
 )
@@ -33,6 +34,12 @@ class Families:
         fam = self._families.get(name)
         if fam is None:
             fam = self._families[name] = CounterMetricFamily(name, documentation, labels=labels, unit=unit)
+        return fam  # type: ignore[return-value]
+
+    def histogram(self, name: str, documentation: str, labels: Sequence[str]) -> HistogramMetricFamily:
+        fam = self._families.get(name)
+        if fam is None:
+            fam = self._families[name] = HistogramMetricFamily(name, documentation, labels=labels)
         return fam  # type: ignore[return-value]
 
     def info(self, name: str, documentation: str, labels: Sequence[str]) -> InfoMetricFamily:

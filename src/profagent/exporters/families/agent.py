@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from profagent import __version__
+from profagent.contracts import PLACEMENT_LABELS, StateView
 from profagent.exporters.families import Families
-from profagent.state import StateView
-from profagent.target.placement import LABELS as PLACEMENT_LABELS
 
 JOB = ("job_id",)
 

@@ -3,7 +3,7 @@ and each rank's collective-wait share (``profagent_collective_wait_ratio``)."""
 
 from __future__ import annotations
 
-from profagent.analysis.findings import FindingsSnapshot
+from profagent.contracts import FindingsSnapshot
 from profagent.exporters.families import Families
 
 

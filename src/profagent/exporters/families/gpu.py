@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from profagent.contracts import GpuSnapshot
 from profagent.exporters.families import Families
-from profagent.sources.gpu.source import GpuSnapshot
 
 DEV = ("gpu", "uuid")
 PROC = ("job_id", "rank", "role", "gpu", "uuid", "mig")  # mig: GPU instance id, "" outside MIG

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from profagent.contracts import HostSnapshot
 from profagent.exporters.families import Families
-from profagent.sources.host import HostSnapshot
 
 GROUP = ("job_id", "rank", "role")
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from profagent.contracts import IncidentsSnapshot
 from profagent.exporters.families import Families
 
 
-def render(snap: Any, out: Families) -> None:
-    """``snap`` is an engine IncidentsSnapshot (counts, suppressed: (job_id, kind, n); rejected: (reason, n))."""
+def render(snap: IncidentsSnapshot, out: Families) -> None:
+    """counts, suppressed: (job_id, kind, n); rejected: (reason, n)."""
     total = out.counter("profagent_incidents", "incident bundles captured, by job and trigger kind (hang, regression, manual)", ("job_id", "kind"))
     for job_id, kind, n in snap.counts:
         total.add_metric([job_id, kind], n)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from profagent.contracts import OndemandSnapshot
 from profagent.exporters.families import Families
-from profagent.sources.ondemand.source import OndemandSnapshot
 
 
 def render(snap: OndemandSnapshot, out: Families) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from profagent.contracts import StacksSnapshot
 from profagent.exporters.families import Families
-from profagent.sources.stacks.source import StacksSnapshot
 
 GROUP = ("job_id", "rank", "role")
 

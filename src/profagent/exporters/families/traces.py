@@ -7,9 +7,9 @@ trace, launch delay without correlation...) are absent, never 0.
 
 from __future__ import annotations
 
-from profagent.analysis.labels import fold_top_k
+from profagent.contracts import TracesSnapshot
 from profagent.exporters.families import Families
-from profagent.sources.traces.source import TracesSnapshot
+from profagent.labels import fold_top_k
 
 RANK = ("job_id", "rank")
 STATUSES = ("ingested", "invalid", "skipped")

@@ -9,6 +9,7 @@ from typing import Any
 
 import pynvml
 
+from profagent.contracts import MigDevice
 from profagent.sources.gpu.nvml import Nvml, text
 
 NOT_AVAILABLE_UINT = 0xFFFFFFFF
@@ -33,18 +34,6 @@ FIELD_IDS: dict[str, tuple[int, int]] = {
     "nvlink_rx_bytes": (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
 }
 
-
-@dataclass(frozen=True)
-class MigDevice:
-    """One MIG device: GPU instance ``gi``, compute instance ``ci``."""
-
-    gi: int
-    ci: int
-    uuid: str
-    name: str
-    memory_total: int | None = None
-    memory_used: int | None = None
-    memory_free: int | None = None
 
 
 @dataclass

@@ -24,7 +24,7 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -32,11 +32,17 @@ from typing import Any
 import pynvml
 
 from profagent.config import Config
+from profagent.contracts import (
+    GpuDevice,
+    GpuSnapshot,
+    ProcessGpuUsage,
+    ProcessInfo,
+    ProcessTree,
+)
 from profagent.errors import NotApplicable, SourceError, SourceUnavailable
 from profagent.sources.gpu.device import (
     NOT_AVAILABLE_UINT,
     DeviceHandle,
-    MigDevice,
     identify,
     list_processes,
     read_clock_event_reasons,
@@ -53,77 +59,11 @@ from profagent.sources.gpu.nvml import (
     text,
 )
 from profagent.system.procfs import read_nspid
-from profagent.target import ProcessInfo, ProcessTree
 
 log = logging.getLogger(__name__)
 
-BUSY_THRESHOLD = 0.05  # utilisation above this counts as "busy" for rank_busy()
 _XID_DRAIN_MAX = 256
 
-
-@dataclass(frozen=True)
-class GpuDevice:
-    """One physical GPU in one tick. ``values``: see the renderer; absent = not there."""
-
-    index: int
-    uuid: str
-    name: str
-    pci_bus_id: str
-    mig_mode: str
-    up: bool
-    values: MappingProxyType[str, float] = field(default_factory=lambda: MappingProxyType({}))
-    clock_event_reasons: MappingProxyType[str, bool] = field(default_factory=lambda: MappingProxyType({}))
-    xid_errors: MappingProxyType[int, int] = field(default_factory=lambda: MappingProxyType({}))
-    mig_devices: tuple[MigDevice, ...] = ()
-    other_processes: int | None = None
-
-
-@dataclass(frozen=True)
-class ProcessGpuUsage:
-    """The processes of one (job, rank, role) on one GPU (or MIG instance)."""
-
-    job_id: str
-    rank: str
-    role: str
-    gpu: int
-    uuid: str
-    mig: str  # GPU instance id, "" outside MIG
-    processes: int
-    memory_bytes: int | None
-    sm_ratio: float | None
-    memory_ratio: float | None
-
-
-@dataclass(frozen=True)
-class GpuSnapshot:
-    job_id: str  # the attached job ("" in watch mode: see ProcessGpuUsage.job_id)
-    simulated: bool
-    driver_version: str
-    nvml_version: str
-    cuda_version: str
-    devices: tuple[GpuDevice, ...]
-    processes: tuple[ProcessGpuUsage, ...]
-
-    def rank_busy(self, rank: str, threshold: float = BUSY_THRESHOLD, job_id: str | None = None) -> bool | None:
-        """True if a GPU this rank uses shows utilisation above ``threshold``, False if
-        all its GPUs are idle, None if unknown (no GPU attributed, or no utilisation).
-        ``job_id`` narrows it to one job (watch mode); None = any job."""
-        devices = {d.index: d for d in self.devices}
-        verdicts: list[bool | None] = []
-        for p in self.processes:
-            if p.rank != rank or (job_id is not None and p.job_id != job_id):
-                continue
-            if p.sm_ratio is not None:
-                verdicts.append(p.sm_ratio > threshold)
-                continue
-            dev = devices.get(p.gpu)
-            util = dev.values.get("utilization_ratio") if dev is not None and dev.up else None
-            verdicts.append(None if util is None else util > threshold)
-        if any(v is True for v in verdicts):
-            return True
-        if verdicts and all(v is False for v in verdicts):
-            return False
-        return None
 
 
 @dataclass

@@ -15,9 +15,9 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+from profagent.contracts import OndemandSnapshot, ProcessTree
 from profagent.errors import SourceUnavailable
 from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.endpoint import (
@@ -29,17 +29,9 @@ from profagent.sources.ondemand.endpoint import (
     TraceRequest,
 )
 from profagent.system.safefs import UnsafePath, own_directory
-from profagent.target import ProcessTree
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class OndemandSnapshot:
-    processes: tuple[tuple[str, str, str, int], ...]  # (job_id, rank, role, count) of pollers in the tree
-    unmatched: int  # pollers outside the target tree
-    datagrams: tuple[tuple[str, int], ...]  # kind -> count (poll, ctxt, malformed)
-    requests: tuple[tuple[str, int], ...]  # status -> count (requested, sent, resent, expired)
 
 
 class OndemandSource:

@@ -29,7 +29,6 @@ from profagent.analysis.collectives import (
 )
 from profagent.analysis.stacks import (
     CATEGORIES,
-    Frame,
     Place,
     Sample,
     StallTracker,
@@ -42,11 +41,20 @@ from profagent.analysis.stacks import (
     waits_on_dataloader,
 )
 from profagent.config import StacksConfig
+from profagent.contracts import (
+    ROLE_DATALOADER,
+    ROLE_MAIN,
+    Frame,
+    ProcessTree,
+    RankStall,
+    StackGroup,
+    StacksSnapshot,
+    WorkerStall,
+)
 from profagent.errors import SourceUnavailable
 from profagent.logs import LogOnce
 from profagent.sources.stacks import pyspy
 from profagent.sources.stacks.sampler import Result, Sampler
-from profagent.target import ROLE_DATALOADER, ROLE_MAIN, ProcessTree
 
 log = logging.getLogger(__name__)
 
@@ -62,73 +70,6 @@ WATCH_HOLD = 30.0  # seconds of full rate after `profagent top` or /api/stacks l
 # the longest window (py-spy start-up and harvest, longer on a loaded node)
 STALE_GRACE = 15.0
 
-
-@dataclass(frozen=True)
-class StackGroup:
-    """Cumulative counts of one (rank, role): main-thread samples by category and by leaf
-    function (top-K), and all threads' states from periodic dumps."""
-
-    rank: str
-    role: str
-    categories: tuple[tuple[str, int], ...]
-    functions: tuple[tuple[str, int], ...]
-    threads: tuple[tuple[str, str, int], ...]  # (state, gil, count)
-    job_id: str = ""
-    # main-thread samples judged for collective waits (those taken once a native window has
-    # taught the rank's wait ratios), and how many of them waited in a collective
-    judged: int = 0
-    collective_wait: float = 0.0
-
-
-@dataclass(frozen=True)
-class WorkerStall:
-    """A DataLoader worker of a rank whose main thread waits for its DataLoader: sampled
-    from then on. ``stuck``: it runs the dataset (not waiting for indices) and its stack has
-    stood still since its first window."""
-
-    pid: int
-    stuck: bool
-    unchanged_seconds: float
-    frames: tuple[Frame, ...] = ()
-
-
-@dataclass(frozen=True)
-class RankStall:
-    """A rank's main thread: whether it is stalled, and where it is now.
-
-    ``frames`` is the main thread's most frequent stack in the last window (root first),
-    kept for every rank so the findings can tell the rank that holds a collective up from
-    those waiting in it.
-    """
-
-    rank: str
-    stalled: bool
-    unchanged_seconds: float
-    job_id: str = ""
-    frames: tuple[Frame, ...] = ()
-    # the stack has not moved for a whole window: a stall may be starting
-    suspected: bool = False
-    # the same stack with its native frames, from a native window taken while it stood still
-    native: tuple[Frame, ...] = ()
-    native_pending: bool = False  # a native window of this stack is asked for and not back yet
-    # not stalled, and its last window began before another rank of the job stalled: its
-    # stack is from before the job stopped (a long steady window), a newer one is on its way
-    stale: bool = False
-    # its DataLoader workers, sampled while its main thread waits for the DataLoader
-    workers: tuple[WorkerStall, ...] = ()
-    workers_pending: bool = False  # it waits for its DataLoader; its workers' first windows are not back
-
-    @property
-    def stuck_workers(self) -> tuple[WorkerStall, ...]:
-        return tuple(w for w in self.workers if w.stuck)
-
-
-@dataclass(frozen=True)
-class StacksSnapshot:
-    job_id: str
-    groups: tuple[StackGroup, ...]
-    stalls: tuple[RankStall, ...]
-    errors: tuple[tuple[str, str, int], ...]  # (job_id, reason, failed runs); job "": the snapshot's
 
 
 class StacksSource:

@@ -29,9 +29,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from profagent.analysis.labels import bound
 from profagent.analysis.trace.model import KINDS, Trace  # noqa: F401  (KINDS: the categories kept)
 from profagent.errors import SourceError
+from profagent.labels import bound
 from profagent.system.safefs import UnsafePath, open_regular
 
 try:  # zlib-ng: CPython's zlib module built on zlib-ng, the same API, inflating twice as fast

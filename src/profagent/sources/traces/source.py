@@ -47,8 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from profagent.analysis.trace.model import Trace
-from profagent.analysis.trace.report import TraceReport, analyze
+from profagent.analysis.trace.report import analyze
 from profagent.config import Config
+from profagent.contracts import ProcessTree, RankTrace, TraceReport, TracesSnapshot
 from profagent.errors import SourceUnavailable
 from profagent.sources.traces.reader import MAX_BUFFERED, TraceError, read_trace
 from profagent.sources.traces.watcher import (
@@ -60,7 +61,6 @@ from profagent.sources.traces.watcher import (
 )
 from profagent.system.cputime import CPU
 from profagent.system.procfs import PROC, read_credentials
-from profagent.target import ProcessTree
 
 log = logging.getLogger(__name__)
 
@@ -75,24 +75,6 @@ _PID_IN_NAME = re.compile(r"_(\d+)\.\d+\.pt\.trace\.json")  # tensorboard_trace_
 _ONDEMAND_NAME = re.compile(r"^profagent_[^/]*_(\d+)\.json$")  # libkineto: <log file stem>_<pid>.json
 SUMMARY_SECONDS = 60.0
 
-
-@dataclass(frozen=True)
-class RankTrace:
-    rank: str
-    report: TraceReport
-    ingested_at: float  # wall clock, seconds
-    job_id: str = ""  # the job of the traced process (watch mode has several)
-
-
-@dataclass(frozen=True)
-class TracesSnapshot:
-    job_id: str
-    ranks: tuple[RankTrace, ...]
-    counts: tuple[tuple[str, str, int], ...]  # (status, reason, files)
-    waiting: int  # files seen but not complete yet
-    top_k: int = 10
-    user_dirs: bool = True  # a folder the user configured is watched (not only the on-demand folder)
-    baseline: tuple[TraceReport, ...] = ()  # traces.baseline, analysed (empty: none configured)
 
 
 def traced_pids(report: TraceReport, path: str) -> tuple[set[int], bool]:

@@ -1,0 +1,149 @@
+"""Findings from the step timeline (kernel probes): ``straggler`` from collective
+arrivals, ``dataloader_bound`` from the exact data-wait share, and ``stall``, a warning
+that the job's steps have stopped, long before the stack-based ``hang``.
+
+Input: the timeline source's snapshot (``RankSteps`` per rank, ``ArrivalStraggler`` per
+job) and, for the stall's location, the stacks source's stalls.
+"""
+
+from __future__ import annotations
+
+from profagent.analysis.findings.hang import held_up_ranks
+from profagent.analysis.findings.inputs import AnalysisInputs
+from profagent.contracts import Finding, Frame, RankSteps
+
+DATALOADER_FIX = "more DataLoader workers, pin_memory, lighter __getitem__ or prefetching"
+STRAGGLER_ADVICE = ("see what that rank does more than the others (`profagent top`, its busiest functions): "
+                    "more data per rank, a slower node or GPU, CPU contention; balance the work or move the rank")
+
+
+def probed_jobs(inputs: AnalysisInputs) -> frozenset[str]:
+    """Jobs whose collectives the probes match across ranks: their straggler comes from
+    arrivals, not from stack wait shares."""
+    t = inputs.timeline
+    if t is None:
+        return frozenset()
+    return frozenset(s.job_id for s in t.stragglers if s.collectives >= inputs.config.arrival_min_collectives)
+
+
+def analyze_arrival_straggler(inputs: AnalysisInputs) -> list[Finding]:
+    """The rank that arrives last at most of the job's collectives, by a real share of the
+    step. Never in a job that hangs or may be hanging (a hung rank arrives at nothing)."""
+    t, cfg = inputs.timeline, inputs.config
+    if t is None:
+        return []
+    out = []
+    quiet = inputs.hung | inputs.suspected | _stopped_jobs(t.ranks, cfg.stall_warning_seconds)
+    for s in t.stragglers:
+        if s.job_id in quiet or s.collectives < cfg.arrival_min_collectives or s.step_seconds <= 0:
+            continue
+        lag_share = s.median_lag / s.step_seconds
+        if s.last_share >= cfg.arrival_last_share and lag_share >= cfg.arrival_lag_share:
+            out.append(Finding(
+                "straggler", s.job_id, s.rank, "warning",
+                f"rank {s.rank} is the straggler: it called {s.last_share:.0%} of the job's last {s.collectives} "
+                f"collectives last, {s.median_lag * 1e3:.1f} ms after the first rank at the median "
+                f"({lag_share:.0%} of a {s.step_seconds * 1e3:.0f} ms step); the others wait for it",
+                {"signal": "arrivals", "last_share": round(s.last_share, 3), "median_lag_seconds": s.median_lag,
+                 "step_seconds": s.step_seconds, "lag_share": round(lag_share, 3), "collectives": s.collectives,
+                 "threshold_last_share": cfg.arrival_last_share, "threshold_lag_share": cfg.arrival_lag_share},
+                advice=STRAGGLER_ADVICE))
+    return out
+
+
+def analyze_data_wait(inputs: AnalysisInputs) -> list[Finding]:
+    """A rank whose steps spend more than ``bound_ratio`` waiting for the DataLoader."""
+    t, cfg = inputs.timeline, inputs.config
+    if t is None:
+        return []
+    out = []
+    held_up = held_up_ranks(inputs.stalls)  # a hung DataLoader worker: more workers do not help
+    for r in t.ranks:
+        share = r.stage_shares.get("data_wait", 0.0)
+        if r.window_steps >= cfg.min_steps and share > cfg.bound_ratio and (r.job_id, r.rank) not in held_up:
+            out.append(Finding(
+                "dataloader_bound", r.job_id, r.rank, "warning",
+                f"rank {r.rank} waits for the DataLoader {share:.0%} of each step (last {r.window_steps} steps, "
+                f"kernel probes): {DATALOADER_FIX}",
+                {"signal": "timeline", "data_wait_share": round(share, 3), "steps": r.window_steps,
+                 "step_p50_seconds": r.p50, "threshold": cfg.bound_ratio},
+                advice=DATALOADER_FIX))
+    return out
+
+
+def _stall_after(r: RankSteps, floor: float, factor: float) -> float:
+    return max(floor, factor * (r.p90 or 0.0))
+
+
+def _stopped_jobs(ranks: tuple[RankSteps, ...], floor: float) -> frozenset[str]:
+    by_job: dict[str, list[RankSteps]] = {}
+    for r in ranks:
+        by_job.setdefault(r.job_id, []).append(r)
+    return frozenset(job for job, rs in by_job.items()
+                     if all(r.idle_seconds is not None and r.idle_seconds >= floor for r in rs))
+
+
+def analyze_stall(inputs: AnalysisInputs) -> list[Finding]:
+    """Every rank of a job that stepped has hit no probe at all (no step, no DataLoader
+    wait, no backward, no collective: an evaluation loop still iterates its DataLoader)
+    for max(``stall_warning_seconds``, ``stall_warning_factor`` x its p90 step): name the rank
+    holding the job (the one that called the fewest collectives: the others wait in the
+    next one), what it was doing (its stage), and its line from the stacks. It clears when
+    steps resume; the stack-based ``hang`` takes over at ``stacks.stall_seconds``."""
+    t, cfg = inputs.timeline, inputs.config
+    if t is None:
+        return []
+    by_job: dict[str, list[RankSteps]] = {}
+    for r in t.ranks:
+        by_job.setdefault(r.job_id, []).append(r)
+    out = []
+    for job, ranks in sorted(by_job.items()):
+        if job in inputs.hung or not all(r.optimizer_steps > 0 and r.idle_seconds is not None for r in ranks):
+            continue
+        if not all((r.idle_seconds or 0.0) >= _stall_after(r, cfg.stall_warning_seconds, cfg.stall_warning_factor)
+                   for r in ranks):
+            continue
+        fewest = min(r.collectives_total for r in ranks)
+        holding = [r for r in ranks if r.collectives_total == fewest] if len(ranks) > 1 else ranks
+        if len(holding) == len(ranks) and len(ranks) > 1:
+            holding = []  # every rank called as many: they wait together (elsewhere, or the network)
+        lines = {s.rank: line for s in inputs.stalls if s.job_id == job and (line := user_line(s.frames))}
+        stopped = min(r.since_step_seconds or 0.0 for r in ranks)  # steps stopped before the last probe hit
+        if holding:
+            names = ", ".join(f"rank {r.rank} ({_stage(r)}{' at ' + lines[r.rank] if r.rank in lines else ''})"
+                              for r in holding)
+            summary = (f"the job has made no step for {stopped:.0f} s: {names} holds it up; "
+                       "the others wait in their next collective")
+        else:
+            summary = (f"the job has made no step for {stopped:.0f} s: every rank seen here waits "
+                       f"({', '.join(f'rank {r.rank} {_stage(r)}' for r in ranks)}): a save, a rank on another node, or the network")
+        out.append(Finding(
+            "stall", job, holding[0].rank if len(holding) == 1 else None, "warning", summary,
+            {"signal": "timeline", "since_step_seconds": {r.rank: round(r.since_step_seconds or 0.0, 1) for r in ranks},
+             "stages": {r.rank: r.stage_now or "other" for r in ranks},
+             "collectives": {r.rank: r.collectives_total for r in ranks},
+             "holding_ranks": [r.rank for r in holding], "locations": lines,
+             "threshold_seconds": cfg.stall_warning_seconds, "threshold_factor": cfg.stall_warning_factor},
+            advice=("look at the holding rank's line (`profagent diagnose` shows the stacks); if it saves a "
+                    "checkpoint or evaluates, this clears when it is done, else the `hang` finding follows")
+            if holding else ("look at the other nodes' agents, a checkpoint being saved, or the network "
+                             "(NCCL_DEBUG=INFO)")))
+    return out
+
+
+_LIBRARY = ("torch/", "site-packages/", "dist-packages/", "/lib/python", "threading.py", "selectors.py",
+            "multiprocessing/", "queue.py", "<frozen")
+
+
+def user_line(frames: tuple[Frame, ...]) -> str:
+    """The innermost frame of the job's own code (not torch's, a library's or Python's),
+    else the innermost frame; "" without frames."""
+    for f in reversed(frames):
+        if f.file and not any(part in f.file for part in _LIBRARY):
+            return str(f)
+    return str(frames[-1]) if frames else ""
+
+
+def _stage(r: RankSteps) -> str:
+    return {"data_wait": "waiting for data", "backward": "in backward", "optimizer": "in the optimizer"}.get(
+        r.stage_now, "in the forward or host code")

@@ -1,0 +1,251 @@
+"""Each rank's training steps from probe events (pure: events in, figures out).
+
+A step runs from one ``Optimizer.step`` call to the next. Within it, the stages are the
+DataLoader waits (``__next__``), the backwards (``Engine::execute`` to its last act), the
+optimizer (``Optimizer.step`` and ``zero_grad``), and the rest, ``other`` (forward and
+host work). A block is counted in the step in which it ends. Collective arrivals are the
+calls into the process group; the k-th call of a step on every rank is one collective,
+and its arrival lag on a rank is how long after the first rank that rank called it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+STAGES = ("data_wait", "backward", "optimizer", "other")
+# Seconds; the first bucket below a fast step on a CPU, the last above a checkpoint save.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+MAX_OPEN = 64  # open blocks per thread: a job that never closes what it opens cannot grow us
+MAX_ARRIVALS = 4096  # collective calls kept per step
+RECENT_STEPS = 2048  # steps kept per rank for the window figures and the cross-rank match
+
+# What a probe saw; ``detail`` is the collective's name for COLLECTIVE.
+STEP, ZERO_GRAD, DATA, RECORD, RECORD_EXIT, BACKWARD, BACKWARD_END, COLLECTIVE = (
+    "step", "zero_grad", "data", "record", "record_exit", "backward", "backward_end", "collective")
+
+
+def record_kind(head: bytes) -> str:
+    """The kind of a ``record_function`` from the first 16 bytes of its name (torch names
+    these blocks itself: ``Optimizer.step#AdamW.step``, ``Optimizer.zero_grad#...``,
+    ``enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__``)."""
+    if head.startswith(b"Optimizer.step#"):
+        return STEP
+    if head.startswith(b"Optimizer.zero_g"):
+        return ZERO_GRAD
+    if head.startswith(b"enumerate(DataLo"):
+        return DATA
+    return RECORD
+
+
+@dataclass(frozen=True)
+class Step:
+    """One completed step: its start (monotonic seconds), length and stage times."""
+
+    start: float
+    seconds: float
+    stages: Mapping[str, float]
+    backwards: int
+    arrivals: tuple[float, ...]  # the step's collective calls, in order
+
+
+@dataclass
+class RankTimeline:
+    """The running figures of one rank process, fed its events in time order."""
+
+    optimizer_steps: int = 0  # Optimizer.step calls seen
+    steps_total: int = 0  # completed steps: from one call to the next
+    step_seconds_sum: float = 0.0
+    step_buckets: list[int] = field(default_factory=lambda: [0] * len(STEP_BUCKETS))
+    stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    backwards_total: int = 0
+    collectives_total: int = 0
+    recent: deque[Step] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    last_event: float | None = None
+    last_step: float | None = None  # when Optimizer.step was last called
+    stage_now: str = ""  # the stage of the innermost open block ("" outside any)
+    _open: dict[int, list[tuple[str, float]]] = field(default_factory=dict)  # tid -> open blocks
+    _step_start: float | None = None
+    _current: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    _backwards: int = 0
+    _arrivals: list[float] = field(default_factory=list)
+
+    def feed(self, kind: str, tid: int, t: float) -> None:
+        self.last_event = t
+        if kind in (STEP, ZERO_GRAD, DATA, RECORD):
+            if kind == STEP:
+                self.optimizer_steps += 1
+                self.last_step = t
+                self._boundary(t)
+            stack = self._open.setdefault(tid, [])
+            if kind in (STEP, DATA):  # never inside a backward: one still open there raised
+                stack[:] = [block for block in stack if block[0] != BACKWARD]
+            if len(stack) < MAX_OPEN:
+                stack.append((kind, t))
+        elif kind == RECORD_EXIT:
+            self._close(tid, t, (STEP, ZERO_GRAD, DATA, RECORD))
+        elif kind == BACKWARD:
+            stack = self._open.setdefault(tid, [])
+            if len(stack) < MAX_OPEN:
+                stack.append((BACKWARD, t))
+        elif kind == BACKWARD_END:
+            self._close(tid, t, (BACKWARD,))
+        elif kind == COLLECTIVE:
+            self.collectives_total += 1
+            if len(self._arrivals) < MAX_ARRIVALS:
+                self._arrivals.append(t)
+        self.stage_now = self._innermost()
+
+    def _close(self, tid: int, t: float, kinds: tuple[str, ...]) -> None:
+        """Close the innermost open block of ``kinds`` on the thread (an exit whose entry
+        came before the probes is ignored)."""
+        stack = self._open.get(tid)
+        if not stack:
+            return
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i][0] in kinds:
+                kind, began = stack.pop(i)
+                break
+        else:
+            return
+        stage = {DATA: "data_wait", BACKWARD: "backward", STEP: "optimizer", ZERO_GRAD: "optimizer"}.get(kind)
+        if kind == BACKWARD:
+            self._backwards += 1
+            self.backwards_total += 1
+        if stage is not None and self._step_start is not None:
+            self._current[stage] += max(0.0, t - max(began, self._step_start))
+
+    def _innermost(self) -> str:
+        newest: tuple[str, float] | None = None
+        for stack in self._open.values():
+            for kind, began in stack:
+                if kind != RECORD and (newest is None or began > newest[1]):
+                    newest = (kind, began)
+        if newest is None:
+            return ""
+        return {DATA: "data_wait", BACKWARD: "backward", STEP: "optimizer", ZERO_GRAD: "optimizer"}[newest[0]]
+
+    def _boundary(self, t: float) -> None:
+        if self._step_start is not None and t > self._step_start:
+            seconds = t - self._step_start
+            stages = dict(self._current)
+            stages["other"] = max(0.0, seconds - sum(stages[s] for s in STAGES if s != "other"))
+            self.steps_total += 1
+            self.step_seconds_sum += seconds
+            index = bisect.bisect_left(STEP_BUCKETS, seconds)
+            if index < len(STEP_BUCKETS):
+                self.step_buckets[index] += 1
+            for stage in STAGES:
+                self.stage_seconds[stage] += stages[stage]
+            self.recent.append(Step(self._step_start, seconds, stages, self._backwards, tuple(self._arrivals)))
+        self._step_start = t
+        self._current = dict.fromkeys(STAGES, 0.0)
+        self._backwards = 0
+        self._arrivals = []
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile by linear interpolation between closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def window(steps: Iterable[Step], since: float) -> list[Step]:
+    """The steps that ended at or after ``since`` (monotonic seconds)."""
+    return [s for s in steps if s.start + s.seconds >= since]
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One collective of one step as each rank called it."""
+
+    step_start: float  # the reference rank's step start
+    index: int  # k-th collective call of the step
+    times: Mapping[str, float]  # rank -> call time
+
+    def lags(self) -> dict[str, float]:
+        first = min(self.times.values())
+        return {rank: t - first for rank, t in self.times.items()}
+
+
+def match_arrivals(ranks: Mapping[str, Sequence[Step]], after: float) -> tuple[list[Arrival], float]:
+    """The collectives of the steps that every rank completed and that began after
+    ``after`` (the reference rank's clock), matched across ranks; and the start of the
+    last step looked at, to pass as ``after`` next time.
+
+    Steps are matched by start: every rank starts a step's optimizer right after the
+    step's last collective, so the same step starts within a fraction of a step on
+    every rank. A step whose call count differs between ranks is left out (a rank
+    attached or restarted mid-step); one that a rank has not finished yet is left for
+    the next call."""
+    if len(ranks) < 2:
+        return [], after
+    names = sorted(ranks, key=_rank_order)
+    reference = names[0]
+    out: list[Arrival] = []
+    starts = {r: [s.start for s in ranks[r]] for r in names[1:]}
+    for step in ranks[reference]:
+        if step.start <= after:
+            continue
+        matched = {reference: step}
+        for r in names[1:]:
+            other = _nearest(ranks[r], starts[r], step.start, step.seconds / 2)
+            if other is None:
+                if not starts[r] or starts[r][-1] < step.start:
+                    return out, after  # not finished there yet: look again later
+                break
+            if len(other.arrivals) != len(step.arrivals):
+                break
+            matched[r] = other
+        else:
+            for k in range(len(step.arrivals)):
+                out.append(Arrival(step.start, k, {r: s.arrivals[k] for r, s in matched.items()}))
+        after = step.start
+    return out, after
+
+
+def _nearest(steps: Sequence[Step], starts: list[float], t: float, tolerance: float) -> Step | None:
+    i = bisect.bisect_left(starts, t)
+    best: Step | None = None
+    for j in (i - 1, i):
+        if 0 <= j < len(steps) and abs(starts[j] - t) <= tolerance \
+                and (best is None or abs(starts[j] - t) < abs(best.start - t)):
+            best = steps[j]
+    return best
+
+
+def _rank_order(rank: str) -> tuple[int, str]:
+    return (int(rank), rank) if rank.isdigit() else (1 << 30, rank)
+
+
+@dataclass(frozen=True)
+class LastArrivals:
+    """Who arrived last, over a window of matched collectives of one job."""
+
+    collectives: int
+    last_counts: Mapping[str, int]  # rank -> collectives at which it was last
+    median_lag: Mapping[str, float]  # rank -> its median lag behind the first
+    step_seconds: float  # median step time of the job over the window
+
+
+def last_arrivals(arrivals: Sequence[Arrival], step_seconds: float, tie: float = 50e-6) -> LastArrivals:
+    """Count, per rank, the collectives it called last (by more than ``tie`` seconds
+    over the runner-up, so that ranks arriving together name no one)."""
+    counts: dict[str, int] = {}
+    lags: dict[str, list[float]] = {}
+    for a in arrivals:
+        ordered = sorted(a.times.items(), key=lambda kv: kv[1])
+        if len(ordered) >= 2 and ordered[-1][1] - ordered[-2][1] > tie:
+            counts[ordered[-1][0]] = counts.get(ordered[-1][0], 0) + 1
+        for rank, lag in a.lags().items():
+            lags.setdefault(rank, []).append(lag)
+    return LastArrivals(len(arrivals), counts, {r: quantile(v, 0.5) for r, v in lags.items()}, step_seconds)

@@ -1,0 +1,214 @@
+"""perf_event_open(2) for tracepoint events, read from per-CPU ring buffers.
+
+No library exposes perf_event_open to Python, so this module is the one place that
+calls it (ctypes). It opens a tracefs event (a uprobe, say) once per CPU, system-wide
+(``pid=-1``), never with ``inherit``: a uprobe-PMU event with inherit makes the target's
+``fork()`` fail, and a per-CPU event needs no per-thread fd. Each CPU gets one ring
+buffer; further events on that CPU write into it (PERF_EVENT_IOC_SET_OUTPUT), so the fds
+are CPUs x events and the mappings CPUs. The kernel arms a probe only while such an fd
+is open, so an agent that dies (SIGKILL included) leaves nothing armed in the targets.
+
+Samples carry the pid and tid as seen from the opener's PID namespace (0 when not
+visible), CLOCK_MONOTONIC nanoseconds, and the event's raw record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import platform
+import select
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+_NR_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}.get(platform.machine())
+
+PERF_TYPE_TRACEPOINT = 2
+PERF_SAMPLE_TID = 1 << 1
+PERF_SAMPLE_TIME = 1 << 2
+PERF_SAMPLE_RAW = 1 << 10
+PERF_RECORD_LOST = 2
+PERF_RECORD_SAMPLE = 9
+PERF_FLAG_FD_CLOEXEC = 1 << 3
+PERF_EVENT_IOC_ENABLE = 0x2400
+PERF_EVENT_IOC_SET_OUTPUT = 0x2405
+CLOCK_MONOTONIC = 1
+
+_ATTR_SIZE = 136  # PERF_ATTR_SIZE_VER8
+_FLAG_WATERMARK = 1 << 14
+_FLAG_USE_CLOCKID = 1 << 25
+_SAMPLE_HEAD = struct.Struct("<IHH")  # perf_event_header: type, misc, size
+_SAMPLE_BODY = struct.Struct("<IIQI")  # pid, tid, time, raw size
+_META = struct.Struct("<QQ")  # data_head, data_tail at offset 1024 of the first page
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.ioctl.restype = ctypes.c_int
+
+
+def available() -> str:
+    """"" when perf_event_open can be called on this machine, else why not."""
+    if _NR_PERF_EVENT_OPEN is None:
+        return f"perf_event_open is not wired for {platform.machine()}"
+    return ""
+
+
+def _attr(tracepoint_id: int, wakeup_bytes: int) -> ctypes.Array[ctypes.c_char]:
+    buf = ctypes.create_string_buffer(_ATTR_SIZE)
+    struct.pack_into("<IIQQQQQI", buf, 0, PERF_TYPE_TRACEPOINT, _ATTR_SIZE, tracepoint_id,
+                     1,  # sample_period: every hit
+                     PERF_SAMPLE_TID | PERF_SAMPLE_TIME | PERF_SAMPLE_RAW, 0,
+                     _FLAG_WATERMARK | _FLAG_USE_CLOCKID,  # enabled at open, inherit off
+                     wakeup_bytes)
+    struct.pack_into("<i", buf, 92, CLOCK_MONOTONIC)
+    return buf
+
+
+def _open(tracepoint_id: int, cpu: int, wakeup_bytes: int) -> int:
+    attr = _attr(tracepoint_id, wakeup_bytes)
+    fd = _libc.syscall(_NR_PERF_EVENT_OPEN, attr, -1, cpu, -1, PERF_FLAG_FD_CLOEXEC)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"perf_event_open(tracepoint {tracepoint_id}, cpu {cpu}): {os.strerror(err)}")
+    return int(fd)
+
+
+@dataclass(frozen=True)
+class Sample:
+    pid: int  # in the opener's PID namespace; 0 when the process is not visible there
+    tid: int
+    time_ns: int  # CLOCK_MONOTONIC
+    raw: bytes  # the tracepoint record: common fields, then the event's own fields
+
+
+class _Ring:
+    """One CPU's ring buffer: 1 + 2^n pages, the first holding head and tail."""
+
+    def __init__(self, fd: int, pages: int) -> None:
+        self.fd = fd
+        self.page = mmap.PAGESIZE
+        self.size = pages * self.page
+        self.map = mmap.mmap(fd, self.page + self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def drain(self, lost: list[int]) -> Iterator[Sample]:
+        head, tail = _META.unpack_from(self.map, 1024)
+        data, size, base = self.map, self.size, self.page
+        while tail < head:
+            start = tail % size
+            header = _wrapped(data, base, size, start, 8)
+            kind, _, length = _SAMPLE_HEAD.unpack(header)
+            if length < 8:  # never from a sane kernel: drop the rest rather than spin
+                tail = head
+                break
+            record = _wrapped(data, base, size, start, length)
+            tail += length
+            if kind == PERF_RECORD_SAMPLE and length >= 8 + _SAMPLE_BODY.size:
+                pid, tid, time_ns, raw_size = _SAMPLE_BODY.unpack_from(record, 8)
+                offset = 8 + _SAMPLE_BODY.size
+                yield Sample(pid, tid, time_ns, bytes(record[offset:offset + raw_size]))
+            elif kind == PERF_RECORD_LOST and length >= 24:
+                lost[0] += struct.unpack_from("<Q", record, 16)[0]
+        struct.pack_into("<Q", self.map, 1032, tail)  # data_tail: the kernel may reuse it
+
+    def close(self) -> None:
+        self.map.close()
+
+
+def _wrapped(data: mmap.mmap, base: int, size: int, start: int, length: int) -> bytes:
+    end = start + length
+    if end <= size:
+        return data[base + start:base + end]
+    return data[base + start:base + size] + data[base:base + end - size]
+
+
+class TracepointReader:
+    """Tracepoint events opened on every online CPU, read from one ring per CPU.
+
+    ``add`` may be called at any time (a new library to probe); ``read`` drains what
+    arrived within ``timeout`` seconds. ``close`` releases every fd: the kernel then
+    disarms the probes (slow, about 0.1 s a uprobe, so callers close off their loop).
+    """
+
+    def __init__(self, pages: int = 64, cpus: list[int] | None = None) -> None:
+        self.cpus = cpus if cpus is not None else sorted(_online_cpus() or range(os.cpu_count() or 1))
+        self.pages = pages
+        self.rings: dict[int, _Ring] = {}
+        self.fds: dict[int, list[int]] = {}  # tracepoint id -> its fds, one per CPU
+        self.lost = [0]
+
+    def add(self, tracepoint_id: int) -> None:
+        """Open ``tracepoint_id`` on every CPU. Raises OSError; on failure nothing of it stays open."""
+        opened: list[int] = []
+        try:
+            for cpu in self.cpus:
+                fd = _open(tracepoint_id, cpu, wakeup_bytes=self.pages * mmap.PAGESIZE // 4)
+                opened.append(fd)
+                ring = self.rings.get(cpu)
+                if ring is None:
+                    self.rings[cpu] = _Ring(fd, self.pages)
+                elif _libc.ioctl(fd, PERF_EVENT_IOC_SET_OUTPUT, ring.fd) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"PERF_EVENT_IOC_SET_OUTPUT: {os.strerror(err)}")
+        except BaseException:
+            for fd in opened:
+                self._forget_ring(fd)
+                os.close(fd)
+            raise
+        self.fds[tracepoint_id] = opened
+
+    def _forget_ring(self, fd: int) -> None:
+        for cpu, ring in list(self.rings.items()):
+            if ring.fd == fd:
+                ring.close()
+                del self.rings[cpu]
+
+    def read(self, timeout: float, lock: threading.Lock | None = None) -> list[Sample]:
+        """Every sample that arrived, waiting up to ``timeout`` seconds for the first.
+        ``lock`` (held by whoever calls ``add``) is held while the rings are read, not
+        while waiting."""
+        guard = lock if lock is not None else contextlib.nullcontext()
+        with guard:
+            fds = [ring.fd for ring in self.rings.values()]
+        if not fds:
+            return []
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        poller.poll(max(0, int(timeout * 1000)))
+        out: list[Sample] = []
+        with guard:
+            for ring in list(self.rings.values()):
+                out.extend(ring.drain(self.lost))
+        out.sort(key=lambda s: s.time_ns)  # rings are per CPU; a thread may move between them
+        return out
+
+    def close(self, each: Callable[[int], None] | None = None) -> None:
+        """Close everything; ``each(tracepoint_id)`` is called once an event's fds are
+        closed (its probe is disarmed then, and its definition can go)."""
+        for ring in self.rings.values():
+            ring.close()
+        self.rings = {}
+        fds, self.fds = self.fds, {}
+        for tracepoint_id, group in fds.items():
+            for fd in group:
+                os.close(fd)
+            if each is not None:
+                each(tracepoint_id)
+
+
+def _online_cpus() -> set[int]:
+    try:
+        with open("/sys/devices/system/cpu/online") as fh:
+            text = fh.read().strip()
+    except OSError:
+        return set()
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit():
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus

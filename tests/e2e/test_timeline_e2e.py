@@ -1,0 +1,227 @@
+"""The step timeline on real jobs written as users write them (tests/workloads/timeline_job.py),
+started with no profiler and no environment variable, observed by a real `profagent attach`
+whose kernel probes are the only source of step figures.
+
+Each job waits for a start file, so the agent's probes are in place before its first
+step, and logs its own step calls and stage times; the exported figures are checked
+against that log: step count exact, p50 step time within 2%, stage shares within 2 points.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.agent import free_port, http_get, parse_metrics
+from helpers.paths import ROOT
+from helpers.processes import kill_tree, wait_for
+from profagent.analysis.timeline import quantile
+from profagent.config import FindingsConfig
+
+WORKLOAD = ROOT / "tests" / "workloads" / "timeline_job.py"
+STAGES = ("data_wait", "backward", "optimizer")
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root; test_timeline_unprivileged covers the rest")
+
+
+class Job:
+    def __init__(self, tmp: Path, ranks: int, *args: str) -> None:
+        self.dir = tmp / "job"
+        self.dir.mkdir()
+        self.start_file = self.dir / "start"
+        self.ranks = ranks
+        self._out = (self.dir / "job.log").open("wb")
+        script = [str(WORKLOAD), "--truth-dir", str(self.dir), "--go-file", str(self.start_file), *args]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                    "--master-port", str(free_port())] if ranks > 1 else [sys.executable]
+        self.proc = subprocess.Popen([*launcher, *script], stdout=self._out, stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=WORKLOAD.parent)
+
+    def truth(self, rank: int) -> dict:
+        return json.loads((self.dir / f"rank{rank}.json").read_text())
+
+    def done(self) -> bool:
+        return all((self.dir / f"rank{r}.json").exists() for r in range(self.ranks))
+
+    def stop(self) -> None:
+        kill_tree(self.proc)
+        self._out.close()
+
+
+def metrics(url: str) -> dict:
+    return parse_metrics(http_get(url + "/metrics"))
+
+
+def value(m: dict, name: str, **labels: str) -> float | None:
+    for got, v in m.get(name, []):
+        if all(got.get(k) == want for k, want in labels.items()):
+            return v
+    return None
+
+
+def attach(run_agent, job: Job) -> str:
+    """An agent on the job, once every rank is probed (the job waits for its go file)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    agent = run_agent(["attach", "--pid", str(job.proc.pid), "--listen", f"127.0.0.1:{port}", "--no-stacks",
+                       "--gpu-backend", "off", "--interval", "0.5"], env={"PROFAGENT_ONDEMAND_ENABLED": "false"})
+    agent.wait_healthy(url, timeout=60)
+
+    def probed() -> bool:
+        m = metrics(url)
+        placed = [v for _, v in m.get("profagent_timeline_probes", [])]
+        seen = {labels["rank"] for labels, _ in m.get("profagent_optimizer_steps_total", [])}
+        return bool(placed) and max(placed) >= 4 and seen == {str(r) for r in range(job.ranks)}
+
+    wait_for(probed, 120, interval=0.5, what="probes on every rank")
+    return url
+
+
+def run(tmp_path: Path, run_agent, ranks: int, *args: str) -> tuple[Job, dict]:
+    """Start the job and an agent on it; start the steps once every rank is probed; return
+    the job and the agent's last metrics once the job has logged its truth."""
+    job = Job(tmp_path, ranks, *args)
+    try:
+        url = attach(run_agent, job)
+        job.start_file.write_text("go")
+        wait_for(job.done, 180, interval=0.5, what="the job's steps")
+        truths = [job.truth(r) for r in range(ranks)]
+
+        def caught_up() -> dict | None:
+            m = metrics(url)
+            counts = [value(m, "profagent_optimizer_steps_total", rank=str(r)) for r in range(ranks)]
+            return m if counts == [float(len(t["calls"])) for t in truths] else None
+
+        return job, wait_for(caught_up, 30, interval=0.5, what="the agent's step count to reach the job's")
+    except BaseException:
+        job.stop()
+        raise
+
+
+def expected(truth: dict) -> tuple[list[float], dict[str, float]]:
+    """Step intervals and stage shares from the job's own log: the k-th interval holds the
+    optimizer of step k and the data wait and backward of step k+1."""
+    calls, stages = truth["calls"], truth["stages"]
+    intervals = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    total = sum(intervals)
+    shares = {
+        "data_wait": sum(s["data_wait"] for s in stages[1:]) / total,
+        "backward": sum(s["backward"] for s in stages[1:]) / total,
+        "optimizer": sum(s["optimizer"] for s in stages[:-1]) / total,
+    }
+    return intervals, shares
+
+
+def check_rank(m: dict, truth: dict, rank: int) -> None:
+    intervals, shares = expected(truth)
+    labels = {"rank": str(rank)}
+    assert value(m, "profagent_step_seconds_count", **labels) == len(intervals)
+    assert value(m, "profagent_step_seconds_sum", **labels) == pytest.approx(sum(intervals), rel=0.02)
+    # p50 from the agent's window (every step here lies within it)
+    p50 = value(m, "profagent_step_window_seconds", stat="p50", **labels)
+    assert p50 == pytest.approx(quantile(intervals, 0.5), rel=0.02)
+    total = value(m, "profagent_step_seconds_sum", **labels)
+    for stage in STAGES:
+        got = value(m, "profagent_step_stage_seconds_total", stage=stage, **labels) / total
+        assert got == pytest.approx(shares[stage], abs=0.02), stage
+    # the rest: within the three stages' tolerances together
+    other = value(m, "profagent_step_stage_seconds_total", stage="other", **labels) / total
+    assert other == pytest.approx(1 - sum(shares.values()), abs=0.06)
+
+
+def test_ddp_with_dataloader_workers_matches_the_jobs_own_log(tmp_path: Path, run_agent) -> None:
+    job, m = run(tmp_path, run_agent, 2, "--workers", "2", "--steps", "120")
+    try:
+        for rank in range(2):
+            check_rank(m, job.truth(rank), rank)
+            assert value(m, "profagent_step_micro_batches", rank=str(rank)) == pytest.approx(1.0)
+            # DDP's bucket all_reduces: every rank's arrivals were matched across ranks
+            assert value(m, "profagent_collective_arrival_lag_seconds_count", rank=str(rank)) > 0
+    finally:
+        job.stop()
+
+
+def test_gradient_accumulation_counts_micro_batches(tmp_path: Path, run_agent) -> None:
+    job, m = run(tmp_path, run_agent, 1, "--accum", "4", "--steps", "60", "--workers", "0")
+    try:
+        truth = job.truth(0)
+        check_rank(m, truth, 0)
+        assert value(m, "profagent_backward_passes_total", rank="0") == 4 * len(truth["calls"])
+        assert value(m, "profagent_step_micro_batches", rank="0") == pytest.approx(4.0)
+    finally:
+        job.stop()
+
+
+def test_a_slow_dataloader_on_one_rank_shows_as_its_data_wait(tmp_path: Path, run_agent) -> None:
+    job, m = run(tmp_path, run_agent, 2, "--slow-loader-rank", "1", "--workers", "1", "--steps", "100")
+    try:
+        for rank in range(2):
+            check_rank(m, job.truth(rank), rank)
+        total = {r: value(m, "profagent_step_seconds_sum", rank=str(r)) for r in ("0", "1")}
+        wait = {r: value(m, "profagent_step_stage_seconds_total", stage="data_wait", rank=r) / total[r] for r in total}
+        assert wait["1"] > wait["0"] + 0.1, wait
+    finally:
+        job.stop()
+
+
+def test_a_backward_that_raises_leaves_the_job_running(tmp_path: Path, run_agent) -> None:
+    """A return probe would abort the process when a C++ exception crosses it; ours are
+    entry probes, so a caught backward error stays a Python exception."""
+    job, m = run(tmp_path, run_agent, 1, "--raise-in-backward", "--steps", "40", "--workers", "0")
+    try:
+        truth = job.truth(0)
+        assert truth["raised"] == 40
+        check_rank(m, truth, 0)
+    finally:
+        job.stop()
+
+
+def findings(url: str) -> dict:
+    return json.loads(http_get(url + "/api/findings"))
+
+
+def test_a_rank_slower_by_half_is_named_the_straggler_from_its_arrivals(tmp_path: Path, run_agent) -> None:
+    job = Job(tmp_path, 2, "--slow-rank", "1", "--slow-factor", "1.5", "--seconds", "90", "--workers", "0")
+    try:
+        url = attach(run_agent, job)
+        began = time.monotonic()
+        job.start_file.write_text("go")
+
+        def named() -> dict | None:
+            return next((f for f in findings(url)["findings"]
+                         if f["finding"] == "straggler" and f["evidence"].get("signal") == "arrivals"), None)
+
+        found = wait_for(named, 60, interval=1.0, what="a straggler named from arrivals")
+        assert time.monotonic() - began < 60
+        assert found["rank"] == "1", found
+        assert found["evidence"]["last_share"] >= FindingsConfig().arrival_last_share
+    finally:
+        job.stop()
+
+
+def test_a_healthy_job_gets_no_straggler_nor_any_other_finding(tmp_path: Path, run_agent) -> None:
+    """Every evaluation of a minute of a healthy 2-rank DDP job with DataLoader workers is
+    read (the evaluation counter proves the agent looked), and none holds a finding."""
+    job = Job(tmp_path, 2, "--seconds", "60", "--workers", "2")
+    try:
+        url = attach(run_agent, job)
+        job.start_file.write_text("go")
+        seen: set[int] = set()
+        deadline = time.monotonic() + 150  # a minute of steps, plus start-up and teardown on a loaded node
+        while not job.done() and time.monotonic() < deadline:
+            answer = findings(url)
+            seen.add(answer["evaluations"])
+            assert answer["findings"] == [], [(f["summary"], f["evidence"]) for f in answer["findings"]]
+            time.sleep(0.5)
+        assert job.done(), "the job did not finish its minute"
+        assert len(seen) >= 60  # one evaluation a tick (0.5 s): two minutes' worth of looks at most, one at least
+        m = metrics(url)
+        assert all(v > 0 for _, v in m["profagent_collective_arrival_lag_seconds_count"])
+    finally:
+        job.stop()

@@ -1,0 +1,174 @@
+"""The kernel probes never harm the target: fork, threads, DataLoader workers, a library
+loaded after the agent looked, exit, an agent killed with SIGKILL and restarted, and an
+agent without the capability (which says so and stays up)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.agent import AgentProcess, free_port, http_get, parse_metrics
+from helpers.paths import ROOT
+from helpers.processes import kill_tree, wait_for
+from profagent.system import uprobes
+
+VICTIM = ROOT / "tests" / "workloads" / "probe_victim.py"
+TRACEFS = Path("/sys/kernel/tracing")
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root")
+
+
+class Victim:
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.truth = tmp / "truth.json"
+        self.go = tmp / "go"
+        self.proc = subprocess.Popen([sys.executable, str(VICTIM), "--truth", str(self.truth), "--go-file", str(self.go),
+                                      *args], cwd=VICTIM.parent, start_new_session=True)
+
+    def result(self) -> dict:
+        wait_for(self.truth.exists, 120, interval=0.2, what="the victim's truth")
+        assert self.proc.wait(30) == 0
+        return json.loads(self.truth.read_text())
+
+
+def agent_on(run_agent, pid: int, env: dict[str, str] | None = None) -> tuple[AgentProcess, str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    agent = run_agent(["attach", "--pid", str(pid), "--listen", f"127.0.0.1:{port}", "--no-stacks", "--gpu-backend",
+                       "off", "--interval", "0.5"], env={"PROFAGENT_ONDEMAND_ENABLED": "false", **(env or {})})
+    agent.wait_healthy(url, timeout=60)
+    return agent, url
+
+
+def probes_placed(url: str) -> bool:
+    m = parse_metrics(http_get(url + "/metrics"))
+    return any(v >= 4 for _, v in m.get("profagent_timeline_probes", []))
+
+
+def steps_seen(url: str) -> float | None:
+    m = parse_metrics(http_get(url + "/metrics"))
+    return next((v for _, v in m.get("profagent_optimizer_steps_total", [])), None)
+
+
+def groups() -> set[str]:
+    return {g for g, _ in uprobes.definitions(TRACEFS)}
+
+
+def test_fork_threads_workers_and_exit_work_while_probed(tmp_path: Path, run_agent) -> None:
+    victim = Victim(tmp_path, "--steps", "40")
+    try:
+        _, url = agent_on(run_agent, victim.proc.pid)
+        wait_for(lambda: probes_placed(url), 120, interval=0.5, what="probes")
+        victim.go.write_text("go")
+        truth = victim.result()  # exit status 0 checked there
+        assert truth["fork_status"] == [0, 0, 0]
+        assert truth["threads_done"] == 4
+        assert truth["batches"] == 8
+        assert truth["subprocess"] == "ok"
+        # the probes were on throughout: every step of the main thread was counted
+        assert steps_seen(url) is not None and steps_seen(url) >= 40
+    finally:
+        kill_tree(victim.proc)
+
+
+def test_a_library_loaded_after_the_agent_looked_is_probed(tmp_path: Path, run_agent) -> None:
+    later = tmp_path / "import"
+    victim = Victim(tmp_path, "--import-after", str(later), "--steps", "30")
+    try:
+        _, url = agent_on(run_agent, victim.proc.pid)
+        assert not probes_placed(url)  # no libtorch mapped yet (nothing else in this agent's view)
+        later.write_text("now")
+        wait_for(lambda: probes_placed(url), 60, interval=0.5, what="probes once torch is loaded")
+        victim.go.write_text("go")
+        assert victim.result()["steps"] == 30
+        wait_for(lambda: steps_seen(url) == 30, 20, interval=0.5, what="the 30 steps counted")
+    finally:
+        kill_tree(victim.proc)
+
+
+def test_an_agent_killed_with_sigkill_leaves_nothing_armed(tmp_path: Path, run_agent) -> None:
+    """Its definitions stay in tracefs, inert: the kernel arms a probe only while an fd of
+    it is open, and refuses to remove one that is. Each is removable at once (another
+    agent starting meanwhile may have removed them already), and the job runs on."""
+    victim = Victim(tmp_path, "--steps", "400")
+    try:
+        before = groups()
+        first, url = agent_on(run_agent, victim.proc.pid)
+        wait_for(lambda: probes_placed(url), 120, interval=0.5, what="probes")
+        mine = groups() - before
+        assert len(mine) >= 1
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(30)
+        for group, name in [(g, n) for g, n in uprobes.definitions(TRACEFS) if g in mine]:
+            assert uprobes.remove(TRACEFS, group, name) or (group, name) not in uprobes.definitions(TRACEFS)
+        second, url2 = agent_on(run_agent, victim.proc.pid)
+        wait_for(lambda: probes_placed(url2), 60, interval=0.5, what="the second agent's probes")
+        victim.go.write_text("go")
+        truth = victim.result()
+        assert truth["fork_status"] == [0, 0, 0] and truth["steps"] == 400
+        wait_for(lambda: steps_seen(url2) == 400, 20, interval=0.5, what="the steps counted by the second agent")
+    finally:
+        kill_tree(victim.proc)
+
+
+def test_stale_definitions_are_removed_and_live_ones_kept() -> None:
+    """What an agent does at start: every profagent definition nobody has open goes, one
+    that a live agent has open stays (the kernel refuses: EBUSY)."""
+    from profagent.system import elfsyms, perfevents
+
+    libc = next(line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                if "libc.so" in line and " r-xp " in line)
+    with open(libc, "rb") as fh:
+        (getppid, *_) = elfsyms.read_functions(fh, {"f": re.compile(rb"getppid")}).functions["f"]
+    dead, live = uprobes.new_group(), uprobes.new_group()
+    uprobes.define(TRACEFS, dead, "left", libc, getppid.file_offset)
+    tp = uprobes.define(TRACEFS, live, "open", libc, getppid.file_offset)
+    reader = perfevents.TracepointReader(pages=1)
+    try:
+        reader.add(tp)
+        uprobes.remove_stale(TRACEFS)
+        assert dead not in groups()
+        assert live in groups()
+    finally:
+        reader.close()
+        uprobes.remove(TRACEFS, live, "open")
+    assert live not in groups()
+
+
+def test_an_agent_without_cap_sys_admin_says_why_and_runs_on(tmp_path: Path) -> None:
+    """root without CAP_SYS_ADMIN and CAP_PERFMON in its bounding set: the timeline is off
+    with one line naming the fix; the agent serves its other sources."""
+    victim = Victim(tmp_path, "--steps", "5")
+    port = free_port()
+    drop = ["setpriv", "--bounding-set", "-sys_admin,-perfmon", "--inh-caps", "-sys_admin,-perfmon"]
+    log = tmp_path / "agent.log"
+    with log.open("wb") as out:
+        agent = subprocess.Popen([*drop, sys.executable, "-m", "profagent", "attach", "--pid", str(victim.proc.pid),
+                                  "--listen", f"127.0.0.1:{port}", "--no-stacks", "--gpu-backend", "off"],
+                                 stdout=out, stderr=subprocess.STDOUT,
+                                 env={**os.environ, "PROFAGENT_STATE_DIR": str(tmp_path / "state"),
+                                      "PROFAGENT_ONDEMAND_ENABLED": "false"})
+    try:
+        wait_for(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=1).strip() == "ok", 60,
+                 what="the agent's /healthz")
+        text = log.read_text()
+        assert re.search(r"source timeline: off: timeline: needs CAP_SYS_ADMIN .*run profagent as root", text), text
+        assert "Traceback" not in text
+        m = parse_metrics(http_get(f"http://127.0.0.1:{port}/metrics"))
+        up = {lab["collector"]: v for lab, v in m["profagent_collector_up"]}
+        assert up["timeline"] == 0 and up["host"] == 1
+        doctor = subprocess.run([*drop, sys.executable, "-m", "profagent", "doctor"], capture_output=True, text=True,
+                                timeout=120, env={**os.environ, "COLUMNS": "200"})
+        assert re.search(r"timeline .*kernel probes .*fail .*needs CAP_SYS_ADMIN", doctor.stdout), doctor.stdout
+    finally:
+        agent.terminate()
+        agent.wait(30)
+        kill_tree(victim.proc)
+        victim.go.write_text("go")

@@ -1,0 +1,265 @@
+"""The step timeline's pure parts: folding probe events into steps and stages, matching
+collectives across ranks, and the findings drawn from them (clock injected: events carry
+their own times, analyzers take ``now``)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from profagent.analysis import timeline as tl
+from profagent.analysis.findings import steps as findings
+from profagent.analysis.findings.inputs import AnalysisInputs
+from profagent.config import FindingsConfig
+from profagent.contracts import ArrivalStraggler, Frame, RankStall, RankSteps, TimelineSnapshot
+from profagent.sources.timeline.probes import PROBES, probe_offset
+
+MAIN = 100
+
+
+def loop(steps: int, accum: int = 1, data: float = 0.002, fwd: float = 0.003, bwd: float = 0.004,
+         opt: float = 0.001, collectives: int = 2, start: float = 10.0, jitter: float = 0.0, seed: int = 0):
+    """Events of a training loop as the probes see them, and its own truth: (events, calls,
+    per-interval stage seconds)."""
+    rng = random.Random(seed)
+    t = start
+    events: list[tuple[str, int, float]] = []
+    calls: list[float] = []
+    stages: list[dict[str, float]] = []
+
+    def j(x: float) -> float:
+        return x * (1 + rng.uniform(-jitter, jitter))
+
+    for _ in range(steps):
+        s = {"data_wait": 0.0, "backward": 0.0, "optimizer": 0.0}
+        for _ in range(accum):
+            d = j(data)
+            events += [(tl.DATA, MAIN, t), (tl.RECORD_EXIT, MAIN, t + d)]
+            t += d + j(fwd)
+            b = j(bwd)
+            events.append((tl.BACKWARD, MAIN, t))
+            for k in range(collectives):
+                events.append((tl.COLLECTIVE, MAIN, t + b * (k + 1) / (collectives + 1)))
+            events.append((tl.BACKWARD_END, MAIN, t + b))
+            t += b
+            s["data_wait"] += d
+            s["backward"] += b
+        o = j(opt)
+        calls.append(t)
+        events += [(tl.STEP, MAIN, t), (tl.RECORD_EXIT, MAIN, t + o)]
+        z = o / 4
+        events += [(tl.ZERO_GRAD, MAIN, t + o), (tl.RECORD_EXIT, MAIN, t + o + z)]
+        s["optimizer"] = o + z
+        t += o + z
+        stages.append(s)
+    return events, calls, stages
+
+
+def fold(events) -> tl.RankTimeline:
+    r = tl.RankTimeline()
+    for kind, tid, t in events:
+        r.feed(kind, tid, t)
+    return r
+
+
+def test_steps_and_stages_match_the_loops_own_times() -> None:
+    events, calls, stages = loop(50, jitter=0.3)
+    r = fold(events)
+    intervals = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    assert r.optimizer_steps == 50
+    assert r.steps_total == len(intervals) == 49
+    assert r.step_seconds_sum == pytest.approx(sum(intervals))
+    # interval k holds optimizer k and the data wait and backward of step k+1
+    assert r.stage_seconds["data_wait"] == pytest.approx(sum(s["data_wait"] for s in stages[1:]))
+    assert r.stage_seconds["backward"] == pytest.approx(sum(s["backward"] for s in stages[1:]))
+    assert r.stage_seconds["optimizer"] == pytest.approx(sum(s["optimizer"] for s in stages[:-1]))
+    rest = sum(intervals) - sum(r.stage_seconds[s] for s in ("data_wait", "backward", "optimizer"))
+    assert r.stage_seconds["other"] == pytest.approx(rest)
+    assert sum(r.step_buckets) == 49
+    assert [s.seconds for s in r.recent] == pytest.approx(intervals)
+
+
+def test_gradient_accumulation_counts_backwards_per_step() -> None:
+    events, _, _ = loop(10, accum=4)
+    r = fold(events)
+    assert r.backwards_total == 40
+    assert [s.backwards for s in r.recent] == [4] * 9
+
+
+def test_an_exit_without_its_entry_and_a_backward_that_raised_are_dropped() -> None:
+    r = tl.RankTimeline()
+    r.feed(tl.RECORD_EXIT, MAIN, 1.0)  # its entry came before the probes
+    r.feed(tl.STEP, MAIN, 2.0)
+    r.feed(tl.RECORD_EXIT, MAIN, 2.1)
+    r.feed(tl.BACKWARD, MAIN, 2.5)  # raised: no end
+    r.feed(tl.STEP, MAIN, 3.0)  # drops the open backward
+    r.feed(tl.RECORD_EXIT, MAIN, 3.2)
+    r.feed(tl.BACKWARD, MAIN, 3.5)
+    r.feed(tl.BACKWARD_END, MAIN, 3.75)
+    r.feed(tl.STEP, MAIN, 4.0)
+    assert r.steps_total == 2
+    assert r.stage_seconds["backward"] == pytest.approx(0.25)
+    assert r.stage_seconds["optimizer"] == pytest.approx(0.1 + 0.2)
+    assert all(kind != tl.BACKWARD for kind, _ in r._open.get(MAIN, []))
+
+
+def test_open_blocks_per_thread_are_bounded() -> None:
+    r = tl.RankTimeline()
+    for i in range(10 * tl.MAX_OPEN):
+        r.feed(tl.RECORD, 7, float(i))
+    assert len(r._open[7]) == tl.MAX_OPEN
+
+
+def test_record_kinds_from_the_first_16_bytes_of_torchs_names() -> None:
+    assert tl.record_kind(b"Optimizer.step#A") == tl.STEP
+    assert tl.record_kind(b"Optimizer.zero_g") == tl.ZERO_GRAD
+    assert tl.record_kind(b"enumerate(DataLo") == tl.DATA
+    assert tl.record_kind(b"DistributedDataP") == tl.RECORD
+    assert tl.record_kind(b"\x00" * 16) == tl.RECORD
+
+
+def two_ranks(slow: str, lag: float, steps: int = 40, seed: int = 1) -> dict[str, list[tl.Step]]:
+    """Two ranks whose k-th collective of each step the slow rank calls ``lag`` late."""
+    rng = random.Random(seed)
+    out: dict[str, list[tl.Step]] = {"0": [], "1": []}
+    t = 100.0
+    for _ in range(steps):
+        base = [t + 0.002 * (k + 1) + rng.uniform(0, 1e-5) for k in range(5)]
+        for rank in out:
+            arrivals = tuple(b + (lag if rank == slow else rng.uniform(0, 2e-5)) for b in base)
+            out[rank].append(tl.Step(t + rng.uniform(0, 1e-4), 0.02, {}, 1, arrivals))
+        t += 0.02
+    return out
+
+
+def test_collectives_are_matched_by_step_and_order_and_the_late_rank_is_last() -> None:
+    ranks = two_ranks("1", 0.004)
+    arrivals, until = tl.match_arrivals(ranks, float("-inf"))
+    assert len(arrivals) == 40 * 5
+    assert until == ranks["0"][-1].start
+    for a in arrivals:
+        assert a.lags()["1"] == pytest.approx(0.004, abs=3e-5)
+        assert a.lags()["0"] == 0.0
+    summary = tl.last_arrivals(arrivals, 0.02)
+    assert summary.last_counts == {"1": 200}
+    assert summary.median_lag["1"] == pytest.approx(0.004, abs=3e-5)
+    # already matched: nothing the second time
+    assert tl.match_arrivals(ranks, until) == ([], until)
+
+
+def test_a_step_one_rank_has_not_finished_is_left_for_later() -> None:
+    ranks = two_ranks("1", 0.001, steps=10)
+    ranks["1"] = ranks["1"][:7]
+    arrivals, until = tl.match_arrivals(ranks, float("-inf"))
+    assert len(arrivals) == 7 * 5
+    assert until == ranks["0"][6].start
+
+
+def test_ranks_arriving_together_name_no_one() -> None:
+    summary = tl.last_arrivals(tl.match_arrivals(two_ranks("none", 0.0), float("-inf"))[0], 0.02)
+    assert summary.last_counts == {}
+
+
+def test_quantile_is_numpys_linear_interpolation() -> None:
+    values = [random.Random(3).uniform(0, 1) for _ in range(101)]
+    ordered = sorted(values)
+    assert tl.quantile(values, 0.5) == ordered[50]
+    assert tl.quantile([1.0, 2.0, 3.0, 4.0], 0.9) == pytest.approx(3.7)
+
+
+def steps_of(rank: str, **kw) -> RankSteps:
+    base = dict(job_id="j", rank=rank, pid=int(rank) + 10, optimizer_steps=100, steps_total=99, step_seconds_sum=2.0,
+                step_buckets=(0,) * 15, stage_seconds={}, backwards_total=100, collectives_total=500,
+                window_steps=50, p50=0.02, p90=0.025, max=0.03, steps_per_second=50.0, micro_batches=1.0,
+                stage_shares={"data_wait": 0.1, "backward": 0.4, "optimizer": 0.1, "other": 0.4}, stage_now="",
+                idle_seconds=0.01, since_step_seconds=0.01, lag_buckets=(0,) * 15, lag_seconds_sum=0.0, lag_count=0)
+    base.update(kw)
+    return RankSteps(**base)
+
+
+def inputs(timeline: TimelineSnapshot, **kw) -> AnalysisInputs:
+    return AnalysisInputs(config=FindingsConfig(), now=1000.0, timeline=timeline, **kw)
+
+
+def test_arrival_straggler_needs_a_persistent_last_place_and_a_real_lag() -> None:
+    cfg = FindingsConfig()
+    ranks = (steps_of("0"), steps_of("1"))
+
+    def verdict(last_share: float, lag: float, collectives: int = 200) -> list[str | None]:
+        s = ArrivalStraggler("j", "1", last_share, lag, 0.02, collectives)
+        return [f.rank for f in findings.analyze_arrival_straggler(inputs(TimelineSnapshot(ranks, (s,))))]
+
+    assert verdict(0.9, 0.004) == ["1"]
+    assert verdict(cfg.arrival_last_share - 0.01, 0.004) == []  # not persistently last
+    assert verdict(0.9, cfg.arrival_lag_share * 0.02 * 0.9) == []  # last by a hair
+    assert verdict(0.9, 0.004, collectives=cfg.arrival_min_collectives - 1) == []  # too few to say
+    s = ArrivalStraggler("j", "1", 0.9, 0.004, 0.02, 200)
+    assert findings.analyze_arrival_straggler(inputs(TimelineSnapshot(ranks, (s,)), hung=frozenset({"j"}))) == []
+    quiet = (steps_of("0", idle_seconds=40.0), steps_of("1", idle_seconds=40.0))
+    assert findings.analyze_arrival_straggler(inputs(TimelineSnapshot(quiet, (s,)))) == []  # steps stopped
+
+
+def test_probed_jobs_take_their_straggler_from_arrivals_only() -> None:
+    s = ArrivalStraggler("j", "1", 0.5, 0.0001, 0.02, 200)
+    assert findings.probed_jobs(inputs(TimelineSnapshot((steps_of("0"),), (s,)))) == {"j"}
+    few = ArrivalStraggler("j", "1", 0.5, 0.0001, 0.02, 10)
+    assert findings.probed_jobs(inputs(TimelineSnapshot((steps_of("0"),), (few,)))) == frozenset()
+
+
+def test_data_wait_share_above_the_bound_ratio() -> None:
+    cfg = FindingsConfig()
+    slow = steps_of("1", stage_shares={"data_wait": cfg.bound_ratio + 0.05})
+    fine = steps_of("0", stage_shares={"data_wait": cfg.bound_ratio - 0.05})
+    few = steps_of("2", stage_shares={"data_wait": 0.9}, window_steps=cfg.min_steps - 1)
+    got = findings.analyze_data_wait(inputs(TimelineSnapshot((fine, slow, few))))
+    assert [(f.finding, f.rank, f.evidence["signal"]) for f in got] == [("dataloader_bound", "1", "timeline")]
+
+
+def test_stall_names_the_rank_that_called_fewest_collectives_with_its_own_line() -> None:
+    cfg = FindingsConfig()
+    quiet = cfg.stall_warning_seconds + 1
+    ranks = (steps_of("0", idle_seconds=quiet, since_step_seconds=quiet + 0.02, stage_now="backward"),
+             steps_of("1", idle_seconds=quiet, since_step_seconds=quiet + 0.02, collectives_total=497))
+    frames = (Frame("<module>", "train.py", 200), Frame("main", "train.py", 104), Frame("sleep", "", 0),
+              Frame("forward", "torch/nn/modules/module.py", 1))
+    stalls = (RankStall("1", False, 31.0, "j", frames),)
+    (f,) = findings.analyze_stall(inputs(TimelineSnapshot(ranks), stalls=stalls))
+    assert (f.finding, f.rank, f.severity) == ("stall", "1", "warning")
+    assert "rank 1 (in the forward or host code at" in f.summary and "(train.py:104)" in f.summary
+    assert f.evidence["holding_ranks"] == ["1"]
+
+
+def test_no_stall_before_the_threshold_nor_in_an_evaluation_loop() -> None:
+    cfg = FindingsConfig()
+    slow_steps = (steps_of("0", idle_seconds=31.0, p90=5.0), steps_of("1", idle_seconds=31.0, p90=5.0))
+    assert findings.analyze_stall(inputs(TimelineSnapshot(slow_steps))) == []  # 10 x p90 = 50 s not reached
+    evaluating = (steps_of("0", idle_seconds=0.5, since_step_seconds=300.0),)
+    assert findings.analyze_stall(inputs(TimelineSnapshot(evaluating))) == []
+    together = (steps_of("0", idle_seconds=cfg.stall_warning_seconds + 1),
+                steps_of("1", idle_seconds=cfg.stall_warning_seconds + 1))
+    (f,) = findings.analyze_stall(inputs(TimelineSnapshot(together)))
+    assert f.rank is None and "every rank seen here waits" in f.summary
+
+
+def test_every_probe_pattern_names_one_kind_of_torch_function() -> None:
+    keys = [p.key for p in PROBES]
+    assert len(keys) == len(set(keys))
+    for p in PROBES:
+        assert re.fullmatch(rb"[A-Za-z0-9_]+", p.key.encode())
+        assert p.pattern.pattern.startswith(b"_ZN")
+
+
+@pytest.mark.parametrize(("code", "kind", "offset"), [
+    (b"\x55\x48\x89\xe5", tl.BACKWARD, 0),  # push %rbp
+    (b"\x41\x55\x49\x89", tl.RECORD, 0),  # push %r13
+    (b"\xf3\x0f\x1e\xfa\x41\x57", tl.BACKWARD, 4),  # endbr64; push %r15
+    (b"\xe9\x0b\xdd\xff\xff", tl.COLLECTIVE, 0),  # jmp: a tail call
+    (b"\x48\x8b\x3f\x48\x83\xc7\x10\xe9\x00\x00\x00\x00", tl.RECORD_EXIT, 7),  # the jmp to RecordFunction::end
+    (b"\x80\x7f\x68\x00\x74\x5a", tl.BACKWARD, None),  # cmpb: single-stepped, refused
+    (b"\x48\x8b\x3f\x48\x83\xc7\x10\xe9", tl.BACKWARD, None),  # that pattern only for the exit
+    (b"", tl.BACKWARD, None),
+])
+def test_probes_go_only_on_instructions_the_kernel_emulates(code: bytes, kind: str, offset: int | None) -> None:
+    assert probe_offset(code, kind) == offset

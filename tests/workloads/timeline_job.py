@@ -1,0 +1,135 @@
+"""A training loop as users write it, logging its own step and stage times, for the
+timeline tests. Run alone (one process) or under torchrun (DDP over gloo, CPU).
+
+usage: [torchrun --nproc-per-node N] timeline_job.py --truth-dir DIR --go-file FILE
+       [--steps N] [--accum K] [--workers W] [--slow-loader-rank R] [--slow-rank R]
+       [--slow-factor F] [--raise-in-backward] [--seconds S]
+
+It waits for FILE before its first step, so an agent can place its probes first. Then it
+writes DIR/rankR.json: the monotonic time of every optimizer.step() call and, per step,
+the seconds it spent in next(loader), in loss.backward() and in optimizer.step() plus
+zero_grad(), measured around each call with time.monotonic().
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lifeline import bound
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--truth-dir", required=True)
+parser.add_argument("--go-file", required=True)
+parser.add_argument("--steps", type=int, default=150)
+parser.add_argument("--seconds", type=float, default=0.0, help="run this long instead of --steps")
+parser.add_argument("--accum", type=int, default=1)
+parser.add_argument("--workers", type=int, default=1)
+parser.add_argument("--slow-loader-rank", type=int, default=-1)
+parser.add_argument("--slow-rank", type=int, default=-1)
+parser.add_argument("--slow-factor", type=float, default=1.5)
+parser.add_argument("--raise-in-backward", action="store_true")
+args = parser.parse_args()
+RANK = int(os.environ.get("RANK", "0"))
+
+
+class Images(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 1 << 30
+
+    def __getitem__(self, i: int):
+        if args.slow_loader_rank == RANK:
+            time.sleep(0.004)  # a slow decode on this rank's workers only
+        return torch.randn(3, 16, 16), torch.randint(0, 10, ()).item()
+
+
+class Failing(torch.autograd.Function):
+    """A backward that raises, as a user's code may (caught by the loop)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed on purpose")
+
+
+def model() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(32 * 16 * 16, 10))
+
+
+def finished(step: int, until: float, distributed: bool) -> bool:
+    """--steps, or --seconds: then every rank stops at the same step (the first rank past
+    the time decides, through an all_reduce of the flags, as time-boxed jobs do)."""
+    if not args.seconds:
+        return step >= args.steps
+    done = torch.tensor([1.0 if time.monotonic() >= until else 0.0])
+    if distributed:
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+    return bool(done.item())
+
+
+def main() -> None:
+    bound(300)
+    distributed = "WORLD_SIZE" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    torch.manual_seed(RANK)
+    net = model()
+    if distributed:
+        net = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(Images(), batch_size=32, num_workers=args.workers)
+    batches = iter(loader)
+    start = Path(args.go_file)
+    while not start.exists():
+        time.sleep(0.05)
+    if distributed:
+        dist.barrier()  # every rank starts together
+    calls: list[float] = []
+    stages: list[dict[str, float]] = []
+    raised = 0
+    until = time.monotonic() + args.seconds
+    step = 0
+    while not finished(step, until, distributed):
+        step += 1
+        data = backward = 0.0
+        for _ in range(args.accum):
+            t0 = time.monotonic()
+            x, y = next(batches)
+            t1 = time.monotonic()
+            loss = torch.nn.functional.cross_entropy(net(x), y) / args.accum
+            if args.slow_rank == RANK:  # more work on this rank: a straggler
+                extra = time.monotonic() + (args.slow_factor - 1.0) * 0.01
+                while time.monotonic() < extra:
+                    pass
+            t2 = time.monotonic()
+            loss.backward()
+            t3 = time.monotonic()
+            data += t1 - t0
+            backward += t3 - t2
+        if args.raise_in_backward:
+            try:
+                Failing.apply(torch.ones(1, requires_grad=True)).sum().backward()
+            except RuntimeError:
+                raised += 1
+        t4 = time.monotonic()
+        calls.append(t4)
+        opt.step()
+        opt.zero_grad()
+        stages.append({"data_wait": data, "backward": backward, "optimizer": time.monotonic() - t4})
+    Path(args.truth_dir, f"rank{RANK}.json").write_text(json.dumps(
+        {"calls": calls, "stages": stages, "raised": raised, "pid": os.getpid()}))
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
