@@ -124,8 +124,8 @@ def analyze_stall(inputs: AnalysisInputs) -> list[Finding]:
              "collectives": {r.rank: r.collectives_total for r in ranks},
              "holding_ranks": [r.rank for r in holding], "locations": lines,
              "threshold_seconds": cfg.stall_warning_seconds, "threshold_factor": cfg.stall_warning_factor},
-            advice=("look at the holding rank's line (`profagent diagnose` shows the stacks); if it saves a "
-                    "checkpoint or evaluates, this clears when it is done, else the `hang` finding follows")
+            advice=("look at the holding rank's line; for a checkpoint save, nothing (it clears when the steps "
+                    "resume) or save asynchronously (torch.distributed.checkpoint.async_save)")
             if holding else ("look at the other nodes' agents, a checkpoint being saved, or the network "
                              "(NCCL_DEBUG=INFO)")))
     return out
