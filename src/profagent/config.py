@@ -88,7 +88,7 @@ class StacksConfig:
     steady_window: float = _opt(20.0, "seconds per py-spy record window while steady (each window starts a py-spy: fewer, longer windows cost less)")
     warmup_seconds: float = _opt(60.0, "a newly seen process is sampled at the full rate this long (one findings window)")
     nonblocking: bool = _opt(True, "sample without stopping the target (py-spy --nonblocking)")
-    dataloader: bool = _opt(False, "also sample DataLoader worker processes")
+    dataloader: bool = _opt(False, "also sample DataLoader worker processes all the time (a rank's workers are sampled anyway while its main thread stands still waiting for its DataLoader)")
     max_pyspy: int = _opt(16, "py-spy processes running at once (a record window and a periodic dump per sampled process); beyond it ranks are sampled in turn and each wait counts as reason pyspy_cap. An incident capture's dumps run at most this many at once too")
     top_k: int = _opt(10, "leaf functions kept per rank; the rest is folded into 'other'")
     stall_seconds: float = _opt(120.0, "a main-thread stack unchanged this long marks the rank stalled")

@@ -254,6 +254,18 @@ class StackGroup:
 
 
 @dataclass(frozen=True)
+class WorkerStall:
+    """A DataLoader worker of a rank whose main thread waits for its DataLoader: sampled
+    from then on. ``stuck``: it runs the dataset (not waiting for indices) and its stack has
+    stood still since its first window."""
+
+    pid: int
+    stuck: bool
+    unchanged_seconds: float
+    frames: tuple[Frame, ...] = ()
+
+
+@dataclass(frozen=True)
 class RankStall:
     """A rank's main thread: whether it is stalled, and where it is now.
 
@@ -275,6 +287,13 @@ class RankStall:
     # not stalled, and its last window began before another rank of the job stalled: its
     # stack is from before the job stopped (a long steady window), a newer one is on its way
     stale: bool = False
+    # its DataLoader workers, sampled while its main thread waits for the DataLoader
+    workers: tuple[WorkerStall, ...] = ()
+    workers_pending: bool = False  # it waits for its DataLoader; its workers' first windows are not back
+
+    @property
+    def stuck_workers(self) -> tuple[WorkerStall, ...]:
+        return tuple(w for w in self.workers if w.stuck)
 
 
 @dataclass(frozen=True)
@@ -388,7 +407,8 @@ class Finding:
     """One active finding. ``rank`` is None for a finding about the whole job.
 
     ``evidence`` holds JSON-ready numbers and stack lines; ``since`` is the wall-clock
-    time (Unix seconds) at which the finding was first seen, kept while it stays active.
+    time (Unix seconds) at which the finding was first seen, kept while it stays active;
+    ``advice`` is what to do about it, in a sentence.
     """
 
     finding: str
@@ -398,6 +418,7 @@ class Finding:
     summary: str
     evidence: Mapping[str, Any] = field(default_factory=dict)
     since: float = 0.0
+    advice: str = ""
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -407,7 +428,7 @@ class Finding:
         return {
             "finding": self.finding, "job_id": self.job_id, "rank": self.rank,
             "severity": self.severity, "summary": self.summary,
-            "evidence": dict(self.evidence), "since": self.since,
+            "evidence": dict(self.evidence), "since": self.since, "advice": self.advice,
         }
 
 

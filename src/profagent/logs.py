@@ -17,14 +17,24 @@ from collections.abc import Callable, Hashable
 
 from profagent.labels import printable
 
+LINE_INDENT = "    "  # continuation lines: indented, so none can pass for a record of its own
+
 
 class PrintableFormatter(logging.Formatter):
     """A ``logging.Formatter`` whose message is one line with no control character; a
-    traceback keeps its line breaks, nothing else."""
+    traceback keeps its line breaks, nothing else. A record with ``extra={"lines": [...]}``
+    (a stack, one frame a line) gets each of them on a line of its own, indented and escaped."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
         record.message = printable(record.message)
         return super().formatMessage(record)
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        lines = getattr(record, "lines", None)
+        if isinstance(lines, (list, tuple)) and lines:
+            text += "".join(f"\n{LINE_INDENT}{printable(str(line))}" for line in lines)
+        return text
 
     def formatException(self, ei) -> str:  # type: ignore[no-untyped-def]  # noqa: N802
         return printable(super().formatException(ei), keep_newlines=True)

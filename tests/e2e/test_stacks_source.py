@@ -16,6 +16,7 @@ import pytest
 from helpers.processes import pyspy_processes, wait_for
 from profagent.config import StacksConfig
 from profagent.contracts import StacksSnapshot
+from profagent.logs import PrintableFormatter
 from profagent.sources.stacks.pyspy import target_python
 from profagent.sources.stacks.source import StacksSource
 from profagent.target import PidTarget
@@ -386,9 +387,11 @@ def test_stall_is_flagged_once_with_frames_unless_gpus_are_busy(children, tmp_pa
     assert snap.stalls[0].stalled and snap.stalls[0].unchanged_seconds > 2.0
     assert busy_snap.stalls and not busy_snap.stalls[0].stalled
     assert busy_snap.stalls[0].unchanged_seconds > 2.0
-    logs = [r.getMessage() for r in caplog.records if "stalled" in r.getMessage()]
-    assert len(logs) == 1
-    assert "stuck_here (child_0.py:4)" in logs[0] and "its GPUs idle" in logs[0]
+    records = [r for r in caplog.records if "stalled" in r.getMessage()]
+    assert len(records) == 1
+    # the stack, one frame a line under the message, as the agent's log prints it
+    text = PrintableFormatter("%(message)s").format(records[0]).splitlines()
+    assert "its GPUs idle" in text[0] and "    stuck_here (child_0.py:4)" in text[1:], text
 
 
 def test_target_python_is_read_from_proc(children, tmp_path) -> None:

@@ -263,9 +263,9 @@ def test_control_characters_in_label_values_are_escaped_in_every_format() -> Non
     from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
     from prometheus_client.parser import text_string_to_metric_families
 
-    from profagent.labels import printable
     from profagent.exporters.exposition import _encode, _Families
     from profagent.exporters.families import Families
+    from profagent.labels import printable
 
     hostile = "0\x1b]2;X\x1b\\\x07\x9b\u202e\u2028\tz\nq\x00é"
     families = Families()

@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from profagent.analysis.stacks import Sample, parse_frame
+from profagent.analysis.stacks import Sample, is_native, parse_frame, standing_key
 from profagent.contracts import Frame
 
 PYTHON_FILES = ("torch/distributed/",)  # collectives, c10d_logger, FSDP/FSDP2 hooks, DTensor
@@ -64,7 +64,7 @@ class CollectiveWait:
 
 
 def is_python(f: Frame) -> bool:
-    return bool(f.file)
+    return not is_native(f)
 
 
 def python_frames(frames: Sequence[Frame]) -> tuple[Frame, ...]:
@@ -187,12 +187,29 @@ def native_waits(native_main: Iterable[Sample]) -> int:
     return sum(s.count for s in native_main if in_collective(s.frames))
 
 
+# The interpreter and the C library: native frames under a Python line that say it runs
+# Python code (a loop spinning at that line) or sleeps in a system call, not that a C++ call computes.
+_PLAIN_NATIVE = re.compile(r"\((?:lib)?python[\d.]*(?:\.so[\d.]*)?\)$|\(libc\.so[\d.]*\)$|\(libpthread[^)]*\)$")
+
+
+def _computing_key(frames: Sequence[Frame]) -> str:
+    """A native stack as the place it computes: where it stands (analysis.stacks.standing_key)
+    and the native frames below its innermost Python frame, without the interpreter's and
+    libc's (which change with every bytecode of a spinning loop)."""
+    last = max((i for i, f in enumerate(frames) if is_python(f)), default=-1)
+    tail = [f.name for f in frames[last + 1:]
+            if f.file == "" and not _PLAIN_NATIVE.search(f.name)]
+    return standing_key(frames) + "|" + ";".join(tail)
+
+
 def moving(native_main: Sequence[Sample], dominant: Sequence[Frame]) -> bool:
     """Native stacks that change, the most sampled (``dominant``) outside any collective: the
     thread computes (one long C++ call under one Python line, e.g. a slow backward). A thread
     that spent most of the window in a collective waits: it is not moving even if its
-    innermost frames spin, or it computed before it blocked there (a DDP rank mid-window)."""
-    return len({s.folded for s in native_main}) > 1 and not in_collective(dominant)
+    innermost frames spin, or it computed before it blocked there (a DDP rank mid-window).
+    A loop spinning in Python at one place, or a wait in a system call, is not moving either:
+    only the interpreter's or libc's frames change under it."""
+    return len({_computing_key(s.frames) for s in native_main}) > 1 and not in_collective(dominant)
 
 
 # -- py-spy dump text and JSON ----------------------------------------------------------------

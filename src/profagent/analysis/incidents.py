@@ -68,6 +68,8 @@ def hang_triggers(snapshot: FindingsSnapshot | None) -> list[Trigger]:
         # Who and since when, then the finding's whole evidence (roles, frames, stall
         # seconds...), which wins where both name a key.
         evidence: dict[str, Any] = {"ranks": ranks, "since": first.since, **dict(first.evidence)}
+        if first.advice:
+            evidence["advice"] = first.advice
         if len(found) > 1:
             evidence["other_findings"] = [f.as_dict() for f in found[1:]]
         culprits = [str(r) for r in evidence.get("culprit_ranks") or ()]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -139,9 +140,11 @@ def _cut_frame(frame: Frame) -> Frame:
 
 _COMPILE_DIRS = ("torch/_dynamo/", "torch/_inductor/", "torch/_functorch/_aot_autograd/",
                  "torch/_functorch/aot_autograd.py", "torch/_functorch/partitioners.py")
-# Files of those folders that also run on every call of an already compiled model.
+# Files of those folders that also run on every call of an already compiled model, or of
+# code that is never compiled: ``torch._dynamo.disable`` (decorators.py, eval_frame.py's
+# DisableContext), which FSDP2 wraps around each of its hooks on every call.
 _COMPILE_RUNTIME = ("eval_frame.py", "external_utils.py", "output_code.py", "runtime_wrappers.py",
-                    "torch/_inductor/runtime/", "utils.py")
+                    "torch/_inductor/runtime/", "utils.py", "torch/_dynamo/decorators.py")
 _CHECKPOINT = ("torch/serialization.py", "torch/distributed/checkpoint/", "safetensors/",
                "torch/_weights_only_unpickler.py")
 _SYNC_DIRS = ("torch/cuda/", "torch/cpu/", "torch/xpu/", "torch/mps/", "torch/accelerator/")
@@ -216,6 +219,82 @@ def classify(frames: tuple[Frame, ...]) -> str:
     if frames and _idle_leaf(frames[-1]):
         return "idle"
     return OTHER
+
+
+# -- the user's own frames, and where a stack stands still ---------------------------------
+
+# Top-level packages that are not the user's code: the standard library and the frameworks a
+# training job runs on. py-spy names files relative to sys.path ("selectors.py",
+# "torch/nn/modules/module.py"), the same way as the user's own ("train.py"), so the package
+# decides.
+LIBRARY_PACKAGES = frozenset(sys.stdlib_module_names) | frozenset({
+    "torch", "torchvision", "torchaudio", "torchtext", "torchdata", "functorch", "triton", "numpy",
+    "PIL", "transformers", "accelerate", "lightning", "pytorch_lightning", "lightning_fabric",
+    "deepspeed", "apex", "fairscale", "timm", "datasets", "tqdm", "site-packages", "dist-packages",
+})
+_NATIVE_SOURCES = (".c", ".h", ".cc", ".cpp", ".cxx", ".hpp", ".rs", ".S")
+# Where a thread waits, from the user's line inward: everything deeper is the machinery of
+# one wait (a poll loop that wakes every few seconds, a retry), not a change of place.
+_WAIT_MACHINERY = ("threading.py", "queue.py", "selectors.py", "multiprocessing/", "socket.py",
+                   "subprocess.py", "asyncio/", "concurrent/", "torch/utils/data/")
+
+
+def is_native(f: Frame) -> bool:
+    """A C/C++ frame of py-spy --native: no file ("symbol (library)"), or a C source file
+    ("select_poll_poll_impl (selectmodule.c:655)" where the interpreter has debug symbols)."""
+    return not f.file or f.file.endswith(_NATIVE_SOURCES)
+
+
+def is_user(f: Frame) -> bool:
+    """A Python frame of the job's own code: not native, not frozen, not a library's."""
+    if is_native(f) or f.file.startswith("<"):
+        return False
+    top = f.file.lstrip("./").split("/", 1)[0]
+    return top.removesuffix(".py") not in LIBRARY_PACKAGES and "site-packages/" not in f.file
+
+
+def own_frame(frames: Iterable[Frame]) -> Frame | None:
+    """The innermost frame of the job's own code (``train (train.py:190)``), or None."""
+    found = None
+    for f in frames:
+        if is_user(f):
+            found = f
+    return found
+
+
+def innermost_python(frames: Iterable[Frame]) -> Frame | None:
+    """The innermost Python (not native) frame."""
+    found = None
+    for f in frames:
+        if not is_native(f):
+            found = f
+    return found
+
+
+def standing_key(frames: Iterable[Frame]) -> str:
+    """What must stay the same for a stack to stand still: its Python frames, cut after the
+    first frame of wait machinery below the user's innermost line (a DataLoader's poll loop
+    that wakes every 5 s, a select). Native frames are left out. Lines are kept: a loop of
+    torch calls in one function shows only that function's lines, and it moves from line to line."""
+    py = [f for f in frames if not is_native(f)]
+    if not py:
+        return ""
+    user = max((i for i, f in enumerate(py) if is_user(f)), default=-1)
+    cut = next((i for i in range(user + 1, len(py)) if _in(py[i].file, _WAIT_MACHINERY)), None)
+    if cut is not None:
+        py = py[: cut + 1]
+    return ";".join(str(f) for f in py)
+
+
+def waits_on_dataloader(frames: Iterable[Frame]) -> bool:
+    """The main thread waits for its DataLoader's next batch (from its worker processes)."""
+    return any(f.file.endswith("torch/utils/data/dataloader.py") and _method(f.name) in ("_get_data", "_try_get_data")
+               for f in frames)
+
+
+def fetching(frames: Iterable[Frame]) -> bool:
+    """A DataLoader worker makes a batch (it runs the dataset), rather than waits for indices."""
+    return any("torch/utils/data/_utils/fetch.py" in f.file for f in frames)
 
 
 # -- waits in C that py-spy does not name (from `py-spy dump --json`) ----------------------
@@ -366,8 +445,9 @@ class StallTracker:
 
     Windows are the unit: a window whose main-thread samples all share one stack extends
     the run if it is the same stack as before, else starts a new run at the window start.
-    A window with several stacks (or none) ends the run. The rank is stalled when the run
-    is longer than ``stall_seconds`` and ``gpu_busy`` is not True (None = no GPU signal).
+    A window with several stacks (or none) ends the run. Stacks are compared by
+    ``standing_key``: one wait whose innermost frames change (a poll loop) stands still. The rank is stalled when the run is longer than
+    ``stall_seconds`` and ``gpu_busy`` is not True (None = no GPU signal).
     """
 
     def __init__(self, stall_seconds: float) -> None:
@@ -378,7 +458,7 @@ class StallTracker:
         self._stalled = False
 
     def update(self, main_samples: list[Sample], start: float, end: float, gpu_busy: bool | None) -> StallStatus:
-        stacks = {s.folded for s in main_samples}
+        stacks = {standing_key(s.frames) for s in main_samples}
         if len(stacks) != 1:
             self._stack, self._since, self._frames = None, None, ()
         else:

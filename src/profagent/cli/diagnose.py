@@ -106,7 +106,15 @@ def _evidence_lines(evidence: dict[str, Any]) -> list[str]:
             for rank, role in sorted(value.items()):
                 if isinstance(role, dict):
                     where = role.get("collective") or role.get("at")
-                    lines.append(f"rank {rank}: {role.get('role')}{' (stalled)' if role.get('stalled') else ''}: {where}")
+                    inner = role.get("innermost")
+                    beside = f" (in {inner})" if inner and inner != where and not role.get("collective") else ""
+                    lines.append(f"rank {rank}: {role.get('role')}{' (stalled)' if role.get('stalled') else ''}: {where}{beside}")
+        elif key == "dataloader_workers" and isinstance(value, dict):  # hang: a rank's workers
+            for rank, workers in sorted(value.items()):
+                for w in workers if isinstance(workers, list) else ():
+                    if isinstance(w, dict):
+                        state = "stands still" if w.get("stuck") else "moves"
+                        lines.append(f"rank {rank}: DataLoader worker PID {w.get('pid')} {state} at {w.get('at')}")
         elif isinstance(value, (dict, list)):
             lines.append(f"{key}: {json.dumps(value)}")
         else:
@@ -130,5 +138,7 @@ def render(body: dict[str, Any], console: Console, now: float | None = None) -> 
         console.print(f"[{color}]{escape(str(f['severity']).upper())}[/{color}] [bold]{escape(f['finding'])}[/bold] "
                       f"(job {escape(f['job_id'])}, {who}, for {since:.0f} s)", highlight=False)
         console.print(f"  {escape(f['summary'])}", highlight=False, soft_wrap=True)
+        if f.get("advice"):
+            console.print(f"  [bold]what to do[/bold]: {escape(str(f['advice']))}", highlight=False, soft_wrap=True)
         for line in _evidence_lines(f.get("evidence") or {}):
             console.print(f"    {escape(line)}", highlight=False, soft_wrap=True, style="dim")

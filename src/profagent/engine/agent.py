@@ -19,6 +19,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from profagent.config import Config, parse_listen
 from profagent.engine.control import ControlledOndemand, ControlServer
@@ -263,6 +264,22 @@ def _job_ids(job: Job) -> list[str]:
     return list(tree.job_status()) if tree is not None else []
 
 
+BANNER_INDENT = 6  # continuation lines of a banner line, under its text
+
+
+def banner_line(console: Console, markup: str) -> None:
+    """One line of a start banner. On a terminal it wraps at words, its continuation lines
+    indented under it (a long reason why a source is off); elsewhere (a log, journald) it
+    stays one line, whatever the width."""
+    if not console.is_terminal:
+        console.print(markup, highlight=False, soft_wrap=True)
+        return
+    text = Text.from_markup(markup)
+    lines = text.wrap(console, max(20, console.width - BANNER_INDENT))
+    for i, line in enumerate(lines):
+        console.print(Text(" " * BANNER_INDENT) + line if i else line, highlight=False, soft_wrap=True)
+
+
 def print_banner(agent: Agent, job: Job, console: Console) -> None:
     view = job.state.view()
     tree = view.tree
@@ -274,13 +291,13 @@ def print_banner(agent: Agent, job: Job, console: Console) -> None:
             roles[p.role] = roles.get(p.role, 0) + 1
         parts = ", ".join(f"{n} {role}" for role, n in sorted(roles.items()))
         shown = escape(printable(f"{tree.job_id}: ranks {', '.join(ranks) or '-'}"))  # the job's own words
-        console.print(f"  job {shown} ({parts})", highlight=False)
+        banner_line(console, f"  job {shown} ({parts})")
     for name, health in sorted(view.health.items()):
         state = "[green]on[/green]" if health.up else f"[yellow]off[/yellow]: {health.detail}"
         note = next((getattr(s, "note", "") for s in job.sources if s.name == name), "") if health.up else ""
-        console.print(f"  source {name}: {state}{f' ({note})' if note else ''}", highlight=False, soft_wrap=True)
+        banner_line(console, f"  source {name}: {state}{f' ({note})' if note else ''}")
     for d in job.disabled:
-        console.print(f"  source {d.name}: [yellow]off[/yellow]: {d.why}", highlight=False)
+        banner_line(console, f"  source {d.name}: [yellow]off[/yellow]: {d.why}")
     console.print(f"  metrics: {agent.server.url}", highlight=False)
 
 
@@ -292,7 +309,7 @@ def install_stop_signals(stop: threading.Event) -> Callable[[], None]:
     return lambda: [signal.signal(sig, handler) for sig, handler in old.items()]  # type: ignore[func-returns-value]
 
 
-STOP_DEADLINE = 1.8  # seconds attach spends stopping, within the 2 s the README promises
+STOP_DEADLINE = 1.8  # seconds attach spends stopping: 2 s in all with CPU to spare, more on a loaded node (README)
 FINAL_SCRAPE_WAIT = 60.0  # seconds an agent that was scraped waits for one scrape after its job ended
 
 

@@ -13,7 +13,7 @@ rate-limited triggers, refused on-demand trace files).
 A bundle is one 0700 folder under the agent's state folder (never where users' files
 live), written with O_NOFOLLOW|O_EXCL so a planted symlink is never followed:
 ``incident.json`` (id, kind, job_id, time, path, status), ``stacks-rank<R>.txt``,
-``findings.json``, ``metrics.prom``, ``trace-analysis-rank<R>.json``,
+``stacks-rank<R>-worker<PID>.txt`` (each DataLoader worker of the rank), ``findings.json``, ``metrics.prom``, ``trace-analysis-rank<R>.json``,
 ``trace-rank<R>.pt.trace.json.gz`` (when the job polls Kineto) and ``summary.md``.
 """
 
@@ -37,6 +37,7 @@ from typing import Any
 import orjson
 import psutil
 
+from profagent.analysis.collectives import parse_dump_text
 from profagent.analysis.incidents import (
     KINDS,
     IncidentGate,
@@ -50,8 +51,10 @@ from profagent.analysis.incidents import (
     self_profiling,
     to_remove,
 )
+from profagent.analysis.stacks import own_frame
 from profagent.config import IncidentsConfig, TracesConfig
 from profagent.contracts import (
+    ROLE_DATALOADER,
     FindingsSnapshot,
     IncidentsSnapshot,
     ProcessInfo,
@@ -558,6 +561,10 @@ class Capture:
         self.now = now
         self.deadline = time.monotonic() + source.config.capture_timeout
         self.ranks = sorted((p for p in tree.mains() if p.job_id in ("", trigger.job_id)), key=_rank_order)
+        # every DataLoader worker of those ranks: a hung worker is where a rank waits
+        ranks = {p.rank for p in self.ranks}
+        self.workers = sorted((p for p in tree.processes if p.role == ROLE_DATALOADER and p.rank in ranks
+                               and p.job_id in ("", trigger.job_id)), key=lambda p: (_rank_order(p), p.pid))
         self.notes: list[str] = []
         self.files: list[str] = []
         self.stacks: dict[str, str] = {}  # rank -> dump text
@@ -578,11 +585,16 @@ class Capture:
         if self.source.stopping.is_set():
             return  # the agent is exiting: incident.json keeps status "capturing"
         request = self._request_traces()
-        for info, (text, note) in zip(self.ranks, dumps, strict=True):
-            self.stacks[info.rank] = text
-            self._write(f"stacks-rank{_safe(info.rank)}.txt", (text or f"(no stacks: {note})\n").encode())
+        for info, (text, note) in zip(self.ranks + self.workers, dumps, strict=True):
+            if info.role == ROLE_DATALOADER:
+                name = f"stacks-rank{_safe(info.rank)}-worker{info.pid}.txt"
+                what = f"rank {info.rank}'s DataLoader worker (PID {info.pid})"
+            else:
+                self.stacks[info.rank] = text
+                name, what = f"stacks-rank{_safe(info.rank)}.txt", f"rank {info.rank} (PID {info.pid})"
+            self._write(name, (text or f"(no stacks: {note})\n").encode())
             if note:
-                self.notes.append(f"rank {info.rank} (PID {info.pid}): {note}")
+                self.notes.append(f"{what}: {note}")
         findings = view.findings or FindingsSnapshot((), self.now)
         with self._lock:
             trigger = self._trigger_dict()
@@ -680,13 +692,14 @@ class Capture:
         """Every rank's dump, in parallel. Daemon threads rather than a ThreadPoolExecutor:
         the interpreter joins executor workers at exit, which held a SIGTERMed agent for as
         long as a slow dump took (53 s once)."""
-        results: list[tuple[str, str]] = [("", "not dumped")] * len(self.ranks)
+        targets = self.ranks + self.workers
+        results: list[tuple[str, str]] = [("", "not dumped")] * len(targets)
 
         def one(i: int, info: ProcessInfo) -> None:
             results[i] = self._dump(info)
 
         threads = [threading.Thread(target=one, args=(i, info), name="profagent-incident-dump", daemon=True)
-                   for i, info in enumerate(self.ranks)]
+                   for i, info in enumerate(targets)]
         for t in threads:
             t.start()
         for t in threads:  # each dump is killed by the deadline; a second more for the reaping
@@ -862,7 +875,10 @@ class Capture:
         title = {"hang": "a rank hangs", "regression": "step time regressed", "manual": "capture on request"}[t.kind]
         if rank in by_rank:
             which = f"rank {rank} (PID {by_rank[rank].pid})"
-            line = f"`{where}` (innermost Python frame of its main thread)" if where else "unknown (no stacks)"
+            own = own_line(self.stacks.get(rank, ""))
+            line = (f"`{own}` (its own code), in `{where}` (innermost Python frame of its main thread)"
+                    if own and where and own != where
+                    else f"`{where}` (innermost Python frame of its main thread)" if where else "unknown (no stacks)")
         else:
             which = f"rank {t.rank} (not on this node)" if t.rank is not None else "the whole job"
             line = "unknown (no stacks of that rank)" if t.rank is not None else "each rank's below"
@@ -872,14 +888,24 @@ class Capture:
             lines.append(f"- **Updated**: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(self._updated))}, "
                          f"when the finding changed (it first said: {self._first_reason})")
         lines += [f"- **Which rank**: {which}", f"- **Which line**: {line}"]
+        if t.evidence.get("advice"):
+            lines.append(f"- **What to do**: {t.evidence['advice']}")
         for other in culprits:
             if other != rank:
                 frame = innermost_frame(self.stacks.get(other, ""))
                 lines.append(f"- **Also culprit**: rank {other} (PID {by_rank[other].pid}) at {f'`{frame}`' if frame else 'an unknown line'}")
-        lines += ["", "## Every rank", "", "| rank | PID | innermost Python frame of the main thread |", "| --- | --- | --- |"]
+        lines += ["", "## Every rank", "",
+                  "| rank | PID | its own line (main thread) | innermost Python frame of the main thread |",
+                  "| --- | --- | --- | --- |"]
         for p in self.ranks:
-            frame = innermost_frame(self.stacks.get(p.rank, ""))
-            lines.append(f"| {p.rank} | {p.pid} | {f'`{frame}`' if frame else '-'} |")
+            dump = self.stacks.get(p.rank, "")
+            frame, own = innermost_frame(dump), own_line(dump)
+            lines.append(f"| {p.rank} | {p.pid} | {f'`{own}`' if own else '-'} | {f'`{frame}`' if frame else '-'} |")
+        if self.workers:
+            lines += ["", "## DataLoader workers", "", "| rank | PID | its own line | file |", "| --- | --- | --- | --- |"]
+            for p in self.workers:
+                lines.append(f"| {p.rank} | {p.pid} | {_worker_line(self.folder, p)} | "
+                             f"`stacks-rank{_safe(p.rank)}-worker{p.pid}.txt` |")
         evidence = dict(t.evidence)
         if evidence:
             lines += ["", "## Evidence", "", "```json", json.dumps(evidence, indent=2, default=str), "```"]
@@ -908,6 +934,24 @@ def innermost_frame(dump: str) -> str | None:
                 blocks[-1][1].append(f"{f.group(1)} ({f.group(2)}:{f.group(3)})")
     main = next((frames for name, frames in blocks if name == "MainThread"), blocks[0][1] if blocks else [])
     return main[0] if main else None
+
+
+def own_line(dump: str) -> str | None:
+    """``function (file.py:line)`` of the main thread's innermost frame of the job's own code
+    (not the standard library's, torch's or another framework's) in a py-spy text dump."""
+    threads = parse_dump_text(dump)
+    main = next((t for t in threads if t.name == "MainThread"), threads[0] if threads else None)
+    frame = own_frame(main.frames) if main is not None else None
+    return str(frame) if frame is not None else None
+
+
+def _worker_line(folder: Path, p: ProcessInfo) -> str:
+    try:
+        dump = read_nofollow(folder / f"stacks-rank{_safe(p.rank)}-worker{p.pid}.txt").decode(errors="replace")
+    except OSError:
+        return "-"
+    own = own_line(dump)
+    return f"`{own}`" if own else "-"
 
 
 def _json(data: Any) -> bytes:

@@ -32,7 +32,7 @@ from typing import Protocol, runtime_checkable
 from rich.console import Console
 
 from profagent.config import Config, all_keys
-from profagent.engine.agent import Agent, Job
+from profagent.engine.agent import Agent, Job, banner_line
 from profagent.errors import UserError
 from profagent.system.sdnotify import Notifier
 from profagent.target.node import Limits, NodeTarget, Rules
@@ -208,19 +208,15 @@ class NodeDaemon:
         c = self.console
         w = self.config.watch
         c.print("[bold]profagent[/bold] watching this node for training jobs", highlight=False)
-        c.print(f"  discovery: {_describe(self.config, self.target.gpu_rule_active)}", highlight=False, soft_wrap=True)
-        c.print(
-            f"  limits: {w.max_jobs} jobs ({Limits.from_config(w).per_user} per user), "
-            f"{w.max_processes_per_job} processes per job; "
-            f"ended jobs kept {w.grace_seconds:g}s",
-            highlight=False,
-        )
+        banner_line(c, f"  discovery: {_describe(self.config, self.target.gpu_rule_active)}")
+        banner_line(c, f"  limits: {w.max_jobs} jobs ({Limits.from_config(w).per_user} per user), "
+                       f"{w.max_processes_per_job} processes per job; ended jobs kept {w.grace_seconds:g}s")
         view = self.job.state.view()
         for name, health in sorted(view.health.items()):
             state = "[green]on[/green]" if health.up else f"[yellow]off[/yellow]: {health.detail}"
-            c.print(f"  source {name}: {state}", highlight=False, soft_wrap=True)
+            banner_line(c, f"  source {name}: {state}")
         for d in self.job.disabled:
-            c.print(f"  source {d.name}: [yellow]off[/yellow]: {d.why}", highlight=False)
+            banner_line(c, f"  source {d.name}: [yellow]off[/yellow]: {d.why}")
         c.print(f"  metrics: {self.agent.server.url}", highlight=False)
         if self.notifier.address:
             c.print(f"  systemd: notify socket set, watchdog every {self.notifier.watchdog_interval or 0:g}s", highlight=False)

@@ -12,8 +12,9 @@ import statistics
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from profagent.analysis.findings.hang import held_up_ranks
 from profagent.analysis.findings.inputs import AnalysisInputs, RankShares
-from profagent.analysis.findings.steps import probed_jobs
+from profagent.analysis.findings.steps import STRAGGLER_ADVICE, probed_jobs
 from profagent.config import FindingsConfig
 from profagent.contracts import Finding, RankTrace
 
@@ -31,8 +32,11 @@ def _functions(r: RankShares, n: int = 3) -> list[str]:
     return [f"{fn}: {count}" for fn, count in r.functions if fn != "other"][:n]
 
 
-def bound(shares: Iterable[RankShares], traces: Iterable[RankTrace], cfg: FindingsConfig) -> list[Finding]:
-    """Per rank: a category's share of the main thread (or trace step) above cfg.bound_ratio."""
+def bound(shares: Iterable[RankShares], traces: Iterable[RankTrace], cfg: FindingsConfig,
+          held_up: set[tuple[str, str]] | frozenset[tuple[str, str]] = frozenset()) -> list[Finding]:
+    """Per rank: a category's share of the main thread (or trace step) above cfg.bound_ratio.
+    ``held_up``: (job_id, rank) of ranks stalled or waiting on a DataLoader worker that stands
+    still; no ``dataloader_bound`` for them (more workers do not help a hung one)."""
     out: list[Finding] = []
     seen: set[tuple[str, str, str]] = set()
     for r in shares:
@@ -40,6 +44,9 @@ def bound(shares: Iterable[RankShares], traces: Iterable[RankTrace], cfg: Findin
             continue
         for kind, (category, what, fix) in _BOUND.items():
             share = r.share(category)
+            if kind == "dataloader_bound" and (r.job_id, r.rank) in held_up:
+                seen.add((kind, r.job_id, r.rank))
+                continue
             if share > cfg.bound_ratio:
                 seen.add((kind, r.job_id, r.rank))
                 out.append(Finding(
@@ -47,6 +54,7 @@ def bound(shares: Iterable[RankShares], traces: Iterable[RankTrace], cfg: Findin
                     f"rank {r.rank} {what} {share:.0%} of its main thread's time (last {cfg.window_seconds:.0f} s): {fix}",
                     {"share": round(share, 3), "samples": r.total, "category": category,
                      "threshold": cfg.bound_ratio, "top_functions": _functions(r)},
+                    advice=fix,
                 ))
         compile_share = r.share("compile")
         if compile_share > cfg.compile_ratio and r.observed_seconds > cfg.compile_grace_seconds:
@@ -57,16 +65,19 @@ def bound(shares: Iterable[RankShares], traces: Iterable[RankTrace], cfg: Findin
                 "dynamic shapes, changing guards)",
                 {"share": round(compile_share, 3), "samples": r.total, "threshold": cfg.compile_ratio,
                  "observed_seconds": round(r.observed_seconds)},
+                advice="run with TORCH_LOGS=recompiles to see which guard fails; mark dynamic dimensions "
+                       "(torch._dynamo.mark_dynamic) or compile with dynamic=True",
             ))
     for rt in traces:
         ratio = rt.report.breakdown.get("dataloader", 0.0)
         key = ("dataloader_bound", rt.job_id, rt.rank)
-        if ratio > cfg.bound_ratio and key not in seen:
+        if ratio > cfg.bound_ratio and key not in seen and (rt.job_id, rt.rank) not in held_up:
             out.append(Finding(
                 "dataloader_bound", rt.job_id, rt.rank, "warning",
                 f"rank {rt.rank}'s last trace spends {ratio:.0%} of the step in the DataLoader: "
                 + _BOUND["dataloader_bound"][2],
                 {"trace_share": round(ratio, 3), "trace": rt.report.path, "threshold": cfg.bound_ratio},
+                advice=_BOUND["dataloader_bound"][2],
             ))
     return out
 
@@ -112,7 +123,7 @@ def straggler(shares: Iterable[RankShares], traces: Iterable[RankTrace], cfg: Fi
                     found.add((job, rank))
                     summary, evidence = describe(job, rank, share, median, by_rank)
                     out.append(Finding("straggler", job, rank, "warning", summary,
-                                       {**evidence, "threshold": cfg.straggler_share}))
+                                       {**evidence, "threshold": cfg.straggler_share}, advice=STRAGGLER_ADVICE))
 
     by_job: dict[str, list[RankShares]] = {}
     for r in shares:
@@ -170,12 +181,14 @@ def straggler(shares: Iterable[RankShares], traces: Iterable[RankTrace], cfg: Fi
                     f"{step / median:.1f}x the other ranks' median ({median * 1e3:.0f} ms)",
                     {"signal": "trace_steps", "step_seconds": step, "others_median_seconds": median,
                      "steps": dict(by_rank), "threshold_ratio": cfg.straggler_ratio},
+                    advice=STRAGGLER_ADVICE,
                 ))
     return out
 
 
 def analyze_bound(inputs: AnalysisInputs) -> list[Finding]:
-    return bound(inputs.shares, inputs.rank_traces, inputs.config)
+    """No ``dataloader_bound`` for a rank stalled or waiting on a DataLoader worker that stands still."""
+    return bound(inputs.shares, inputs.rank_traces, inputs.config, held_up_ranks(inputs.stalls))
 
 
 def analyze_straggler(inputs: AnalysisInputs) -> list[Finding]:

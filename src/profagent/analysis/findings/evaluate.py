@@ -207,7 +207,7 @@ class Evaluator:
         out = []
         for key, f in unique.items():
             since = self._since.setdefault(key, now)
-            out.append(Finding(f.finding, f.job_id, f.rank, f.severity, f.summary, f.evidence, since))
+            out.append(dataclasses.replace(f, since=since))
         return tuple(sorted(out, key=sort_key))
 
 

@@ -42,6 +42,9 @@ def gpu_idle(gpu: GpuSnapshot, cfg: FindingsConfig, cpu_activity: Mapping[tuple[
             f"GPU {p.gpu} of rank {p.rank} is {util:.0%} busy; meanwhile {doing}",
             {"gpu": p.gpu, "uuid": p.uuid, "utilization": round(util, 3), "threshold": cfg.gpu_idle_ratio,
              "cpu_category": cat, "cpu_share": round(share, 3)},
+            advice=f"the GPU waits for the host: shorten what the main thread does in {cat} "
+                   "(see that category's finding, `profagent top`), or feed the GPU more work per step"
+            if cat not in ("unknown", "none") else "see what the rank's host side does (`profagent top`, `profagent stacks`)",
         ))
     return out
 
@@ -70,6 +73,8 @@ def gpu_throttled(gpu: GpuSnapshot) -> list[Finding]:
                 + ("check cooling and the board's power delivery" if hard else "the board is at its power cap"),
                 {"gpu": d.index, "uuid": d.uuid, "reasons": reasons,
                  **{k: d.values[k] for k in ("sm_clock_hertz", "temperature_celsius", "power_usage_watts") if k in d.values}},
+                advice=("check the node's cooling and power delivery (`nvidia-smi -q -d PERFORMANCE`)" if hard
+                        else "nothing to fix in the job: the board runs at its power cap"),
             ))
     return out
 
@@ -90,6 +95,7 @@ def gpu_errors(gpu: GpuSnapshot, new_errors: Mapping[int, Mapping[str, int]]) ->
                 f"GPU {index} reported {what}: drain the node and check `nvidia-smi -q` / dmesg "
                 "(XID 48, 63, 64, 74, 79, 94, 95 usually need a reset)",
                 {"gpu": index, "uuid": uuids.get(index, ""), "errors": dict(errors)},
+                advice="drain the node and check `nvidia-smi -q` and dmesg; most XIDs need a GPU reset",
             ))
     return out
 

@@ -7,7 +7,15 @@ In a collective every rank must arrive: a rank whose stack is in the collective 
 NCCL; see analysis/collectives.py) is a victim; a rank that is not is the culprit.
 When every rank this agent sees waits in the same collective, the rank holding them up
 is elsewhere (another node) or the network is stuck; in different collectives, the
-ranks took different paths (a collective mismatch).
+ranks took different paths (a collective mismatch); when some wait in an end-of-loop
+collective (``barrier``, ``destroy_process_group``, an all_reduce outside backward) while the
+others still wait in backward's all_reduce, the ranks had different numbers of batches
+(uneven inputs). A rank whose main thread waits for its DataLoader while one of its worker
+processes stands still making a batch is held up by that worker: the worker is named.
+
+Each place is the rank's own line (the innermost frame of the job's code), with the
+innermost Python frame beside it in the evidence (``innermost``): a wait's innermost
+frames change (a poll loop waking every few seconds), its own line does not.
 """
 
 from __future__ import annotations
@@ -15,8 +23,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from profagent.analysis.collectives import CollectiveWait, collective_wait, python_frames
+from profagent.analysis.collectives import CollectiveWait, collective_wait
 from profagent.analysis.findings.inputs import AnalysisInputs
+from profagent.analysis.stacks import innermost_python, own_frame
 from profagent.contracts import Finding, Frame, RankStall
 
 STACK_EVIDENCE_FRAMES = 12  # innermost frames kept per rank in the evidence
@@ -49,8 +58,56 @@ def _in(w: CollectiveWait | None) -> str:
 
 
 def _here(s: RankStall) -> Frame | None:
-    python = python_frames(s.frames)
-    return python[-1] if python else (s.frames[-1] if s.frames else None)
+    """The rank's own line: the innermost frame of the job's code, else the innermost Python frame."""
+    return own_frame(s.frames) or innermost_python(s.frames) or (s.frames[-1] if s.frames else None)
+
+
+def _frames_here(frames: Sequence[Frame]) -> str:
+    return _where(own_frame(frames) or innermost_python(frames) or (frames[-1] if frames else None))
+
+
+# The collectives a rank calls once its training loop is over; "all_reduce" only outside backward.
+END_OF_LOOP = ("barrier", "monitored_barrier", "destroy_process_group", "all_reduce")
+
+ADVICE = {
+    "stuck": ("look at that line (a deadlock, a blocking read, an endless loop): `py-spy dump --pid PID` "
+              "shows every thread; a rank stuck outside collectives stops the job at its next collective"),
+    "culprit": ("look at the culprit's line: the other ranks wait for it at their next collective; if it "
+                "blocks on I/O or a lock, fix that; if it only runs slower, the others' timeout "
+                "(TORCH_NCCL/gloo timeout) ends the job"),
+    "worker": ("a DataLoader worker hangs in the dataset at that line (a blocking read, a lock, a network "
+               "call, an endless loop): fix that line; DataLoader(timeout=seconds) makes a stuck worker raise "
+               "instead of hanging the job; more workers do not help"),
+    "all_waiting": ("look at the ranks on the other nodes (`profagent diagnose` there) or at the network "
+                    "(NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=DETAIL)"),
+    "collective_mismatch": ("make every rank call the same collectives in the same order: a collective under "
+                            "an `if` that depends on the rank or on the data is skipped by some ranks; "
+                            "TORCH_DISTRIBUTED_DEBUG=DETAIL checks the order"),
+    "uneven_inputs": ("make every rank see the same number of batches (DistributedSampler, drop_last) "
+                      "or use DDP's join() (torch.distributed.algorithms.Join)"),
+}
+
+
+def _end_of_loop(w: CollectiveWait | None) -> bool:
+    return w is not None and not w.native and w.collective in END_OF_LOOP
+
+
+def _from_backward(w: CollectiveWait | None) -> bool:
+    return w is not None and "from backward" in w.collective
+
+
+def _worker_text(s: RankStall) -> str:
+    stuck = s.stuck_workers
+    return "; ".join(f"its DataLoader worker PID {w.pid} stands still at {_frames_here(w.frames)} "
+                     f"for {w.unchanged_seconds:.0f} s" for w in stuck)
+
+
+def held_up_ranks(stalls: Iterable[RankStall]) -> set[tuple[str, str]]:
+    """(job_id, rank) of the ranks stalled, or waiting on a DataLoader worker that stands still
+    (or whose workers are being looked at): no rank-level advice (``dataloader_bound``'s "more
+    workers") while they are."""
+    return {(s.job_id, s.rank) for s in stalls
+            if s.stalled or s.stuck_workers or s.workers_pending}
 
 
 def _native_may_change_its_role(s: RankStall, wait: CollectiveWait | None, settled: bool) -> bool:
@@ -79,14 +136,21 @@ def hang(stalls: Iterable[RankStall], job_id: str, settled: bool = False) -> lis
         return []
     if not settled and any(s.stale for s in rows):  # a rank shown from before the job stopped
         return []
+    # a stalled rank waiting for its DataLoader: its workers' stacks say who holds it up
+    if not settled and any(s.stalled and s.workers_pending for s in rows):
+        return []
     waiting = [s for s in rows if waits[s.rank] is not None]
     culprits = [s for s in rows if waits[s.rank] is None]
     seconds = max(s.unchanged_seconds for s in stalled)
     roles = {s.rank: {
         "role": "waiting" if waits[s.rank] else "culprit", "stalled": s.stalled,
-        "at": _where(_here(s)), "collective": _in(waits[s.rank]) if waits[s.rank] else None,
+        "at": _where(_here(s)), "innermost": _where(innermost_python(s.frames)),
+        "collective": _in(waits[s.rank]) if waits[s.rank] else None,
         "native_frames": bool(s.native),
     } for s in rows}
+    workers = {s.rank: [{"pid": w.pid, "stuck": w.stuck, "at": _frames_here(w.frames),
+                         "unchanged_seconds": round(w.unchanged_seconds, 1), "stack": _stack_lines(w.frames)}
+                        for w in s.workers] for s in rows if s.workers}
     evidence: dict[str, Any] = {
         "stalled_ranks": _order(s.rank for s in stalled),
         "unchanged_seconds": round(seconds, 1),
@@ -95,14 +159,25 @@ def hang(stalls: Iterable[RankStall], job_id: str, settled: bool = False) -> lis
         "culprit_ranks": _order(s.rank for s in culprits),
         "stacks": {s.rank: _stack_lines(s.native or s.frames) for s in rows},
     }
+    if workers:
+        evidence["dataloader_workers"] = workers
     if waiting:
         first = waits[next((s for s in waiting if s.stalled), waiting[0]).rank]
         evidence["collective"] = first.describe() if first else "?"
         evidence["called_at"] = _where(first.called_at if first else None)
         evidence["collectives"] = {s.rank: _in(waits[s.rank]) for s in waiting}
 
-    def finding(rank: str | None, diagnosis: str, summary: str) -> list[Finding]:
-        return [Finding("hang", job_id, rank, "critical", summary, {**evidence, "diagnosis": diagnosis})]
+    def finding(rank: str | None, diagnosis: str, summary: str, advice: str = "") -> list[Finding]:
+        return [Finding("hang", job_id, rank, "critical", summary, {**evidence, "diagnosis": diagnosis},
+                        advice=advice or ADVICE[diagnosis])]
+
+    def at(s: RankStall) -> str:
+        """"rank 0 at train (train.py:190)", and the worker that holds it up."""
+        text = f"rank {s.rank} at {_where(_here(s))}"
+        return f"{text}, waiting for its DataLoader: {_worker_text(s)}" if s.stuck_workers else text
+
+    def advice_for(stuck: Sequence[RankStall], diagnosis: str) -> str:
+        return ADVICE["worker"] if any(s.stuck_workers for s in stuck) else ADVICE[diagnosis]
 
     # a rank standing still in a collective (stalled, or for a whole window) waits for the
     # culprit even before its own stall_seconds are over
@@ -113,22 +188,35 @@ def hang(stalls: Iterable[RankStall], job_id: str, settled: bool = False) -> lis
         evidence["waiting_ranks"] = []
         evidence["culprit_ranks"] = _order(s.rank for s in stuck)
         evidence["culprit_locations"] = {s.rank: _where(_here(s)) for s in stuck}
-        at = "; ".join(f"rank {s.rank} at {_where(_here(s))}" for s in stuck)
+        where = "; ".join(at(s) for s in stuck)
         return finding(stuck[0].rank if len(stuck) == 1 else None, "stuck",
                        f"{_ranks((s.rank for s in stuck), ('is', 'are'))} stuck, not in a collective "
-                       f"(stack unchanged for {seconds:.0f} s): {at}: a deadlock, a blocking read or an endless loop")
+                       f"(stack unchanged for {seconds:.0f} s): {where}: a deadlock, a blocking read or an endless loop",
+                       advice_for(stuck, "stuck"))
     if culprits:
         evidence["culprit_locations"] = {c.rank: _where(_here(c)) for c in culprits}
-        at = "; ".join(f"rank {c.rank} at {_where(_here(c))}" for c in culprits)
+        where = "; ".join(at(c) for c in culprits)
         victims = "; ".join(f"{_ranks([s.rank], ('waits', 'wait'))} in {_in(waits[s.rank])}" for s in waiting)
         return finding(culprits[0].rank if len(culprits) == 1 else None, "culprit",
-                       f"{_ranks((c.rank for c in culprits), ('holds', 'hold'))} the job up, not in a collective: {at}. "
-                       f"The others wait for {seconds:.0f} s: {victims}")
+                       f"{_ranks((c.rank for c in culprits), ('holds', 'hold'))} the job up, not in a collective: "
+                       f"{where}. The others wait for {seconds:.0f} s: {victims}", advice_for(culprits, "culprit"))
     distinct = {_in(w) for w in waits.values()}
     if len(distinct) == 1:
         return finding(None, "all_waiting",
                        f"every rank seen here ({', '.join(evidence['waiting_ranks'])}) waits in {_in(first)} "
                        f"for {seconds:.0f} s: the rank holding it up is on another node, or the network is stuck")
+    ended = [s for s in waiting if _end_of_loop(waits[s.rank])]
+    training = [s for s in waiting if _from_backward(waits[s.rank])]
+    if ended and training and len(ended) + len(training) == len(waiting):
+        evidence["diagnosis_ranks"] = {"finished": _order(s.rank for s in ended),
+                                       "training": _order(s.rank for s in training)}
+        done = "; ".join(f"rank {s.rank} waits in {waits[s.rank].collective} at {_where(_here(s))}" for s in ended)
+        still = "; ".join(f"rank {s.rank} at {_where(_here(s))}" for s in training)
+        return finding(None, "uneven_inputs",
+                       f"uneven inputs for {seconds:.0f} s: {_ranks((s.rank for s in ended), ('finished its', 'finished their'))} "
+                       f"data early and waits at the end of its loop ({done}) while "
+                       f"{_ranks((s.rank for s in training), ('still trains', 'still train'))}, waiting in "
+                       f"all_reduce from backward ({still}): {ADVICE['uneven_inputs']}")
     per_rank = "; ".join(f"rank {s.rank} waits in {_in(waits[s.rank])}" for s in waiting)
     return finding(None, "collective_mismatch",
                    f"collective mismatch for {seconds:.0f} s: the ranks wait in different collectives, "

@@ -52,6 +52,11 @@ def memory_leak(inputs: list[MemoryInput], cfg: FindingsConfig) -> list[Finding]
             {"kind": m.kind, "bytes": m.series.last, "growth_bytes_per_second": round(slope),
              "r2": round(r2, 3), "available_bytes": m.available,
              "seconds_to_exhaustion": round(exhaustion), "history_seconds": round(m.series.span)},
+            advice=("look for tensors kept across steps (a loss appended without .item() or .detach(), "
+                    "a growing cache); torch.cuda.memory._record_memory_history shows who allocates"
+                    if m.kind != "host" else
+                    "look for objects kept across steps (lists of losses or batches, a growing cache); "
+                    "tracemalloc or memray show who allocates"),
         ))
     return out
 

@@ -8,10 +8,13 @@ job) and, for the stall's location, the stacks source's stalls.
 
 from __future__ import annotations
 
+from profagent.analysis.findings.hang import held_up_ranks
 from profagent.analysis.findings.inputs import AnalysisInputs
 from profagent.contracts import Finding, Frame, RankSteps
 
 DATALOADER_FIX = "more DataLoader workers, pin_memory, lighter __getitem__ or prefetching"
+STRAGGLER_ADVICE = ("see what that rank does more than the others (`profagent top`, its busiest functions): "
+                    "more data per rank, a slower node or GPU, CPU contention; balance the work or move the rank")
 
 
 def probed_jobs(inputs: AnalysisInputs) -> frozenset[str]:
@@ -45,7 +48,8 @@ def analyze_arrival_straggler(inputs: AnalysisInputs) -> list[Finding]:
                 {"signal": "arrivals", "last_share": round(s.last_share, 3), "median_lag_seconds": s.median_lag,
                  "step_seconds": s.step_seconds, "lag_share": round(lag_share, 3), "collectives": s.collectives,
                  "span_seconds": round(s.span_seconds, 1),
-                 "threshold_last_share": cfg.arrival_last_share, "threshold_lag_share": cfg.arrival_lag_share}))
+                 "threshold_last_share": cfg.arrival_last_share, "threshold_lag_share": cfg.arrival_lag_share},
+                advice=STRAGGLER_ADVICE))
     return out
 
 
@@ -55,15 +59,17 @@ def analyze_data_wait(inputs: AnalysisInputs) -> list[Finding]:
     if t is None:
         return []
     out = []
+    held_up = held_up_ranks(inputs.stalls)  # a hung DataLoader worker: more workers do not help
     for r in t.ranks:
         share = r.stage_shares.get("data_wait", 0.0)
-        if r.window_steps >= cfg.min_steps and share > cfg.bound_ratio:
+        if r.window_steps >= cfg.min_steps and share > cfg.bound_ratio and (r.job_id, r.rank) not in held_up:
             out.append(Finding(
                 "dataloader_bound", r.job_id, r.rank, "warning",
                 f"rank {r.rank} waits for the DataLoader {share:.0%} of each step (last {r.window_steps} steps, "
                 f"kernel probes): {DATALOADER_FIX}",
                 {"signal": "timeline", "data_wait_share": round(share, 3), "steps": r.window_steps,
-                 "step_p50_seconds": r.p50, "threshold": cfg.bound_ratio}))
+                 "step_p50_seconds": r.p50, "threshold": cfg.bound_ratio},
+                advice=DATALOADER_FIX))
     return out
 
 
@@ -119,7 +125,11 @@ def analyze_stall(inputs: AnalysisInputs) -> list[Finding]:
              "stages": {r.rank: r.stage_now or "other" for r in ranks},
              "collectives": {r.rank: r.collectives_total for r in ranks},
              "holding_ranks": [r.rank for r in holding], "locations": lines,
-             "threshold_seconds": cfg.stall_warning_seconds, "threshold_factor": cfg.stall_warning_factor}))
+             "threshold_seconds": cfg.stall_warning_seconds, "threshold_factor": cfg.stall_warning_factor},
+            advice=("look at the holding rank's line; for a checkpoint save, nothing (it clears when the steps "
+                    "resume) or save asynchronously (torch.distributed.checkpoint.async_save)")
+            if holding else ("look at the other nodes' agents, a checkpoint being saved, or the network "
+                             "(NCCL_DEBUG=INFO)")))
     return out
 
 

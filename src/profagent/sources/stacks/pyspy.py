@@ -34,8 +34,8 @@ from pathlib import Path
 
 import psutil
 
-from profagent.labels import printable
 from profagent.errors import Unavailable
+from profagent.labels import printable
 from profagent.system.procfs import (
     PROC,
     exited,

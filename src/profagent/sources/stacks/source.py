@@ -35,7 +35,10 @@ from profagent.analysis.stacks import (
     TopK,
     classify,
     classify_with_idle,
+    fetching,
     remember_idle_places,
+    standing_key,
+    waits_on_dataloader,
 )
 from profagent.config import StacksConfig
 from profagent.contracts import (
@@ -46,6 +49,7 @@ from profagent.contracts import (
     RankStall,
     StackGroup,
     StacksSnapshot,
+    WorkerStall,
 )
 from profagent.errors import SourceUnavailable
 from profagent.logs import LogOnce
@@ -114,6 +118,10 @@ class StacksSource:
         self._steady: dict[tuple[str, str], bool] = {}  # the rank's last window was steady
         self._looked: dict[tuple[str, str], tuple[float, float]] = {}  # (start, end) of its last main window
         self._mains: dict[tuple[str, str], int] = {}  # (job_id, rank) -> pid of its main process
+        # DataLoader workers of ranks waiting for their DataLoader: (job_id, rank) -> pid -> look
+        self._workers: dict[tuple[str, str], dict[int, WorkerLook]] = {}
+        self._worker_pids: dict[tuple[str, str], set[int]] = {}  # the workers sampled now
+        self._rank_workers: dict[tuple[str, str], set[int]] = {}  # every DataLoader worker of each rank
         self._errors: dict[tuple[str, str], int] = {}  # (job_id, reason) -> failed py-spy runs
         self._log_once = LogOnce(log)
         # ring: (job_id, rank) -> deque of (wall_end, {folded line: count}, bytes)
@@ -155,7 +163,7 @@ class StacksSource:
         live = set(tree.job_status())
         for table in (self._categories, self._topk, self._threads, self._idle_places, self._stalls, self._stall_state,
                       self._ratios, self._judged, self._last_native, self._native_stack, self._steady,
-                      self._native_pending, self._looked):
+                      self._native_pending, self._looked, self._workers, self._worker_pids):
             for key in [k for k in table if k[0] not in live]:
                 del table[key]
         # errors of no job ("": the sampler itself failed) are the agent's: they stay
@@ -169,6 +177,20 @@ class StacksSource:
     def _targets(self, tree: ProcessTree) -> dict[int, tuple[str, str]]:
         roles = (ROLE_MAIN, ROLE_DATALOADER) if self.config.dataloader else (ROLE_MAIN,)
         wanted = {p.pid: (p.rank, p.role) for p in tree.processes if p.role in roles}
+        # the workers of a rank whose main thread stands still waiting for its DataLoader: a
+        # worker that hangs holds the rank up, and only its own stack says where
+        waiting = {key for key, (_, unchanged, frames) in self._stall_state.items()
+                   if unchanged > 0 and waits_on_dataloader(frames)}
+        self._worker_pids, self._rank_workers = {}, {}
+        for p in tree.processes:
+            if p.role == ROLE_DATALOADER:
+                self._rank_workers.setdefault((p.job_id, p.rank), set()).add(p.pid)
+            if p.role == ROLE_DATALOADER and (p.job_id, p.rank) in waiting:
+                wanted[p.pid] = (p.rank, p.role)
+                self._worker_pids.setdefault((p.job_id, p.rank), set()).add(p.pid)
+        for key in list(self._workers):
+            live = self._worker_pids.get(key, set())
+            self._workers[key] = {pid: look for pid, look in self._workers[key].items() if pid in live}
         now = self._clock()
         self._job_of.update({p.pid: (p.job_id, now) for p in tree.processes if p.pid in wanted})
         for pid in wanted:
@@ -245,6 +267,8 @@ class StacksSource:
         main = [s for s in r.samples if s.main]
         self._count_main(group, main, r.end - r.start)
         self._remember(r)
+        if r.role == ROLE_DATALOADER:
+            self._check_worker(group[:2], r.pid, main, r.start, r.end)
         if r.role == ROLE_MAIN:
             self._count_waits(group[:2], main, native_main if r.native else None)
             self._check_stall(r, main)
@@ -287,13 +311,24 @@ class StacksSource:
         self._stall_state[(job, r.rank)] = (status.stalled, status.unchanged_seconds, _dominant(main))
         if status.started:
             gpu = "no GPU signal" if busy is None else "its GPUs idle"
-            frames = "\n".join(f"    {f}" for f in status.frames)
-            log.warning(
-                "rank %s stalled: main thread stack unchanged for %.0f s (%s); stack, innermost last:\n%s",
-                r.rank, status.unchanged_seconds, gpu, frames,
-            )
+            log.warning("rank %s stalled: main thread stack unchanged for %.0f s (%s); stack, innermost last:",
+                        r.rank, status.unchanged_seconds, gpu, extra={"lines": [str(f) for f in status.frames]})
         elif was and not status.stalled:
             log.info("rank %s is moving again", r.rank)
+
+    def _check_worker(self, key: tuple[str, str], pid: int, main: list[Sample], start: float, end: float) -> None:
+        """One window of a DataLoader worker: does it stand still while it makes a batch?"""
+        if pid not in self._worker_pids.get(key, set()):
+            return  # sampled for config.stacks.dataloader only, or its rank moved on
+        looks = self._workers.setdefault(key, {})
+        look = looks.get(pid) or WorkerLook(StallTracker(self.config.stall_seconds))
+        status = look.tracker.update(main, start, end, None)
+        frames = _dominant(main)
+        stuck = status.unchanged_seconds > 0 and fetching(frames)
+        if stuck and not look.stuck:
+            log.warning("rank %s: DataLoader worker PID %d stands still while making a batch; stack, innermost last:",
+                        key[1], pid, extra={"lines": [str(f) for f in frames]})
+        looks[pid] = WorkerLook(look.tracker, frames, stuck, status.unchanged_seconds)
 
     def _count_waits(self, key: tuple[str, str], main: list[Sample], native_main: list[Sample] | None) -> None:
         """Judged samples and collective waits of one main-thread window (see docs/stacks.md)."""
@@ -395,13 +430,22 @@ class StacksSource:
     def _rank_stall(self, key: tuple[str, str], stalled: bool, unchanged: float,
                     frames: tuple[Frame, ...]) -> RankStall:
         look = self._native_stack.get(key)
-        same = look is not None and bool(frames) and look.python == frames
+        same = look is not None and bool(frames) and standing_key(look.python) == standing_key(frames)
         # native frames that moved (outside any collective) since this stack stood still: the
         # rank computes in one long C++ call (a slow backward), it is not stuck
         moving = same and look.moving and look.at >= self._clock() - unchanged
-        return RankStall(key[1], stalled and not moving, unchanged, key[0], frames,
+        waiting = unchanged > 0 and waits_on_dataloader(frames)
+        workers = tuple(WorkerStall(pid, w.stuck, w.unchanged, w.frames)
+                        for pid, w in sorted(self._workers.get(key, {}).items())) if waiting else ()
+        # its workers' first windows are on their way (asked for at the next collect); not for
+        # ever: a worker py-spy cannot read must not hold the verdict back
+        pending = (waiting and unchanged < self.config.stall_seconds + 2 * STALE_GRACE
+                   and any(pid not in self._workers.get(key, {}) for pid in self._rank_workers.get(key, ())))
+        # a rank waiting for a worker that stands still is stalled, whatever its poll loop does
+        held = any(w.stuck and w.unchanged_seconds > self.config.stall_seconds for w in workers)
+        return RankStall(key[1], (stalled and not moving) or held, unchanged, key[0], frames,
                          suspected=unchanged > 0 and not moving, native=look.frames if same else (),
-                         native_pending=key in self._native_pending)
+                         native_pending=key in self._native_pending, workers=workers, workers_pending=pending)
 
     def _mark_stale(self, stalls: list[RankStall]) -> tuple[RankStall, ...]:
         """Mark the ranks whose last window began before another rank of their job stalled
@@ -471,6 +515,17 @@ def _dominant(main: list[Sample]) -> tuple[Frame, ...]:
         counts[s.folded] = counts.get(s.folded, 0) + s.count
         frames[s.folded] = s.frames
     return frames[max(counts, key=lambda k: (counts[k], k))] if counts else ()
+
+
+@dataclass(frozen=True)
+class WorkerLook:
+    """The last window of one DataLoader worker: its stall tracker, most sampled stack, and
+    whether it stands still making a batch."""
+
+    tracker: StallTracker
+    frames: tuple[Frame, ...] = ()
+    stuck: bool = False
+    unchanged: float = 0.0
 
 
 @dataclass(frozen=True)
