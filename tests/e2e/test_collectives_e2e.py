@@ -100,7 +100,10 @@ def start_agent(run_agent, tmp_path: Path, pid: int, agent_out: list | None = No
                       f"[stacks]\nstall_seconds = {STALL_SECONDS}\nwindow = 2\nrate = 50\n"
                       f"native_every_seconds = {NATIVE_EVERY}\n"
                       f"[findings]\nwindow_seconds = {WINDOW_SECONDS}\nmin_samples = 30\n"
-                      "[ondemand]\nenabled = false\n")
+                      "[ondemand]\nenabled = false\n"
+                      # the stack-based signals under test: with the kernel probes on, a job whose
+                      # collectives they match takes its straggler from arrivals (test_timeline_e2e)
+                      "[timeline]\nenabled = false\n")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     agent = run_agent(["attach", "--pid", str(pid), "--listen", f"127.0.0.1:{port}", "--config", str(config),
