@@ -45,10 +45,16 @@ GpuBackendOpt = Annotated[str | None, typer.Option("--gpu-backend", help="nvml (
 def _setup_logging(level: str) -> None:
     import logging  # here, not at start-up: `--help` and `analyze` never log
 
-    from profagent.logs import PrintableFormatter
+    from profagent.logs import PrintableFormatter, stderr_is_journal
 
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(PrintableFormatter("profagent %(levelname)s: %(message)s"))
+    # journald stamps each line itself; anywhere else (a terminal, kubectl logs, a file) we do
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a buffer (tests, embedding)
+        fd = -1
+    timestamps = not stderr_is_journal(os.environ, fd)
+    handler.setFormatter(PrintableFormatter("profagent %(levelname)s: %(message)s", timestamps=timestamps))
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler], force=True)
 
 
