@@ -94,9 +94,11 @@ def build() -> Dashboard:
         .with_panel(stat_panel(
             "Waits least (below the job's median)", PERCENT,
             [q(f"instance_job_id_rank:{WAIT}:job_straggler{{{JOB}}}", "rank {{rank}} ({{instance}})", instant=True)],
-            "the rank furthest below the job's median share of time waiting in collectives (native DDP/FSDP "
-            "frames included), by how many points: in a synchronous job every step lasts as long as the "
-            "slowest rank's, so step times are equal and the straggler is the rank that waits least",
+            "the rank that waits least in collectives (native DDP/FSDP frames included), by how many points "
+            "below the other ranks' median, once it has been at least 25 points and 30 % below it for 2 "
+            "minutes with no rank stalled: in a synchronous job every step lasts as long as the slowest "
+            "rank's, so step times are equal and the straggler is the rank that waits least. Empty when no "
+            "rank qualifies (a healthy job, a hang)",
             thresholds=WAIT_BELOW_STEPS,
         ))
         .with_panel(ts(
