@@ -65,7 +65,9 @@ def test_hang_names_the_rank_outside_the_collective_with_its_line() -> None:
     assert f.evidence["called_at"] == "main (train.py:70)" and f.evidence["diagnosis"] == "culprit"
     assert f.evidence["stacks"]["1"][-1] == "main (train.py:68)"
     assert f.evidence["roles"]["0"]["role"] == "waiting" and f.evidence["roles"]["1"] == {
-        "role": "culprit", "stalled": True, "at": "main (train.py:68)", "collective": None, "native_frames": False}
+        "role": "culprit", "stalled": True, "at": "main (train.py:68)", "collective": None, "native_frames": False,
+        "location": "train.py:68"}
+    assert f.evidence["roles"]["0"]["location"] == "train.py:70"  # the line that called the collective
 
 
 IN_BACKWARD = (*MAIN, "Tensor.backward (torch/_tensor.py:623)", "backward (torch/autograd/__init__.py:395)",

@@ -26,6 +26,13 @@ def _where(f: Frame | None) -> str:
     return "?" if f is None else str(f)
 
 
+def _location(f: Frame | None) -> str:
+    """``file:line`` of a frame (a native frame: its name), "?" when unknown."""
+    if f is None:
+        return "?"
+    return f"{f.file}:{f.line}" if f.file else f.name
+
+
 def _stack_lines(frames: Sequence[Frame]) -> list[str]:
     return [str(f) for f in frames[-STACK_EVIDENCE_FRAMES:]]
 
@@ -86,6 +93,9 @@ def hang(stalls: Iterable[RankStall], job_id: str, settled: bool = False) -> lis
         "role": "waiting" if waits[s.rank] else "culprit", "stalled": s.stalled,
         "at": _where(_here(s)), "collective": _in(waits[s.rank]) if waits[s.rank] else None,
         "native_frames": bool(s.native),
+        # where it is (a waiting rank: the user's line that called the collective), for the
+        # profagent_hang_rank_info series that rules join across nodes
+        "location": _location((w.called_at or _here(s)) if (w := waits[s.rank]) else _here(s)),
     } for s in rows}
     evidence: dict[str, Any] = {
         "stalled_ranks": _order(s.rank for s in stalled),
