@@ -34,6 +34,7 @@ REQUIRED = {
     "instance_job_id_rank:profagent_collective_wait_ratio:job_lowest",
     "job_id:profagent_collective_wait_ratio:median_of_others",
     "instance_job_id_rank:profagent_collective_wait_ratio:straggling",
+    "instance_job_id_rank:profagent_hang_rank_info:culprit",
 }
 
 

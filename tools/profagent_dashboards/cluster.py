@@ -67,7 +67,16 @@ def build() -> Dashboard:
             "ranks on any node whose main-thread stack is frozen while their GPUs are idle (hung collective, deadlock)",
             thresholds=((None, "green"), (1, "red")),
         ))
-        .with_row(row("Step time across ranks"))
+        .with_panel(table_panel(
+            "Hang: the rank holding the job up (any node)", NONE,
+            [q(f"instance_job_id_rank:profagent_hang_rank_info:culprit{{{JOB}}}", instant=True, table_format=True)],
+            "each rank that a node's agent found holding the job up in a hang, not in a collective: its node "
+            "(instance) and line (location). Empty while no rank is stalled, and during a hang that no node "
+            "found a culprit for (every rank waits in a collective: a mismatch or the network); "
+            "ProfagentJobHang pages with the same answer, `profagent diagnose --prometheus` prints it",
+            width=24, height=5, hide=("Time", "Value", "job", "__name__"),
+        ))
+                .with_row(row("Step time across ranks"))
         .with_panel(ts(
             "Median and max step time", SECONDS,
             [q(f"{STEP}:median{{{JOB}}}", "{{job_id}} median"), q(f"{STEP}:max{{{JOB}}}", "{{job_id}} max")],
