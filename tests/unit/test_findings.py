@@ -311,8 +311,9 @@ def test_a_straggler_slowed_by_cpu_contention_says_so() -> None:
     """A rank whose main thread waited for a CPU (schedstat's run queue) at least
     findings.contention_share of the window: on a loaded node ranks slow unevenly, and a
     balanced job's ranks were measured 0.26 against 0.59 apart (docs/diagnosis.md). The
-    finding stays, and names the node as a possible cause; a rank that barely queued is
-    not said to be contended, nor one whose run queue was never read."""
+    finding stays, and names the node as a possible cause only when the node's other ranks
+    wait for a CPU too (their median at least half its own wait); a rank that barely queued
+    is not said to be contended, nor one whose run queue was never read."""
     def straggler(run_queue: dict[str, float] | None) -> Finding:
         [f] = feed_waits(Evaluator(cfg(window_seconds=20.0)), STRAGGLER_JOB, 6, run_queue=run_queue).findings
         assert (f.finding, f.rank) == ("straggler", "1")
@@ -321,6 +322,11 @@ def test_a_straggler_slowed_by_cpu_contention_says_so() -> None:
     f = straggler({"0": 0.18, "1": 0.22, "2": 0.15})
     assert f.evidence["cpu_contended"] and f.evidence["run_queue_shares"] == {"0": 0.18, "1": 0.22, "2": 0.15}
     assert "waits for a CPU 22% of the time" in f.summary and "may be the node" in f.summary
+    # it queues 45 %, its node-mates 22 %: it waits for a CPU because it computes more
+    f = straggler({"0": 0.22, "1": 0.45, "2": 0.2})
+    assert not f.evidence["cpu_contended"] and "CPU" not in f.summary
+    f = straggler({"0": 0.25, "1": 0.45, "2": 0.3})  # the others wait comparably: the node
+    assert f.evidence["cpu_contended"] and "may be the node" in f.summary
     f = straggler({"0": 0.3, "1": 0.03, "2": 0.3})  # the others queue, it barely does: the rank
     assert not f.evidence["cpu_contended"] and "CPU" not in f.summary
     f = straggler(None)
