@@ -236,7 +236,7 @@ def test_host_sync_and_optimizer_bound() -> None:
 
 
 def test_window_forgets_old_samples() -> None:
-    ev = Evaluator(cfg(window_seconds=20.0))
+    ev = Evaluator(cfg(window_seconds=20.0, hold_seconds=0.0))  # the window alone (the hold: test_steady)
     feed_shares(ev, {"0": {"dataloader": 100}}, 3)  # t = 5..15
     groups = tuple(group("0", dataloader=300, forward=100 * k) for k in range(1, 7))
     snap = FindingsSnapshot()
