@@ -169,17 +169,19 @@ def test_real_torchrun_is_named_by_its_rdzv_id_before_its_ranks(children, tmp_pa
                             stdout=subprocess.PIPE, text=True)
     children.procs.append(proc)
     target = _target(tok, settle=60.0)  # a HOST:PID id would wait a minute: this one must not
-    sightings: list[tuple[dict[str, bool], int]] = []
+    sightings: list[tuple[dict[str, bool], list[str]]] = []
 
     def with_its_rank():
         tree = target.refresh()
         if tree.processes:
-            sightings.append((_jobs(tree), len(tree.processes)))
+            sightings.append((_jobs(tree), [p.role for p in tree.processes]))
         return len(tree.processes) >= 2
 
     wait_for(with_its_rank, timeout=60, interval=0.05, what="torchrun and its rank")
     assert {job for jobs, _ in sightings for job in jobs} == {"job-rt"}
-    assert sightings[0][1] == 1  # first seen alone: the id came from torchrun's command line
+    # first seen alone: the id came from torchrun's command line; and it is the launcher, not
+    # a rank 0 that would stand still (a stall, a hang) while a rendezvous waits for nodes
+    assert sightings[0][1] == ["launcher"]
     assert proc.stdout is not None and proc.stdout.readline().strip() == "job-rt"  # the ranks' own word
 
 

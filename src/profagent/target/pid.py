@@ -43,7 +43,7 @@ from profagent.system.procfs import (
     read_identity,
 )
 from profagent.target.cmdline import label_cmdline
-from profagent.target.jobid import JobId, resolve_job_id
+from profagent.target.jobid import JobId, resolve_job_id, torchrun_args
 from profagent.target.placement import placement_of
 from profagent.target.tree import CMDLINE_MAX, rank_from_env
 
@@ -279,7 +279,7 @@ class PidTarget:
                 me = ProcessInfo(pid, ppid, ct, ROLE_DATALOADER, main.rank, main.local_rank, main.world_size, cmd)
             elif own is not None:
                 me = ProcessInfo(pid, ppid, ct, ROLE_MAIN, own[0], own[1], own[2], cmd)
-            elif not any_rank and pid in tops:
+            elif not any_rank and pid in tops and not self._torchrun(pid, ct):
                 me = ProcessInfo(pid, ppid, ct, ROLE_MAIN, "0", "0", "1", cmd)
             else:
                 me = ProcessInfo(pid, ppid, ct, ROLE_LAUNCHER, "", "", "", cmd)
@@ -345,6 +345,12 @@ class PidTarget:
             if self._settled(proc.create_time):
                 self._argvs[key] = argv
         return argv
+
+    def _torchrun(self, pid: int, create_time: float) -> bool:
+        """Whether a process is a torchrun launcher: before its ranks exist (a multi-node
+        rendezvous waits for every node) it is the launcher, not a rank 0 that stands still."""
+        stub = ProcessInfo(pid, 0, create_time, ROLE_LAUNCHER, "", "", "", "")
+        return torchrun_args(self._argv(stub)) is not None
 
 
 def _ranked_subtrees(
