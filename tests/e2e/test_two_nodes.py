@@ -35,6 +35,8 @@ WORKLOAD = ROOT / "tests" / "workloads" / "plain_ddp.py"
 RULES = ROOT / "deploy" / "prometheus"
 STALL_SECONDS = 10.0
 HANG_STEP = 30
+# like the privilege-dropping cases (tests/README.md): new PID namespaces need root
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="two simulated nodes need root for unshare -p -m")
 
 
 def _config(tmp: Path, node: int, tok: str) -> Path:
