@@ -27,13 +27,12 @@ from helpers.agent import http_get
 from helpers.paths import ROOT
 from helpers.processes import wait_for
 from helpers.prometheus import Prometheus
-from profagent.analysis.findings import FindingsSnapshot
 from profagent.analysis.findings.hang import hang
 from profagent.analysis.stacks import parse_frame
+from profagent.contracts import FindingsSnapshot, RankStall, StacksSnapshot
 from profagent.exporters.families import Families
 from profagent.exporters.families import findings as findings_families
 from profagent.exporters.families import stacks as stacks_families
-from profagent.sources.stacks.source import RankStall, StacksSnapshot
 
 MAIN = ("<module> (train_ddp.py:120)", "main (train_ddp.py:110)")
 IN_ALL_REDUCE = (*MAIN, "wrapper (torch/distributed/c10d_logger.py:81)",
