@@ -4,6 +4,10 @@
   names from the watched jobs (job ids, ranks, paths, function names), so a newline in
   ``SLURM_JOB_ID`` would start a forged log line and an ESC would drive the reader's
   terminal: control characters are written as visible escapes (``\\x0a``, ``\\x1b``).
+- Timestamps: a line starts with the time it was logged, RFC 3339 in UTC with
+  milliseconds (``2026-11-28T12:00:00.123Z``), as ``kubectl logs --timestamps`` and log
+  shippers read it, unless stderr is connected to journald (``JOURNAL_STREAM`` names
+  stderr's device and inode, as systemd documents), which stamps every line itself.
 - ``LogOnce``: a failing tick or a recurring condition must not flood the log.
 - ``RateLimit``: and whatever slips through, at most 10 lines per message kind a minute,
   the number held back said by the kind's next line.
@@ -12,18 +16,44 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from collections.abc import Callable, Hashable
+import time
+from collections.abc import Callable, Hashable, Mapping
 
 from profagent.labels import printable
 
 LINE_INDENT = "    "  # continuation lines: indented, so none can pass for a record of its own
 
 
+def rfc3339(when: float) -> str:
+    """``when`` (Unix time) as RFC 3339 in UTC with milliseconds: ``2026-11-28T12:00:00.123Z``."""
+    millis = int(when * 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(millis // 1000)) + f".{millis % 1000:03d}Z"
+
+
+def stderr_is_journal(environ: Mapping[str, str] = os.environ, fd: int = 2) -> bool:
+    """Whether ``fd`` is the stream systemd connected to journald: ``JOURNAL_STREAM`` is
+    "DEVICE:INODE" of that stream, and still names ``fd`` (not a pipe it was redirected to)."""
+    device, sep, inode = environ.get("JOURNAL_STREAM", "").partition(":")
+    if not sep or not device.isdigit() or not inode.isdigit():
+        return False
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (int(device), int(inode))
+
+
 class PrintableFormatter(logging.Formatter):
     """A ``logging.Formatter`` whose message is one line with no control character; a
     traceback keeps its line breaks, nothing else. A record with ``extra={"lines": [...]}``
-    (a stack, one frame a line) gets each of them on a line of its own, indented and escaped."""
+    (a stack, one frame a line) gets each of them on a line of its own, indented and escaped.
+    With ``timestamps``, each line starts with the record's time (``rfc3339``)."""
+
+    def __init__(self, fmt: str | None = None, *, timestamps: bool = False) -> None:
+        super().__init__(fmt)
+        self.timestamps = timestamps
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
         record.message = printable(record.message)
@@ -31,6 +61,8 @@ class PrintableFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
+        if self.timestamps:  # the record's first line; continuation lines stay indented under it
+            text = f"{rfc3339(record.created)} {text}"
         lines = getattr(record, "lines", None)
         if isinstance(lines, (list, tuple)) and lines:
             text += "".join(f"\n{LINE_INDENT}{printable(str(line))}" for line in lines)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -71,7 +72,7 @@ def test_attach_to_a_single_rank_of_a_launcher(children) -> None:
     assert tree.job_id == "777"
 
 
-def test_plain_process_is_rank_zero_and_job_id_is_its_pid() -> None:
+def test_plain_process_is_rank_zero_and_job_id_is_host_and_pid() -> None:
     unset = ("RANK", "SLURM_PROCID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
     clean = {k: v for k, v in os.environ.items() if k not in unset}
     plain = subprocess.Popen(SLEEPER, env=clean)
@@ -79,7 +80,7 @@ def test_plain_process_is_rank_zero_and_job_id_is_its_pid() -> None:
         tree = PidTarget(plain.pid).refresh()
         (only,) = tree.processes
         assert (only.role, only.rank, only.world_size) == ("main", "0", "1")
-        assert tree.job_id == str(plain.pid)
+        assert tree.job_id == f"{socket.gethostname()}:{plain.pid}"  # a bare PID another node may share
     finally:
         plain.kill()
         plain.wait()

@@ -6,12 +6,15 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
 
+from helpers.agent import free_port
 from helpers.processes import wait_for
 from helpers.watch import FAKE_TORCHRUN, job_env, token, watch_config
 from profagent.config import WatchConfig, load_config
@@ -108,7 +111,7 @@ while True:
     launcher = children.python(code)
     target = _target(tok)
     tree = wait_for(lambda: (t := target.refresh()) and len(t.processes) == 3 and t, what="launcher adopted")
-    assert _jobs(tree) == {str(launcher.pid): True}
+    assert _jobs(tree) == {f"{socket.gethostname()}:{launcher.pid}": True}
     assert {p.pid: p.role for p in tree.processes}[launcher.pid] == "launcher"
 
 
@@ -128,6 +131,58 @@ def test_launcher_waits_for_its_ranks_run_id(children) -> None:
 
     wait_for(three, what="the job with its ranks")
     assert seen == {"elastic-5"}
+
+
+def test_a_late_run_id_is_a_relabel_not_an_end(children, tmp_path, caplog) -> None:
+    """A launcher nothing names is admitted as HOST:PID; when its ranks bring a run id the
+    job goes on under that id at once: no grace for the old id, and the log says relabel."""
+    tok = token()
+    go = tmp_path / "go"
+    code = FAKE_TORCHRUN.replace("kids = []", f"kids = []\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.02)")
+    launcher = children.python(code, env=job_env(tok, RANK_ENV="TORCHELASTIC_RUN_ID=elastic-6"))
+    target = _target(tok, settle=0.0, grace_seconds=60.0)
+    fallback = f"{socket.gethostname()}:{launcher.pid}"
+    wait_for(lambda: _jobs(target.refresh()) == {fallback: True}, what="the launcher admitted as HOST:PID")
+    go.touch()
+    with caplog.at_level(logging.INFO, logger="profagent.target.node"):
+        tree = wait_for(lambda: (t := target.refresh()) and len(t.processes) == 3 and t, what="its ranks")
+    assert _jobs(tree) == {"elastic-6": True}  # the old id is not kept as an ended job
+    assert {p.job_id for p in tree.processes} == {"elastic-6"}
+    messages = [r.getMessage() for r in caplog.records]
+    assert f"job {fallback} is now job elastic-6 (its ranks name it): its series go on under the new id" in messages
+    assert not [m for m in messages if "ended" in m]
+
+
+@pytest.mark.slow
+def test_real_torchrun_is_named_by_its_rdzv_id_before_its_ranks(children, tmp_path) -> None:
+    """A real torchrun launcher (c10d rendezvous, as over several nodes) carries its job id
+    on its command line only: the job is admitted under it before any rank exists, and
+    keeps it when the ranks come (no HOST:PID id, no relabel)."""
+    tok = token()
+    script = tmp_path / "rank.py"
+    script.write_text("import os, time\nprint(os.environ['TORCHELASTIC_RUN_ID'], flush=True)\ntime.sleep(60)\n")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    port = free_port()
+    cmd = [str(torchrun), "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv_id=job-rt", "--max-restarts", "0", str(script)]
+    proc = subprocess.Popen(cmd, env={**os.environ, **job_env(tok)}, start_new_session=True,
+                            stdout=subprocess.PIPE, text=True)
+    children.procs.append(proc)
+    target = _target(tok, settle=60.0)  # a HOST:PID id would wait a minute: this one must not
+    sightings: list[tuple[dict[str, bool], list[str]]] = []
+
+    def with_its_rank():
+        tree = target.refresh()
+        if tree.processes:
+            sightings.append((_jobs(tree), [p.role for p in tree.processes]))
+        return len(tree.processes) >= 2
+
+    wait_for(with_its_rank, timeout=60, interval=0.05, what="torchrun and its rank")
+    assert {job for jobs, _ in sightings for job in jobs} == {"job-rt"}
+    # first seen alone: the id came from torchrun's command line; and it is the launcher, not
+    # a rank 0 that would stand still (a stall, a hang) while a rendezvous waits for nodes
+    assert sightings[0][1] == ["launcher"]
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "job-rt"  # the ranks' own word
 
 
 def test_max_jobs_logs_once_and_admits_later(children, caplog) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,7 +14,7 @@ from helpers.paths import ROOT
 
 PROM = ROOT / "deploy" / "prometheus"
 REQUIRED = {
-    "ProfagentGpuIdle", "ProfagentRankStalled", "ProfagentGpuMemoryLeak", "ProfagentHostMemoryLeak",
+    "ProfagentGpuIdle", "ProfagentJobHang", "ProfagentGpuMemoryLeak", "ProfagentHostMemoryLeak",
     "ProfagentGpuXidError", "ProfagentCollectorDown", "ProfagentNoTraces", "ProfagentAgentDown",
     "ProfagentFindingCritical", "ProfagentFindingWarning", "ProfagentFindingInfo",
 }
@@ -80,4 +81,14 @@ def test_one_findings_rule_per_severity() -> None:
     by_severity = {r["labels"]["severity"]: r for r in _rules() if r["alert"].startswith("ProfagentFinding")}
     assert set(by_severity) == set(SEVERITIES)
     for severity, rule in by_severity.items():
-        assert f'profagent_finding{{severity="{severity}"}}' in rule["expr"]
+        assert re.search(rf'profagent_finding{{severity="{severity}"[,}}]', rule["expr"]), rule["expr"]
+
+
+def test_a_hang_pages_once_per_job() -> None:
+    """ProfagentJobHang is the one page of a hang: per job (not per node or rank), and no
+    other rule pages for the same stall or hang finding."""
+    rules = {r["alert"]: r for r in _rules()}
+    assert re.findall(r"by \(([^)]*)\)", rules["ProfagentJobHang"]["expr"]) == ["cluster, job_id"] * 2
+    others = [r for name, r in rules.items() if name != "ProfagentJobHang"]
+    assert not [r["alert"] for r in others if "profagent_rank_stalled" in r["expr"]]
+    assert 'finding!="hang"' in rules["ProfagentFindingCritical"]["expr"]

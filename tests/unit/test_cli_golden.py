@@ -13,7 +13,8 @@ incidents), `stacks --idle`, and `analyze` taking folders; and once more for typ
 (pinned for start-up time), whose help omits the ``<bool>`` that 0.29 printed after flags; and once for click's plain
 help (``rich_markup_mode=None``, for start-up time) with a short help per command; for
 the new ``diff`` command (its help and its one-line error); and once for #23: `incidents
-show` names its argument ``ID`` (not ``incident_id``) and `stacks --idle` shows its default once.
+show` names its argument ``ID`` (not ``incident_id``) and `stacks --idle` shows its default once;
+and for #39: `diagnose --prometheus`.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ change they were regenerated once, on purpose, for: the pod/Slurm/user labels of
 step time for a trace without steps (#14), worker USS and collectors not applicable (#15),
 every GPU value family, findings and incidents, so that the golden exposition names every
 family the README documents (#23, ``tests/unit/test_docs.py`` holds the two together), the
-per-rank collective-wait share (#24), CPU per collector (#26), the step timeline from kernel probes (#38).
+per-rank collective-wait share (#24), CPU per collector (#26), the step timeline from kernel probes (#38),
+each hung rank's part in the hang (``profagent_hang_rank_info``, #39).
 """
 
 from __future__ import annotations
@@ -223,6 +224,9 @@ def _publish_findings_and_incidents(state) -> None:  # noqa: ANN001 (State, poss
     state.publish("findings", findings.FindingsSnapshot((
         findings.Finding("straggler", JOB, "1", "warning", "rank 1 is slow", since=NOW - 120),
         findings.Finding("dataloader_bound", JOB, None, "info", "the job waits on data", since=NOW - 60),
+        findings.Finding("hang", JOB, "1", "critical", "rank 1 holds the job up", {"diagnosis": "culprit", "roles": {
+            "0": {"role": "waiting", "location": "train.py:70"}, "1": {"role": "culprit", "location": "train.py:68"},
+        }}, since=NOW - 30),
     ), NOW, ((JOB, "0", 0.61), (JOB, "1", 0.1)), 12), 0.001)
     state.publish("timeline", _timeline_snapshot(), 0.001)
     state.publish("incidents", incidents.IncidentsSnapshot(((JOB, "hang", 1),), ((JOB, "hang", 2),), (("symlink", 1),)), 0.0)

@@ -66,7 +66,8 @@ def test_hang_names_the_rank_outside_the_collective_with_its_line() -> None:
     assert f.evidence["stacks"]["1"][-1] == "main (train.py:68)"
     assert f.evidence["roles"]["0"]["role"] == "waiting" and f.evidence["roles"]["1"] == {
         "role": "culprit", "stalled": True, "at": "main (train.py:68)", "innermost": "main (train.py:68)",
-        "collective": None, "native_frames": False}
+        "collective": None, "native_frames": False, "location": "train.py:68"}
+    assert f.evidence["roles"]["0"]["location"] == "train.py:70"  # the line that called the collective
 
 
 IN_BACKWARD = (*MAIN, "Tensor.backward (torch/_tensor.py:623)", "backward (torch/autograd/__init__.py:395)",
@@ -235,7 +236,7 @@ def test_host_sync_and_optimizer_bound() -> None:
 
 
 def test_window_forgets_old_samples() -> None:
-    ev = Evaluator(cfg(window_seconds=20.0))
+    ev = Evaluator(cfg(window_seconds=20.0, hold_seconds=0.0))  # the window alone (the hold: test_steady)
     feed_shares(ev, {"0": {"dataloader": 100}}, 3)  # t = 5..15
     groups = tuple(group("0", dataloader=300, forward=100 * k) for k in range(1, 7))
     snap = FindingsSnapshot()
@@ -310,8 +311,9 @@ def test_a_straggler_slowed_by_cpu_contention_says_so() -> None:
     """A rank whose main thread waited for a CPU (schedstat's run queue) at least
     findings.contention_share of the window: on a loaded node ranks slow unevenly, and a
     balanced job's ranks were measured 0.26 against 0.59 apart (docs/diagnosis.md). The
-    finding stays, and names the node as a possible cause; a rank that barely queued is
-    not said to be contended, nor one whose run queue was never read."""
+    finding stays, and names the node as a possible cause only when the node's other ranks
+    wait for a CPU too (their median at least half its own wait); a rank that barely queued
+    is not said to be contended, nor one whose run queue was never read."""
     def straggler(run_queue: dict[str, float] | None) -> Finding:
         [f] = feed_waits(Evaluator(cfg(window_seconds=20.0)), STRAGGLER_JOB, 6, run_queue=run_queue).findings
         assert (f.finding, f.rank) == ("straggler", "1")
@@ -320,6 +322,11 @@ def test_a_straggler_slowed_by_cpu_contention_says_so() -> None:
     f = straggler({"0": 0.18, "1": 0.22, "2": 0.15})
     assert f.evidence["cpu_contended"] and f.evidence["run_queue_shares"] == {"0": 0.18, "1": 0.22, "2": 0.15}
     assert "waits for a CPU 22% of the time" in f.summary and "may be the node" in f.summary
+    # it queues 45 %, its node-mates 22 %: it waits for a CPU because it computes more
+    f = straggler({"0": 0.22, "1": 0.45, "2": 0.2})
+    assert not f.evidence["cpu_contended"] and "CPU" not in f.summary
+    f = straggler({"0": 0.25, "1": 0.45, "2": 0.3})  # the others wait comparably: the node
+    assert f.evidence["cpu_contended"] and "may be the node" in f.summary
     f = straggler({"0": 0.3, "1": 0.03, "2": 0.3})  # the others queue, it barely does: the rank
     assert not f.evidence["cpu_contended"] and "CPU" not in f.summary
     f = straggler(None)

@@ -15,6 +15,7 @@ from profagent.exporters.exposition import Exposition
 from profagent.exporters.families import Families, agent
 from profagent.exporters.families import findings as findings_families
 from profagent.exporters.families import traces as traces_families
+from profagent.labels import value_max
 from profagent.state import State
 
 HANG = Finding("hang", "42", "1", "critical", "ranks 0 wait in all_reduce; the culprit is not in it: rank 1 at main (t.py:68)",
@@ -124,3 +125,24 @@ def test_diagnose_shows_each_ranks_role_in_a_hang() -> None:
     text = console.export_text()
     assert "rank 0: waiting (stalled): all_reduce from backward (DDP's reducer)" in text
     assert "rank 1: culprit (stalled): main (t.py:68)" in text
+
+
+def test_hang_roles_series_names_each_rank_with_its_line_bounded() -> None:
+    """profagent_hang_rank_info: one series per rank of a hang, its part and line; the
+    file names come from the job, so a hostile one is escaped and bounded."""
+    hostile = "x\x1b[2J" + "d/" * 400 + "t.py:9"
+    roles = {"0": {"role": "waiting", "location": "t.py:70"}, "1": {"role": "culprit", "location": hostile},
+             "2": {"role": "boss", "location": "t.py:1"}, "3": "not a dict"}
+    hang = Finding("hang", "42", "1", "critical", "rank 1 holds the job up", {"diagnosis": "culprit", "roles": roles}, 100.0)
+    rows = findings_families.hang_roles(hang)
+    assert [r[:3] for r in rows] == [("0", "culprit", "waiting"), ("1", "culprit", "culprit")]
+    assert rows[0][3] == "t.py:70"
+    assert "\x1b" not in rows[1][3] and len(rows[1][3].encode()) <= value_max() and rows[1][3].startswith("x\\x1b")
+    assert findings_families.hang_roles(Finding("hang", "42", None, "critical", "s", {"diagnosis": "made up", "roles": roles})) == []
+    assert findings_families.hang_roles(Finding("straggler", "42", "1", "warning", "s", {"diagnosis": "culprit", "roles": roles})) == []
+
+    families = Families()
+    findings_families.render(FindingsSnapshot((hang,), 100.0), families)
+    [info] = [f for f in families if f.name == "profagent_hang_rank_info"]
+    assert sorted((s.labels["rank"], s.labels["hang_role"], s.value) for s in info.samples) == [
+        ("0", "waiting", 1), ("1", "culprit", 1)]

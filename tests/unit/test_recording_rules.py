@@ -31,6 +31,10 @@ REQUIRED = {
     "job_id:profagent_collective_wait_ratio:median",
     "instance_job_id_rank:profagent_collective_wait_ratio:below_job_median",
     "instance_job_id_rank:profagent_collective_wait_ratio:job_straggler",
+    "instance_job_id_rank:profagent_collective_wait_ratio:job_lowest",
+    "job_id:profagent_collective_wait_ratio:median_of_others",
+    "instance_job_id_rank:profagent_collective_wait_ratio:straggling",
+    "instance_job_id_rank:profagent_hang_rank_info:culprit",
 }
 
 

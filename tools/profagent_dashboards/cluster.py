@@ -67,7 +67,16 @@ def build() -> Dashboard:
             "ranks on any node whose main-thread stack is frozen while their GPUs are idle (hung collective, deadlock)",
             thresholds=((None, "green"), (1, "red")),
         ))
-        .with_row(row("Step time across ranks"))
+        .with_panel(table_panel(
+            "Hang: the rank holding the job up (any node)", NONE,
+            [q(f"instance_job_id_rank:profagent_hang_rank_info:culprit{{{JOB}}}", instant=True, table_format=True)],
+            "each rank that a node's agent found holding the job up in a hang, not in a collective: its node "
+            "(instance) and line (location). Empty while no rank is stalled, and during a hang that no node "
+            "found a culprit for (every rank waits in a collective: a mismatch or the network); "
+            "ProfagentJobHang pages with the same answer, `profagent diagnose --prometheus` prints it",
+            width=24, height=5, hide=("Time", "Value", "job", "__name__"),
+        ))
+                .with_row(row("Step time across ranks"))
         .with_panel(ts(
             "Median and max step time", SECONDS,
             [q(f"{STEP}:median{{{JOB}}}", "{{job_id}} median"), q(f"{STEP}:max{{{JOB}}}", "{{job_id}} max")],
@@ -94,9 +103,11 @@ def build() -> Dashboard:
         .with_panel(stat_panel(
             "Waits least (below the job's median)", PERCENT,
             [q(f"instance_job_id_rank:{WAIT}:job_straggler{{{JOB}}}", "rank {{rank}} ({{instance}})", instant=True)],
-            "the rank furthest below the job's median share of time waiting in collectives (native DDP/FSDP "
-            "frames included), by how many points: in a synchronous job every step lasts as long as the "
-            "slowest rank's, so step times are equal and the straggler is the rank that waits least",
+            "the rank that waits least in collectives (native DDP/FSDP frames included), by how many points "
+            "below the other ranks' median, once it has been at least 25 points and 30 % below it for 2 "
+            "minutes with no rank stalled: in a synchronous job every step lasts as long as the slowest "
+            "rank's, so step times are equal and the straggler is the rank that waits least. Empty when no "
+            "rank qualifies (a healthy job, a hang)",
             thresholds=WAIT_BELOW_STEPS,
         ))
         .with_panel(ts(

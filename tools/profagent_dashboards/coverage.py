@@ -26,10 +26,17 @@ RECORDED_NOT_ON_A_DASHBOARD: dict[str, str] = {
     name: "dcgm-exporter's series joined with profagent's: only where dcgm-exporter runs too"
     for name in ("uuid:DCGM_FI_DEV_GPU_UTIL:ratio", "uuid:DCGM_FI_DEV_FB_USED:bytes",
                  "job_id:DCGM_FI_DEV_GPU_UTIL:avg_ratio", "instance_job_id_rank_uuid:DCGM_FI_DEV_GPU_UTIL:ratio")
+} | {
+    name: "a step of the straggler rule: its panel shows the result (job_straggler)"
+    for name in ("instance_job_id_rank:profagent_collective_wait_ratio:job_lowest",
+                 "job_id:profagent_collective_wait_ratio:median_of_others",
+                 "instance_job_id_rank:profagent_collective_wait_ratio:straggling")
 }
 
 # Families that no panel shows.
 NOT_ON_A_DASHBOARD: dict[str, str] = {
+    "profagent_hang_rank_info": "joined across nodes by recording.yml: Job across nodes shows its culprits "
+                                "(instance_job_id_rank:profagent_hang_rank_info:culprit)",
     "profagent_incidents_total": "drawn as the Incidents annotation of the Job overview (changes() of it)",
     "profagent_incidents_rate_limited_total": "incident triggers skipped by the rate limit: for ad-hoc queries",
     "profagent_incidents_traces_rejected_total": "trace files a capture refused (attacks or broken files): for ad-hoc queries",
@@ -82,4 +89,6 @@ ONLY_AFTER_A_FAILURE: dict[str, str] = {
     "profagent_stack_sampler_errors_total": "a py-spy run failed",
     "job_id_severity:profagent_finding:sum": "a finding is active on a rank (profagent_finding == 1)",
     "job_id_severity:profagent_finding:distinct": "a finding is active on a rank (profagent_finding == 1)",
+    "instance_job_id_rank:profagent_collective_wait_ratio:job_straggler": "a rank straggles: empty on a healthy job",
+    "instance_job_id_rank:profagent_hang_rank_info:culprit": "a job hangs and an agent found its culprit",
 }

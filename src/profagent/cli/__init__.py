@@ -45,10 +45,16 @@ GpuBackendOpt = Annotated[str | None, typer.Option("--gpu-backend", help="nvml (
 def _setup_logging(level: str) -> None:
     import logging  # here, not at start-up: `--help` and `analyze` never log
 
-    from profagent.logs import PrintableFormatter, RateLimit
+    from profagent.logs import PrintableFormatter, RateLimit, stderr_is_journal
 
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(PrintableFormatter("profagent %(levelname)s: %(message)s"))
+    # journald stamps each line itself; anywhere else (a terminal, kubectl logs, a file) we do
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a buffer (tests, embedding)
+        fd = -1
+    timestamps = not stderr_is_journal(os.environ, fd)
+    handler.setFormatter(PrintableFormatter("profagent %(levelname)s: %(message)s", timestamps=timestamps))
     handler.addFilter(RateLimit())
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler], force=True)
 
@@ -354,12 +360,13 @@ def diagnose(
     pid: Annotated[int | None, typer.Option("--pid", help="observe this launcher or rank PID in-process for --seconds (no agent needed)")] = None,
     job: Annotated[str | None, typer.Option("--job", help="only this job_id (from the agent at --url, default the local one)")] = None,
     url: Annotated[str | None, typer.Option("--url", help="a running agent, e.g. http://node1:19400 [default with --job: http://127.0.0.1:19400]")] = None,
+    prometheus: Annotated[str | None, typer.Option("--prometheus", help="a Prometheus (or Thanos, Mimir) scraping every node's agent, e.g. http://prometheus:9090: one verdict per job across nodes")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print {findings, time} as JSON")] = False,
     seconds: Annotated[float, typer.Option("--seconds", help="with --pid: how long to observe (a hang needs stacks.stall_seconds, a leak findings.leak_min_span_seconds)")] = 30.0,
     stall_seconds: Annotated[float | None, typer.Option("--stall-seconds", help="with --pid: stacks.stall_seconds")] = None,
-    basic_auth: Annotated[str | None, typer.Option("--basic-auth", help="USER:PASS when the agent's web config asks for basic auth")] = None,
-    ca_file: Annotated[Path | None, typer.Option("--ca-file", help="CA bundle to verify an https agent")] = None,
-    insecure: Annotated[bool, typer.Option("--insecure", help="do not verify the https agent's certificate")] = False,
+    basic_auth: Annotated[str | None, typer.Option("--basic-auth", help="USER:PASS when the agent's web config (or Prometheus) asks for basic auth")] = None,
+    ca_file: Annotated[Path | None, typer.Option("--ca-file", help="CA bundle to verify an https agent or Prometheus")] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="do not verify the https agent's (or Prometheus') certificate")] = False,
     config: ConfigOpt = None,
     log_level: LogLevelOpt = None,
 ) -> None:
@@ -371,13 +378,18 @@ def diagnose(
     from profagent.cli.diagnose import LOCAL_AGENT, collect_local, fetch, render
     from profagent.config import load_config
 
-    if pid is not None and url is not None:
-        raise UserError("give either --pid or --url, not both", "--pid observes in-process; --url asks a running agent")
-    if pid is None and url is None and job is None:
-        raise UserError("nothing to diagnose", "give --pid N, --job ID or --url http://HOST:19400")
+    if sum(x is not None for x in (pid, url, prometheus)) > 1:
+        raise UserError("give one of --pid, --url and --prometheus",
+                        "--pid observes in-process; --url asks a running agent; --prometheus asks Prometheus for every node")
+    if pid is None and url is None and job is None and prometheus is None:
+        raise UserError("nothing to diagnose", "give --pid N, --job ID, --url http://HOST:19400 or --prometheus http://HOST:9090")
     cfg = load_config(config, os.environ, {"log_level": log_level, "stacks.stall_seconds": stall_seconds})
     _setup_logging(cfg.agent.log_level)
-    if pid is not None:
+    if prometheus is not None:
+        from profagent.cli.prometheus import diagnose as diagnose_prometheus
+
+        body = diagnose_prometheus(prometheus, job, basic_auth, str(ca_file) if ca_file else None, insecure)
+    elif pid is not None:
         body = collect_local(cfg, pid, seconds, Console(stderr=True))
         if job:
             body["findings"] = [f for f in body["findings"] if f["job_id"] == job]

@@ -31,6 +31,13 @@ def read_environ(proc_root: Path, pid: int) -> dict[str, str]:
     return env
 
 
+def read_argv(proc_root: Path, pid: int, limit: int = 4096) -> list[str]:
+    """The first ``limit`` bytes of /proc/PID/cmdline as arguments (any process may set a
+    megabyte-long one; a launcher's own options come first). Raises OSError."""
+    raw = _read_head(f"{proc_root}/{pid}/cmdline", limit)
+    return [bound(a.decode(errors="replace")) for a in raw.rstrip(b"\0").split(b"\0")] if raw else []
+
+
 def read_nspid(proc_root: Path, pid: int) -> tuple[int, ...]:
     """Every PID the process has, outermost namespace first (/proc/PID/status NSpid);
     ``(pid,)`` when it cannot be read or the kernel predates NSpid."""

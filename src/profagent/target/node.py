@@ -10,8 +10,9 @@ runtime and the one set of sources serve every job of the node:
 2. **Roots**: a candidate's root is its topmost candidate ancestor. Sibling roots that
    carry a rank (RANK/SLURM_PROCID) but no job id variable and share a parent are
    grouped under that parent (a custom launcher). Each root gets a ``PidTarget``, which assigns roles and ranks and
-   resolves the job id (SLURM_JOB_ID, else TORCHELASTIC_RUN_ID, else the root PID);
-   roots with the same job id (``srun`` tasks) form one job.
+   resolves the job id (SLURM_JOB_ID, else TORCHELASTIC_RUN_ID, else a torchrun launcher's
+   ``--rdzv-id``, else ``HOST:PID``: ``target/jobid.py``); roots with the same job id
+   (``srun`` tasks) form one job.
 3. **Jobs**: every tick, each root's tree is refreshed. A job whose processes are all
    gone stays in ``ProcessTree.jobs`` with alive=False for ``grace_seconds``, then
    disappears; sources drop a job's series once it is no longer listed.
@@ -22,9 +23,12 @@ runtime and the one set of sources serve every job of the node:
    SLURM_JOB_ID to another user's job id; such roots never join that job: the first
    owner keeps the plain id, a later owner's job gets ``<job id>@<user>``.
 
-A new root is admitted at once when its job id comes from SLURM_JOB_ID or
-TORCHELASTIC_RUN_ID, else once it is ``settle_seconds`` old, so that a torchrun
-launcher seen before its ranks does not get a PID job id that changes a moment later.
+A new root is admitted at once when something names its job (SLURM_JOB_ID,
+TORCHELASTIC_RUN_ID, torchrun's ``--rdzv-id``), else once it is ``settle_seconds`` old, so
+that a launcher seen before its ranks does not get a ``HOST:PID`` job id that changes a
+moment later. When it does change all the same (the ranks came later and name the job),
+that is a relabel: the job goes on under its new id, its old id's series go at once
+(no grace), and the log says so; it is not a job that ended.
 
 6. **Bounded work**: any user can start thousands of processes that match the rules
    (``exec -a "python3 train.py" sleep``). A root that was examined and not admitted is
@@ -65,9 +69,9 @@ from profagent.target.tree import JOB_VARS, RANK_VARS
 log = logging.getLogger(__name__)
 
 Key = tuple[int, float]  # (pid, create_time): a PID alone can be reused
-# A new root whose job id is still its own PID (no SLURM_JOB_ID / TORCHELASTIC_RUN_ID yet)
-# is admitted only once it is this old: torchrun sets TORCHELASTIC_RUN_ID in the ranks it
-# starts a moment later, and the job id must not change under a running job.
+# A new root whose job id is still HOST:PID (nothing names the job yet) is admitted only
+# once it is this old: a launcher's ranks may bring TORCHELASTIC_RUN_ID a moment later,
+# and the job id should not change under a running job.
 SETTLE_SECONDS = 5.0
 
 
@@ -145,8 +149,10 @@ class NodeTarget:
         self_pid: int | None = None,
         settle_seconds: float = SETTLE_SECONDS,
         cmdline_args: bool = False,
+        host: str | None = None,
     ) -> None:
         self.cmdline_args = cmdline_args
+        self.host = host  # of HOST:PID job ids (None: this host's name)
         self.proc_root = Path(proc_root)
         self._read_environ = environ_reader
         self._clock = clock
@@ -166,6 +172,7 @@ class NodeTarget:
         self._env_match: dict[tuple[int, float, str], bool] = {}
         self._ended: dict[str, float] = {}  # job id -> when its last process went
         self._alive_jobs: set[str] = set()
+        self._labels: dict[Key, str] = {}  # each root's job label last tick (to tell a relabel from an end)
         self._capped = LogOnce(log)  # one max_processes_per_job line per job
         self._last_scan: float | None = None
         self._reconfigured = False
@@ -209,6 +216,7 @@ class NodeTarget:
             children = children_map(self.proc_root)  # once per tick for every job, not once per job
         by_job: dict[str, list[ProcessTree]] = {}
         self._claim_trusted()
+        relabelled: dict[str, str] = {}  # old job id -> new one, this tick
         for key, root in list(self._roots.items()):
             tree = root.target.refresh(children)
             if not tree.alive:
@@ -216,9 +224,17 @@ class NodeTarget:
                 continue
             root.tree = tree
             tree = self._own(tree, root.uid, root.trusted)
+            before = self._labels.get(key)
+            if before is not None and before != tree.job_id:
+                relabelled[before] = tree.job_id
+            self._labels[key] = tree.job_id
             by_job.setdefault(tree.job_id, []).append(tree)
+        self._labels = {k: v for k, v in self._labels.items() if k in self._roots}
 
-        for job_id in self._alive_jobs - set(by_job):
+        for old, new in relabelled.items():
+            if old in self._alive_jobs and old not in by_job:
+                log.info("job %s is now job %s (its ranks name it): its series go on under the new id", old, new)
+        for job_id in self._alive_jobs - set(by_job) - set(relabelled):
             self._ended[job_id] = now
             log.info("job %s ended; its series go in %.0fs", job_id, limits.grace_seconds)
         for job_id in by_job:
@@ -373,12 +389,12 @@ class NodeTarget:
         return uid
 
     def _admit(self, key: Key, limits: Limits, children: dict[int, list[int]] | None = None) -> None:
-        target = PidTarget(key[0], self.proc_root, self._read_environ, cmdline_args=self.cmdline_args)
+        target = PidTarget(key[0], self.proc_root, self._read_environ, cmdline_args=self.cmdline_args, host=self.host)
         tree = target.refresh(children)
         if not tree.alive:
             return
         age = time.time() - key[1]
-        if tree.job_id == str(key[0]) and age < self._settle:
+        if not target.job_id_named and age < self._settle:
             # a launcher whose ranks (and their TORCHELASTIC_RUN_ID) may still come: look
             # again once it is old enough, not on every scan before
             self._settling[key] = (key[1] + self._settle, len(tree.processes))

@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -36,13 +37,15 @@ from profagent.system.procfs import (
     PROC,
     boot_time,
     children_map,
+    read_argv,
     read_children,
     read_environ,
     read_identity,
 )
 from profagent.target.cmdline import label_cmdline
+from profagent.target.jobid import JobId, resolve_job_id, torchrun_args
 from profagent.target.placement import placement_of
-from profagent.target.tree import CMDLINE_MAX, JOB_VARS, rank_from_env
+from profagent.target.tree import CMDLINE_MAX, rank_from_env
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +132,10 @@ class PidTarget:
         clock: Callable[[], float] = time.monotonic,
         children_reader: Callable[[Path, int], list[int] | None] = read_children,
         wall: Callable[[], float] = time.time,
+        host: str | None = None,
     ) -> None:
         self.pid = pid
+        self.host = socket.gethostname() if host is None else host  # of HOST:PID, where nothing names the job
         self._clock = clock
         self._wall = wall
         self._read_children = children_reader
@@ -143,7 +148,8 @@ class PidTarget:
         # parent's environment (no RANK yet); after exec its command line differs
         self._env_cache: dict[tuple[int, float, str], dict[str, str] | None] = {}
         self._known: dict[int, float] = {}  # pid -> create_time seen in the last tree
-        self._job_id: str | None = None
+        self._job_id: str | None = None  # once named, for good
+        self._argvs: dict[tuple[int, float], list[str]] = {}  # (pid, create_time) -> a launcher's arguments
         self._log_once = LogOnce(log)
         self._placements: dict[tuple[int, float], Placement] = {}  # (pid, create_time) -> placement
         self._booted: float | None = None  # boot time, read once
@@ -253,7 +259,7 @@ class PidTarget:
         if not info:
             self._known = {}
             self._env_cache.clear()
-            return ProcessTree(self._job_id or str(self.pid), self.pid, (), alive=False)
+            return ProcessTree(self._job_id or f"{self.host}:{self.pid}", self.pid, (), alive=False)
 
         envs = {pid: self._environ(pid, ct, cmd) or {} for pid, (_, ct, cmd) in info.items()}
         self._env_cache = {k: v for k, v in self._env_cache.items() if info.get(k[0], (0, 0.0, None))[1:] == k[1:]}
@@ -273,7 +279,7 @@ class PidTarget:
                 me = ProcessInfo(pid, ppid, ct, ROLE_DATALOADER, main.rank, main.local_rank, main.world_size, cmd)
             elif own is not None:
                 me = ProcessInfo(pid, ppid, ct, ROLE_MAIN, own[0], own[1], own[2], cmd)
-            elif not any_rank and pid in tops:
+            elif not any_rank and pid in tops and not self._torchrun(pid, ct):
                 me = ProcessInfo(pid, ppid, ct, ROLE_MAIN, "0", "0", "1", cmd)
             else:
                 me = ProcessInfo(pid, ppid, ct, ROLE_LAUNCHER, "", "", "", cmd)
@@ -287,7 +293,8 @@ class PidTarget:
         self._known = {p.pid: p.create_time for p in out}
         self._cmdlines = {k: v for k, v in self._cmdlines.items() if k[0] in self._known}
         self._placements = {k: v for k, v in self._placements.items() if k[0] in self._known}
-        job_id = self._resolve_job_id(out, envs)
+        self._argvs = {k: v for k, v in self._argvs.items() if k[0] in self._known}
+        job_id = self._resolve_job_id(out, envs).value
         processes = tuple(
             dataclasses.replace(p, job_id=job_id, placement=self._placement(p, envs.get(p.pid, {}))) for p in out
         )
@@ -311,18 +318,39 @@ class PidTarget:
             found = self._placements[key] = placement_of(self.proc_root, proc.pid, environ)
         return found
 
-    def _resolve_job_id(self, procs: Iterable[ProcessInfo], envs: dict[int, dict[str, str]]) -> str:
+    @property
+    def job_id_named(self) -> bool:
+        """Whether the job id names the job (from the environment or torchrun's command
+        line), not the ``HOST:PID`` fallback that a rank's id may still replace."""
+        return self._job_id is not None
+
+    def _resolve_job_id(self, procs: list[ProcessInfo], envs: dict[int, dict[str, str]]) -> JobId:
         if self._job_id is not None:
-            return self._job_id
-        ordered = sorted(procs, key=lambda p: (p.role != ROLE_LAUNCHER, p.pid))
-        for var in JOB_VARS:
-            for proc in ordered:
-                value = envs.get(proc.pid, {}).get(var)
-                # torchrun's non-standalone default run id is "none": not an identity.
-                if value and value != "none":
-                    self._job_id = value  # stable from now on
-                    return value
-        return str(self.pid)
+            return JobId(self._job_id, True)
+        argvs = {p.pid: self._argv(p) for p in procs if p.role == ROLE_LAUNCHER or p.pid == self.pid}
+        found = resolve_job_id(procs, envs, argvs, self.pid, self.host)
+        if found.named:
+            self._job_id = found.value  # stable from now on
+        return found
+
+    def _argv(self, proc: ProcessInfo) -> list[str]:
+        """A launcher's arguments (torchrun's names the job), read once it has settled."""
+        key = (proc.pid, proc.create_time)
+        argv = self._argvs.get(key)
+        if argv is None:
+            try:
+                argv = read_argv(self.proc_root, proc.pid)
+            except OSError:
+                argv = []
+            if self._settled(proc.create_time):
+                self._argvs[key] = argv
+        return argv
+
+    def _torchrun(self, pid: int, create_time: float) -> bool:
+        """Whether a process is a torchrun launcher: before its ranks exist (a multi-node
+        rendezvous waits for every node) it is the launcher, not a rank 0 that stands still."""
+        stub = ProcessInfo(pid, 0, create_time, ROLE_LAUNCHER, "", "", "", "")
+        return torchrun_args(self._argv(stub)) is not None
 
 
 def _ranked_subtrees(

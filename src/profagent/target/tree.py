@@ -11,7 +11,8 @@ CMDLINE_MAX = 80
 # Where a process's rank comes from, torch's variables first, then Slurm's:
 # (rank, local rank, world size).
 RANK_VARS = (("RANK", "LOCAL_RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"))
-# The job's identity, in order of preference (else the root PID).
+# The job's identity from the environment, in order of preference (else a torchrun
+# launcher's command line, else HOST:PID: target/jobid.py).
 JOB_VARS = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
 
 

@@ -104,6 +104,24 @@ def _low_waiter(values: Mapping[str, float], threshold: float) -> list[tuple[str
     return out
 
 
+# The other ranks of the node must wait for a CPU at least this share of the straggler's own
+# wait: a rank doing more work than the others waits for a CPU more on any busy node.
+CONTENTION_OTHERS = 0.5
+
+
+def node_contended(queued: Mapping[str, float], rank: str, contention_share: float) -> bool:
+    """Whether the node's CPUs, not the rank's own extra work, explain its wait for a CPU:
+    it waited ``contention_share`` of the window or more, and the median of the node's other
+    ranks waited that much too and at least ``CONTENTION_OTHERS`` of its own wait."""
+    mine = queued.get(rank, 0.0)
+    others = sorted(q for r, q in queued.items() if r != rank)
+    if mine < contention_share or not others:
+        return False
+    middle = len(others) // 2
+    median = others[middle] if len(others) % 2 else (others[middle - 1] + others[middle]) / 2
+    return median >= contention_share and median >= CONTENTION_OTHERS * mine
+
+
 def straggler(shares: Iterable[RankShares], traces: Iterable[RankTrace], cfg: FindingsConfig,
               quiet_jobs: frozenset[str] | set[str] = frozenset()) -> list[Finding]:
     """The rank the others wait for: its share of time waiting in collectives (stacks,
@@ -137,7 +155,7 @@ def straggler(shares: Iterable[RankShares], traces: Iterable[RankTrace], cfg: Fi
         summary = (f"rank {rank} is the straggler: the others spend {median:.0%} of their time waiting "
                    f"in collectives, it spends {share:.0%}; its main thread is mostly in {cat} ({cat_share:.0%})")
         queued = {r: round(q, 3) for r, x in judged[job].items() if (q := x.run_queue_share) is not None}
-        contended = queued.get(rank, 0.0) >= cfg.contention_share
+        contended = node_contended(queued, rank, cfg.contention_share)
         if contended:
             summary += (f", and waits for a CPU {queued[rank]:.0%} of the time: the node's CPUs are contended, "
                         "which slows ranks unevenly; the cause may be the node, not the rank")

@@ -13,6 +13,7 @@ from profagent.analysis.findings import bound, gpu, hang, leak, steps
 from profagent.analysis.findings.bound import warmed_up
 from profagent.analysis.findings.history import CountsWindow, MemorySeries
 from profagent.analysis.findings.inputs import AnalysisInputs, MemoryInput, RankShares
+from profagent.analysis.findings.steady import Steady
 from profagent.config import FindingsConfig
 from profagent.contracts import (
     SEVERITIES,
@@ -60,6 +61,7 @@ class Evaluator:
         self._pending: dict[tuple[str, str, str], float] = {}
         self._since: dict[tuple[str, str, str], float] = {}
         self._hung: frozenset[str] = frozenset()  # jobs with a hang finding at the last evaluation
+        self._steady = Steady(config.hold_seconds)  # window-judged findings held after their last sighting
 
     # -- histories ----------------------------------------------------------------------
     def _new(self, name: str, snapshot: object) -> bool:
@@ -166,6 +168,8 @@ class Evaluator:
         inputs = dataclasses.replace(inputs, hung=hung)
         for analyze in ANALYZERS:
             found += analyze(inputs)
+        # window-judged kinds held after their last sighting, never through a hang
+        found = self._steady(found, now, {(s.job_id, s.rank) for s in inputs.shares}, hung | inputs.suspected)
         found = [f for f in found if f.finding not in HELD] + self._hold(
             [f for f in found if f.finding in HELD], now)
         self._evaluations += 1

@@ -35,6 +35,13 @@ def _where(f: Frame | None) -> str:
     return "?" if f is None else str(f)
 
 
+def _location(f: Frame | None) -> str:
+    """``file:line`` of a frame (a native frame: its name), "?" when unknown."""
+    if f is None:
+        return "?"
+    return f"{f.file}:{f.line}" if f.file else f.name
+
+
 def _stack_lines(frames: Sequence[Frame]) -> list[str]:
     return [str(f) for f in frames[-STACK_EVIDENCE_FRAMES:]]
 
@@ -147,6 +154,9 @@ def hang(stalls: Iterable[RankStall], job_id: str, settled: bool = False) -> lis
         "at": _where(_here(s)), "innermost": _where(innermost_python(s.frames)),
         "collective": _in(waits[s.rank]) if waits[s.rank] else None,
         "native_frames": bool(s.native),
+        # where it is (a waiting rank: the user's line that called the collective), for the
+        # profagent_hang_rank_info series that rules join across nodes
+        "location": _location((w.called_at or _here(s)) if (w := waits[s.rank]) else _here(s)),
     } for s in rows}
     workers = {s.rank: [{"pid": w.pid, "stuck": w.stuck, "at": _frames_here(w.frames),
                          "unchanged_seconds": round(w.unchanged_seconds, 1), "stack": _stack_lines(w.frames)}
