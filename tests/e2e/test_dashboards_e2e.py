@@ -203,8 +203,9 @@ def exposition_names(text: str) -> set[str]:
 
 
 def declared_in_renderers(name: str) -> bool:
-    """A counter's family is declared without `_total` (the client library adds it)."""
-    base = name.removesuffix("_total")
+    """A counter's family is declared without `_total`, a histogram's without `_sum`,
+    `_count` and `_bucket` (the client library adds them)."""
+    base = re.sub(r"_(total|sum|count|bucket)$", "", name)
     source = "\n".join(p.read_text() for p in FAMILIES_SRC.glob("*.py"))
     return f'"{base}"' in source
 
