@@ -112,7 +112,7 @@ def test_security_posture(objects: list[dict]) -> None:
         assert sc["readOnlyRootFilesystem"] is True
         assert sc["runAsUser"] == 0  # reading other users' /proc needs root + the two capabilities
         assert sc["capabilities"]["drop"] == ["ALL"]
-        assert set(sc["capabilities"]["add"]) == {"SYS_PTRACE", "DAC_READ_SEARCH"}
+        assert set(sc["capabilities"]["add"]) == {"SYS_PTRACE", "DAC_READ_SEARCH", "PERFMON", "CHECKPOINT_RESTORE"}
         assert len(sc["capabilities"]["add"]) == 2
         resources = c["resources"]
         for kind in ("requests", "limits"):

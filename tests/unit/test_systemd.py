@@ -90,9 +90,9 @@ def test_watch_unit_runs_watch_mode_as_a_notify_service() -> None:
 def test_hardening(unit: str) -> None:
     text = _unit(unit)
     d = _directives(text)
-    assert d["CapabilityBoundingSet"] == ["CAP_SYS_PTRACE CAP_DAC_READ_SEARCH"]
+    assert d["CapabilityBoundingSet"] == ["CAP_SYS_PTRACE CAP_DAC_READ_SEARCH CAP_PERFMON CAP_CHECKPOINT_RESTORE"]
     assert d["NoNewPrivileges"] == ["yes"]
-    assert d["ProtectSystem"] == ["strict"] and d["ReadWritePaths"] == ["/tmp"]
+    assert d["ProtectSystem"] == ["strict"] and d["ReadWritePaths"] == ["/tmp", "-/sys/kernel/tracing"]
     assert d["ProtectHome"] == ["read-only"]
     assert d["RestrictAddressFamilies"] == ["AF_UNIX AF_INET AF_INET6"]
     assert d.get("PrivateTmp", ["no"]) == ["no"]

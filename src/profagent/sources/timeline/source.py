@@ -39,7 +39,7 @@ from profagent.system.cputime import CPU
 
 log = logging.getLogger(__name__)
 
-CAP_SYS_ADMIN = 21
+CAP_SYS_ADMIN, CAP_PERFMON, CAP_CHECKPOINT_RESTORE = 21, 38, 40
 MAPS_MAX = 4 << 20  # bytes of /proc/PID/maps read (a process with 100k mappings is cut)
 RECHECK_AFTER = 5.0  # seconds before a rank without libtorch is looked at again
 ARRIVALS_KEPT = 4096  # matched collectives kept per job for the straggler window
@@ -63,7 +63,9 @@ class _Event:
 
 
 def capability_problem() -> str:
-    """Why this process cannot place probes ("" when it can)."""
+    """Why this process cannot place probes ("" when it can): CAP_PERFMON for events on
+    every CPU, CAP_CHECKPOINT_RESTORE for /proc/PID/map_files (CAP_SYS_ADMIN grants both),
+    and root's own tracefs files."""
     if platform.machine() != "x86_64":
         return f"uprobes are placed only on x86-64 (this is {platform.machine()})"
     why = perfevents.available()
@@ -74,8 +76,13 @@ def capability_problem() -> str:
             caps = next((int(line.split()[1], 16) for line in fh if line.startswith("CapEff:")), 0)
     except OSError:
         caps = 0
-    if not caps & (1 << CAP_SYS_ADMIN):
-        return "needs CAP_SYS_ADMIN (root, or the systemd unit / DaemonSet of deploy/) to define uprobes"
+    admin = bool(caps & (1 << CAP_SYS_ADMIN))
+    missing = [name for name, bit in (("CAP_PERFMON", CAP_PERFMON), ("CAP_CHECKPOINT_RESTORE", CAP_CHECKPOINT_RESTORE))
+               if not admin and not caps & (1 << bit)]
+    if missing:
+        return f"needs {' and '.join(missing)} (root, or the systemd unit / DaemonSet of deploy/)"
+    if os.geteuid() != 0:
+        return "needs root's uid to define uprobes in tracefs (root, or the systemd unit / DaemonSet of deploy/)"
     return ""
 
 
