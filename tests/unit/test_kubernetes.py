@@ -110,16 +110,16 @@ def test_security_posture(objects: list[dict]) -> None:
         assert sc["privileged"] is False
         assert sc["allowPrivilegeEscalation"] is False
         assert sc["readOnlyRootFilesystem"] is True
-        assert sc["runAsUser"] == 0  # reading other users' /proc needs root + the two capabilities
+        assert sc["runAsUser"] == 0  # other users' /proc and the timeline's tracefs need root + these capabilities
         assert sc["capabilities"]["drop"] == ["ALL"]
         assert set(sc["capabilities"]["add"]) == {"SYS_PTRACE", "DAC_READ_SEARCH", "PERFMON", "CHECKPOINT_RESTORE"}
-        assert len(sc["capabilities"]["add"]) == 2
+        assert len(sc["capabilities"]["add"]) == 4
         resources = c["resources"]
         for kind in ("requests", "limits"):
             assert set(resources[kind]) >= {"cpu", "memory"}, kind
-    # Writable places are volumes only; host paths are the documented three.
+    # Writable places are volumes only; host paths are the documented four.
     host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    assert host_paths == {"/run/kineto", "/tmp/profagent-ondemand", "/var/lib/profagent-traces"}
+    assert host_paths == {"/run/kineto", "/tmp/profagent-ondemand", "/var/lib/profagent-traces", "/sys/kernel/tracing"}
     assert not any(v["hostPath"]["path"] in ("/", "/proc", "/sys", "/var/run/docker.sock")
                    for v in spec["volumes"] if "hostPath" in v)
 
