@@ -264,3 +264,35 @@ def test_every_probe_pattern_names_one_kind_of_torch_function() -> None:
 ])
 def test_probes_go_only_on_instructions_the_kernel_emulates(code: bytes, kind: str, offset: int | None) -> None:
     assert probe_offset(code, kind) == offset
+
+
+def test_a_probed_step_time_above_the_factor_for_long_enough_is_a_regression(tmp_path) -> None:
+    """The incident trigger on the probes' p50 (no trace): three values make the baseline,
+    then a p50 above regression_factor x that baseline for regression_seconds triggers."""
+    from profagent.config import IncidentsConfig
+    from profagent.contracts import ProcessInfo, ProcessTree, StateView
+    from profagent.engine.incidents import PROBED_EVERY, IncidentsSource
+    from profagent.state import State
+
+    cfg = IncidentsConfig(regression_factor=2.0, regression_seconds=60.0)
+    source = IncidentsSource(cfg, tmp_path, State())
+    tree = ProcessTree("j", 1, (ProcessInfo(10, 1, 0.0, "main", "0", "0", "1", "train.py", "j"),), True)
+
+    def tick(now: float, p50: float) -> list:
+        view = StateView(tree=tree, timeline=TimelineSnapshot((steps_of("0", p50=p50),)))
+        return source._probed_regressions(view, tree, now)
+
+    now = 1000.0
+    for _ in range(3):  # the baseline: 20 ms
+        assert tick(now, 0.020) == []
+        now += PROBED_EVERY
+    assert tick(now, 0.039) == []  # below 2x
+    now += PROBED_EVERY
+    began = now
+    assert tick(now, 0.050) == []  # above, not yet for 60 s
+    while now - began < cfg.regression_seconds:
+        now += PROBED_EVERY
+        triggers = tick(now, 0.050)
+    (t,) = triggers
+    assert (t.kind, t.job_id, t.rank) == ("regression", "j", "0")
+    assert t.evidence["baseline_seconds"] == pytest.approx(0.020)

@@ -75,6 +75,9 @@ from profagent.system.safefs import UnsafePath, open_regular
 
 log = logging.getLogger(__name__)
 
+PROBED_EVERY = 30.0  # seconds between two of a rank's probed step times fed to the regression rule
+PROBED_MIN_STEPS = 10  # steps in the timeline window for its p50 to count
+
 META = "incident.json"
 SUMMARY = "summary.md"
 DUMP_TIMEOUT = 20.0  # seconds per py-spy dump attempt (and never past the capture's deadline)
@@ -299,6 +302,9 @@ class IncidentsSource:
         self._gate = IncidentGate(config.rate_limit_seconds)
         self._rate_file = RateLimitFile(rate_file) if rate_file is not None else None
         self._regression = RegressionDetector(config.regression_factor, config.regression_seconds)
+        # the same rule on the kernel probes' step time: every job, no trace needed
+        self._probed = RegressionDetector(config.regression_factor, config.regression_seconds)
+        self._probed_at: dict[tuple[str, str], float] = {}  # when each rank's p50 was last fed
         self._lock = threading.Lock()  # the gate and the counts (control requests come from another thread)
         self._counts: dict[tuple[str, str], int] = {}
         self._suppressed: dict[tuple[str, str], int] = {}
@@ -473,7 +479,21 @@ class IncidentsSource:
                 self._regression.observe(rt.job_id or tree.job_id, rt.rank, rt.report.step_mean, rt.ingested_at,
                                          rt.report)
         self._regression.forget(tree.job_status())
-        return self._regression.triggers(now)
+        return self._regression.triggers(now) + self._probed_regressions(view, tree, now)
+
+    def _probed_regressions(self, view: StateView, tree: ProcessTree, now: float) -> list[Trigger]:
+        """The probes' p50 step time of each rank, one value per PROBED_EVERY seconds (the
+        first MIN_BASELINE of them are its baseline): no trace needed."""
+        timeline = view.timeline
+        for r in timeline.ranks if timeline is not None else ():
+            key = (r.job_id, r.rank)
+            if r.p50 is not None and r.window_steps >= PROBED_MIN_STEPS \
+                    and now - self._probed_at.get(key, float("-inf")) >= PROBED_EVERY:
+                self._probed_at[key] = now
+                self._probed.observe(r.job_id, r.rank, r.p50, now)
+        self._probed.forget(tree.job_status())
+        self._probed_at = {k: v for k, v in self._probed_at.items() if k[0] in tree.job_status()}
+        return self._probed.triggers(now)
 
     # -- manual requests (control op "incident") --------------------------------------------
     def request(self, job_id: str | None, reason: str = "") -> dict[str, Any]:
