@@ -398,59 +398,6 @@ class OndemandSnapshot:
     requests: tuple[tuple[str, int], ...]  # status -> count (requested, sent, resent, expired)
 
 
-# -- findings (published by engine/findings.py) --------------------------------------------
-SEVERITIES = ("info", "warning", "critical")  # in increasing order
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One active finding. ``rank`` is None for a finding about the whole job.
-
-    ``evidence`` holds JSON-ready numbers and stack lines; ``since`` is the wall-clock
-    time (Unix seconds) at which the finding was first seen, kept while it stays active;
-    ``advice`` is what to do about it, in a sentence.
-    """
-
-    finding: str
-    job_id: str
-    rank: str | None
-    severity: str
-    summary: str
-    evidence: Mapping[str, Any] = field(default_factory=dict)
-    since: float = 0.0
-    advice: str = ""
-
-    @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.finding, self.job_id, self.rank or "")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "finding": self.finding, "job_id": self.job_id, "rank": self.rank,
-            "severity": self.severity, "summary": self.summary,
-            "evidence": dict(self.evidence), "since": self.since, "advice": self.advice,
-        }
-
-
-@dataclass(frozen=True)
-class FindingsSnapshot:
-    """Every active finding at one tick (the engine publishes it in State as "findings")."""
-    findings: tuple[Finding, ...] = ()
-    time: float = 0.0  # wall clock of the evaluation
-    # (job_id, rank, share): each rank's main-thread share of time waiting in collectives over
-    # the window, for ranks past their warm-up (profagent_collective_wait_ratio)
-    wait_shares: tuple[tuple[str, str, float], ...] = ()
-    evaluations: int = 0  # ticks evaluated since the engine started (proof that it looked)
-
-
-# -- incidents (published by engine/incidents.py) ------------------------------------------
-@dataclass(frozen=True)
-class IncidentsSnapshot:
-    counts: tuple[tuple[str, str, int], ...]  # (job_id, kind, incidents captured)
-    suppressed: tuple[tuple[str, str, int], ...] = ()  # (job_id, kind, triggers rate-limited)
-    rejected: tuple[tuple[str, int], ...] = ()  # (reason, on-demand trace files a capture refused)
-
-
 # -- timeline: steps from kernel probes ---------------------------------------------------
 @dataclass(frozen=True)
 class RankSteps:
@@ -511,6 +458,60 @@ class TimelineSnapshot:
     events_lost: int = 0
     events_foreign: int = 0  # from processes that are not ranks we observe
     window_seconds: float = 0.0
+
+
+# -- findings (published by engine/findings.py) --------------------------------------------
+SEVERITIES = ("info", "warning", "critical")  # in increasing order
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One active finding. ``rank`` is None for a finding about the whole job.
+
+    ``evidence`` holds JSON-ready numbers and stack lines; ``since`` is the wall-clock
+    time (Unix seconds) at which the finding was first seen, kept while it stays active;
+    ``advice`` is what to do about it, in a sentence.
+    """
+
+    finding: str
+    job_id: str
+    rank: str | None
+    severity: str
+    summary: str
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    since: float = 0.0
+    advice: str = ""
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.finding, self.job_id, self.rank or "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "finding": self.finding, "job_id": self.job_id, "rank": self.rank,
+            "severity": self.severity, "summary": self.summary,
+            "evidence": dict(self.evidence), "since": self.since, "advice": self.advice,
+        }
+
+
+@dataclass(frozen=True)
+class FindingsSnapshot:
+    """Every active finding at one tick (the engine publishes it in State as "findings")."""
+    findings: tuple[Finding, ...] = ()
+    time: float = 0.0  # wall clock of the evaluation
+    # (job_id, rank, share): each rank's main-thread share of time waiting in collectives over
+    # the window, for ranks past their warm-up (profagent_collective_wait_ratio)
+    wait_shares: tuple[tuple[str, str, float], ...] = ()
+    evaluations: int = 0  # ticks evaluated since the engine started (proof that it looked)
+    steps: tuple[RankSteps, ...] = ()  # each rank's steps from the kernel probes, as evaluated
+
+
+# -- incidents (published by engine/incidents.py) ------------------------------------------
+@dataclass(frozen=True)
+class IncidentsSnapshot:
+    counts: tuple[tuple[str, str, int], ...]  # (job_id, kind, incidents captured)
+    suppressed: tuple[tuple[str, str, int], ...] = ()  # (job_id, kind, triggers rate-limited)
+    rejected: tuple[tuple[str, int], ...] = ()  # (reason, on-demand trace files a capture refused)
 
 
 # -- the state, as readers see it ---------------------------------------------------------

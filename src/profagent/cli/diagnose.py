@@ -122,11 +122,29 @@ def _evidence_lines(evidence: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _render_steps(steps: list[dict[str, Any]], console: Console) -> None:
+    """Each rank's step time and where it goes, from the kernel probes (no trace needed)."""
+    shown = [s for s in steps if isinstance(s, dict) and s.get("p50_seconds") is not None]
+    if not shown:
+        return
+    console.print("[bold]steps[/bold] (kernel probes, docs/timeline.md):", highlight=False)
+    for s in shown:
+        shares = s.get("stage_shares") or {}
+        stages = ", ".join(f"{escape(str(k))} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])
+                           if isinstance(v, (int, float)))
+        rate = s.get("steps_per_second")
+        console.print(f"  job {escape(str(s.get('job_id')))} rank {escape(str(s.get('rank')))}: "
+                      f"p50 {s['p50_seconds'] * 1e3:.1f} ms, p90 {(s.get('p90_seconds') or 0) * 1e3:.1f} ms"
+                      + (f", {rate:.1f} steps/s" if isinstance(rate, (int, float)) else "")
+                      + (f"; {stages}" if stages else ""), highlight=False, soft_wrap=True)
+
+
 def render(body: dict[str, Any], console: Console, now: float | None = None) -> None:
     """The human report: most severe first, each with its evidence (control characters
     escaped and markup escaped in every string: they come from the watched jobs)."""
     body = printable_data(body)
     findings = sorted(body["findings"], key=lambda f: (RANKED.get(f.get("severity"), 3), f.get("finding", ""), f.get("rank") or ""))
+    _render_steps(body.get("steps") or [], console)
     if not findings:
         console.print("[green]no findings[/green]: nothing wrong that profagent can see right now (docs/diagnosis.md says what it can see)")
         return

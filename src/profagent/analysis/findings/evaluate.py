@@ -174,7 +174,8 @@ class Evaluator:
             [f for f in found if f.finding in HELD], now)
         self._evaluations += 1
         waits = tuple((s.job_id, s.rank, round(s.wait_share, 4)) for s in inputs.shares if warmed_up(s, cfg))
-        return FindingsSnapshot(self._stamp(found, now), now, waits, self._evaluations)
+        steps = view.timeline.ranks if view.timeline is not None else ()
+        return FindingsSnapshot(self._stamp(found, now), now, waits, self._evaluations, steps)
 
     def _inputs(self, view: StateView, now: float) -> AnalysisInputs:
         stacks, traces, gpu = view.stacks, view.traces, view.gpu
