@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from helpers.agent import free_port, http_get, parse_metrics
@@ -51,7 +53,7 @@ def test_attach_simulated_h100x2_shows_gpu_picture(children, run_agent, promethe
                    "profagent_gpu_temperature_celsius", "profagent_gpu_clock_hertz",
                    "profagent_gpu_pcie_throughput_bytes_per_second", "profagent_gpu_nvlink_data_bytes_total"):
         assert len({lab["gpu"] for lab in labels_of(m, family)}) == 2, family
-    job = str(kid.pid)
+    job = f"{socket.gethostname()}:{kid.pid}"  # nothing names the job: HOST:PID
     assert value(m, "profagent_process_gpu_memory_used_bytes", job_id=job, rank="0", role="main", gpu="0") > 0
     assert 0 < value(m, "profagent_process_gpu_sm_utilization_ratio", rank="0", gpu="0") <= 1
     assert "profagent_gpu_fan_speed_ratio" not in m  # SXM: absent, not 0

@@ -97,10 +97,12 @@ def build() -> Dashboard:
             "mean step time of each rank's last profiler trace; a rank above the others is a straggler",
         ))
         .with_panel(ts(
-            "Step time per rank (kernel probes, p50)", SECONDS,
+            "Step time per rank (kernel probes)", SECONDS,
             [q(f"histogram_quantile(0.5, sum by (job_id, rank, le) (rate(profagent_step_seconds_bucket{{{RANK}}}[$__rate_interval])))",
-               "rank {{rank}}")],
-            "median time from one optimizer step to the next, from uprobes on libtorch: every job, no trace needed",
+               "rank {{rank}} p50"),
+             q(f"rate(profagent_step_seconds_sum{{{RANK}}}[$__rate_interval]) / rate(profagent_step_seconds_count{{{RANK}}}[$__rate_interval])",
+               "rank {{rank}} mean")],
+            "time from one optimizer step to the next (median and mean), from uprobes on libtorch: every job, no trace needed",
         ))
         .with_panel(ts(
             "Optimizer steps per second", NONE,
