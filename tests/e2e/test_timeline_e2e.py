@@ -9,78 +9,18 @@ against that log: step count exact, p50 step time within 2%, stage shares within
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from helpers.agent import free_port, http_get, parse_metrics
-from helpers.paths import ROOT
-from helpers.processes import kill_tree, wait_for
+from helpers.processes import wait_for
+from helpers.timeline import Job, attach, metrics, value
 from profagent.analysis.timeline import quantile
-from profagent.config import FindingsConfig
 
-WORKLOAD = ROOT / "tests" / "workloads" / "timeline_job.py"
 STAGES = ("data_wait", "backward", "optimizer")
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root; test_timeline_unprivileged covers the rest")
-
-
-class Job:
-    def __init__(self, tmp: Path, ranks: int, *args: str) -> None:
-        self.dir = tmp / "job"
-        self.dir.mkdir()
-        self.start_file = self.dir / "start"
-        self.ranks = ranks
-        self._out = (self.dir / "job.log").open("wb")
-        script = [str(WORKLOAD), "--truth-dir", str(self.dir), "--go-file", str(self.start_file), *args]
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                    "--master-port", str(free_port())] if ranks > 1 else [sys.executable]
-        self.proc = subprocess.Popen([*launcher, *script], stdout=self._out, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=WORKLOAD.parent)
-
-    def truth(self, rank: int) -> dict:
-        return json.loads((self.dir / f"rank{rank}.json").read_text())
-
-    def done(self) -> bool:
-        return all((self.dir / f"rank{r}.json").exists() for r in range(self.ranks))
-
-    def stop(self) -> None:
-        kill_tree(self.proc)
-        self._out.close()
-
-
-def metrics(url: str) -> dict:
-    return parse_metrics(http_get(url + "/metrics"))
-
-
-def value(m: dict, name: str, **labels: str) -> float | None:
-    for got, v in m.get(name, []):
-        if all(got.get(k) == want for k, want in labels.items()):
-            return v
-    return None
-
-
-def attach(run_agent, job: Job) -> str:
-    """An agent on the job, once every rank is probed (the job waits for its go file)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    agent = run_agent(["attach", "--pid", str(job.proc.pid), "--listen", f"127.0.0.1:{port}", "--no-stacks",
-                       "--gpu-backend", "off", "--interval", "0.5"], env={"PROFAGENT_ONDEMAND_ENABLED": "false"})
-    agent.wait_healthy(url, timeout=60)
-
-    def probed() -> bool:
-        m = metrics(url)
-        placed = [v for _, v in m.get("profagent_timeline_probes", [])]
-        seen = {labels["rank"] for labels, _ in m.get("profagent_optimizer_steps_total", [])}
-        return bool(placed) and max(placed) >= 4 and seen == {str(r) for r in range(job.ranks)}
-
-    wait_for(probed, 120, interval=0.5, what="probes on every rank")
-    return url
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root")
 
 
 def run(tmp_path: Path, run_agent, ranks: int, *args: str) -> tuple[Job, dict]:
@@ -180,91 +120,3 @@ def test_a_backward_that_raises_leaves_the_job_running(tmp_path: Path, run_agent
         check_rank(m, truth, 0)
     finally:
         job.stop()
-
-
-def findings(url: str) -> dict:
-    return json.loads(http_get(url + "/api/findings"))
-
-
-def test_a_rank_slower_by_half_is_named_the_straggler_from_its_arrivals(tmp_path: Path, run_agent) -> None:
-    job = Job(tmp_path, 2, "--slow-rank", "1", "--slow-factor", "1.5", "--seconds", "90", "--workers", "0")
-    try:
-        url = attach(run_agent, job)
-        began = time.monotonic()
-        job.start_file.write_text("go")
-
-        def named() -> dict | None:
-            return next((f for f in findings(url)["findings"]
-                         if f["finding"] == "straggler" and f["evidence"].get("signal") == "arrivals"), None)
-
-        found = wait_for(named, 60, interval=1.0, what="a straggler named from arrivals")
-        assert time.monotonic() - began < 60
-        assert found["rank"] == "1", found
-        assert found["evidence"]["last_share"] >= FindingsConfig().arrival_last_share
-    finally:
-        job.stop()
-
-
-def test_a_healthy_job_gets_no_straggler_nor_any_other_finding(tmp_path: Path, run_agent) -> None:
-    """Every evaluation of a minute of a healthy 2-rank DDP job with DataLoader workers is
-    read (the evaluation counter proves the agent looked), and none holds a finding."""
-    job = Job(tmp_path, 2, "--seconds", "60", "--workers", "2")
-    try:
-        url = attach(run_agent, job)
-        job.start_file.write_text("go")
-        seen: set[int] = set()
-        deadline = time.monotonic() + 150  # a minute of steps, plus start-up and teardown on a loaded node
-        while not job.done() and time.monotonic() < deadline:
-            answer = findings(url)
-            seen.add(answer["evaluations"])
-            assert answer["findings"] == [], [(f["summary"], f["evidence"]) for f in answer["findings"]]
-            time.sleep(0.5)
-        assert job.done(), "the job did not finish its minute"
-        assert len(seen) >= 60  # one evaluation a tick (0.5 s): two minutes' worth of looks at most, one at least
-        m = metrics(url)
-        assert all(v > 0 for _, v in m["profagent_collective_arrival_lag_seconds_count"])
-    finally:
-        job.stop()
-
-
-def test_a_save_warns_then_clears_and_a_stuck_rank_is_named_four_times_sooner_than_a_hang(tmp_path: Path,
-                                                                                          run_agent) -> None:
-    """Rank 0 saves a checkpoint for 40 s while rank 1 waits at the barrier: at most a
-    `stall` warning naming the save's line, gone once steps resume, never a `hang`. Then
-    rank 1 stops for good in its forward: a `stall` naming rank 1 and its line within
-    30 s + a few ticks, where the stack-based `hang` takes 120 s."""
-    cfg = FindingsConfig()
-    job = Job(tmp_path, 2, "--steps", "100000", "--workers", "0", "--save-at-step", "60", "--save-seconds", "40",
-              "--hang-at-step", "400")
-    try:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        agent = run_agent(["attach", "--pid", str(job.proc.pid), "--listen", f"127.0.0.1:{port}", "--gpu-backend",
-                           "off", "--interval", "0.5"], env={"PROFAGENT_ONDEMAND_ENABLED": "false"})
-        agent.wait_healthy(url, timeout=60)
-        wait_for(lambda: len({lab["rank"] for lab, _ in metrics(url).get("profagent_optimizer_steps_total", [])}) == 2
-                 and probes_placed(url), 120, interval=0.5, what="probes on both ranks")
-        job.start_file.write_text("go")
-
-        def stall() -> dict | None:
-            return next((f for f in findings(url)["findings"] if f["finding"] == "stall"), None)
-
-        saving = wait_for(lambda: (job.dir / "saving").exists(), 120, interval=0.2, what="the save")
-        assert saving
-        during = wait_for(stall, cfg.stall_warning_seconds + 20, interval=0.5, what="a stall warning during the save")
-        assert during["rank"] == "0" and "save_checkpoint (timeline_job.py:" in during["summary"], during["summary"]
-        wait_for(lambda: (job.dir / "saved1").exists(), 60, interval=0.2, what="the save's end")
-        wait_for(lambda: stall() is None, 20, interval=0.5, what="the warning to clear once steps resume")
-        hanging = wait_for(lambda: (job.dir / "hanging").exists() and float((job.dir / "hanging").read_text()), 300,
-                           interval=0.2, what="rank 1 to stop")
-        found = wait_for(stall, cfg.stall_warning_seconds + 20, interval=0.5, what="a stall naming the stuck rank")
-        named_after = time.monotonic() - hanging
-        assert found["rank"] == "1" and "stuck_in_forward (timeline_job.py:" in found["summary"], found["summary"]
-        assert named_after <= 120 / 4 + 10, named_after  # the hang would come at 120 s
-        assert not any(f["finding"] == "hang" for f in findings(url)["findings"])
-    finally:
-        job.stop()
-
-
-def probes_placed(url: str) -> bool:
-    return any(v >= 4 for _, v in metrics(url).get("profagent_timeline_probes", []))

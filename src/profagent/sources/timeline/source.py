@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 CAP_SYS_ADMIN, CAP_PERFMON, CAP_CHECKPOINT_RESTORE = 21, 38, 40
 MAPS_MAX = 4 << 20  # bytes of /proc/PID/maps read (a process with 100k mappings is cut)
 RECHECK_AFTER = 5.0  # seconds before a rank without libtorch is looked at again
+SWEEP_EVERY = 60.0  # seconds between two looks for definitions a dead agent left
 ARRIVALS_KEPT = 4096  # matched collectives kept per job for the straggler window
 _COMMON = struct.Struct("<H")
 _HEAD = struct.Struct("<8s8s")
@@ -110,6 +111,7 @@ class TimelineSource:
         self._counts = [0, 0]  # events, foreign events
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._swept = clock()
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -264,6 +266,10 @@ class TimelineSource:
     # -- collecting -------------------------------------------------------------------
     def collect(self, tree: ProcessTree) -> TimelineSnapshot:
         now = self.clock()
+        if self._tracefs is not None and now - self._swept >= SWEEP_EVERY:
+            # an agent killed just before we started held its events open a moment longer
+            self._swept = now
+            uprobes.remove_stale(self._tracefs, keep=self._group)
         mains = {p.pid: p for p in tree.mains()}
         for pid, info in mains.items():
             job = info.job_id or tree.job_id
