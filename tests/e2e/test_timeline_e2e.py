@@ -62,7 +62,9 @@ def check_rank(m: dict, truth: dict, rank: int) -> None:
     intervals, shares = expected(truth)
     labels = {"rank": str(rank)}
     assert value(m, "profagent_step_seconds_count", **labels) == len(intervals)
-    assert value(m, "profagent_step_seconds_sum", **labels) == pytest.approx(sum(intervals), rel=0.02)
+    # the sum: a preemption between the job's clock and the probe at the first or last step
+    # shifts it by that long (tens of ms on a loaded node), so 5%; the p50 below holds to 2%
+    assert value(m, "profagent_step_seconds_sum", **labels) == pytest.approx(sum(intervals), rel=0.05)
     # p50 from the agent's window (every step here lies within it)
     p50 = value(m, "profagent_step_window_seconds", stat="p50", **labels)
     assert p50 == pytest.approx(quantile(intervals, 0.5), rel=0.02)

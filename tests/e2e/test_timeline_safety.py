@@ -107,10 +107,11 @@ def test_an_agent_killed_with_sigkill_leaves_nothing_armed(tmp_path: Path, run_a
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait(30)
         # the kernel releases a killed process's events as it tears it down: removable within
-        # moments (or already removed by another agent starting meanwhile)
+        # moments when the node is idle (1.1 s measured), longer beside stress-ng (or already
+        # removed by another agent starting meanwhile)
         for group, name in [(g, n) for g, n in uprobes.definitions(TRACEFS) if g in mine]:
             wait_for(lambda g=group, n=name: uprobes.remove(TRACEFS, g, n) or (g, n) not in uprobes.definitions(TRACEFS),
-                     20, interval=0.2, what=f"{group}/{name} removable")
+                     90, interval=0.5, what=f"{group}/{name} removable")
         second, url2 = agent_on(run_agent, victim.proc.pid)
         wait_for(lambda: probes_placed(url2), 60, interval=0.5, what="the second agent's probes")
         victim.go.write_text("go")
