@@ -20,7 +20,8 @@ from helpers.processes import kill_tree, wait_for
 from profagent.system import uprobes
 
 VICTIM = ROOT / "tests" / "workloads" / "probe_victim.py"
-TRACEFS = Path("/sys/kernel/tracing")
+# mounted here when missing, as the agent does (a fresh machine may not have it yet)
+TRACEFS = (uprobes.find_tracefs(mount_if_missing=True) if os.geteuid() == 0 else None) or Path("/sys/kernel/tracing")
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root")
 
