@@ -426,6 +426,7 @@ class RankSteps:
     lag_buckets: tuple[int, ...]  # per tl.LAG_BUCKETS bound
     lag_seconds_sum: float
     lag_count: int
+    step_collectives: int = 0  # collectives called since its last optimizer step
 
 
 @dataclass(frozen=True)

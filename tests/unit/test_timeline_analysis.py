@@ -221,8 +221,11 @@ def test_data_wait_share_above_the_bound_ratio() -> None:
 def test_stall_names_the_rank_that_called_fewest_collectives_with_its_own_line() -> None:
     cfg = FindingsConfig()
     quiet = cfg.stall_warning_seconds + 1
-    ranks = (steps_of("0", idle_seconds=quiet, since_step_seconds=quiet + 0.02, stage_now="backward"),
-             steps_of("1", idle_seconds=quiet, since_step_seconds=quiet + 0.02, collectives_total=497))
+    # rank 0 was first seen later (fewer in total) but called its next collective: rank 1 holds
+    ranks = (steps_of("0", idle_seconds=quiet, since_step_seconds=quiet + 0.02, stage_now="backward",
+                      step_collectives=1, collectives_total=400),
+             steps_of("1", idle_seconds=quiet, since_step_seconds=quiet + 0.02, step_collectives=0,
+                      collectives_total=497))
     frames = (Frame("<module>", "train.py", 200), Frame("main", "train.py", 104), Frame("sleep", "", 0),
               Frame("forward", "torch/nn/modules/module.py", 1))
     stalls = (RankStall("1", False, 31.0, "j", frames),)

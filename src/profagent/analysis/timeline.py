@@ -74,6 +74,11 @@ class RankTimeline:
     _backwards: int = 0
     _arrivals: list[float] = field(default_factory=list)
 
+    @property
+    def arrivals_in_step(self) -> list[float]:
+        """The collectives called since the last optimizer step."""
+        return self._arrivals
+
     def feed(self, kind: str, tid: int, t: float) -> None:
         self.last_event = t
         if kind in (STEP, ZERO_GRAD, DATA, RECORD):

@@ -89,8 +89,8 @@ def analyze_stall(inputs: AnalysisInputs) -> list[Finding]:
     """Every rank of a job that stepped has hit no probe at all (no step, no DataLoader
     wait, no backward, no collective: an evaluation loop still iterates its DataLoader)
     for max(``stall_warning_seconds``, ``stall_warning_factor`` x its p90 step): name the rank
-    holding the job (the one that called the fewest collectives: the others wait in the
-    next one), what it was doing (its stage), and its line from the stacks. It clears when
+    holding the job (the one that called the fewest collectives since its last step: the
+    others wait in the next one), what it was doing (its stage), and its line from the stacks. It clears when
     steps resume; the stack-based ``hang`` takes over at ``stacks.stall_seconds``."""
     t, cfg = inputs.timeline, inputs.config
     if t is None:
@@ -105,8 +105,10 @@ def analyze_stall(inputs: AnalysisInputs) -> list[Finding]:
         if not all((r.idle_seconds or 0.0) >= _stall_after(r, cfg.stall_warning_seconds, cfg.stall_warning_factor)
                    for r in ranks):
             continue
-        fewest = min(r.collectives_total for r in ranks)
-        holding = [r for r in ranks if r.collectives_total == fewest] if len(ranks) > 1 else ranks
+        # counted from each rank's last optimizer step, a point every rank shares (totals
+        # count from when each rank was first seen, which differs)
+        fewest = min(r.step_collectives for r in ranks)
+        holding = [r for r in ranks if r.step_collectives == fewest] if len(ranks) > 1 else ranks
         if len(holding) == len(ranks) and len(ranks) > 1:
             holding = []  # every rank called as many: they wait together (elsewhere, or the network)
         lines = {s.rank: line for s in inputs.stalls if s.job_id == job and (line := user_line(s.frames))}
@@ -123,7 +125,7 @@ def analyze_stall(inputs: AnalysisInputs) -> list[Finding]:
             "stall", job, holding[0].rank if len(holding) == 1 else None, "warning", summary,
             {"signal": "timeline", "since_step_seconds": {r.rank: round(r.since_step_seconds or 0.0, 1) for r in ranks},
              "stages": {r.rank: r.stage_now or "other" for r in ranks},
-             "collectives": {r.rank: r.collectives_total for r in ranks},
+             "collectives_in_step": {r.rank: r.step_collectives for r in ranks},
              "holding_ranks": [r.rank for r in holding], "locations": lines,
              "threshold_seconds": cfg.stall_warning_seconds, "threshold_factor": cfg.stall_warning_factor},
             advice=("look at the holding rank's line; for a checkpoint save, nothing (it clears when the steps "

@@ -349,7 +349,7 @@ class TimelineSource:
             _shares(recent),
             t.stage_now, now - t.last_event if t.last_event is not None else None,
             now - t.last_step if t.last_step is not None else None,
-            tuple(r.lag_buckets), r.lag_sum, r.lag_count)
+            tuple(r.lag_buckets), r.lag_sum, r.lag_count, len(t.arrivals_in_step))
 
 
 def _shares(steps: list[tl.Step]) -> dict[str, float]:
