@@ -6,9 +6,7 @@ in-process agent attached to ``--pid``.
 
 from __future__ import annotations
 
-import base64
 import json
-import ssl
 import threading
 import time
 import urllib.error
@@ -19,7 +17,7 @@ from urllib.parse import urlencode, urlunsplit
 from rich.console import Console
 from rich.markup import escape
 
-from profagent.cli.urls import parse_agent_url
+from profagent.cli.urls import json_request, parse_agent_url
 from profagent.config import DEFAULT_PORT, Config
 from profagent.errors import UserError
 from profagent.labels import printable_data
@@ -41,17 +39,7 @@ def fetch(url: str, job: str | None = None, basic_auth: str | None = None, ca_fi
           insecure: bool = False, timeout: float = 10.0) -> dict[str, Any]:
     """GET /api/findings. Raises UserError for an unreachable agent, a refused login or bad JSON."""
     target = findings_url(url, job)
-    request = urllib.request.Request(target, headers={"Accept": "application/json"})
-    if basic_auth:
-        user, sep, _ = basic_auth.partition(":")
-        if not sep or not user:
-            raise UserError("--basic-auth must be USER:PASS", "e.g. --basic-auth prometheus:secret")
-        request.add_header("Authorization", "Basic " + base64.b64encode(basic_auth.encode()).decode())
-    context = None
-    if target.startswith("https"):
-        context = ssl.create_default_context(cafile=ca_file)
-        if insecure:
-            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    request, context = json_request(target, basic_auth, ca_file, insecure)
     try:
         with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
             body = json.loads(resp.read())

@@ -20,9 +20,7 @@ Everything in the answer comes from labels that the watched jobs chose: it is bo
 
 from __future__ import annotations
 
-import base64
 import json
-import ssl
 import time
 import urllib.error
 import urllib.request
@@ -30,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import urlencode, urlunsplit
 
-from profagent.cli.urls import parse_agent_url
+from profagent.cli.urls import json_request, parse_agent_url
 from profagent.errors import UserError
 
 MAX_ANSWER_BYTES = 32 << 20  # one query's JSON
@@ -66,17 +64,7 @@ def fetch_series(base: str, expr: str, basic_auth: str | None = None, ca_file: s
     unreachable server, a refused login, an error answer or anything but a vector."""
     target = query_url(base, expr)
     shown = parse_agent_url(base).geturl()
-    request = urllib.request.Request(target, headers={"Accept": "application/json"})
-    if basic_auth:
-        user, sep, _ = basic_auth.partition(":")
-        if not sep or not user:
-            raise UserError("--basic-auth must be USER:PASS", "e.g. --basic-auth prometheus:secret")
-        request.add_header("Authorization", "Basic " + base64.b64encode(basic_auth.encode()).decode())
-    context = None
-    if target.startswith("https"):
-        context = ssl.create_default_context(cafile=ca_file)
-        if insecure:
-            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    request, context = json_request(target, basic_auth, ca_file, insecure)
     fix = "check --prometheus: the Prometheus (or Thanos, Mimir) URL, e.g. http://prometheus:9090"
     try:
         with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
