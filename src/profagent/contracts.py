@@ -290,6 +290,9 @@ class RankStall:
     # its DataLoader workers, sampled while its main thread waits for the DataLoader
     workers: tuple[WorkerStall, ...] = ()
     workers_pending: bool = False  # it waits for its DataLoader; its workers' first windows are not back
+    # seconds from the start of the window ``frames`` come from to this snapshot: a stack
+    # older than the moment a rank stopped says where it was before, not where it stands
+    window_age_seconds: float = 0.0
 
     @property
     def stuck_workers(self) -> tuple[WorkerStall, ...]:

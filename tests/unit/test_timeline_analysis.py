@@ -4,6 +4,7 @@ their own times, analyzers take ``now``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 
@@ -233,6 +234,19 @@ def test_stall_names_the_rank_that_called_fewest_collectives_with_its_own_line()
     assert (f.finding, f.rank, f.severity) == ("stall", "1", "warning")
     assert "rank 1 (in the forward or host code at" in f.summary and "(train.py:104)" in f.summary
     assert f.evidence["holding_ranks"] == ["1"]
+    # a stack from a window that began before the rank stopped says where it was, not where it stands
+    before = (dataclasses.replace(stalls[0], window_age_seconds=quiet + 5),)
+    (f,) = findings.analyze_stall(inputs(TimelineSnapshot(ranks), stalls=before))
+    assert f.rank == "1" and "train.py" not in f.summary and f.evidence["locations"] == {}
+
+
+def test_a_job_whose_probes_went_quiet_is_pausing_before_any_stall() -> None:
+    quiet = (steps_of("0", idle_seconds=3.5, p90=0.05), steps_of("1", idle_seconds=3.5, p90=0.05))
+    assert findings.pausing_jobs(TimelineSnapshot(quiet)) == {"j"}
+    one_steps = (steps_of("0", idle_seconds=3.5, p90=0.05), steps_of("1", idle_seconds=0.1, p90=0.05))
+    slow = (steps_of("0", idle_seconds=3.5, p90=2.0),)  # 3 x its p90 step not reached
+    assert findings.pausing_jobs(TimelineSnapshot(one_steps)) == findings.pausing_jobs(TimelineSnapshot(slow)) \
+        == findings.pausing_jobs(None) == frozenset()
 
 
 def test_no_stall_before_the_threshold_nor_in_an_evaluation_loop() -> None:

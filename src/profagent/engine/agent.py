@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
+from profagent.analysis.findings.steps import pausing_jobs
 from profagent.config import Config, parse_listen
 from profagent.engine.control import ControlledOndemand, ControlServer
 from profagent.engine.findings import FindingsEngine, findings_route
@@ -163,9 +164,12 @@ class Job:
 
     def has_findings(self, job_id: str) -> bool:
         """Whether a finding began on the job in the last FRESH_FINDING seconds (from the
-        findings engine's latest tick): one that has lasted longer is established, and the
-        steady pace keeps it tracked."""
-        snapshot = self.state.view().findings
+        findings engine's latest tick), or its steps paused (the kernel probes): one that
+        has lasted longer is established, and the steady pace keeps it tracked."""
+        view = self.state.view()
+        if job_id in pausing_jobs(view.timeline):  # its steps paused: a stall warning may need its line
+            return True
+        snapshot = view.findings
         return snapshot is not None and any(
             f.job_id in ("", job_id) and snapshot.time - f.since < FRESH_FINDING for f in snapshot.findings)
 

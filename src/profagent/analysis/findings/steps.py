@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from profagent.analysis.findings.hang import held_up_ranks
 from profagent.analysis.findings.inputs import AnalysisInputs
-from profagent.contracts import Finding, Frame, RankSteps
+from profagent.contracts import Finding, Frame, RankSteps, TimelineSnapshot
 
 DATALOADER_FIX = "more DataLoader workers, pin_memory, lighter __getitem__ or prefetching"
 STRAGGLER_ADVICE = ("see what that rank does more than the others (`profagent top`, its busiest functions): "
@@ -73,6 +73,24 @@ def analyze_data_wait(inputs: AnalysisInputs) -> list[Finding]:
     return out
 
 
+PAUSE_SECONDS = 3.0  # a job's probes quiet this long (or PAUSE_FACTOR x its p90 step): a stall may be starting
+PAUSE_FACTOR = 3.0
+
+
+def pausing_jobs(timeline: TimelineSnapshot | None) -> frozenset[str]:
+    """Jobs whose every rank has hit no probe for max(PAUSE_SECONDS, PAUSE_FACTOR x its
+    p90 step): the stacks source samples them at the full rate, so that a ``stall``
+    warning names the line a rank stands on now, not one from a long steady window."""
+    if timeline is None:
+        return frozenset()
+    by_job: dict[str, list[RankSteps]] = {}
+    for r in timeline.ranks:
+        by_job.setdefault(r.job_id, []).append(r)
+    return frozenset(job for job, rs in by_job.items()
+                     if all(r.optimizer_steps > 0 and r.idle_seconds is not None
+                            and r.idle_seconds >= _stall_after(r, PAUSE_SECONDS, PAUSE_FACTOR) for r in rs))
+
+
 def _stall_after(r: RankSteps, floor: float, factor: float) -> float:
     return max(floor, factor * (r.p90 or 0.0))
 
@@ -111,7 +129,11 @@ def analyze_stall(inputs: AnalysisInputs) -> list[Finding]:
         holding = [r for r in ranks if r.step_collectives == fewest] if len(ranks) > 1 else ranks
         if len(holding) == len(ranks) and len(ranks) > 1:
             holding = []  # every rank called as many: they wait together (elsewhere, or the network)
-        lines = {s.rank: line for s in inputs.stalls if s.job_id == job and (line := user_line(s.frames))}
+        idle = {r.rank: r.idle_seconds or 0.0 for r in ranks}
+        # only a stack sampled since the rank stopped (a second's slack: the two sources'
+        # snapshots are taken apart; a window that began just before is mostly the new stack)
+        lines = {s.rank: line for s in inputs.stalls if s.job_id == job and s.rank in idle
+                 and s.window_age_seconds <= idle[s.rank] + 1.0 and (line := user_line(s.frames))}
         stopped = min(r.since_step_seconds or 0.0 for r in ranks)  # steps stopped before the last probe hit
         if holding:
             names = ", ".join(f"rank {r.rank} ({_stage(r)}{' at ' + lines[r.rank] if r.rank in lines else ''})"

@@ -445,7 +445,8 @@ class StacksSource:
         held = any(w.stuck and w.unchanged_seconds > self.config.stall_seconds for w in workers)
         return RankStall(key[1], (stalled and not moving) or held, unchanged, key[0], frames,
                          suspected=unchanged > 0 and not moving, native=look.frames if same else (),
-                         native_pending=key in self._native_pending, workers=workers, workers_pending=pending)
+                         native_pending=key in self._native_pending, workers=workers, workers_pending=pending,
+                         window_age_seconds=max(0.0, self._clock() - self._looked.get(key, (self._clock(), 0.0))[0]))
 
     def _mark_stale(self, stalls: list[RankStall]) -> tuple[RankStall, ...]:
         """Mark the ranks whose last window began before another rank of their job stalled
