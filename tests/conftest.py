@@ -23,6 +23,12 @@ def children(tmp_path: Path) -> Iterator[Children]:
     kids.cleanup()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files marked ``slow_first`` (minutes each) run first: xdist hands files out in this
+    order, and a long file started last would leave the other workers idle at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow_first") is None)
+
+
 AGENT_LOG_LINES_ON_FAILURE = 60
 CALL_FAILED = pytest.StashKey[bool]()  # the test's call phase failed (for fixtures' teardown)
 
