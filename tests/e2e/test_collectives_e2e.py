@@ -25,6 +25,8 @@ from helpers.paths import ROOT
 from helpers.processes import kill_tree, wait_for
 from profagent.config import FindingsConfig
 
+pytestmark = pytest.mark.slow_first  # minutes: run first
+
 WORKLOAD = ROOT / "tests" / "workloads" / "plain_ddp.py"
 STALL_SECONDS = 10.0
 WINDOW_SECONDS = 20.0  # findings.window_seconds: a rank is judged after a full window of steady stacks

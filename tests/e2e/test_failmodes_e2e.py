@@ -21,6 +21,8 @@ from helpers.agent import free_port, http_get, parse_metrics
 from helpers.paths import ROOT
 from helpers.processes import kill_tree, wait_for
 
+pytestmark = pytest.mark.slow_first  # minutes: run first
+
 WORKLOAD = ROOT / "tests" / "workloads" / "failmodes.py"
 STALL_SECONDS = 6.0
 # From the event to the finding: stall_seconds, a native window or two, and py-spy's start-up

@@ -20,7 +20,7 @@ from profagent.analysis.timeline import quantile
 
 STAGES = ("data_wait", "backward", "optimizer")
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root")
+pytestmark = [pytest.mark.slow_first, pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root")]
 
 
 def run(tmp_path: Path, run_agent, ranks: int, *args: str) -> tuple[Job, dict]:

@@ -36,7 +36,7 @@ RULES = ROOT / "deploy" / "prometheus"
 STALL_SECONDS = 10.0
 HANG_STEP = 30
 # like the privilege-dropping cases (tests/README.md): new PID namespaces need root
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="two simulated nodes need root for unshare -p -m")
+pytestmark = [pytest.mark.slow_first, pytest.mark.skipif(os.geteuid() != 0, reason="two simulated nodes need root for unshare -p -m")]
 
 
 def _config(tmp: Path, node: int, tok: str) -> Path:
