@@ -9,6 +9,7 @@ against that log: step count exact, p50 step time within 2%, stage shares within
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from helpers.timeline import Job, attach, metrics, value
 from profagent.analysis.timeline import quantile
 
 STAGES = ("data_wait", "backward", "optimizer")
+# the window of the p50 covers the whole job, even when a loaded node makes it run long
+WHOLE_JOB = {"PROFAGENT_TIMELINE_WINDOW_SECONDS": "900"}
 
 pytestmark = [pytest.mark.slow_first, pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root")]
 
@@ -26,9 +29,9 @@ pytestmark = [pytest.mark.slow_first, pytest.mark.skipif(os.geteuid() != 0, reas
 def run(tmp_path: Path, run_agent, ranks: int, *args: str) -> tuple[Job, dict]:
     """Start the job and an agent on it; start the steps once every rank is probed; return
     the job and the agent's last metrics once the job has logged its truth."""
-    job = Job(tmp_path, ranks, *args)
+    job = Job(tmp_path, ranks, *args, "--linger", "120")  # the agent attached to it exits with it
     try:
-        url = attach(run_agent, job)
+        url = attach(run_agent, job, env=WHOLE_JOB)
         job.start_file.write_text("go")
         wait_for(job.done, 180, interval=0.5, what="the job's steps")
         truths = [job.truth(r) for r in range(ranks)]
@@ -120,5 +123,40 @@ def test_a_backward_that_raises_leaves_the_job_running(tmp_path: Path, run_agent
         truth = job.truth(0)
         assert truth["raised"] == 40
         check_rank(m, truth, 0)
+    finally:
+        job.stop()
+
+
+def test_a_job_that_also_writes_traces_gets_the_same_step_time_from_both(tmp_path: Path, run_agent) -> None:
+    """A job profiling every step, a trace each 40: the trace's step time (the mean of its
+    ProfilerSteps) and the probes' (from one Optimizer.step call to the next) each match
+    the job's own log over the steps they cover. ProfilerStep#N runs from the profiler
+    step after optimizer step N to the one after step N+1: the job's N-th interval."""
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    job = Job(tmp_path, 1, "--steps", "90", "--workers", "0", "--profile-dir", str(traces), "--profile-steps", "40",
+              "--linger", "120")  # the agent attached to it exits with it
+    try:
+        url = attach(run_agent, job, extra=["--no-stacks", "--trace-dir", str(traces)], env=WHOLE_JOB)
+        job.start_file.write_text("go")
+        wait_for(job.done, 180, interval=0.5, what="the job's steps")
+        intervals, _ = expected(job.truth(0))
+        written = sorted(traces.glob("*.pt.trace.json*"), key=lambda p: p.stat().st_mtime)
+        assert len(written) == 2  # 90 steps, cycles of 41 (one warm-up step)
+
+        def both() -> tuple[float, float] | None:
+            m = metrics(url)
+            traced = value(m, "profagent_trace_step_seconds", rank="0")
+            probed = value(m, "profagent_step_window_seconds", stat="p50", rank="0")
+            ingested = sum(v for labels, v in m.get("profagent_traces_total", []) if labels.get("status") == "ingested")
+            return (traced, probed) if traced and probed and ingested >= len(written) else None
+
+        traced, probed = wait_for(both, 60, interval=0.5, what="the last trace analysed and the steps probed")
+        events = json.loads(written[-1].read_text())["traceEvents"]
+        numbers = [int(e["name"].split("#")[1]) for e in events if e.get("name", "").startswith("ProfilerStep#")]
+        assert len(numbers) >= 35, numbers
+        covered = [intervals[n - 1] for n in numbers]
+        assert traced == pytest.approx(sum(covered) / len(covered), rel=0.05)
+        assert probed == pytest.approx(quantile(intervals, 0.5), rel=0.02)
     finally:
         job.stop()

@@ -39,7 +39,7 @@ def test_a_rank_slower_by_half_is_named_the_straggler_from_its_arrivals(tmp_path
 def test_a_healthy_job_gets_no_straggler_nor_any_other_finding(tmp_path: Path, run_agent) -> None:
     """Every evaluation of 45 s of a healthy 2-rank DDP job with DataLoader workers is
     read (the evaluation counter proves the agent looked), and none holds a finding."""
-    job = Job(tmp_path, 2, "--seconds", "45", "--workers", "2")
+    job = Job(tmp_path, 2, "--seconds", "45", "--workers", "2", "--linger", "60")  # read after its steps
     try:
         url = attach(run_agent, job)
         job.start_file.write_text("go")

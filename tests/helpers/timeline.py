@@ -50,13 +50,13 @@ def value(m: dict, name: str, **labels: str) -> float | None:
     return None
 
 
-def attach(run_agent, job: Job, extra: list[str] | None = None) -> str:
+def attach(run_agent, job: Job, extra: list[str] | None = None, env: dict[str, str] | None = None) -> str:
     """An agent on the job, once every rank is probed (the job waits for its go file)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     agent = run_agent(["attach", "--pid", str(job.proc.pid), "--listen", f"127.0.0.1:{port}", "--gpu-backend", "off",
                        "--interval", "0.5", *(extra if extra is not None else ["--no-stacks"])],
-                      env={"PROFAGENT_ONDEMAND_ENABLED": "false"})
+                      env={"PROFAGENT_ONDEMAND_ENABLED": "false", **(env or {})})
     agent.wait_healthy(url, timeout=60)
 
     def probed() -> bool:

@@ -3,7 +3,7 @@ timeline tests. Run alone (one process) or under torchrun (DDP over gloo, CPU).
 
 usage: [torchrun --nproc-per-node N] timeline_job.py --truth-dir DIR --go-file FILE
        [--steps N] [--accum K] [--workers W] [--slow-loader-rank R] [--slow-rank R]
-       [--slow-factor F] [--raise-in-backward] [--seconds S]
+       [--slow-factor F] [--raise-in-backward] [--seconds S] [--profile-dir D]
 
 It waits for FILE before its first step, so an agent can place its probes first. Then it
 writes DIR/rankR.json: the monotonic time of every optimizer.step() call and, per step,
@@ -35,6 +35,9 @@ parser.add_argument("--raise-in-backward", action="store_true")
 parser.add_argument("--save-at-step", type=int, default=-1, help="rank 0 saves a checkpoint for --save-seconds, then a barrier")
 parser.add_argument("--save-seconds", type=float, default=40.0)
 parser.add_argument("--hang-at-step", type=int, default=-1, help="rank 1 stops for good in its forward at this step")
+parser.add_argument("--profile-dir", default="", help="also profile every step, a trace of --profile-steps written here each cycle")
+parser.add_argument("--profile-steps", type=int, default=40)
+parser.add_argument("--linger", type=float, default=0.0, help="seconds to stay after logging the truth (an agent attached to it exits with it)")
 args = parser.parse_args()
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -76,6 +79,19 @@ def stuck_in_forward() -> None:
         time.sleep(1)  # never returns: the other ranks wait in the next collective
 
 
+def profiled(folder: str):
+    """The torch profiler on every step (no wait), a trace each cycle, as a job that keeps
+    profiling does; None without a folder."""
+    if not folder:
+        return None
+    profiler = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU],
+        schedule=torch.profiler.schedule(wait=0, warmup=1, active=args.profile_steps),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(folder))
+    profiler.start()
+    return profiler
+
+
 def finished(step: int, until: float, distributed: bool) -> bool:
     """--steps, or --seconds: then every rank stops at the same step (the first rank past
     the time decides, through an all_reduce of the flags, as time-boxed jobs do)."""
@@ -109,6 +125,7 @@ def main() -> None:
     raised = 0
     until = time.monotonic() + args.seconds
     step = 0
+    profiler = profiled(args.profile_dir)
     while not finished(step, until, distributed):
         step += 1
         if step == args.save_at_step and distributed:
@@ -145,12 +162,15 @@ def main() -> None:
         calls.append(t4)
         opt.step()
         opt.zero_grad()
+        if profiler is not None:
+            profiler.step()
         stages.append({"data_wait": data, "backward": backward, "optimizer": time.monotonic() - t4})
     Path(args.truth_dir, f"rank{RANK}.json").write_text(json.dumps(
         {"calls": calls, "stages": stages, "raised": raised, "pid": os.getpid()}))
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
+    time.sleep(args.linger)
 
 
 if __name__ == "__main__":
