@@ -1,6 +1,6 @@
 """Stacks source: continuous py-spy sampling of every rank's main process.
 
-A ``Sampler`` thread (agent/sampler.py) keeps one ``py-spy record --format raw`` window
+A ``Sampler`` thread (sources/stacks/sampler.py) keeps one ``py-spy record --format raw`` window
 running per sampled process, back to back, plus a periodic ``py-spy dump --json`` for
 thread states. Why windows and not dump polling: see bench/pyspy_modes.py and
 docs/stacks.md.
