@@ -195,7 +195,7 @@ def test_incidents_cli_through_basic_auth_and_tls(tmp_path: Path, cert) -> None:
     import sys
     import time
 
-    from profagent.engine.incidents import IncidentStore, incidents_route
+    from profagent.engine.incidents.store import IncidentStore, incidents_route
 
     crt, key = cert
     store = IncidentStore(tmp_path / "incidents")

@@ -219,6 +219,8 @@ def _publish_findings_and_incidents(state) -> None:  # noqa: ANN001 (State, poss
         incidents = importlib.import_module("profagent.engine.incidents")
     except ModuleNotFoundError:
         return  # older layouts had neither
+    if not hasattr(incidents, "IncidentsSnapshot"):  # engine/incidents became a package; the snapshot is a contract
+        incidents = importlib.import_module("profagent.contracts")
     if not hasattr(findings, "Finding"):  # the data contracts moved to profagent.contracts
         findings = importlib.import_module("profagent.contracts")
     state.publish("findings", findings.FindingsSnapshot((

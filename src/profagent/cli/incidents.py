@@ -18,7 +18,7 @@ from profagent.errors import UserError
 
 if TYPE_CHECKING:
     from profagent.cli.client import ClientAuth
-    from profagent.engine.incidents import IncidentStore
+    from profagent.engine.incidents.store import IncidentStore
 
 incidents_app = typer.Typer(help="Incident bundles: evidence captured on every rank when a job hangs or slows down.",
                             no_args_is_help=True, rich_markup_mode=None)  # plain help, as the main app
@@ -34,7 +34,7 @@ DirOpt = Annotated[Path | None, typer.Option("--dir", help="the incidents folder
 
 def _store(config: Path | None, folder: Path | None) -> "IncidentStore":
     from profagent.config import load_config
-    from profagent.engine.incidents import IncidentStore, incidents_dir
+    from profagent.engine.incidents.store import IncidentStore, incidents_dir
 
     cfg = load_config(config, os.environ, {})
     root = folder or incidents_dir(cfg.incidents, cfg.agent.state_dir)
@@ -62,8 +62,10 @@ def _listed(body: Any) -> list[dict[str, Any]]:
     return items
 
 
-def _when(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+def _when(t: Any) -> str:
+    """A listed incident's time (absent, or not a number from another agent: the epoch)."""
+    seconds = float(t) if isinstance(t, int | float) and not isinstance(t, bool) else 0.0
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
 
 
 @incidents_app.command("list")
@@ -78,20 +80,21 @@ def list_cmd(url: UrlOpt = None, folder: DirOpt = None, config: ConfigOpt = None
     from profagent.labels import printable_data
 
     auth = client_auth(basic_auth, basic_auth_file, ca_file, insecure)
-    items = _listed(_get(url, auth)) if url else _store(config, folder).list()
+    items = _listed(_get(url, auth)) if url else [m.listed() for m in _store(config, folder).list()]
     out = Console()
     items = printable_data(items)  # job ids, ranks, reasons and paths come from the jobs
     if json_out:
-        keys = ("id", "kind", "job_id", "time", "path", "rank", "reason", "status")
-        out.print_json(json.dumps([{k: m.get(k) for k in keys} for m in items]))
+        from profagent.engine.incidents.bundle import LISTED
+
+        out.print_json(json.dumps([{k: m.get(k) for k in LISTED} for m in items]))
         return
     if not items:
         out.print("no incidents")
         return
     # Plain aligned lines: ids must stay whole (copy-pasted into `show`) whatever the width.
     rows = [("ID", "KIND", "JOB", "RANK", "TIME", "STATUS", "PATH")] + [
-        (m["id"], m.get("kind", ""), m.get("job_id", ""), str(m.get("rank") or "-"),
-         _when(float(m.get("time", 0))), m.get("status", ""), m.get("path", "")) for m in items]
+        (str(m["id"]), str(m.get("kind") or ""), str(m.get("job_id") or ""), str(m.get("rank") or "-"),
+         _when(m.get("time")), str(m.get("status") or ""), str(m.get("path") or "")) for m in items]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         out.print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1],
@@ -112,10 +115,10 @@ def show_cmd(incident_id: Annotated[str, typer.Argument(metavar="ID", help="the 
     if url:
         detail = _get(url, auth, {"id": incident_id})
     else:
-        from profagent.engine.incidents import find_incident, incident_detail
+        from profagent.engine.incidents.store import find_incident, incident_detail
 
         meta = find_incident(_store(config, folder), incident_id)
-        detail = {**meta, **incident_detail(meta)}
+        detail = {**meta.listed(), **incident_detail(meta)}
     from profagent.labels import printable, printable_data
 
     out = Console()
