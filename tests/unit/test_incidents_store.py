@@ -162,3 +162,25 @@ def test_capture_slots_are_per_job_and_per_user_within_a_global_cap() -> None:
     assert not slots.acquire("fourth", 1001)  # the global cap
     slots.release("attacker1")
     assert slots.acquire("attacker2", 65534) and slots.running == 3
+
+
+def test_bundle_meta_round_trips_and_reads_wrong_types_as_absent(tmp_path: Path) -> None:
+    """incident.json is written and read by BundleMeta alone: every field it writes comes back
+    (None fields are not written), and a value of the wrong type reads as absent."""
+    from profagent.engine.incidents.bundle import BundleMeta
+
+    store = IncidentStore(tmp_path)
+    folder = store.create("hang", "job/1", 10.0)
+    meta = BundleMeta(folder.name, "hang", "job/1", 10.0, "1", "rank 1 waits", 1000, "complete", completed=12.5,
+                      updated=11.0, first_reason="rank 1 is stuck", files=["summary.md"], notes=["no trace"])
+    write_nofollow(folder / META, meta.to_bytes())
+    written = json.loads((folder / META).read_text())
+    assert "path" not in written and written["notes"] == ["no trace"] and written["uid"] == 1000
+    assert BundleMeta(folder.name).to_bytes() == json.dumps({"id": folder.name}, indent=2).encode() + b"\n"
+    [read] = store.list()
+    assert read == meta and read.path == str(folder)
+    assert read.listed() == {"id": folder.name, "kind": "hang", "job_id": "job/1", "time": 10.0, "path": str(folder),
+                             "rank": "1", "reason": "rank 1 waits", "status": "complete"}
+    odd = BundleMeta.from_json({"id": "x", "time": "yesterday", "uid": True, "rank": 1, "files": "a", "status": "complete"})
+    assert odd == BundleMeta("x", status="complete")
+    assert BundleMeta.from_json({"time": 1.0}) is None and BundleMeta.from_json(["x"]) is None
