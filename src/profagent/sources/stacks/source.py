@@ -6,17 +6,15 @@ thread states. Why windows and not dump polling: see bench/pyspy_modes.py and
 docs/stacks.md.
 
 ``collect()`` only folds finished windows into counters and returns a snapshot: no
-py-spy run happens on a scrape. A bounded ring of folded stacks per rank feeds
-``/api/stacks``.
+py-spy run happens on a scrape. How fast each process is looked at is ``pace.py``; the
+bounded ring of folded stacks per rank that feeds ``/api/stacks`` is ``ring.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,17 +52,16 @@ from profagent.contracts import (
 from profagent.errors import SourceUnavailable
 from profagent.logs import LogOnce
 from profagent.sources.stacks import pyspy
+from profagent.sources.stacks.pace import PacePolicy
+from profagent.sources.stacks.ring import StackRing
 from profagent.sources.stacks.sampler import Result, Sampler
 
 log = logging.getLogger(__name__)
 
-RING_MAX_BYTES = 4 << 20  # per rank
 JOB_MEMORY_SECONDS = 60.0  # how long a pid's job is remembered after it left the targets
-RING_MAX_LINES = 5000  # distinct stacks kept per window
 
 GpuBusy = Callable[[str, str], "bool | None"]  # (rank, job_id) -> GPUs busy? None: unknown
 JobHot = Callable[[str], bool]  # job_id -> a finding is active on the job
-WATCH_HOLD = 30.0  # seconds of full rate after `profagent top` or /api/stacks last asked
 # A rank whose last window began before another rank of its job stalled is shown as it was
 # before the job stopped: the hang verdict waits for its next window, this long at most past
 # the longest window (py-spy start-up and harvest, longer on a loaded node)
@@ -89,12 +86,10 @@ class StacksSource:
         self.interval = interval
         self.gpu_busy = gpu_busy
         self.job_hot: JobHot | None = None  # set by the engine: full rate while the job has a finding
-        self._first_seen: dict[int, float] = {}  # pid -> when it was first wanted
-        self._watched_until = float("-inf")
+        self._pace_policy = PacePolicy()
         self._binary = binary
         self._clock, self._wall = clock, wall
         self._proc_root = proc_root
-        self._lock = threading.Lock()  # guards the ring (read by HTTP threads)
         self._sampler: Sampler | None = None
         self._checked: set[int] = set()  # pids whose Python version was checked
         self._readable: set[int] = set()  # pids py-spy has read at least once
@@ -124,9 +119,7 @@ class StacksSource:
         self._rank_workers: dict[tuple[str, str], set[int]] = {}  # every DataLoader worker of each rank
         self._errors: dict[tuple[str, str], int] = {}  # (job_id, reason) -> failed py-spy runs
         self._log_once = LogOnce(log)
-        # ring: (job_id, rank) -> deque of (wall_end, {folded line: count}, bytes)
-        self._ring: dict[tuple[str, str], deque] = {}
-        self._ring_bytes: dict[tuple[str, str], int] = {}
+        self._ring = StackRing()  # read by HTTP threads
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -169,10 +162,7 @@ class StacksSource:
         # errors of no job ("": the sampler itself failed) are the agent's: they stay
         for key in [k for k in self._errors if k[0] and k[0] not in live]:
             del self._errors[key]
-        with self._lock:
-            for key in [k for k in self._ring if k[0] not in live]:
-                del self._ring[key]
-                self._ring_bytes.pop(key, None)
+        self._ring.forget(live)
 
     def _targets(self, tree: ProcessTree) -> dict[int, tuple[str, str]]:
         roles = (ROLE_MAIN, ROLE_DATALOADER) if self.config.dataloader else (ROLE_MAIN,)
@@ -212,26 +202,13 @@ class StacksSource:
     # -- pace -----------------------------------------------------------------------------------
     def watched(self) -> None:
         """Someone looks at this job's stacks (`profagent top`, /api/stacks): full rate a while."""
-        self._watched_until = self._clock() + WATCH_HOLD
+        self._pace_policy.watched(self._clock())
 
     def _pace(self, wanted: dict[int, tuple[str, str]]) -> dict[int, tuple[int, float]]:
-        """Each process' next windows: the full rate while it warms up, while its job has a
-        finding or a stall suspected (a window with one unchanged stack), and while watched;
-        the steady rate otherwise. py-spy's cost is mostly per window and per sample."""
-        cfg, now = self.config, self._clock()
-        self._first_seen = {pid: self._first_seen.get(pid, now) for pid in wanted}
-        full, steady = (cfg.rate, cfg.window), (cfg.steady_rate, cfg.steady_window)
-        if cfg.steady_rate <= 0 or now < self._watched_until:
-            return dict.fromkeys(wanted, full)
-        # a stall suspected in any rank: every rank of its job at full rate, so the hang
-        # verdict reads each rank as it is now, not from a long steady window
+        """Each process' next windows (pace.py); a stall is suspected in a job when one of
+        its ranks' last window had one unchanged stack."""
         suspects = {job for (job, _), state in self._stall_state.items() if state[1] > 0}
-        pace = {}
-        for pid in wanted:
-            job = self._job(pid)
-            pace[pid] = full if (now - self._first_seen[pid] < cfg.warmup_seconds or job in suspects
-                                 or self._hot(job)) else steady
-        return pace
+        return self._pace_policy.pace(self.config, list(wanted), self._job, suspects, self._hot, self._clock())
 
     def _hot(self, job: str) -> bool:
         if self.job_hot is None:
@@ -393,21 +370,8 @@ class StacksSource:
         self._sampler.request_native(pid)
 
     def _remember(self, r: Result) -> None:
-        lines: dict[str, int] = {}
         prefix = "" if r.role == ROLE_MAIN else f"{r.role} worker;"
-        for s in r.samples[:RING_MAX_LINES]:
-            key = prefix + s.folded
-            lines[key] = lines.get(key, 0) + s.count
-        size = sum(len(k) + 8 for k in lines)
-        key = (self._job(r.pid), r.rank)
-        with self._lock:
-            ring = self._ring.setdefault(key, deque())
-            ring.append((r.wall_end, lines, size))
-            total = self._ring_bytes.get(key, 0) + size
-            horizon = r.wall_end - self.config.ring_seconds
-            while ring and (ring[0][0] < horizon or total > RING_MAX_BYTES):
-                total -= ring.popleft()[2]
-            self._ring_bytes[key] = total
+        self._ring.add((self._job(r.pid), r.rank), r.wall_end, r.samples, self.config.ring_seconds, prefix)
 
     def _snapshot(self, job_id: str) -> StacksSnapshot:
         groups = []
@@ -469,20 +433,11 @@ class StacksSource:
     # -- /api/stacks ----------------------------------------------------------------------------
     def ranks(self) -> list[tuple[str, str]]:
         """(job_id, rank) pairs with stacks in the ring."""
-        with self._lock:
-            return sorted(self._ring)
+        return self._ring.ranks()
 
     def folded(self, rank: str, seconds: float, job_id: str | None = None) -> str:
         """Collapsed stacks of ``rank`` over the last ``seconds`` (one ``stack count`` a line)."""
-        horizon = self._wall() - seconds
-        totals: dict[str, int] = {}
-        with self._lock:
-            windows = [lines for (job, r), ring in self._ring.items() if r == rank and job_id in (None, job)
-                       for end, lines, _ in ring if end >= horizon]
-        for lines in windows:
-            for stack, n in lines.items():
-                totals[stack] = totals.get(stack, 0) + n
-        return "".join(f"{stack} {n}\n" for stack, n in sorted(totals.items()))
+        return self._ring.folded(rank, self._wall() - seconds, job_id)
 
     def route(self, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
         """GET /api/stacks?rank=R&seconds=S[&job=J] -> folded stacks as text/plain."""
