@@ -63,3 +63,48 @@ def test_pace_full_while_warming_suspected_hot_or_watched_else_steady() -> None:
     assert policy.pace(cfg, [1], job, set(), hot.__contains__, 300.0) == {1: full}  # forgotten at 201, new at 300
     no_steady = StacksConfig(rate=20, window=5, steady_rate=0)
     assert policy.pace(no_steady, [1, 2], job, set(), hot.__contains__, 10_000.0) == {1: full, 2: full}
+
+
+def _stack(*frames: str) -> Sample:
+    from profagent.analysis.stacks import parse_frame
+
+    parsed = tuple(parse_frame(f) for f in frames)
+    return Sample("MainThread", True, parsed, 10, ";".join(frames))
+
+
+def test_the_stall_policy_follows_a_rank_that_stands_still_and_its_dataloader_workers() -> None:
+    """A rank whose one stack lasts past stall_seconds is stalled; waiting for its DataLoader,
+    its workers are sampled, and one that stands still making a batch holds the rank up."""
+    from profagent.contracts import ROLE_DATALOADER, ROLE_MAIN, ProcessInfo
+    from profagent.sources.stacks.stall import StallPolicy
+
+    cfg = StacksConfig(stall_seconds=10, window=5, steady_rate=0)
+    policy = StallPolicy()
+    wait = _stack("train (train.py:9)", "_BaseDataLoaderIter.__next__ (torch/utils/data/dataloader.py:725)",
+                  "_MultiProcessingDataLoaderIter._get_data (torch/utils/data/dataloader.py:1460)")
+    busy = _stack("train (train.py:9)", "step (train.py:20)")
+    processes = [ProcessInfo(100, 1, 0.0, ROLE_MAIN, "0", "0", "2", "python", "j"),
+                 ProcessInfo(101, 100, 0.0, ROLE_DATALOADER, "0", "0", "2", "python", "j"),
+                 ProcessInfo(200, 1, 0.0, ROLE_MAIN, "1", "1", "2", "python", "j")]
+    moving = [busy, _stack("train (train.py:9)", "other (train.py:30)")]  # two stacks in a window: it moves
+    policy.check_rank(("j", "1"), moving, 0.0, 5.0, None, cfg.stall_seconds)
+    policy.check_rank(("j", "0"), moving, 0.0, 5.0, None, cfg.stall_seconds)
+    assert policy.workers_to_sample(processes) == {} and policy.suspects() == set()
+    for start in (5.0, 10.0, 15.0):  # rank 0 stands still from 5 s on
+        policy.check_rank(("j", "0"), [wait], start, start + 5.0, None, cfg.stall_seconds)
+    assert policy.suspects() == {"j"}
+    assert policy.workers_to_sample(processes) == {101: ("0", ROLE_DATALOADER)}  # rank 0 waits for its DataLoader
+    [zero, one] = policy.rank_stalls(cfg, {}, set(), 20.0)
+    assert (zero.rank, zero.stalled, zero.unchanged_seconds, zero.workers_pending) == ("0", True, 15.0, True)
+    # rank 1's last window (0-5 s) began before rank 0 stood still, and ended 15 s ago, within
+    # the longest window (5 s) + STALE_GRACE: it is shown as stale, not as moving
+    assert (one.rank, one.stalled, one.stale) == ("1", False, True)
+    making = _stack("_worker_loop (torch/utils/data/_utils/worker.py:300)",
+                    "fetch (torch/utils/data/_utils/fetch.py:52)", "__getitem__ (data.py:7)")
+    for start in (20.0, 25.0, 30.0, 35.0):
+        policy.check_worker(("j", "0"), 101, [making], start, start + 5.0, cfg.stall_seconds)
+    [zero, _] = policy.rank_stalls(cfg, {}, set(), 40.0)
+    [worker] = zero.workers
+    assert (worker.pid, worker.stuck, worker.unchanged_seconds, zero.workers_pending) == (101, True, 20.0, False)
+    policy.forget({"other"})
+    assert policy.rank_stalls(cfg, {}, set(), 40.0) == () and policy.suspects() == set()

@@ -492,3 +492,13 @@ def innermost_frame(dump: str) -> str | None:
                 blocks[-1][1].append(f"{f.group(1)} ({f.group(2)}:{f.group(3)})")
     main = next((frames for name, frames in blocks if name == "MainThread"), blocks[0][1] if blocks else [])
     return main[0] if main else None
+
+
+def dominant_stack(main: list[Sample]) -> tuple[Frame, ...]:
+    """The main thread's most sampled stack of one window (root first); () without samples."""
+    counts: dict[str, int] = {}
+    frames: dict[str, tuple[Frame, ...]] = {}
+    for s in main:
+        counts[s.folded] = counts.get(s.folded, 0) + s.count
+        frames[s.folded] = s.frames
+    return frames[max(counts, key=lambda k: (counts[k], k))] if counts else ()

@@ -6,8 +6,9 @@ thread states. Why windows and not dump polling: see bench/pyspy_modes.py and
 docs/stacks.md.
 
 ``collect()`` only folds finished windows into counters and returns a snapshot: no
-py-spy run happens on a scrape. How fast each process is looked at is ``pace.py``; the
-bounded ring of folded stacks per rank that feeds ``/api/stacks`` is ``ring.py``.
+py-spy run happens on a scrape. Whether a rank stands still is ``stall.py``, how fast
+each process is looked at ``pace.py``, and the ring of folded stacks per rank that feeds
+``/api/stacks`` ``ring.py``; native windows (asked here) feed the collective waits.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from profagent.analysis.collectives import (
     WaitRatios,
@@ -29,14 +29,11 @@ from profagent.analysis.stacks import (
     CATEGORIES,
     Place,
     Sample,
-    StallTracker,
     TopK,
     classify,
     classify_with_idle,
-    fetching,
+    dominant_stack,
     remember_idle_places,
-    standing_key,
-    waits_on_dataloader,
 )
 from profagent.config import StacksConfig
 from profagent.contracts import (
@@ -44,10 +41,8 @@ from profagent.contracts import (
     ROLE_MAIN,
     Frame,
     ProcessTree,
-    RankStall,
     StackGroup,
     StacksSnapshot,
-    WorkerStall,
 )
 from profagent.errors import SourceUnavailable
 from profagent.logs import LogOnce
@@ -55,6 +50,7 @@ from profagent.sources.stacks import pyspy
 from profagent.sources.stacks.pace import PacePolicy
 from profagent.sources.stacks.ring import StackRing
 from profagent.sources.stacks.sampler import Result, Sampler
+from profagent.sources.stacks.stall import NativeLook, StallPolicy
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +58,6 @@ JOB_MEMORY_SECONDS = 60.0  # how long a pid's job is remembered after it left th
 
 GpuBusy = Callable[[str, str], "bool | None"]  # (rank, job_id) -> GPUs busy? None: unknown
 JobHot = Callable[[str], bool]  # job_id -> a finding is active on the job
-# A rank whose last window began before another rank of its job stalled is shown as it was
-# before the job stopped: the hang verdict waits for its next window, this long at most past
-# the longest window (py-spy start-up and harvest, longer on a loaded node)
-STALE_GRACE = 15.0
 
 
 
@@ -102,8 +94,7 @@ class StacksSource:
         self._topk: dict[tuple[str, str, str], TopK] = {}
         self._threads: dict[tuple[str, str, str], dict[tuple[str, str], int]] = {}
         self._idle_places: dict[tuple[str, str, str], dict[Place, None]] = {}  # lines dumps saw idle
-        self._stalls: dict[tuple[str, str], StallTracker] = {}
-        self._stall_state: dict[tuple[str, str], tuple[bool, float, tuple[Frame, ...]]] = {}
+        self._stall = StallPolicy()
         # collective waits, per (job_id, rank): see analysis/collectives.WaitRatios
         self._ratios: dict[tuple[str, str], WaitRatios] = {}
         self._judged: dict[tuple[str, str], tuple[int, float]] = {}  # cumulative (samples, waits)
@@ -111,15 +102,15 @@ class StacksSource:
         self._native_pending: dict[tuple[str, str], tuple[int, float]] = {}  # -> (pid, asked at)
         self._native_stack: dict[tuple[str, str], NativeLook] = {}  # the last native window's main stack
         self._steady: dict[tuple[str, str], bool] = {}  # the rank's last window was steady
-        self._looked: dict[tuple[str, str], tuple[float, float]] = {}  # (start, end) of its last main window
         self._mains: dict[tuple[str, str], int] = {}  # (job_id, rank) -> pid of its main process
-        # DataLoader workers of ranks waiting for their DataLoader: (job_id, rank) -> pid -> look
-        self._workers: dict[tuple[str, str], dict[int, WorkerLook]] = {}
-        self._worker_pids: dict[tuple[str, str], set[int]] = {}  # the workers sampled now
-        self._rank_workers: dict[tuple[str, str], set[int]] = {}  # every DataLoader worker of each rank
         self._errors: dict[tuple[str, str], int] = {}  # (job_id, reason) -> failed py-spy runs
         self._log_once = LogOnce(log)
         self._ring = StackRing()  # read by HTTP threads
+
+    @property
+    def _stall_state(self) -> dict[tuple[str, str], tuple[bool, float, tuple[Frame, ...]]]:
+        """Each rank's stall state (stall.py), as the pace and native requests read it."""
+        return self._stall.state
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -154,11 +145,11 @@ class StacksSource:
     def _forget_ended_jobs(self, tree: ProcessTree) -> None:
         """A job that left the tree (watch mode, after its grace) takes its series along."""
         live = set(tree.job_status())
-        for table in (self._categories, self._topk, self._threads, self._idle_places, self._stalls, self._stall_state,
-                      self._ratios, self._judged, self._last_native, self._native_stack, self._steady,
-                      self._native_pending, self._looked, self._workers, self._worker_pids):
+        for table in (self._categories, self._topk, self._threads, self._idle_places, self._ratios, self._judged,
+                      self._last_native, self._native_stack, self._steady, self._native_pending):
             for key in [k for k in table if k[0] not in live]:
                 del table[key]
+        self._stall.forget(live)
         # errors of no job ("": the sampler itself failed) are the agent's: they stay
         for key in [k for k in self._errors if k[0] and k[0] not in live]:
             del self._errors[key]
@@ -167,20 +158,7 @@ class StacksSource:
     def _targets(self, tree: ProcessTree) -> dict[int, tuple[str, str]]:
         roles = (ROLE_MAIN, ROLE_DATALOADER) if self.config.dataloader else (ROLE_MAIN,)
         wanted = {p.pid: (p.rank, p.role) for p in tree.processes if p.role in roles}
-        # the workers of a rank whose main thread stands still waiting for its DataLoader: a
-        # worker that hangs holds the rank up, and only its own stack says where
-        waiting = {key for key, (_, unchanged, frames) in self._stall_state.items()
-                   if unchanged > 0 and waits_on_dataloader(frames)}
-        self._worker_pids, self._rank_workers = {}, {}
-        for p in tree.processes:
-            if p.role == ROLE_DATALOADER:
-                self._rank_workers.setdefault((p.job_id, p.rank), set()).add(p.pid)
-            if p.role == ROLE_DATALOADER and (p.job_id, p.rank) in waiting:
-                wanted[p.pid] = (p.rank, p.role)
-                self._worker_pids.setdefault((p.job_id, p.rank), set()).add(p.pid)
-        for key in list(self._workers):
-            live = self._worker_pids.get(key, set())
-            self._workers[key] = {pid: look for pid, look in self._workers[key].items() if pid in live}
+        wanted.update(self._stall.workers_to_sample(tree.processes))
         now = self._clock()
         self._job_of.update({p.pid: (p.job_id, now) for p in tree.processes if p.pid in wanted})
         for pid in wanted:
@@ -207,7 +185,7 @@ class StacksSource:
     def _pace(self, wanted: dict[int, tuple[str, str]]) -> dict[int, tuple[int, float]]:
         """Each process' next windows (pace.py); a stall is suspected in a job when one of
         its ranks' last window had one unchanged stack."""
-        suspects = {job for (job, _), state in self._stall_state.items() if state[1] > 0}
+        suspects = self._stall.suspects()
         return self._pace_policy.pace(self.config, list(wanted), self._job, suspects, self._hot, self._clock())
 
     def _hot(self, job: str) -> bool:
@@ -245,7 +223,7 @@ class StacksSource:
         self._count_main(group, main, r.end - r.start)
         self._remember(r)
         if r.role == ROLE_DATALOADER:
-            self._check_worker(group[:2], r.pid, main, r.start, r.end)
+            self._stall.check_worker(group[:2], r.pid, main, r.start, r.end, self.config.stall_seconds)
         if r.role == ROLE_MAIN:
             self._count_waits(group[:2], main, native_main if r.native else None)
             self._check_stall(r, main)
@@ -275,37 +253,13 @@ class StacksSource:
 
     def _check_stall(self, r: Result, main: list[Sample]) -> None:
         job = self._job(r.pid)
-        tracker = self._stalls.setdefault((job, r.rank), StallTracker(self.config.stall_seconds))
         busy = None
         if self.gpu_busy is not None:
             try:
                 busy = self.gpu_busy(r.rank, job)
             except Exception:  # the GPU hook is someone else's: never let it break stacks
                 busy = None
-        status = tracker.update(main, r.start, r.end, busy)
-        self._looked[(job, r.rank)] = (r.start, r.end)
-        was = self._stall_state.get((job, r.rank), (False, 0.0, ()))[0]
-        self._stall_state[(job, r.rank)] = (status.stalled, status.unchanged_seconds, _dominant(main))
-        if status.started:
-            gpu = "no GPU signal" if busy is None else "its GPUs idle"
-            log.warning("rank %s stalled: main thread stack unchanged for %.0f s (%s); stack, innermost last:",
-                        r.rank, status.unchanged_seconds, gpu, extra={"lines": [str(f) for f in status.frames]})
-        elif was and not status.stalled:
-            log.info("rank %s is moving again", r.rank)
-
-    def _check_worker(self, key: tuple[str, str], pid: int, main: list[Sample], start: float, end: float) -> None:
-        """One window of a DataLoader worker: does it stand still while it makes a batch?"""
-        if pid not in self._worker_pids.get(key, set()):
-            return  # sampled for config.stacks.dataloader only, or its rank moved on
-        looks = self._workers.setdefault(key, {})
-        look = looks.get(pid) or WorkerLook(StallTracker(self.config.stall_seconds))
-        status = look.tracker.update(main, start, end, None)
-        frames = _dominant(main)
-        stuck = status.unchanged_seconds > 0 and fetching(frames)
-        if stuck and not look.stuck:
-            log.warning("rank %s: DataLoader worker PID %d stands still while making a batch; stack, innermost last:",
-                        key[1], pid, extra={"lines": [str(f) for f in frames]})
-        looks[pid] = WorkerLook(look.tracker, frames, stuck, status.unchanged_seconds)
+        self._stall.check_rank((job, r.rank), main, r.start, r.end, busy, self.config.stall_seconds)
 
     def _count_waits(self, key: tuple[str, str], main: list[Sample], native_main: list[Sample] | None) -> None:
         """Judged samples and collective waits of one main-thread window (see docs/stacks.md)."""
@@ -319,7 +273,7 @@ class StacksSource:
             log.debug("stacks: rank %s: native window learned %d stacks", key[1], len(native_main))
             waits = float(native_waits(native_main))
             if native_main:
-                top = _dominant(native_main)
+                top = dominant_stack(native_main)
                 self._native_stack[key] = NativeLook(python_frames(top), top, moving(native_main, top), self._clock())
         elif ratios.learned:
             waits = ratios.waits(main)
@@ -343,7 +297,7 @@ class StacksSource:
         if not cfg.native or self._sampler is None or key in self._native_pending or not main:
             return
         last = self._last_native.get(key)
-        stall = self._stall_state.get(key)
+        stall = self._stall.state.get(key)
         look = self._native_stack.get(key)
         # a stack standing still: look at its native frames, and again every half stall_seconds
         # (a rank computing for long in one C++ call may stop there later)
@@ -387,48 +341,9 @@ class StacksSource:
                 tuple((state, gil, n) for (state, gil), n in sorted(threads.items())),
                 job_id=group[0], judged=judged, collective_wait=waits,
             ))
-        stalls = self._mark_stale([self._rank_stall(key, *state) for key, state in sorted(self._stall_state.items())])
+        stalls = self._stall.rank_stalls(self.config, self._native_stack, set(self._native_pending), self._clock())
         errors = tuple((job, reason, n) for (job, reason), n in sorted(self._errors.items()))
         return StacksSnapshot(job_id, tuple(groups), stalls, errors)
-
-    def _rank_stall(self, key: tuple[str, str], stalled: bool, unchanged: float,
-                    frames: tuple[Frame, ...]) -> RankStall:
-        look = self._native_stack.get(key)
-        same = look is not None and bool(frames) and standing_key(look.python) == standing_key(frames)
-        # native frames that moved (outside any collective) since this stack stood still: the
-        # rank computes in one long C++ call (a slow backward), it is not stuck
-        moving = same and look.moving and look.at >= self._clock() - unchanged
-        waiting = unchanged > 0 and waits_on_dataloader(frames)
-        workers = tuple(WorkerStall(pid, w.stuck, w.unchanged, w.frames)
-                        for pid, w in sorted(self._workers.get(key, {}).items())) if waiting else ()
-        # its workers' first windows are on their way (asked for at the next collect); not for
-        # ever: a worker py-spy cannot read must not hold the verdict back
-        pending = (waiting and unchanged < self.config.stall_seconds + 2 * STALE_GRACE
-                   and any(pid not in self._workers.get(key, {}) for pid in self._rank_workers.get(key, ())))
-        # a rank waiting for a worker that stands still is stalled, whatever its poll loop does
-        held = any(w.stuck and w.unchanged_seconds > self.config.stall_seconds for w in workers)
-        return RankStall(key[1], (stalled and not moving) or held, unchanged, key[0], frames,
-                         suspected=unchanged > 0 and not moving, native=look.frames if same else (),
-                         native_pending=key in self._native_pending, workers=workers, workers_pending=pending,
-                         window_age_seconds=max(0.0, self._clock() - self._looked.get(key, (self._clock(), 0.0))[0]))
-
-    def _mark_stale(self, stalls: list[RankStall]) -> tuple[RankStall, ...]:
-        """Mark the ranks whose last window began before another rank of their job stalled
-        (``RankStall.stale``), while a newer window may still come."""
-        now = self._clock()
-        longest = max(self.config.window, self.config.steady_window if self.config.steady_rate > 0 else 0.0)
-        began: dict[str, float] = {}  # job -> when its earliest stalled rank's stack stood still
-        for s in stalls:
-            if s.stalled:
-                since = self._looked[(s.job_id, s.rank)][1] - s.unchanged_seconds
-                began[s.job_id] = min(began.get(s.job_id, since), since)
-        marked = []
-        for s in stalls:
-            start, end = self._looked.get((s.job_id, s.rank), (now, now))
-            stale = (not s.stalled and s.job_id in began and start < began[s.job_id]
-                     and now - end < longest + STALE_GRACE)
-            marked.append(dataclasses.replace(s, stale=True) if stale else s)
-        return tuple(marked)
 
     # -- /api/stacks ----------------------------------------------------------------------------
     def ranks(self) -> list[tuple[str, str]]:
@@ -461,38 +376,6 @@ class StacksSource:
             return 400, "text/plain", f"rank {rank} exists in several jobs: add job=J (sampled ranks: {known})\n".encode()
         seconds = min(max(seconds, 0.0), self.config.ring_seconds)
         return 200, "text/plain; charset=utf-8", self.folded(rank, seconds, matches[0][0]).encode()
-
-
-def _dominant(main: list[Sample]) -> tuple[Frame, ...]:
-    """The main thread's most sampled stack of one window (root first); () without samples."""
-    counts: dict[str, int] = {}
-    frames: dict[str, tuple[Frame, ...]] = {}
-    for s in main:
-        counts[s.folded] = counts.get(s.folded, 0) + s.count
-        frames[s.folded] = s.frames
-    return frames[max(counts, key=lambda k: (counts[k], k))] if counts else ()
-
-
-@dataclass(frozen=True)
-class WorkerLook:
-    """The last window of one DataLoader worker: its stall tracker, most sampled stack, and
-    whether it stands still making a batch."""
-
-    tracker: StallTracker
-    frames: tuple[Frame, ...] = ()
-    stuck: bool = False
-    unchanged: float = 0.0
-
-
-@dataclass(frozen=True)
-class NativeLook:
-    """What a native window saw of a rank's main thread: its most sampled stack (with and
-    without native frames), whether the thread moved, and when (clock)."""
-
-    python: tuple[Frame, ...]
-    frames: tuple[Frame, ...]
-    moving: bool
-    at: float
 
 
 def _steady(main: list[Sample]) -> bool:
