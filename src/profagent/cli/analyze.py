@@ -11,12 +11,11 @@ time, compute, communication, idle and overlap; the straggler from the ranks' co
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from profagent.analysis.trace.job import STRAGGLER_THRESHOLD, job_summary
+from profagent.analysis.trace.job import STRAGGLER_THRESHOLD, job_summary, rank_in_file_name
 from profagent.analysis.trace.report import findings
 from profagent.cli.load import analyse_all
 from profagent.contracts import TraceReport
@@ -44,7 +43,6 @@ def _pct(ratio: float | None) -> str:
 
 
 FULL_REPORTS_UP_TO = 3  # more traces than this: one row each, unless --details
-_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 
 
 def trace_rank(r: TraceReport, known: str | None = None) -> str | None:
@@ -53,8 +51,7 @@ def trace_rank(r: TraceReport, known: str | None = None) -> str | None:
         return r.rank
     if known:
         return known
-    m = _RANK_IN_NAME.search(Path(r.path).name)
-    return str(int(m.group(1))) if m else None
+    return rank_in_file_name(Path(r.path).name)
 
 
 def shown(text: object) -> str:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from profagent.analysis.trace.job import rank_in_file_name
 from profagent.analysis.trace.model import Trace
 from profagent.analysis.trace.report import analyze
 from profagent.config import Config
@@ -54,7 +55,6 @@ WORK_IDLE = 1.0  # seconds between looks with none waiting (a new file wakes the
 STATE_FILE = "traces-processed.json"
 WARN_PER_REASON = 10  # then every 1000th
 PUBLISH_INTERVAL = 0.25  # default seconds between publishing (collect() never waits)
-_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 _PID_IN_NAME = re.compile(r"_(\d+)\.\d+\.pt\.trace\.json")  # tensorboard_trace_handler: host_PID.TS.pt.trace.json
 _ONDEMAND_NAME = re.compile(r"^profagent_[^/]*_(\d+)\.json$")  # libkineto: <log file stem>_<pid>.json
 SUMMARY_SECONDS = 60.0
@@ -157,7 +157,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def resolve_rank(report: TraceReport, path: str, tree: ProcessTree | None, job_id: str | None = None) -> str:
-    """The rank of a trace (see the module doc); ``job_id``: the job it counts for, whose
+    """The rank of a trace (docs/traces.md, The watched folder): distributedInfo, else the
+    rank of the process whose pid it records, else ``rank<N>`` or a pid in the file name,
+    else the job's only rank, else ``unknown``; ``job_id``: the job it counts for, whose
     only rank is the fallback (None: the whole tree)."""
     if report.rank is not None:
         return report.rank
@@ -167,9 +169,9 @@ def resolve_rank(report: TraceReport, path: str, tree: ProcessTree | None, job_i
         if info is not None and info.rank:
             return info.rank
     name = Path(path).name
-    m = _RANK_IN_NAME.search(name)
-    if m:
-        return str(int(m.group(1)))
+    from_name = rank_in_file_name(name)
+    if from_name is not None:
+        return from_name
     m = _PID_IN_NAME.search(name)
     if m and int(m.group(1)) in by_pid and by_pid[int(m.group(1))].rank:
         return by_pid[int(m.group(1))].rank
