@@ -115,7 +115,7 @@ class StacksSource:
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         """Find py-spy and start the sampler thread. Raises SourceUnavailable."""
-        self._binary = self._binary or pyspy.find_pyspy()  # raises PySpyProblem, an Unavailable
+        self._binary = self._binary or pyspy.find_pyspy()  # raises PySpyProblem, a SourceUnavailable
         self._version = pyspy.pyspy_version(self._binary)
         self._sampler = Sampler(self._binary, self.config, self._clock, self._wall)
         self._sampler.start()
