@@ -85,6 +85,8 @@ def golden_state():  # -> profagent.state.State
     gpu = _module("profagent.sources.gpu.source")
     device = _module("profagent.sources.gpu.device")
     stacks = _module("profagent.sources.stacks.source")
+    if not hasattr(stacks, "RankStall"):  # the stacks source no longer imports every contract it once did
+        stacks = importlib.import_module("profagent.contracts")
     traces = _module("profagent.sources.traces.source")
     report = _module("profagent.analysis.trace.report")
     ondemand = _module("profagent.sources.ondemand.source")
