@@ -510,7 +510,7 @@ class FindingsSnapshot:
     steps: tuple[RankSteps, ...] = ()  # each rank's steps from the kernel probes, as evaluated
 
 
-# -- incidents (published by engine/incidents.py) ------------------------------------------
+# -- incidents (published by engine/incidents/trigger.py) --------------------------------------
 @dataclass(frozen=True)
 class IncidentsSnapshot:
     counts: tuple[tuple[str, str, int], ...]  # (job_id, kind, incidents captured)

@@ -5,12 +5,12 @@ one line for people is always a ``problem`` and a ``fix``, kept as fields.
   (exit 2).
 - ``SourceError(message, reason)``: a failed source tick, counted by ``reason`` in
   profagent_collector_errors_total. Its kinds:
-  - ``Unavailable(problem, fix, reason)`` (also named ``SourceUnavailable``): the source
+  - ``SourceUnavailable(problem, fix, reason)``: the source
     cannot run here (no driver, ptrace denied...); it is turned off, the others go on.
   - ``TargetGone``: the observed process exited during the tick; not worth logging.
 
 Errors of one part map onto these: TraceError and MalformedDatagram are SourceErrors
-(``reason`` names what was wrong), PySpyProblem is an Unavailable, NoPollers a UserError.
+(``reason`` names what was wrong), PySpyProblem is a SourceUnavailable, NoPollers a UserError.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class SourceError(Exception):
             self.reason = reason
 
 
-class Unavailable(SourceError):
+class SourceUnavailable(SourceError):
     """The source cannot run here. ``problem`` and ``fix`` make the one line for the user
     (``problem: fix``); the source is turned off and the others go on."""
 
@@ -48,9 +48,6 @@ class Unavailable(SourceError):
         super().__init__(f"{problem}: {fix}" if fix else problem, reason)
         self.problem = problem
         self.fix = fix
-
-
-SourceUnavailable = Unavailable
 
 
 class NotApplicable(SourceUnavailable):

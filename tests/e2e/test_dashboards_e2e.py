@@ -330,7 +330,7 @@ def test_recorded_step_figures_match_the_raw_series(stack: Stack) -> None:
 
     # The group's rules run one after another, all stamped `when`, each reading the raw
     # series as they are then: a scrape stored between two rules is seen by the later ones
-    # only (stressed run 162: the ratios used a newer rank-1 step than the median). So each
+    # only (seen under stress: the ratios used a newer rank-1 step than the median). So each
     # figure matches the scrape before `when` or the last one, never older than the rule
     # before it saw.
     older_first = [s for s in reversed(_scrapes_seen_at(stack.prom, f"profagent_trace_step_seconds{{{job}}}", when, "rank")) if s]

@@ -186,3 +186,48 @@ def test_block_cache_matches_a_full_render_and_follows_new_snapshots() -> None:
         cached = ours(exposition.render("")[0].decode())
         assert cached == full and len(full) > 50
         republish()  # new snapshots: the blocks must follow
+
+
+def test_incidents_cli_through_basic_auth_and_tls(tmp_path: Path, cert) -> None:
+    """`incidents list/show --url` reach an agent that asks for TLS and a password, with the
+    flags of every --url command: --basic-auth-file, PROFAGENT_BASIC_AUTH, --ca-file, --insecure."""
+    import json
+    import sys
+    import time
+
+    from profagent.engine.incidents.store import IncidentStore, incidents_route
+
+    crt, key = cert
+    store = IncidentStore(tmp_path / "incidents")
+    folder = store.create("hang", "job-7", time.time())
+    (folder / "incident.json").write_text(json.dumps({"id": folder.name, "kind": "hang", "job_id": "job-7",
+                                                      "time": time.time(), "status": "complete"}))
+    (folder / "summary.md").write_text("# hang of job-7\nrank 1 waits\n")
+    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
+    web = tmp_path / "web.yml"
+    web.write_text(f"tls_server_config:\n  cert_file: {crt}\n  key_file: {key}\nbasic_auth_users:\n  ops: '{hashed}'\n")
+    server = _server(load_web_config(web))
+    server.add_route("/api/incidents", incidents_route(store))
+    secret = tmp_path / "auth"
+    secret.write_text("ops:s3cret\n")
+    url = f"https://127.0.0.1:{server.port}"
+    env = {k: v for k, v in os.environ.items() if k != "PROFAGENT_BASIC_AUTH"}
+
+    def cli(*args: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "profagent", "incidents", *args], capture_output=True, text=True,
+                              timeout=60, env={**env, **extra})
+
+    def one_line_exit_2(res: subprocess.CompletedProcess, word: str) -> None:
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and word in res.stderr, res.stderr
+
+    try:
+        listed = cli("list", "--url", url, "--json", "--basic-auth-file", str(secret), "--ca-file", str(crt))
+        assert listed.returncode == 0, listed.stderr
+        assert [(i["id"], i["job_id"]) for i in json.loads(listed.stdout)] == [(folder.name, "job-7")]
+        shown = cli("show", folder.name, "--url", url, "--insecure", PROFAGENT_BASIC_AUTH="ops:s3cret")
+        assert shown.returncode == 0 and "rank 1 waits" in shown.stdout and "summary.md" in shown.stdout, shown.stderr
+        one_line_exit_2(cli("list", "--url", url, "--ca-file", str(crt)), "--basic-auth")
+        one_line_exit_2(cli("list", "--url", url, "--basic-auth", "ops:s3cret"), "--ca-file")  # an unknown CA
+        one_line_exit_2(cli("show", "nope", "--url", url, "--basic-auth", "ops:s3cret", "--insecure"), "incidents list")
+    finally:
+        server.shutdown()

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from helpers.processes import wait_for
+from profagent.analysis.stacks import innermost_frame
 from profagent.config import IncidentsConfig
 from profagent.contracts import Finding, FindingsSnapshot
-from profagent.engine.incidents import SUMMARY, IncidentsSource, innermost_frame
+from profagent.engine.incidents.bundle import SUMMARY
+from profagent.engine.incidents.trigger import IncidentsSource
 from profagent.sources.stacks import pyspy
 from profagent.state import State
 from profagent.target.pid import PidTarget
@@ -90,7 +92,7 @@ def test_summary_follows_the_finding_and_the_rate_limit_survives_a_restart(child
 
         def complete() -> Path | None:
             items = source.store.list()
-            return Path(items[0]["path"]) if len(items) == 1 and items[0]["status"] == "complete" else None
+            return Path(items[0].path or "") if len(items) == 1 and items[0].status == "complete" else None
 
         bundle = wait_for(complete, 60, interval=0.2, what="a complete bundle")
         summary = (bundle / SUMMARY).read_text()
@@ -165,7 +167,7 @@ def test_on_demand_trace_copy_refuses_what_is_not_the_ranks_trace(children, tmp_
     import gzip
     import os
 
-    from profagent.engine.incidents import Capture
+    from profagent.engine.incidents.capture import Capture
     from profagent.sources.traces.reader import TraceError
 
     child = children.python("import time\nwhile True:\n    time.sleep(0.05)\n", env={"RANK": "0", "WORLD_SIZE": "1"})
@@ -216,7 +218,7 @@ def test_the_capture_asks_for_traces_once_its_dumps_have_resumed_the_ranks(child
     from types import SimpleNamespace
 
     from profagent.analysis.incidents import Trigger
-    from profagent.engine.incidents import Capture
+    from profagent.engine.incidents.capture import Capture
 
     child = children.python("import time\nwhile True:\n    time.sleep(0.05)\n", env={"RANK": "0", "WORLD_SIZE": "1"})
     tree = wait_for(lambda: (t := PidTarget(child.pid).refresh()) and t.mains() and t, 30, what="the child's tree")
@@ -260,7 +262,7 @@ def test_the_bundles_stacks_show_the_redacted_cmdline_not_pyspys_process_line(ch
     import sys
 
     from profagent.analysis.incidents import Trigger
-    from profagent.engine.incidents import Capture
+    from profagent.engine.incidents.capture import Capture
 
     secret = "SECRET-41-do-not-write"
     child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True:\n    time.sleep(0.05)\n",

@@ -270,7 +270,7 @@ def test_duration_trace_of_a_launcher_covers_both_ranks_and_is_ingested(traced_j
         malformed = [v for lab, v in samples.get("profagent_ondemand_datagrams_total", []) if lab["kind"] == "malformed"]
         return total >= 2 and malformed and malformed[0] >= 4
 
-    # 60 s: a starved agent parses two MB-size traces (run 141, two suites at once on 2 cores)
+    # 60 s: a starved agent parses two MB-size traces (two suites at once on 2 cores)
     wait_for(ingested, timeout=60, what="on-demand traces ingested and junk counted")
 
 

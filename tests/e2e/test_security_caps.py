@@ -307,7 +307,7 @@ def test_an_incident_capture_runs_at_most_max_pyspy_dumps_at_once(tmp_path, monk
     import subprocess
     import threading
 
-    import profagent.engine.incidents as incidents
+    import profagent.engine.incidents.trigger as incidents
     from profagent.config import IncidentsConfig
     from profagent.state import State
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers.agent import AgentProcess, free_port
-from profagent.cli.urls import parse_agent_url
+from profagent.cli.client import parse_agent_url
 from profagent.errors import UserError
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -106,7 +106,7 @@ def test_connections_per_client_are_capped() -> None:
 
 
 def test_at_the_cap_a_connection_that_sent_nothing_yet_goes_after_those_that_began() -> None:
-    """Fresh-clone run 55: under the slowloris test, a scrape from the attacker's address was
+    """In a fresh clone, under the slowloris test, a scrape from the attacker's address was
     closed before it had sent its request (the next connections of the attacker each closed
     the oldest). A client that has begun a request and not finished it goes first, though
     younger."""

@@ -33,7 +33,7 @@ from helpers.agent import free_port, http_get, parse_metrics
 from helpers.paths import ROOT
 from helpers.processes import kill_tree, pyspy_processes, wait_for
 from profagent.config import IncidentsConfig
-from profagent.engine.incidents import IncidentsSource
+from profagent.engine.incidents.trigger import IncidentsSource
 from profagent.state import State
 
 pytestmark = pytest.mark.slow

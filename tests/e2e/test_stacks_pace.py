@@ -11,7 +11,8 @@ import pytest
 from helpers.agent import free_port, http_get
 from helpers.processes import pyspy_processes, wait_for
 from profagent.config import StacksConfig
-from profagent.sources.stacks.source import WATCH_HOLD, StacksSource
+from profagent.sources.stacks.pace import WATCH_HOLD
+from profagent.sources.stacks.source import StacksSource
 
 JOB = """
 import time

@@ -1,4 +1,4 @@
-"""agent/pyspy.py: locating py-spy, mapping its failures, stopping children, the doctor check."""
+"""sources/stacks/pyspy.py: locating py-spy, mapping its failures, stopping children, the doctor check."""
 
 from __future__ import annotations
 
@@ -252,7 +252,7 @@ def test_a_steady_window_is_cut_short_when_its_process_needs_the_full_pace(child
         sampler.request_native(target.pid)
         sampler.set_pace({target.pid: (20, 1.0)})
         # generous: the claim is "not after the steady window's 3600 s", and a native window
-        # on a node loaded by the rest of the suite may take seconds (run 122 missed 20 s)
+        # on a node loaded by the rest of the suite may take seconds (20 s was once too short)
         got = _drain_until(sampler, lambda rs: any(r.kind == "record" and r.native for r in rs),
                            "the native window, after the steady one was cut", timeout=90.0)
     finally:
@@ -266,7 +266,7 @@ def test_a_steady_window_is_cut_short_when_its_process_needs_the_full_pace(child
 def test_a_cut_window_whose_pyspy_ignores_sigint_is_killed_and_the_next_one_runs_at_the_new_pace(
         children, tmp_path: Path) -> None:
     """SIGINT is lost when it comes before py-spy set its handler in a process that ignores
-    SIGINT (inherited from an agent a shell started in the background; runs 131, 141): the cut
+    SIGINT (inherited from an agent a shell started in the background): the cut
     window is killed after CUT_GRACE, not left to run its 3600 s."""
     binary = tmp_path / "py-spy"  # a record that ignores SIGINT, says so, and waits to be killed
     ignoring = tmp_path / "ignoring-sigint"

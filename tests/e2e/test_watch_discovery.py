@@ -299,7 +299,7 @@ def test_reconfigure_applies_new_markers_on_the_next_refresh(children) -> None:
     tok_a, tok_b = token(), token()
     job = children.python(SLEEPER, env=job_env(tok_b, SLURM_JOB_ID="rc-b"))
     # Only one scan follows the reconfigure (below): the job must have exec'd by then, or that
-    # scan reads the forked child's environment, which is pytest's (run 84, under load).
+    # scan reads the forked child's environment, which is pytest's (seen under load).
     wait_for(lambda: psutil.Process(job.pid).environ().get("PAW_TOKEN") == tok_b,
              what="the job running with its own environment")
     target = _target(tok_a, scan_interval=3600.0)  # only the first refresh scans on its own

@@ -14,7 +14,8 @@ incidents), `stacks --idle`, and `analyze` taking folders; and once more for typ
 help (``rich_markup_mode=None``, for start-up time) with a short help per command; for
 the new ``diff`` command (its help and its one-line error); and once for #23: `incidents
 show` names its argument ``ID`` (not ``incident_id``) and `stacks --idle` shows its default once;
-and for #39: `diagnose --prometheus`.
+and for #39: `diagnose --prometheus`; and for #42: one client, so `top`, `diagnose` and
+`incidents list/show` take the same --basic-auth, --basic-auth-file, --ca-file and --insecure.
 """
 
 from __future__ import annotations

@@ -85,6 +85,8 @@ def golden_state():  # -> profagent.state.State
     gpu = _module("profagent.sources.gpu.source")
     device = _module("profagent.sources.gpu.device")
     stacks = _module("profagent.sources.stacks.source")
+    if not hasattr(stacks, "RankStall"):  # the stacks source no longer imports every contract it once did
+        stacks = importlib.import_module("profagent.contracts")
     traces = _module("profagent.sources.traces.source")
     report = _module("profagent.analysis.trace.report")
     ondemand = _module("profagent.sources.ondemand.source")
@@ -219,6 +221,8 @@ def _publish_findings_and_incidents(state) -> None:  # noqa: ANN001 (State, poss
         incidents = importlib.import_module("profagent.engine.incidents")
     except ModuleNotFoundError:
         return  # older layouts had neither
+    if not hasattr(incidents, "IncidentsSnapshot"):  # engine/incidents became a package; the snapshot is a contract
+        incidents = importlib.import_module("profagent.contracts")
     if not hasattr(findings, "Finding"):  # the data contracts moved to profagent.contracts
         findings = importlib.import_module("profagent.contracts")
     state.publish("findings", findings.FindingsSnapshot((

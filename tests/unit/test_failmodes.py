@@ -33,7 +33,7 @@ from profagent.analysis.stacks import (
 from profagent.cli.diagnose import render
 from profagent.config import FindingsConfig
 from profagent.contracts import Finding, RankStall, WorkerStall
-from profagent.engine.incidents import own_line
+from profagent.engine.incidents.summary import own_line
 from profagent.logs import PrintableFormatter
 
 FIXTURES = Path(__file__).parent / "fixtures" / "failmodes"

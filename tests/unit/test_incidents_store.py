@@ -10,14 +10,11 @@ from pathlib import Path
 import pytest
 
 from profagent.analysis.incidents import Retention
-from profagent.engine.incidents import (
-    META,
-    CaptureSlots,
-    IncidentStore,
-    RateLimitFile,
-    innermost_frame,
-    write_nofollow,
-)
+from profagent.analysis.stacks import innermost_frame
+from profagent.engine.incidents.bundle import META
+from profagent.engine.incidents.store import IncidentStore, RateLimitFile
+from profagent.engine.incidents.trigger import CaptureSlots
+from profagent.system.safefs import write_nofollow
 
 
 def add(store: IncidentStore, kind: str, t: float, size: int) -> Path:
@@ -35,7 +32,7 @@ def test_folders_are_private_and_named_safely(tmp_path: Path) -> None:
     assert "/" not in a.name[len("20231114T221320Z-"):] and a.name.endswith("-hang")
     assert (store.root.stat().st_mode & 0o777) == 0o700 and (a.stat().st_mode & 0o777) == 0o700
     assert ((a / "stacks-rank0.txt").stat().st_mode & 0o777) == 0o600
-    assert [m["id"] for m in store.list()] == sorted([a.name, b.name])
+    assert [m.id for m in store.list()] == sorted([a.name, b.name])
 
 
 def test_planted_symlinks_are_never_followed(tmp_path: Path) -> None:
@@ -48,7 +45,7 @@ def test_planted_symlinks_are_never_followed(tmp_path: Path) -> None:
         write_nofollow(folder / "metrics.prom", b"overwritten?")
     assert victim.read_text() == "user data"
     os.symlink(tmp_path, store.root / "planted")  # a symlinked "incident" is neither listed nor removed
-    assert [m["id"] for m in store.list()] == [folder.name]
+    assert [m.id for m in store.list()] == [folder.name]
     linked_root = tmp_path / "linked"
     os.symlink(tmp_path / "elsewhere", linked_root)
     (tmp_path / "elsewhere").mkdir()
@@ -60,9 +57,9 @@ def test_prune_keeps_count_and_bytes_removing_the_oldest_first(tmp_path: Path) -
     store = IncidentStore(tmp_path / "incidents")
     folders = [add(store, "hang", float(t), 1000) for t in (5, 1, 3, 4, 2)]
     assert sorted(store.prune(Retention(max_count=3, max_bytes=10**9))) == sorted(f.name for f in (folders[1], folders[4]))
-    assert [m["time"] for m in store.list()] == [3.0, 4.0, 5.0]
+    assert [m.time for m in store.list()] == [3.0, 4.0, 5.0]
     removed = store.prune(Retention(max_count=10, max_bytes=2500))  # each folder ~1.1 kB
-    assert len(removed) == 1 and [m["time"] for m in store.list()] == [4.0, 5.0]
+    assert len(removed) == 1 and [m.time for m in store.list()] == [4.0, 5.0]
     assert not (store.root / removed[0]).exists()
 
 
@@ -130,9 +127,9 @@ def test_prune_lets_one_user_evict_only_its_own(tmp_path: Path) -> None:
         add_for(store, f"attacker{i % 5}", 65534, 2.0 + i)
         store.prune(Retention(max_count=6, max_bytes=10**9, max_count_per_job=2, max_count_per_user=4))
     kept = store.list()
-    assert victim.name in [m["id"] for m in kept]
-    assert sum(1 for m in kept if m["uid"] == 65534) == 4
-    assert [m["time"] for m in kept if m["uid"] == 65534] == [18.0, 19.0, 20.0, 21.0]  # the newest of theirs
+    assert victim.name in [m.id for m in kept]
+    assert sum(1 for m in kept if m.uid == 65534) == 4
+    assert [m.time for m in kept if m.uid == 65534] == [18.0, 19.0, 20.0, 21.0]  # the newest of theirs
 
 
 def test_rate_limits_survive_a_restart_and_a_corrupt_file_is_ignored(tmp_path: Path, caplog) -> None:
@@ -165,3 +162,25 @@ def test_capture_slots_are_per_job_and_per_user_within_a_global_cap() -> None:
     assert not slots.acquire("fourth", 1001)  # the global cap
     slots.release("attacker1")
     assert slots.acquire("attacker2", 65534) and slots.running == 3
+
+
+def test_bundle_meta_round_trips_and_reads_wrong_types_as_absent(tmp_path: Path) -> None:
+    """incident.json is written and read by BundleMeta alone: every field it writes comes back
+    (None fields are not written), and a value of the wrong type reads as absent."""
+    from profagent.engine.incidents.bundle import BundleMeta
+
+    store = IncidentStore(tmp_path)
+    folder = store.create("hang", "job/1", 10.0)
+    meta = BundleMeta(folder.name, "hang", "job/1", 10.0, "1", "rank 1 waits", 1000, "complete", completed=12.5,
+                      updated=11.0, first_reason="rank 1 is stuck", files=["summary.md"], notes=["no trace"])
+    write_nofollow(folder / META, meta.to_bytes())
+    written = json.loads((folder / META).read_text())
+    assert "path" not in written and written["notes"] == ["no trace"] and written["uid"] == 1000
+    assert BundleMeta(folder.name).to_bytes() == json.dumps({"id": folder.name}, indent=2).encode() + b"\n"
+    [read] = store.list()
+    assert read == meta and read.path == str(folder)
+    assert read.listed() == {"id": folder.name, "kind": "hang", "job_id": "job/1", "time": 10.0, "path": str(folder),
+                             "rank": "1", "reason": "rank 1 waits", "status": "complete"}
+    odd = BundleMeta.from_json({"id": "x", "time": "yesterday", "uid": True, "rank": 1, "files": "a", "status": "complete"})
+    assert odd == BundleMeta("x", status="complete")
+    assert BundleMeta.from_json({"time": 1.0}) is None and BundleMeta.from_json(["x"]) is None

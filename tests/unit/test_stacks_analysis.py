@@ -1,4 +1,4 @@
-"""Frame rules, parsing, top-K and stall tracking of agent/analysis/stacks.py, on synthetic stacks."""
+"""Frame rules, parsing, top-K and stall tracking of analysis/stacks.py, on synthetic stacks."""
 
 from __future__ import annotations
 

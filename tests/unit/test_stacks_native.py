@@ -10,7 +10,8 @@ from profagent.analysis.findings.hang import hang
 from profagent.analysis.stacks import parse_folded
 from profagent.config import StacksConfig
 from profagent.sources.stacks.sampler import Result
-from profagent.sources.stacks.source import STALE_GRACE, StacksSource
+from profagent.sources.stacks.source import StacksSource
+from profagent.sources.stacks.stall import STALE_GRACE
 
 FIXTURES = Path(__file__).parent / "fixtures" / "native"
 WINDOW = 2.0

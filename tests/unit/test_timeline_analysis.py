@@ -288,7 +288,7 @@ def test_a_probed_step_time_above_the_factor_for_long_enough_is_a_regression(tmp
     then a p50 above regression_factor x that baseline for regression_seconds triggers."""
     from profagent.config import IncidentsConfig
     from profagent.contracts import ProcessInfo, ProcessTree, StateView
-    from profagent.engine.incidents import PROBED_EVERY, IncidentsSource
+    from profagent.engine.incidents.trigger import PROBED_EVERY, IncidentsSource
     from profagent.state import State
 
     cfg = IncidentsConfig(regression_factor=2.0, regression_seconds=60.0)

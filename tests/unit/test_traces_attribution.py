@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers.paths import shared_traces
-from profagent.analysis.trace.report import analyze, findings
+from profagent.analysis.trace.report import analyze, readings
 from profagent.sources.traces.reader import read_trace
 
 SHARED = ["small-gpu-rank0", "a100-2gpu-nccl", "mi250-rocm"]
@@ -64,7 +64,7 @@ def test_mtia_dma_is_memory_transfer(tmp_path: Path) -> None:
 
 def test_idle_finding_names_the_largest_cause_other_included(tmp_path: Path) -> None:
     r = analyze(read_trace(_mtia_trace(tmp_path / "mtia.json")))
-    idle = [f for f in findings(r) if f.startswith("the GPU is idle")]
+    idle = [f for f in readings(r) if f.startswith("the GPU is idle")]
     assert len(idle) == 1
     assert "mostly because of gaps no launched work explains (other" in idle[0]
     assert "45.0% of step time" in idle[0]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers.paths import shared_traces
-from profagent.analysis.trace.report import analyze, findings
+from profagent.analysis.trace.report import analyze, readings
 from profagent.sources.traces.reader import read_trace
 from unit.test_traces_gpu import Reference
 
@@ -57,7 +57,7 @@ def test_missing_dur_is_left_out_and_said(tmp_path: Path) -> None:
     assert report.gpu.idle_ratio == pytest.approx(_idle_reference(truth), abs=1e-9)
     said = [w for w in report.warnings if "left out for a bad duration" in w]
     assert len(said) == 1 and f"{len(damaged)} without dur" in said[0]
-    assert said[0] in findings(report)
+    assert said[0] in readings(report)
 
 
 def test_null_and_non_finite_dur_on_the_generic_decoder(tmp_path: Path) -> None:

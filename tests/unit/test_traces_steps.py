@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers.paths import shared_traces
-from profagent.analysis.trace.report import analyze, findings
+from profagent.analysis.trace.report import analyze, readings
 from profagent.sources.traces.reader import read_trace
 
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "mtia_ccp_events"}
@@ -75,7 +75,7 @@ def test_a100_80gb_steady_steps_are_equal() -> None:
     assert incomplete == [] and report.steps_incomplete == ()
     assert report.step_mean == pytest.approx(0.2148, abs=1e-4)  # was 0.2465 with step 1 = 371.6 ms
     assert max(s.seconds for s in report.steps) < 1.05 * report.step_mean
-    assert not any("slowest step" in f for f in findings(report))
+    assert not any("slowest step" in f for f in readings(report))
     assert report.gpu_lag is not None and report.gpu_lag > 0.1  # the ~158 ms lag, reported apart
     assert report.accelerator == "cuda"
 
@@ -88,7 +88,7 @@ def test_mi250_partial_last_step_is_excluded_and_said() -> None:
     assert report.step_mean == pytest.approx(expected[0] * 1e-6, abs=1e-9)
     assert report.step_mean == pytest.approx(9.29e-3, abs=1e-5)
     assert [(n, pytest.approx(s)) for n, s in report.steps_incomplete] == [("ProfilerStep#2", incomplete[0] * 1e-6)]
-    assert any("ProfilerStep#2" in f and "incomplete" in f for f in findings(report))
+    assert any("ProfilerStep#2" in f and "incomplete" in f for f in readings(report))
     assert report.accelerator == "rocm"
 
 
@@ -127,7 +127,7 @@ def test_other_accelerators_on_a_renamed_real_trace(tmp_path: Path, accelerator:
     assert report.gpu.utilization == pytest.approx(brute_union(kernels, windows) / window, abs=1e-9)
     assert report.breakdown["runtime"] > 0
     assert report.launch_delay["max"] == pytest.approx(delays[-1] * 1e-6)
-    assert not any("no accelerator activity" in f for f in findings(report))
+    assert not any("no accelerator activity" in f for f in readings(report))
 
 
 def _with_steps(tmp_path: Path, steps: list[tuple[str, float, float]]) -> tuple[dict, Path]:
@@ -179,7 +179,7 @@ def test_huge_timestamps_are_warned_about(tmp_path: Path) -> None:
             e["ts"] = e["ts"] + 1e29
     report = analyze(read_trace(_write(tmp_path, data)))
     assert any("1e+29" in w and "imprecise" in w for w in report.warnings)
-    assert report.warnings[0] in findings(report)
+    assert report.warnings[0] in readings(report)
     # the unmodified trace has no such warning
     assert analyze(read_trace(shared_traces() / "mi250-rocm.pt.trace.json.gz")).warnings == ()
 

@@ -470,3 +470,35 @@ class StallTracker:
         started = stalled and not self._stalled
         self._stalled = stalled
         return StallStatus(stalled, unchanged, self._frames, started)
+
+
+# a py-spy text dump's frame line: '    train_step (train.py:42)'
+_DUMP_FRAME = re.compile(r"^\s+(\S.*?) \((\S+\.py):(\d+)\)\s*$")
+# py-spy's thread line: 'Thread 4242 (idle): "MainThread"', 'Thread 0x7F.. (active+gil): "x"'.
+_DUMP_THREAD = re.compile(r'^Thread \S+ \(([^)]*)\): "(.*)"\s*$')
+
+
+def innermost_frame(dump: str) -> str | None:
+    """``function (file.py:line)`` of the main thread's innermost Python frame in a py-spy
+    text dump (the first thread when none is named MainThread)."""
+    blocks: list[tuple[str, list[str]]] = []
+    for line in dump.splitlines():
+        m = _DUMP_THREAD.match(line)
+        if m:
+            blocks.append((m.group(2), []))
+        elif blocks:
+            f = _DUMP_FRAME.match(line)
+            if f:
+                blocks[-1][1].append(f"{f.group(1)} ({f.group(2)}:{f.group(3)})")
+    main = next((frames for name, frames in blocks if name == "MainThread"), blocks[0][1] if blocks else [])
+    return main[0] if main else None
+
+
+def dominant_stack(main: list[Sample]) -> tuple[Frame, ...]:
+    """The main thread's most sampled stack of one window (root first); () without samples."""
+    counts: dict[str, int] = {}
+    frames: dict[str, tuple[Frame, ...]] = {}
+    for s in main:
+        counts[s.folded] = counts.get(s.folded, 0) + s.count
+        frames[s.folded] = s.frames
+    return frames[max(counts, key=lambda k: (counts[k], k))] if counts else ()

@@ -19,6 +19,7 @@ from typing import Annotated
 import typer
 
 from profagent import __version__
+from profagent.cli.client import BasicAuthFileOpt, BasicAuthOpt, CaFileOpt, InsecureOpt
 from profagent.cli.dashboards import dashboards_app
 from profagent.cli.incidents import incidents_app
 from profagent.errors import UserError
@@ -211,10 +212,10 @@ def top(
     url: Annotated[str | None, typer.Option("--url", help="read a running agent instead, e.g. http://127.0.0.1:19400")] = None,
     once: Annotated[bool, typer.Option("--once", help="print one snapshot as plain text and exit")] = False,
     interval: Annotated[float, typer.Option("--interval", min=0.2, help="seconds between refreshes")] = 1.0,
-    basic_auth: Annotated[str | None, typer.Option("--basic-auth", help="USER:PASS for an agent with basic auth", envvar="PROFAGENT_BASIC_AUTH")] = None,
-    basic_auth_file: Annotated[Path | None, typer.Option("--basic-auth-file", help="file holding USER:PASS (keeps the password out of `ps`)")] = None,
-    ca_file: Annotated[Path | None, typer.Option("--ca-file", help="CA certificate to verify an https agent")] = None,
-    insecure: Annotated[bool, typer.Option("--insecure", help="do not verify the https agent's certificate")] = False,
+    basic_auth: BasicAuthOpt = None,
+    basic_auth_file: BasicAuthFileOpt = None,
+    ca_file: CaFileOpt = None,
+    insecure: InsecureOpt = False,
     config: ConfigOpt = None,
     gpu_backend: GpuBackendOpt = None,
     log_level: LogLevelOpt = None,
@@ -226,21 +227,17 @@ def top(
     """
     from rich.console import Console
 
-    from profagent.cli.top import HttpAuth, run_top
+    from profagent.cli.client import client_auth
+    from profagent.cli.top import run_top
     from profagent.config import load_config
 
     if (pid is None) == (url is None):
         raise UserError("choose what to show", "give exactly one of --pid N (run an agent here) or --url URL (a running agent)")
-    if basic_auth_file is not None:
-        try:
-            basic_auth = basic_auth_file.read_text().strip()
-        except OSError as exc:
-            raise UserError(f"cannot read {basic_auth_file} ({exc.strerror})", "check --basic-auth-file") from None
+    auth = client_auth(basic_auth, basic_auth_file, ca_file, insecure)
     # Our own agent must not collide with a running one: no control socket, no Kineto listener.
     cfg = load_config(config, os.environ, {"log_level": log_level or "error", "gpu.backend": gpu_backend,
                                            "ondemand.enabled": False if pid is not None else None})
     _setup_logging(cfg.agent.log_level)
-    auth = HttpAuth(basic_auth, str(ca_file) if ca_file else None, insecure)
     run_top(cfg, pid, url, auth, once=once, interval=interval, console=Console())
 
 
@@ -364,9 +361,10 @@ def diagnose(
     json_out: Annotated[bool, typer.Option("--json", help="print {findings, time} as JSON")] = False,
     seconds: Annotated[float, typer.Option("--seconds", help="with --pid: how long to observe (a hang needs stacks.stall_seconds, a leak findings.leak_min_span_seconds)")] = 30.0,
     stall_seconds: Annotated[float | None, typer.Option("--stall-seconds", help="with --pid: stacks.stall_seconds")] = None,
-    basic_auth: Annotated[str | None, typer.Option("--basic-auth", help="USER:PASS when the agent's web config (or Prometheus) asks for basic auth")] = None,
-    ca_file: Annotated[Path | None, typer.Option("--ca-file", help="CA bundle to verify an https agent or Prometheus")] = None,
-    insecure: Annotated[bool, typer.Option("--insecure", help="do not verify the https agent's (or Prometheus') certificate")] = False,
+    basic_auth: BasicAuthOpt = None,
+    basic_auth_file: BasicAuthFileOpt = None,
+    ca_file: CaFileOpt = None,
+    insecure: InsecureOpt = False,
     config: ConfigOpt = None,
     log_level: LogLevelOpt = None,
 ) -> None:
@@ -375,6 +373,7 @@ def diagnose(
 
     from rich.console import Console
 
+    from profagent.cli.client import client_auth
     from profagent.cli.diagnose import LOCAL_AGENT, collect_local, fetch, render
     from profagent.config import load_config
 
@@ -383,18 +382,19 @@ def diagnose(
                         "--pid observes in-process; --url asks a running agent; --prometheus asks Prometheus for every node")
     if pid is None and url is None and job is None and prometheus is None:
         raise UserError("nothing to diagnose", "give --pid N, --job ID, --url http://HOST:19400 or --prometheus http://HOST:9090")
+    auth = client_auth(basic_auth, basic_auth_file, ca_file, insecure)
     cfg = load_config(config, os.environ, {"log_level": log_level, "stacks.stall_seconds": stall_seconds})
     _setup_logging(cfg.agent.log_level)
     if prometheus is not None:
         from profagent.cli.prometheus import diagnose as diagnose_prometheus
 
-        body = diagnose_prometheus(prometheus, job, basic_auth, str(ca_file) if ca_file else None, insecure)
+        body = diagnose_prometheus(prometheus, job, auth)
     elif pid is not None:
         body = collect_local(cfg, pid, seconds, Console(stderr=True))
         if job:
             body["findings"] = [f for f in body["findings"] if f["job_id"] == job]
     else:
-        body = fetch(url or LOCAL_AGENT, job, basic_auth, str(ca_file) if ca_file else None, insecure)
+        body = fetch(url or LOCAL_AGENT, job, auth)
     if json_out:
         typer.echo(jsonlib.dumps(body, indent=2))
     else:

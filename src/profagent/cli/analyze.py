@@ -11,13 +11,12 @@ time, compute, communication, idle and overlap; the straggler from the ranks' co
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from profagent.analysis.trace.job import STRAGGLER_THRESHOLD, job_summary
-from profagent.analysis.trace.report import findings
+from profagent.analysis.trace.job import STRAGGLER_THRESHOLD, job_summary, rank_in_file_name
+from profagent.analysis.trace.report import readings
 from profagent.cli.load import analyse_all
 from profagent.contracts import TraceReport
 from profagent.errors import UserError
@@ -44,7 +43,6 @@ def _pct(ratio: float | None) -> str:
 
 
 FULL_REPORTS_UP_TO = 3  # more traces than this: one row each, unless --details
-_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 
 
 def trace_rank(r: TraceReport, known: str | None = None) -> str | None:
@@ -53,8 +51,7 @@ def trace_rank(r: TraceReport, known: str | None = None) -> str | None:
         return r.rank
     if known:
         return known
-    m = _RANK_IN_NAME.search(Path(r.path).name)
-    return str(int(m.group(1))) if m else None
+    return rank_in_file_name(Path(r.path).name)
 
 
 def shown(text: object) -> str:
@@ -131,7 +128,7 @@ def render_report(r: TraceReport, console: Console, rank: str | None = None) -> 
     if r.memory_peak:
         console.print("peak allocated: " + ", ".join(f"{d} {b / 2**20:.1f} MiB" for d, b in r.memory_peak.items()),
                       highlight=False)
-    notes = findings(r)
+    notes = readings(r)
     if notes:
         console.print("[bold]findings[/bold]")
         for note in notes:
@@ -162,7 +159,7 @@ def report_dict(r: TraceReport, rank: str | None = None) -> dict[str, Any]:
     data = r.to_dict()
     data.pop("in_steps", None)  # profagent diff's totals, not part of the report
     data["rank"] = trace_rank(r, rank)
-    data["findings"] = findings(r)
+    data["findings"] = readings(r)
     return data
 
 
@@ -212,7 +209,7 @@ def _render_row(table: Table, r: TraceReport, rank: str | None) -> None:
     g = r.gpu
     table.add_row(shown(Path(r.path).name), shown(rank or "?"), shown(r.accelerator or "-"), str(len(r.steps)),
                   _ms(None if r.steps_inferred else r.step_mean), _pct(None if g is None else g.idle_ratio),
-                  str(len(findings(r))))
+                  str(len(readings(r))))
 
 
 def analyze_files(paths: Sequence[Path], as_json: bool, top_k: int, console: Console | None,

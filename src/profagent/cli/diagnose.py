@@ -9,15 +9,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 from urllib.parse import urlencode, urlunsplit
 
 from rich.console import Console
 from rich.markup import escape
 
-from profagent.cli.urls import json_request, parse_agent_url
+from profagent.cli.client import NO_AUTH, ClientAuth, JsonClient, parse_agent_url
 from profagent.config import DEFAULT_PORT, Config
 from profagent.errors import UserError
 from profagent.labels import printable_data
@@ -35,27 +33,13 @@ def findings_url(url: str, job: str | None) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path + "/api/findings", urlencode({"job": job}) if job else "", ""))
 
 
-def fetch(url: str, job: str | None = None, basic_auth: str | None = None, ca_file: str | None = None,
-          insecure: bool = False, timeout: float = 10.0) -> dict[str, Any]:
+def fetch(url: str, job: str | None = None, auth: ClientAuth = NO_AUTH, timeout: float = 10.0) -> dict[str, Any]:
     """GET /api/findings. Raises UserError for an unreachable agent, a refused login or bad JSON."""
-    target = findings_url(url, job)
-    request, context = json_request(target, basic_auth, ca_file, insecure)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
-            body = json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        if exc.code == 401:
-            raise UserError(f"{target} refused the credentials", "pass --basic-auth USER:PASS as in the agent's web config") from None
-        if exc.code == 404:
-            raise UserError(f"{target} has no findings endpoint", "upgrade the agent, or check the URL") from None
-        raise UserError(f"{target} answered HTTP {exc.code}", "see the agent's log") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise UserError(f"cannot reach the agent at {target} ({reason})", "check --url and that `profagent attach` or `watch` runs") from None
-    except ValueError:
-        raise UserError(f"{target} did not answer JSON", "check that --url points at a profagent agent") from None
+    client = JsonClient(url, auth, timeout=timeout)
+    body = client.get_json("/api/findings", {"job": job} if job else None,
+                           not_found=(f"{client.shown} has no findings endpoint", "upgrade the agent, or check the URL"))
     if not isinstance(body, dict) or not isinstance(body.get("findings"), list):
-        raise UserError(f"{target} did not answer a findings list", "check that --url points at a profagent agent")
+        raise UserError(f"{findings_url(url, job)} did not answer a findings list", "check that --url points at a profagent agent")
     return body
 
 

@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from profagent.cli.client import BasicAuthFileOpt, BasicAuthOpt, CaFileOpt, InsecureOpt
 from profagent.errors import UserError
 
 if TYPE_CHECKING:
-    from profagent.engine.incidents import IncidentStore
+    from profagent.cli.client import ClientAuth
+    from profagent.engine.incidents.store import IncidentStore
 
 incidents_app = typer.Typer(help="Incident bundles: evidence captured on every rank when a job hangs or slows down.",
                             no_args_is_help=True, rich_markup_mode=None)  # plain help, as the main app
@@ -26,13 +28,13 @@ UrlOpt = Annotated[str | None, typer.Option("--url", help="ask a running agent i
 DirOpt = Annotated[Path | None, typer.Option("--dir", help="the incidents folder [default: incidents.dir, else STATE_DIR/incidents]")]
 
 
-# The engine, rich, the config loader and urllib are imported inside the commands: `profagent --help` and the other
+# The engine, rich, the config loader and the HTTP client's urllib are imported inside the commands: `profagent --help` and the other
 # commands must not pay for them at start-up.
 
 
 def _store(config: Path | None, folder: Path | None) -> "IncidentStore":
     from profagent.config import load_config
-    from profagent.engine.incidents import IncidentStore, incidents_dir
+    from profagent.engine.incidents.store import IncidentStore, incidents_dir
 
     cfg = load_config(config, os.environ, {})
     root = folder or incidents_dir(cfg.incidents, cfg.agent.state_dir)
@@ -43,24 +45,12 @@ def _store(config: Path | None, folder: Path | None) -> "IncidentStore":
     return IncidentStore(root)
 
 
-def _get(url: str, query: dict[str, str] | None = None) -> Any:
-    import urllib.error
-    import urllib.parse
-    import urllib.request
+def _get(url: str, auth: "ClientAuth", query: dict[str, str] | None = None) -> Any:
+    from profagent.cli.client import JsonClient
 
-    from profagent.cli.urls import parse_agent_url
-
-    parts = parse_agent_url(url)
-    base = f"{parts.scheme}://{parts.netloc}" + parts.path.rstrip("/").removesuffix("/metrics")
-    full = f"{base}/api/incidents" + (f"?{urllib.parse.urlencode(query)}" if query else "")
-    try:
-        with urllib.request.urlopen(full, timeout=10) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        raise UserError(f"{full} answered {exc.code}: {exc.read().decode(errors='replace').strip()}",
-                        "check the id with `profagent incidents list --url URL`") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise UserError(f"cannot read {full} ({exc})", "check --url and that the agent runs") from None
+    client = JsonClient(url, auth, reach_fix="check --url and that the agent runs")
+    return client.get_json("/api/incidents", query, not_found=(
+        f"{client.url('/api/incidents', query)} answered 404", "check the id with `profagent incidents list --url URL`"))
 
 
 def _listed(body: Any) -> list[dict[str, Any]]:
@@ -72,32 +62,39 @@ def _listed(body: Any) -> list[dict[str, Any]]:
     return items
 
 
-def _when(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+def _when(t: Any) -> str:
+    """A listed incident's time (absent, or not a number from another agent: the epoch)."""
+    seconds = float(t) if isinstance(t, int | float) and not isinstance(t, bool) else 0.0
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
 
 
 @incidents_app.command("list")
 def list_cmd(url: UrlOpt = None, folder: DirOpt = None, config: ConfigOpt = None,
-             json_out: Annotated[bool, typer.Option("--json", help="print JSON")] = False) -> None:
+             json_out: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+             basic_auth: BasicAuthOpt = None, basic_auth_file: BasicAuthFileOpt = None, ca_file: CaFileOpt = None,
+             insecure: InsecureOpt = False) -> None:
     """List captured incidents, oldest first."""
     from rich.console import Console
 
+    from profagent.cli.client import client_auth
     from profagent.labels import printable_data
 
-    items = _listed(_get(url)) if url else _store(config, folder).list()
+    auth = client_auth(basic_auth, basic_auth_file, ca_file, insecure)
+    items = _listed(_get(url, auth)) if url else [m.listed() for m in _store(config, folder).list()]
     out = Console()
     items = printable_data(items)  # job ids, ranks, reasons and paths come from the jobs
     if json_out:
-        keys = ("id", "kind", "job_id", "time", "path", "rank", "reason", "status")
-        out.print_json(json.dumps([{k: m.get(k) for k in keys} for m in items]))
+        from profagent.engine.incidents.bundle import LISTED
+
+        out.print_json(json.dumps([{k: m.get(k) for k in LISTED} for m in items]))
         return
     if not items:
         out.print("no incidents")
         return
     # Plain aligned lines: ids must stay whole (copy-pasted into `show`) whatever the width.
     rows = [("ID", "KIND", "JOB", "RANK", "TIME", "STATUS", "PATH")] + [
-        (m["id"], m.get("kind", ""), m.get("job_id", ""), str(m.get("rank") or "-"),
-         _when(float(m.get("time", 0))), m.get("status", ""), m.get("path", "")) for m in items]
+        (str(m["id"]), str(m.get("kind") or ""), str(m.get("job_id") or ""), str(m.get("rank") or "-"),
+         _when(m.get("time")), str(m.get("status") or ""), str(m.get("path") or "")) for m in items]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         out.print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1],
@@ -106,17 +103,22 @@ def list_cmd(url: UrlOpt = None, folder: DirOpt = None, config: ConfigOpt = None
 
 @incidents_app.command("show")
 def show_cmd(incident_id: Annotated[str, typer.Argument(metavar="ID", help="the id printed by `profagent incidents list`")],
-             url: UrlOpt = None, folder: DirOpt = None, config: ConfigOpt = None) -> None:
+             url: UrlOpt = None, folder: DirOpt = None, config: ConfigOpt = None,
+             basic_auth: BasicAuthOpt = None, basic_auth_file: BasicAuthFileOpt = None, ca_file: CaFileOpt = None,
+             insecure: InsecureOpt = False) -> None:
     """Print an incident's summary, then where its files are."""
     from rich.console import Console
 
+    from profagent.cli.client import client_auth
+
+    auth = client_auth(basic_auth, basic_auth_file, ca_file, insecure)
     if url:
-        detail = _get(url, {"id": incident_id})
+        detail = _get(url, auth, {"id": incident_id})
     else:
-        from profagent.engine.incidents import find_incident, incident_detail
+        from profagent.engine.incidents.store import find_incident, incident_detail
 
         meta = find_incident(_store(config, folder), incident_id)
-        detail = {**meta, **incident_detail(meta)}
+        detail = {**meta.listed(), **incident_detail(meta)}
     from profagent.labels import printable, printable_data
 
     out = Console()

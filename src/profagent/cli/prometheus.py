@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import urlencode, urlunsplit
 
-from profagent.cli.urls import json_request, parse_agent_url
+from profagent.cli.client import NO_AUTH, ClientAuth, JsonClient, parse_agent_url
 from profagent.errors import UserError
 
 MAX_ANSWER_BYTES = 32 << 20  # one query's JSON
@@ -58,33 +56,26 @@ def query_url(base: str, expr: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, urlencode({"query": expr}), ""))
 
 
-def fetch_series(base: str, expr: str, basic_auth: str | None = None, ca_file: str | None = None,
-                 insecure: bool = False, timeout: float = 10.0) -> list[dict[str, str]]:
+def fetch_series(base: str, expr: str, auth: ClientAuth = NO_AUTH, timeout: float = 10.0) -> list[dict[str, str]]:
     """The label sets of an instant query's vector (values dropped). UserError for an
     unreachable server, a refused login, an error answer or anything but a vector."""
-    target = query_url(base, expr)
-    shown = parse_agent_url(base).geturl()
-    request, context = json_request(target, basic_auth, ca_file, insecure)
     fix = "check --prometheus: the Prometheus (or Thanos, Mimir) URL, e.g. http://prometheus:9090"
-    try:
-        with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
-            raw = resp.read(MAX_ANSWER_BYTES + 1)
-    except urllib.error.HTTPError as exc:
-        if exc.code == 401:
-            raise UserError(f"{shown} refused the credentials", "pass --basic-auth USER:PASS") from None
-        raise UserError(f"{shown} answered HTTP {exc.code} to {expr}", fix) from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise UserError(f"cannot reach Prometheus at {shown} ({getattr(exc, 'reason', exc)})", fix) from None
+    client = JsonClient(base, auth, what="Prometheus", timeout=timeout, reach_fix=fix)
+    status, raw = client.get("/api/v1/query", {"query": expr}, limit=MAX_ANSWER_BYTES)
+    if status == 401:
+        raise UserError(f"{client.shown} refused the credentials", "pass --basic-auth USER:PASS (or --basic-auth-file)")
+    if status != 200:
+        raise UserError(f"{client.shown} answered HTTP {status} to {expr}", fix)
     if len(raw) > MAX_ANSWER_BYTES:
-        raise UserError(f"{shown} answered more than {MAX_ANSWER_BYTES >> 20} MiB to {expr}", "narrow it with --job ID")
+        raise UserError(f"{client.shown} answered more than {MAX_ANSWER_BYTES >> 20} MiB to {expr}", "narrow it with --job ID")
     try:
         body = json.loads(raw)
     except ValueError:
-        raise UserError(f"{shown} did not answer JSON", fix) from None
+        raise UserError(f"{client.shown} did not answer JSON", fix) from None
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, dict) or body.get("status") != "success" or data.get("resultType") != "vector" \
             or not isinstance(data.get("result"), list):
-        raise UserError(f"{shown} did not answer an instant vector to {expr}", fix)
+        raise UserError(f"{client.shown} did not answer an instant vector to {expr}", fix)
     return [_labels(item) for item in data["result"][:MAX_SERIES] if isinstance(item, dict)]
 
 
@@ -173,11 +164,10 @@ def _hang(cluster: str, job_id: str, instances: list[str], since: float, roles: 
     }
 
 
-def diagnose(base: str, job: str | None, basic_auth: str | None = None, ca_file: str | None = None,
-             insecure: bool = False) -> dict[str, Any]:
+def diagnose(base: str, job: str | None, auth: ClientAuth = NO_AUTH) -> dict[str, Any]:
     """The verdict of every job (or ``job``) that Prometheus at ``base`` knows of now."""
     q = queries(job)
-    answers = {name: fetch_series(base, expr, basic_auth, ca_file, insecure) for name, expr in q.items()}
+    answers = {name: fetch_series(base, expr, auth) for name, expr in q.items()}
     body = verdict(answers["findings"], answers["roles"], answers["since"], time.time())
     body["prometheus"] = parse_agent_url(base).geturl()
     return body

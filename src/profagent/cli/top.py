@@ -8,33 +8,26 @@ so they are tested without a terminal.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import os
 import select
-import ssl
 import sys
 import termios
 import threading
 import time
 import tty
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
-from urllib.parse import quote
 
-import orjson
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from profagent.analysis.stacks import CATEGORIES, parse_folded
-from profagent.cli.urls import parse_agent_url
-from profagent.errors import UserError
+from profagent.cli.client import ClientAuth, JsonClient
 from profagent.labels import printable, printable_data
 
 # One letter per stack category, so the bar reads without colour too (plain output).
@@ -325,65 +318,18 @@ class Feed(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class HttpAuth:
-    basic_auth: str | None = None  # USER:PASS
-    ca_file: str | None = None
-    insecure: bool = False
-
-
 class HttpFeed:
     """A running agent's /api/ranks and /api/stacks."""
 
-    def __init__(self, url: str, auth: HttpAuth, timeout: float = 5.0) -> None:
-        parts = parse_agent_url(url)
-        self.base = f"{parts.scheme}://{parts.netloc}"
-        self.timeout = timeout
-        self.headers: dict[str, str] = {}
-        if auth.basic_auth:
-            if ":" not in auth.basic_auth:
-                raise UserError("basic auth needs USER:PASS", "give --basic-auth USER:PASS or a file holding USER:PASS")
-            self.headers["Authorization"] = "Basic " + base64.b64encode(auth.basic_auth.encode()).decode()
-        self.context: ssl.SSLContext | None = None
-        if parts.scheme == "https":
-            try:
-                self.context = ssl.create_default_context(cafile=auth.ca_file)
-            except (OSError, ssl.SSLError) as exc:
-                raise UserError(f"cannot load the CA file {auth.ca_file} ({exc})", "check --ca-file") from None
-            if auth.insecure:
-                self.context.check_hostname = False
-                self.context.verify_mode = ssl.CERT_NONE
-
-    def _get(self, path: str) -> tuple[int, bytes]:
-        req = urllib.request.Request(self.base + path, headers=self.headers)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout, context=self.context) as resp:
-                return resp.status, resp.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read()
-        except ssl.SSLError as exc:
-            raise UserError(f"TLS to {self.base} failed ({exc.reason})", "give --ca-file with the agent's CA (or --insecure)") from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            if isinstance(reason, ssl.SSLError):
-                raise UserError(f"TLS to {self.base} failed ({reason.reason})", "give --ca-file with the agent's CA (or --insecure)") from None
-            raise UserError(f"cannot reach the agent at {self.base} ({reason})", "check --url and that `profagent attach` runs") from None
+    def __init__(self, url: str, auth: ClientAuth, timeout: float = 5.0) -> None:
+        self.client = JsonClient(url, auth, timeout=timeout, reach_fix="check --url and that `profagent attach` runs")
 
     def ranks(self) -> dict[str, Any]:
-        status, body = self._get("/api/ranks")
-        if status == 401:
-            raise UserError(f"the agent at {self.base} asks for a password", "give --basic-auth USER:PASS (or --basic-auth-file)")
-        if status == 404:
-            raise UserError(f"{self.base} has no /api/ranks", "upgrade that agent, or point --url at a profagent agent")
-        if status != 200:
-            raise UserError(f"{self.base}/api/ranks answered {status}", "see the agent's log")
-        try:
-            return orjson.loads(body)
-        except orjson.JSONDecodeError:
-            raise UserError(f"{self.base}/api/ranks did not answer JSON", "point --url at a profagent agent") from None
+        return self.client.get_json("/api/ranks", not_found=(
+            f"{self.client.shown} has no /api/ranks", "upgrade that agent, or point --url at a profagent agent"))
 
     def stacks(self, rank: str, job_id: str, seconds: float) -> str | None:
-        status, body = self._get(f"/api/stacks?rank={quote(rank)}&job={quote(job_id)}&seconds={seconds:g}")
+        status, body = self.client.get("/api/stacks", {"rank": rank, "job": job_id, "seconds": f"{seconds:g}"})
         return body.decode(errors="replace") if status == 200 else None
 
     def close(self) -> None:
@@ -563,7 +509,7 @@ def local_feed(config: Any, pid: int) -> LocalFeed:
     return LocalFeed(job, RanksApi(lambda: [job.state.view()], socket.gethostname()))
 
 
-def run_top(config: Any, pid: int | None, url: str | None, auth: HttpAuth, once: bool, interval: float,
+def run_top(config: Any, pid: int | None, url: str | None, auth: ClientAuth, once: bool, interval: float,
             console: Console) -> None:
     """`profagent top`: live on a terminal, plain tables otherwise, one table with ``once``."""
     from profagent.engine.agent import install_stop_signals

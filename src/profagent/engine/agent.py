@@ -25,13 +25,13 @@ from profagent.analysis.findings.steps import pausing_jobs
 from profagent.config import Config, parse_listen
 from profagent.engine.control import ControlledOndemand, ControlServer
 from profagent.engine.findings import FindingsEngine, findings_route
-from profagent.engine.incidents import (
-    IncidentsSource,
+from profagent.engine.incidents.store import (
     IncidentStore,
     incidents_dir,
     incidents_route,
     rate_limits_path,
 )
+from profagent.engine.incidents.trigger import IncidentsSource
 from profagent.engine.runtime import Runtime
 from profagent.errors import SourceUnavailable
 from profagent.exporters.api import RanksApi

@@ -1,6 +1,6 @@
 """``profagent watch``: the node daemon. One runtime, one set of sources, one endpoint.
 
-The target is a ``NodeTarget`` (``agent/discovery.py``) that finds every training job
+The target is a ``NodeTarget`` (``target/node.py``) that finds every training job
 of the node; the rest is the attach machinery. Under systemd (``Type=notify``) it sends
 READY=1 once serving, WATCHDOG=1 every WatchdogSec/2 while the agent is healthy,
 RELOADING=1 and READY=1 around a SIGHUP reload, and STOPPING=1 on SIGTERM/SIGINT.

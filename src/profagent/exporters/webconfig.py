@@ -2,7 +2,7 @@
 
 node_exporter users bring this file; where we read a key differently their security would
 silently change, so every key we accept does what exporter-toolkit does
-(docs/web-configuration.md and web/tls_config.go of prometheus/exporter-toolkit), and
+(web-configuration.md and web/tls_config.go of prometheus/exporter-toolkit), and
 every key or value we cannot honour is refused at start, in one line:
 
 - ``RequireAnyClientCert`` (a certificate required, never verified) cannot be expressed

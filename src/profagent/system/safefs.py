@@ -7,9 +7,11 @@ else owns: never follow, never block, never chmod or chown what is not ours.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Callable
+from pathlib import Path
 
 
 class UnsafePath(Exception):
@@ -98,3 +100,34 @@ def _lstat(path: str) -> os.stat_result | None:
         return os.lstat(path)
     except OSError:
         return None
+
+
+# -- the agent's own files in its private folders (incident bundles, state) ---------------------
+def write_nofollow(path: Path, data: bytes) -> None:
+    """Create ``path`` 0600; fails rather than follow or overwrite anything planted there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+
+
+def replace_nofollow(path: Path, data: bytes) -> None:
+    """Write ``path`` atomically through a fresh temporary file in the same folder."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    write_nofollow(tmp, data)
+    os.replace(tmp, path)
+
+
+def read_nofollow(path: Path, limit: int = 16 * 1024 * 1024) -> bytes:
+    """A regular file's bytes (never a symlink followed, never a FIFO waited on); OSError
+    past ``limit`` bytes."""
+    try:
+        fd = open_regular(str(path))
+    except UnsafePath as exc:
+        raise OSError(f"{path}: {exc}") from None
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(f"{path}: more than {limit} bytes")
+    return data

@@ -1,47 +1,14 @@
 """Watch mode's target: every training job of the node, found by rules, in one tree.
 
-``NodeTarget.refresh()`` has the same contract as ``Target.refresh()``, so the one
-runtime and the one set of sources serve every job of the node:
+``NodeTarget.refresh()`` has the same contract as ``Target.refresh()``, so one runtime
+and one set of sources serve every job of the node. Discovery, roots, job ids, relabels,
+grace, limits and users are described in docs/service.md (Watch mode).
 
-1. **Discovery** (every ``scan_interval``): a process is a candidate when its command
-   line matches the regex, it is a Python process whose environment carries a marker,
-   or it holds a GPU context.
-   The agent itself and its children (py-spy) are never candidates.
-2. **Roots**: a candidate's root is its topmost candidate ancestor. Sibling roots that
-   carry a rank (RANK/SLURM_PROCID) but no job id variable and share a parent are
-   grouped under that parent (a custom launcher). Each root gets a ``PidTarget``, which assigns roles and ranks and
-   resolves the job id (SLURM_JOB_ID, else TORCHELASTIC_RUN_ID, else a torchrun launcher's
-   ``--rdzv-id``, else ``HOST:PID``: ``target/jobid.py``); roots with the same job id
-   (``srun`` tasks) form one job.
-3. **Jobs**: every tick, each root's tree is refreshed. A job whose processes are all
-   gone stays in ``ProcessTree.jobs`` with alive=False for ``grace_seconds``, then
-   disappears; sources drop a job's series once it is no longer listed.
-4. **Limits**: ``max_jobs`` alive jobs, ``max_jobs_per_user`` of them per user (so one
-   user's processes cannot crowd out everyone else's jobs) and ``max_processes_per_job``
-   processes per job (launcher and ranks first), each announced by one log line when hit.
-5. **Users**: a job is identified by (owner of its root, job id). Any user can set
-   SLURM_JOB_ID to another user's job id; such roots never join that job: the first
-   owner keeps the plain id, a later owner's job gets ``<job id>@<user>``.
-
-A new root is admitted at once when something names its job (SLURM_JOB_ID,
-TORCHELASTIC_RUN_ID, torchrun's ``--rdzv-id``), else once it is ``settle_seconds`` old, so
-that a launcher seen before its ranks does not get a ``HOST:PID`` job id that changes a
-moment later. When it does change all the same (the ranks came later and name the job),
-that is a relabel: the job goes on under its new id, its old id's series go at once
-(no grace), and the log says so; it is not a job that ended.
-
-6. **Bounded work**: any user can start thousands of processes that match the rules
-   (``exec -a "python3 train.py" sleep``). A root that was examined and not admitted is
-   remembered by (PID, start time), so a reused PID is a new root: one still settling is
-   looked at again only once it is ``settle_seconds`` old or its tree grew (a launcher's
-   ranks appeared), one refused by a limit only once its job would fit (a job ended).
-   At most ``max_new_per_scan`` roots are examined per scan, taken round-robin across
-   users, so one user's flood delays no one else's new job by more than a scan. Each
-   tick reads /proc's process list once for all the jobs (not once per job), and a scan
-   reads at most 4 KiB of each command line.
-
-Changing the rules (SIGHUP) affects discovery only: jobs already watched stay until
-they end, so a reload never drops series.
+Its work stays bounded whatever the node's users start (thousands of look-alike
+processes): a root examined and not admitted is remembered by (PID, start time) and
+looked at again only once it could pass; at most ``max_new_per_scan`` roots a scan,
+round-robin across users; one read of /proc's process list per tick; at most 4 KiB of
+each command line. A reload (SIGHUP) changes discovery only: watched jobs stay.
 """
 
 from __future__ import annotations

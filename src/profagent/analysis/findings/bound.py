@@ -187,7 +187,7 @@ def straggler(shares: Iterable[RankShares], traces: Iterable[RankTrace], cfg: Fi
     for job, by_rank in steps.items():
         # Ranks that never communicate wait for no one (as `analyze` says): their steps
         # differ with their own load and instrumentation, e.g. one rank profiling itself
-        # with profile_memory on a busy node (the demo under stress-ng, run 162).
+        # with profile_memory on a busy node (the demo under stress-ng).
         if len(by_rank) < 2 or job in quiet_jobs or not any(comm.get(job, {}).values()):
             continue
         for rank, step in by_rank.items():

@@ -19,6 +19,7 @@ A set is not one job when its traces disagree on the world size or the backend i
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,13 @@ from profagent.contracts import TraceReport
 STRAGGLER_THRESHOLD = 0.25
 MIN_GAP = 100e-6  # seconds per step
 MAX_APART = 24 * 3600.0  # seconds between the first and the last trace's start
+_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+
+
+def rank_in_file_name(name: str) -> str | None:
+    """The rank a trace's file name gives (``rank<N>``, ``rank_<N>``, ``rank-<N>``), else None."""
+    m = _RANK_IN_NAME.search(name)
+    return str(int(m.group(1))) if m else None
 
 
 def _collective(r: TraceReport) -> float | None:

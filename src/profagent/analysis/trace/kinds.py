@@ -8,7 +8,7 @@ pid/``device``; runtime calls ``cuda_runtime``/``cuda_driver`` (CUDA, and HIP on
 it is a stream/event wait, not a CPU call); ``cpu_op`` (ATen ops), ``user_annotation``
 (``record_function`` ranges, including ``ProfilerStep#N``).
 
-``classify`` computes, once per trace, the index sets and unions every analyzer reads;
+``classify_events`` computes, once per trace, the index sets and unions every analyzer reads;
 ``Frame`` puts them on one shared grid restricted to the steps (see intervals.Timeline).
 """
 
@@ -71,7 +71,7 @@ class Classified:
         return self.trace.ts[idx], self.trace.end[idx]
 
 
-def classify(trace: Trace) -> Classified:
+def classify_events(trace: Trace) -> Classified:
     """Split the kept events by kind and build the unions. Pure: ``trace`` is not modified."""
     t = trace
     step_name = _name_flags(t.names, lambda n: n.startswith(STEP_PREFIX))

@@ -1,7 +1,8 @@
 """The facade: one parsed trace in, every figure out (parse once, analyze many).
 
 ``analyze()`` runs each analyzer on the same classified events and returns an immutable
-``TraceReport`` in seconds and ratios. ``findings()`` turns it into plain-language advice.
+``TraceReport`` in seconds and ratios. ``readings()`` turns it into plain-language advice
+(the ``findings`` of ``analyze --json``; not the live findings of ``analysis/findings``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from profagent.analysis.trace.annotations import Annotation, annotation_gpu_time
 from profagent.analysis.trace.breakdown import CATEGORIES, step_breakdown
 from profagent.analysis.trace.cputime import cpu_gpu_time
 from profagent.analysis.trace.devices import DeviceTime, device_times
-from profagent.analysis.trace.kinds import US, Frame, accelerator, classify
+from profagent.analysis.trace.kinds import US, Frame, accelerator, classify_events
 from profagent.analysis.trace.launch import LaunchDelay, launch_delay
 from profagent.analysis.trace.memory import peak_allocated
 from profagent.analysis.trace.model import Trace
@@ -58,7 +59,7 @@ def analyze(trace: Trace, top_k: int = 10, iteration_window: bool = False, in_st
     """Every figure of one trace. Pure: reads ``trace``, returns a new report.
     ``iteration_window``: the trace was asked for N iterations (see ``find_steps``);
     ``in_steps``: also every kernel's and op's time inside the steps (for a diff)."""
-    c = classify(trace)
+    c = classify_events(trace)
     steps = find_steps(c, iteration_window)
     frame = Frame(c, steps.spans)
     bd = step_breakdown(frame)
@@ -198,7 +199,7 @@ def _idle_finding(g: GpuSummary) -> str:
             f"{parts[cause]:.1%} of step time ({rest})")
 
 
-def findings(r: TraceReport) -> list[str]:
+def readings(r: TraceReport) -> list[str]:
     """Plain-language readings of the figures, most important first."""
     out: list[str] = []
     out.extend(r.warnings)

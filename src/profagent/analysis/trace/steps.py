@@ -1,42 +1,8 @@
-"""Steps: the CPU ``ProfilerStep#N`` ranges, as the profiler recorded them.
-
-A step is its CPU range ``[start, end)``: the time between two ``prof.step()`` calls, the
-period a steady job repeats. Steps are not extended to the GPU work they launched: on a
-GPU-bound job the device runs behind the CPU by a roughly constant lag, so extending the
-steps would give the first step the whole lag (and shift every later step), while the
-CPU ranges of a steady job come out equal. The GPU work still running when the last
-analysed step ends is reported apart as ``gpu_lag`` (seconds), not added to any step.
-
-Kept and dropped ranges:
-
-- two ranges with the same name at different times are two steps (both kept);
-- a range inside an earlier kept one (the same step recorded twice, e.g. as
-  ``user_annotation`` and ``cpu_op``, or a nested ``ProfilerStep``) is not a step;
-- a range that overlaps the previous step starts where that step ends;
-- a range of zero or negative length is dropped (``dropped``);
-- the last range is ``incomplete`` (the profiler stopped right after ``prof.step()``
-  opened it) and excluded when every step before it contains an optimizer step (an
-  ``Optimizer.step#...`` range, recorded by torch for every optimizer) and it does not;
-  in a trace without optimizer ranges, when it is shorter than half the shortest step
-  before it. E.g. ``mi250-rocm``: a 49 µs ``ProfilerStep#2`` with no ``Optimizer.step``
-  after a 9.29 ms ``ProfilerStep#1`` that has one.
-
-Without ``ProfilerStep`` (an on-demand trace taken through Kineto's daemon has none), the
-optimizer steps mark the iterations: torch records an ``Optimizer.step#<Class>.step``
-range for every optimizer step, so with N of them (of the most frequent such name) there
-are N-1 steps, each from one optimizer step's start to the next one's (``source`` is
-``optimizer``). The span before the first one is left out: a window taken for a duration
-starts anywhere in an iteration. A window taken for N iterations
-(``ACTIVITIES_ITERATIONS=N``, ``iteration_window``) is different: libkineto starts it at an
-iteration boundary (the ``step()`` that follows an optimizer step) and stops it at the N-th
-``step()`` after, so it holds N optimizer steps and N whole iterations; the first step
-then runs from the window's start to the first optimizer step. ``step()`` runs inside the
-optimizer step's range, and the window ends there (the trace's ``Record Window End``,
-``Trace.window_end``), but libkineto stops torch's recording on another thread while the
-job goes on: on a loaded node the trace held 7 optimizer steps for N = 2. Optimizer steps
-that start after the window's end are not the window's. Without either, the whole traced
-window (first to last kept event) is one span, and ``inferred`` is True: a window is not a
-step time.
+"""Steps: the CPU ``ProfilerStep#N`` ranges, as the profiler recorded them (not extended
+to the GPU work they launched: that lag is ``gpu_lag``, apart); without them, the
+optimizer steps mark the iterations; without either, the traced window is one span
+(``inferred``). Which ranges are kept, which dropped and why: docs/traces.md (How steps
+are found).
 """
 
 from __future__ import annotations

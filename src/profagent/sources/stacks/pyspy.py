@@ -34,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-from profagent.errors import Unavailable
+from profagent.errors import SourceUnavailable
 from profagent.labels import printable
 from profagent.system.procfs import (
     PROC,
@@ -58,7 +58,7 @@ MIN_PYSPY_FOR = {(3, 12): (0, 4, 0), (3, 13): (0, 4, 0), (3, 14): (0, 4, 2)}
 NEWEST_KNOWN_MINOR = (3, 14)
 
 
-class PySpyProblem(Unavailable):
+class PySpyProblem(SourceUnavailable):
     """py-spy cannot run here (``problem: fix``, and a ``reason`` label)."""
 
 

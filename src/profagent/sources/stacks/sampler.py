@@ -300,7 +300,7 @@ class Sampler:
         on SIGINT within a sample and writes what it has: a shorter window, harvested as usual.
         A py-spy still there CUT_GRACE later is killed: SIGINT is lost when it comes before
         py-spy set its handler in a process that ignores SIGINT (inherited from an agent
-        that a shell started in the background, as `cmd &` does; runs 131 and 141).
+        that a shell started in the background, as `cmd &` does).
         Here, in the thread that reaps: the child cannot have been reaped, so its PID is ours."""
         now = self._clock()
         for child in children.values():

@@ -1,24 +1,22 @@
 """Stacks source: continuous py-spy sampling of every rank's main process.
 
-A ``Sampler`` thread (agent/sampler.py) keeps one ``py-spy record --format raw`` window
+A ``Sampler`` thread (sources/stacks/sampler.py) keeps one ``py-spy record --format raw`` window
 running per sampled process, back to back, plus a periodic ``py-spy dump --json`` for
 thread states. Why windows and not dump polling: see bench/pyspy_modes.py and
 docs/stacks.md.
 
 ``collect()`` only folds finished windows into counters and returns a snapshot: no
-py-spy run happens on a scrape. A bounded ring of folded stacks per rank feeds
-``/api/stacks``.
+py-spy run happens on a scrape. Whether a rank stands still is ``stall.py``, how fast
+each process is looked at ``pace.py``, and the ring of folded stacks per rank that feeds
+``/api/stacks`` ``ring.py``; native windows (asked here) feed the collective waits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from profagent.analysis.collectives import (
     WaitRatios,
@@ -31,14 +29,11 @@ from profagent.analysis.stacks import (
     CATEGORIES,
     Place,
     Sample,
-    StallTracker,
     TopK,
     classify,
     classify_with_idle,
-    fetching,
+    dominant_stack,
     remember_idle_places,
-    standing_key,
-    waits_on_dataloader,
 )
 from profagent.config import StacksConfig
 from profagent.contracts import (
@@ -46,29 +41,23 @@ from profagent.contracts import (
     ROLE_MAIN,
     Frame,
     ProcessTree,
-    RankStall,
     StackGroup,
     StacksSnapshot,
-    WorkerStall,
 )
 from profagent.errors import SourceUnavailable
 from profagent.logs import LogOnce
 from profagent.sources.stacks import pyspy
+from profagent.sources.stacks.pace import PacePolicy
+from profagent.sources.stacks.ring import StackRing
 from profagent.sources.stacks.sampler import Result, Sampler
+from profagent.sources.stacks.stall import NativeLook, StallPolicy
 
 log = logging.getLogger(__name__)
 
-RING_MAX_BYTES = 4 << 20  # per rank
 JOB_MEMORY_SECONDS = 60.0  # how long a pid's job is remembered after it left the targets
-RING_MAX_LINES = 5000  # distinct stacks kept per window
 
 GpuBusy = Callable[[str, str], "bool | None"]  # (rank, job_id) -> GPUs busy? None: unknown
 JobHot = Callable[[str], bool]  # job_id -> a finding is active on the job
-WATCH_HOLD = 30.0  # seconds of full rate after `profagent top` or /api/stacks last asked
-# A rank whose last window began before another rank of its job stalled is shown as it was
-# before the job stopped: the hang verdict waits for its next window, this long at most past
-# the longest window (py-spy start-up and harvest, longer on a loaded node)
-STALE_GRACE = 15.0
 
 
 
@@ -89,12 +78,10 @@ class StacksSource:
         self.interval = interval
         self.gpu_busy = gpu_busy
         self.job_hot: JobHot | None = None  # set by the engine: full rate while the job has a finding
-        self._first_seen: dict[int, float] = {}  # pid -> when it was first wanted
-        self._watched_until = float("-inf")
+        self._pace_policy = PacePolicy()
         self._binary = binary
         self._clock, self._wall = clock, wall
         self._proc_root = proc_root
-        self._lock = threading.Lock()  # guards the ring (read by HTTP threads)
         self._sampler: Sampler | None = None
         self._checked: set[int] = set()  # pids whose Python version was checked
         self._readable: set[int] = set()  # pids py-spy has read at least once
@@ -107,8 +94,7 @@ class StacksSource:
         self._topk: dict[tuple[str, str, str], TopK] = {}
         self._threads: dict[tuple[str, str, str], dict[tuple[str, str], int]] = {}
         self._idle_places: dict[tuple[str, str, str], dict[Place, None]] = {}  # lines dumps saw idle
-        self._stalls: dict[tuple[str, str], StallTracker] = {}
-        self._stall_state: dict[tuple[str, str], tuple[bool, float, tuple[Frame, ...]]] = {}
+        self._stall = StallPolicy()
         # collective waits, per (job_id, rank): see analysis/collectives.WaitRatios
         self._ratios: dict[tuple[str, str], WaitRatios] = {}
         self._judged: dict[tuple[str, str], tuple[int, float]] = {}  # cumulative (samples, waits)
@@ -116,22 +102,20 @@ class StacksSource:
         self._native_pending: dict[tuple[str, str], tuple[int, float]] = {}  # -> (pid, asked at)
         self._native_stack: dict[tuple[str, str], NativeLook] = {}  # the last native window's main stack
         self._steady: dict[tuple[str, str], bool] = {}  # the rank's last window was steady
-        self._looked: dict[tuple[str, str], tuple[float, float]] = {}  # (start, end) of its last main window
         self._mains: dict[tuple[str, str], int] = {}  # (job_id, rank) -> pid of its main process
-        # DataLoader workers of ranks waiting for their DataLoader: (job_id, rank) -> pid -> look
-        self._workers: dict[tuple[str, str], dict[int, WorkerLook]] = {}
-        self._worker_pids: dict[tuple[str, str], set[int]] = {}  # the workers sampled now
-        self._rank_workers: dict[tuple[str, str], set[int]] = {}  # every DataLoader worker of each rank
         self._errors: dict[tuple[str, str], int] = {}  # (job_id, reason) -> failed py-spy runs
         self._log_once = LogOnce(log)
-        # ring: (job_id, rank) -> deque of (wall_end, {folded line: count}, bytes)
-        self._ring: dict[tuple[str, str], deque] = {}
-        self._ring_bytes: dict[tuple[str, str], int] = {}
+        self._ring = StackRing()  # read by HTTP threads
+
+    @property
+    def _stall_state(self) -> dict[tuple[str, str], tuple[bool, float, tuple[Frame, ...]]]:
+        """Each rank's stall state (stall.py), as the pace and native requests read it."""
+        return self._stall.state
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         """Find py-spy and start the sampler thread. Raises SourceUnavailable."""
-        self._binary = self._binary or pyspy.find_pyspy()  # raises PySpyProblem, an Unavailable
+        self._binary = self._binary or pyspy.find_pyspy()  # raises PySpyProblem, a SourceUnavailable
         self._version = pyspy.pyspy_version(self._binary)
         self._sampler = Sampler(self._binary, self.config, self._clock, self._wall)
         self._sampler.start()
@@ -161,36 +145,20 @@ class StacksSource:
     def _forget_ended_jobs(self, tree: ProcessTree) -> None:
         """A job that left the tree (watch mode, after its grace) takes its series along."""
         live = set(tree.job_status())
-        for table in (self._categories, self._topk, self._threads, self._idle_places, self._stalls, self._stall_state,
-                      self._ratios, self._judged, self._last_native, self._native_stack, self._steady,
-                      self._native_pending, self._looked, self._workers, self._worker_pids):
+        for table in (self._categories, self._topk, self._threads, self._idle_places, self._ratios, self._judged,
+                      self._last_native, self._native_stack, self._steady, self._native_pending):
             for key in [k for k in table if k[0] not in live]:
                 del table[key]
+        self._stall.forget(live)
         # errors of no job ("": the sampler itself failed) are the agent's: they stay
         for key in [k for k in self._errors if k[0] and k[0] not in live]:
             del self._errors[key]
-        with self._lock:
-            for key in [k for k in self._ring if k[0] not in live]:
-                del self._ring[key]
-                self._ring_bytes.pop(key, None)
+        self._ring.forget(live)
 
     def _targets(self, tree: ProcessTree) -> dict[int, tuple[str, str]]:
         roles = (ROLE_MAIN, ROLE_DATALOADER) if self.config.dataloader else (ROLE_MAIN,)
         wanted = {p.pid: (p.rank, p.role) for p in tree.processes if p.role in roles}
-        # the workers of a rank whose main thread stands still waiting for its DataLoader: a
-        # worker that hangs holds the rank up, and only its own stack says where
-        waiting = {key for key, (_, unchanged, frames) in self._stall_state.items()
-                   if unchanged > 0 and waits_on_dataloader(frames)}
-        self._worker_pids, self._rank_workers = {}, {}
-        for p in tree.processes:
-            if p.role == ROLE_DATALOADER:
-                self._rank_workers.setdefault((p.job_id, p.rank), set()).add(p.pid)
-            if p.role == ROLE_DATALOADER and (p.job_id, p.rank) in waiting:
-                wanted[p.pid] = (p.rank, p.role)
-                self._worker_pids.setdefault((p.job_id, p.rank), set()).add(p.pid)
-        for key in list(self._workers):
-            live = self._worker_pids.get(key, set())
-            self._workers[key] = {pid: look for pid, look in self._workers[key].items() if pid in live}
+        wanted.update(self._stall.workers_to_sample(tree.processes))
         now = self._clock()
         self._job_of.update({p.pid: (p.job_id, now) for p in tree.processes if p.pid in wanted})
         for pid in wanted:
@@ -212,26 +180,13 @@ class StacksSource:
     # -- pace -----------------------------------------------------------------------------------
     def watched(self) -> None:
         """Someone looks at this job's stacks (`profagent top`, /api/stacks): full rate a while."""
-        self._watched_until = self._clock() + WATCH_HOLD
+        self._pace_policy.watched(self._clock())
 
     def _pace(self, wanted: dict[int, tuple[str, str]]) -> dict[int, tuple[int, float]]:
-        """Each process' next windows: the full rate while it warms up, while its job has a
-        finding or a stall suspected (a window with one unchanged stack), and while watched;
-        the steady rate otherwise. py-spy's cost is mostly per window and per sample."""
-        cfg, now = self.config, self._clock()
-        self._first_seen = {pid: self._first_seen.get(pid, now) for pid in wanted}
-        full, steady = (cfg.rate, cfg.window), (cfg.steady_rate, cfg.steady_window)
-        if cfg.steady_rate <= 0 or now < self._watched_until:
-            return dict.fromkeys(wanted, full)
-        # a stall suspected in any rank: every rank of its job at full rate, so the hang
-        # verdict reads each rank as it is now, not from a long steady window
-        suspects = {job for (job, _), state in self._stall_state.items() if state[1] > 0}
-        pace = {}
-        for pid in wanted:
-            job = self._job(pid)
-            pace[pid] = full if (now - self._first_seen[pid] < cfg.warmup_seconds or job in suspects
-                                 or self._hot(job)) else steady
-        return pace
+        """Each process' next windows (pace.py); a stall is suspected in a job when one of
+        its ranks' last window had one unchanged stack."""
+        suspects = self._stall.suspects()
+        return self._pace_policy.pace(self.config, list(wanted), self._job, suspects, self._hot, self._clock())
 
     def _hot(self, job: str) -> bool:
         if self.job_hot is None:
@@ -268,7 +223,7 @@ class StacksSource:
         self._count_main(group, main, r.end - r.start)
         self._remember(r)
         if r.role == ROLE_DATALOADER:
-            self._check_worker(group[:2], r.pid, main, r.start, r.end)
+            self._stall.check_worker(group[:2], r.pid, main, r.start, r.end, self.config.stall_seconds)
         if r.role == ROLE_MAIN:
             self._count_waits(group[:2], main, native_main if r.native else None)
             self._check_stall(r, main)
@@ -298,37 +253,13 @@ class StacksSource:
 
     def _check_stall(self, r: Result, main: list[Sample]) -> None:
         job = self._job(r.pid)
-        tracker = self._stalls.setdefault((job, r.rank), StallTracker(self.config.stall_seconds))
         busy = None
         if self.gpu_busy is not None:
             try:
                 busy = self.gpu_busy(r.rank, job)
             except Exception:  # the GPU hook is someone else's: never let it break stacks
                 busy = None
-        status = tracker.update(main, r.start, r.end, busy)
-        self._looked[(job, r.rank)] = (r.start, r.end)
-        was = self._stall_state.get((job, r.rank), (False, 0.0, ()))[0]
-        self._stall_state[(job, r.rank)] = (status.stalled, status.unchanged_seconds, _dominant(main))
-        if status.started:
-            gpu = "no GPU signal" if busy is None else "its GPUs idle"
-            log.warning("rank %s stalled: main thread stack unchanged for %.0f s (%s); stack, innermost last:",
-                        r.rank, status.unchanged_seconds, gpu, extra={"lines": [str(f) for f in status.frames]})
-        elif was and not status.stalled:
-            log.info("rank %s is moving again", r.rank)
-
-    def _check_worker(self, key: tuple[str, str], pid: int, main: list[Sample], start: float, end: float) -> None:
-        """One window of a DataLoader worker: does it stand still while it makes a batch?"""
-        if pid not in self._worker_pids.get(key, set()):
-            return  # sampled for config.stacks.dataloader only, or its rank moved on
-        looks = self._workers.setdefault(key, {})
-        look = looks.get(pid) or WorkerLook(StallTracker(self.config.stall_seconds))
-        status = look.tracker.update(main, start, end, None)
-        frames = _dominant(main)
-        stuck = status.unchanged_seconds > 0 and fetching(frames)
-        if stuck and not look.stuck:
-            log.warning("rank %s: DataLoader worker PID %d stands still while making a batch; stack, innermost last:",
-                        key[1], pid, extra={"lines": [str(f) for f in frames]})
-        looks[pid] = WorkerLook(look.tracker, frames, stuck, status.unchanged_seconds)
+        self._stall.check_rank((job, r.rank), main, r.start, r.end, busy, self.config.stall_seconds)
 
     def _count_waits(self, key: tuple[str, str], main: list[Sample], native_main: list[Sample] | None) -> None:
         """Judged samples and collective waits of one main-thread window (see docs/stacks.md)."""
@@ -342,7 +273,7 @@ class StacksSource:
             log.debug("stacks: rank %s: native window learned %d stacks", key[1], len(native_main))
             waits = float(native_waits(native_main))
             if native_main:
-                top = _dominant(native_main)
+                top = dominant_stack(native_main)
                 self._native_stack[key] = NativeLook(python_frames(top), top, moving(native_main, top), self._clock())
         elif ratios.learned:
             waits = ratios.waits(main)
@@ -366,7 +297,7 @@ class StacksSource:
         if not cfg.native or self._sampler is None or key in self._native_pending or not main:
             return
         last = self._last_native.get(key)
-        stall = self._stall_state.get(key)
+        stall = self._stall.state.get(key)
         look = self._native_stack.get(key)
         # a stack standing still: look at its native frames, and again every half stall_seconds
         # (a rank computing for long in one C++ call may stop there later)
@@ -393,21 +324,8 @@ class StacksSource:
         self._sampler.request_native(pid)
 
     def _remember(self, r: Result) -> None:
-        lines: dict[str, int] = {}
         prefix = "" if r.role == ROLE_MAIN else f"{r.role} worker;"
-        for s in r.samples[:RING_MAX_LINES]:
-            key = prefix + s.folded
-            lines[key] = lines.get(key, 0) + s.count
-        size = sum(len(k) + 8 for k in lines)
-        key = (self._job(r.pid), r.rank)
-        with self._lock:
-            ring = self._ring.setdefault(key, deque())
-            ring.append((r.wall_end, lines, size))
-            total = self._ring_bytes.get(key, 0) + size
-            horizon = r.wall_end - self.config.ring_seconds
-            while ring and (ring[0][0] < horizon or total > RING_MAX_BYTES):
-                total -= ring.popleft()[2]
-            self._ring_bytes[key] = total
+        self._ring.add((self._job(r.pid), r.rank), r.wall_end, r.samples, self.config.ring_seconds, prefix)
 
     def _snapshot(self, job_id: str) -> StacksSnapshot:
         groups = []
@@ -423,66 +341,18 @@ class StacksSource:
                 tuple((state, gil, n) for (state, gil), n in sorted(threads.items())),
                 job_id=group[0], judged=judged, collective_wait=waits,
             ))
-        stalls = self._mark_stale([self._rank_stall(key, *state) for key, state in sorted(self._stall_state.items())])
+        stalls = self._stall.rank_stalls(self.config, self._native_stack, set(self._native_pending), self._clock())
         errors = tuple((job, reason, n) for (job, reason), n in sorted(self._errors.items()))
         return StacksSnapshot(job_id, tuple(groups), stalls, errors)
-
-    def _rank_stall(self, key: tuple[str, str], stalled: bool, unchanged: float,
-                    frames: tuple[Frame, ...]) -> RankStall:
-        look = self._native_stack.get(key)
-        same = look is not None and bool(frames) and standing_key(look.python) == standing_key(frames)
-        # native frames that moved (outside any collective) since this stack stood still: the
-        # rank computes in one long C++ call (a slow backward), it is not stuck
-        moving = same and look.moving and look.at >= self._clock() - unchanged
-        waiting = unchanged > 0 and waits_on_dataloader(frames)
-        workers = tuple(WorkerStall(pid, w.stuck, w.unchanged, w.frames)
-                        for pid, w in sorted(self._workers.get(key, {}).items())) if waiting else ()
-        # its workers' first windows are on their way (asked for at the next collect); not for
-        # ever: a worker py-spy cannot read must not hold the verdict back
-        pending = (waiting and unchanged < self.config.stall_seconds + 2 * STALE_GRACE
-                   and any(pid not in self._workers.get(key, {}) for pid in self._rank_workers.get(key, ())))
-        # a rank waiting for a worker that stands still is stalled, whatever its poll loop does
-        held = any(w.stuck and w.unchanged_seconds > self.config.stall_seconds for w in workers)
-        return RankStall(key[1], (stalled and not moving) or held, unchanged, key[0], frames,
-                         suspected=unchanged > 0 and not moving, native=look.frames if same else (),
-                         native_pending=key in self._native_pending, workers=workers, workers_pending=pending,
-                         window_age_seconds=max(0.0, self._clock() - self._looked.get(key, (self._clock(), 0.0))[0]))
-
-    def _mark_stale(self, stalls: list[RankStall]) -> tuple[RankStall, ...]:
-        """Mark the ranks whose last window began before another rank of their job stalled
-        (``RankStall.stale``), while a newer window may still come."""
-        now = self._clock()
-        longest = max(self.config.window, self.config.steady_window if self.config.steady_rate > 0 else 0.0)
-        began: dict[str, float] = {}  # job -> when its earliest stalled rank's stack stood still
-        for s in stalls:
-            if s.stalled:
-                since = self._looked[(s.job_id, s.rank)][1] - s.unchanged_seconds
-                began[s.job_id] = min(began.get(s.job_id, since), since)
-        marked = []
-        for s in stalls:
-            start, end = self._looked.get((s.job_id, s.rank), (now, now))
-            stale = (not s.stalled and s.job_id in began and start < began[s.job_id]
-                     and now - end < longest + STALE_GRACE)
-            marked.append(dataclasses.replace(s, stale=True) if stale else s)
-        return tuple(marked)
 
     # -- /api/stacks ----------------------------------------------------------------------------
     def ranks(self) -> list[tuple[str, str]]:
         """(job_id, rank) pairs with stacks in the ring."""
-        with self._lock:
-            return sorted(self._ring)
+        return self._ring.ranks()
 
     def folded(self, rank: str, seconds: float, job_id: str | None = None) -> str:
         """Collapsed stacks of ``rank`` over the last ``seconds`` (one ``stack count`` a line)."""
-        horizon = self._wall() - seconds
-        totals: dict[str, int] = {}
-        with self._lock:
-            windows = [lines for (job, r), ring in self._ring.items() if r == rank and job_id in (None, job)
-                       for end, lines, _ in ring if end >= horizon]
-        for lines in windows:
-            for stack, n in lines.items():
-                totals[stack] = totals.get(stack, 0) + n
-        return "".join(f"{stack} {n}\n" for stack, n in sorted(totals.items()))
+        return self._ring.folded(rank, self._wall() - seconds, job_id)
 
     def route(self, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
         """GET /api/stacks?rank=R&seconds=S[&job=J] -> folded stacks as text/plain."""
@@ -506,38 +376,6 @@ class StacksSource:
             return 400, "text/plain", f"rank {rank} exists in several jobs: add job=J (sampled ranks: {known})\n".encode()
         seconds = min(max(seconds, 0.0), self.config.ring_seconds)
         return 200, "text/plain; charset=utf-8", self.folded(rank, seconds, matches[0][0]).encode()
-
-
-def _dominant(main: list[Sample]) -> tuple[Frame, ...]:
-    """The main thread's most sampled stack of one window (root first); () without samples."""
-    counts: dict[str, int] = {}
-    frames: dict[str, tuple[Frame, ...]] = {}
-    for s in main:
-        counts[s.folded] = counts.get(s.folded, 0) + s.count
-        frames[s.folded] = s.frames
-    return frames[max(counts, key=lambda k: (counts[k], k))] if counts else ()
-
-
-@dataclass(frozen=True)
-class WorkerLook:
-    """The last window of one DataLoader worker: its stall tracker, most sampled stack, and
-    whether it stands still making a batch."""
-
-    tracker: StallTracker
-    frames: tuple[Frame, ...] = ()
-    stuck: bool = False
-    unchanged: float = 0.0
-
-
-@dataclass(frozen=True)
-class NativeLook:
-    """What a native window saw of a rank's main thread: its most sampled stack (with and
-    without native frames), whether the thread moved, and when (clock)."""
-
-    python: tuple[Frame, ...]
-    frames: tuple[Frame, ...]
-    moving: bool
-    at: float
 
 
 def _steady(main: list[Sample]) -> bool:

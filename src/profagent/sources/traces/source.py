@@ -1,36 +1,14 @@
 """Traces source: torch profiler traces from watched folders, analysed into per-rank figures.
 
-A worker thread owned by the source reads and analyses each complete trace (off the
-scrape path, and off the other sources' threads); ``collect()`` only hands over the
-latest immutable snapshot. The source ticks every 0.25 s by default, so a trace's
-metrics are visible well within two seconds of the file being complete.
+A worker thread owned by the source reads and analyses each complete trace, off the
+scrape path and the other sources' threads; ``collect()`` only hands over the latest
+immutable snapshot (ticks of 0.25 s: a trace's metrics show within two seconds).
 
-A trace belongs to exactly one job and rank: the process it was taken from. Its pid is
-in the file name of an on-demand trace (``profagent_<id>_<pid>.json``, as libkineto names
-it) or of ``tensorboard_trace_handler`` (``host_<pid>.<ts>.pt.trace.json``), and in the
-trace's process metadata (``pid`` of its CPU rows). What a trace says is the word of
-whoever wrote it, so it counts for a job only by kernel credentials (``attribute``):
-
-- the PIDs it names are processes of that job and of no other job or live process
-  (else ``skipped``/``other_process``). In watch mode, in the on-demand folder and for an
-  on-demand file name, every PID it names must be the job's, and a trace naming none is
-  no job's (``no_job_pid``); attached to one job, a trace in a folder the user named whose
-  PIDs are all gone (taken earlier) is still the attached job's;
-- its file is owned by that job's user, or root (else ``foreign_owner``);
-- it lies in a folder that job's user may write (else ``foreign_folder``).
-
-Rejected traces are counted in ``profagent_traces_rejected_total{status="skipped",reason}``
-and never shown. So a user with a watched job of its own cannot pass a trace off as
-another user's job by naming that job's PIDs, nor a trace of another machine as its own
-in the on-demand folder.
-
-The rank of a trace: ``distributedInfo.rank``, else the rank of the target process whose
-pid the trace records, else ``rank<N>`` or a pid in the file name, else the job's only
-rank, else ``unknown``.
-
-Logging stays readable on a busy folder: the first ingested trace is logged at INFO, the
-others at DEBUG, with an INFO summary at most every ``SUMMARY_SECONDS`` ("N traces
-ingested, M skipped in the last minute"); rejected files stay at WARNING.
+A trace counts for a job only by kernel credentials (``attribute``): the PIDs it names,
+the owner of its file and of its folder; what it says is the word of whoever wrote it.
+Those rules and how its rank is found: docs/traces.md (The watched folder). Logging stays
+readable on a busy folder: the first trace at INFO, then a summary at most every
+``SUMMARY_SECONDS``; rejected files at WARNING.
 """
 
 from __future__ import annotations
@@ -46,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from profagent.analysis.trace.job import rank_in_file_name
 from profagent.analysis.trace.model import Trace
 from profagent.analysis.trace.report import analyze
 from profagent.config import Config
@@ -76,7 +55,6 @@ WORK_IDLE = 1.0  # seconds between looks with none waiting (a new file wakes the
 STATE_FILE = "traces-processed.json"
 WARN_PER_REASON = 10  # then every 1000th
 PUBLISH_INTERVAL = 0.25  # default seconds between publishing (collect() never waits)
-_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 _PID_IN_NAME = re.compile(r"_(\d+)\.\d+\.pt\.trace\.json")  # tensorboard_trace_handler: host_PID.TS.pt.trace.json
 _ONDEMAND_NAME = re.compile(r"^profagent_[^/]*_(\d+)\.json$")  # libkineto: <log file stem>_<pid>.json
 SUMMARY_SECONDS = 60.0
@@ -111,7 +89,7 @@ class Attribution:
 def attribute(report: TraceReport, path: str, file_uid: int, tree: ProcessTree | None, *,
               alive: Callable[[int], bool], credentials: Callable[[int], Credentials | None],
               strict: bool) -> Attribution:
-    """The job a trace counts for, by kernel credentials only (see the module doc).
+    """The job a trace counts for, by kernel credentials only (docs/traces.md, The watched folder).
 
     ``strict``: a trace must name a PID of the job (watch mode, the on-demand folder);
     otherwise a trace whose PIDs are all gone is the attached job's (``tree.job_id``).
@@ -179,7 +157,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def resolve_rank(report: TraceReport, path: str, tree: ProcessTree | None, job_id: str | None = None) -> str:
-    """The rank of a trace (see the module doc); ``job_id``: the job it counts for, whose
+    """The rank of a trace (docs/traces.md, The watched folder): distributedInfo, else the
+    rank of the process whose pid it records, else ``rank<N>`` or a pid in the file name,
+    else the job's only rank, else ``unknown``; ``job_id``: the job it counts for, whose
     only rank is the fallback (None: the whole tree)."""
     if report.rank is not None:
         return report.rank
@@ -189,9 +169,9 @@ def resolve_rank(report: TraceReport, path: str, tree: ProcessTree | None, job_i
         if info is not None and info.rank:
             return info.rank
     name = Path(path).name
-    m = _RANK_IN_NAME.search(name)
-    if m:
-        return str(int(m.group(1)))
+    from_name = rank_in_file_name(name)
+    if from_name is not None:
+        return from_name
     m = _PID_IN_NAME.search(name)
     if m and int(m.group(1)) in by_pid and by_pid[int(m.group(1))].rank:
         return by_pid[int(m.group(1))].rank
