@@ -161,16 +161,17 @@ class StacksSource:
     def _forget_ended_jobs(self, tree: ProcessTree) -> None:
         """A job that left the tree (watch mode, after its grace) takes its series along."""
         live = set(tree.job_status())
+        expired = tree.expired_ranks
         for table in (self._categories, self._topk, self._threads, self._idle_places, self._stalls, self._stall_state,
                       self._ratios, self._judged, self._last_native, self._native_stack, self._steady,
                       self._native_pending, self._looked, self._workers, self._worker_pids):
-            for key in [k for k in table if k[0] not in live]:
+            for key in [k for k in table if k[0] not in live or (k[0], k[1]) in expired]:
                 del table[key]
         # errors of no job ("": the sampler itself failed) are the agent's: they stay
         for key in [k for k in self._errors if k[0] and k[0] not in live]:
             del self._errors[key]
         with self._lock:
-            for key in [k for k in self._ring if k[0] not in live]:
+            for key in [k for k in self._ring if k[0] not in live or (k[0], k[1]) in expired]:
                 del self._ring[key]
                 self._ring_bytes.pop(key, None)
 
