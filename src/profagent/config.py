@@ -105,6 +105,7 @@ class TracesConfig:
     polling: bool = _opt(False, "poll the folders instead of inotify (network filesystems)")
     settle_seconds: float = _opt(0.5, "a .json.gz must keep its size this long before it is read")
     invalid_after: float = _opt(60.0, "seconds a trace may stay incomplete before it counts as invalid")
+    incomplete_cpu_seconds: float = _opt(5.0, "CPU seconds the agent spends, over all its reads, on a trace that stays incomplete; past it the trace counts as invalid (reason cpu_budget)")
     max_file_bytes: int = _opt(2 * 1024**3, "traces larger than this, once uncompressed, are skipped (reason too_large; a file of exactly this size is read)")
     max_buffered_bytes: int = _opt(16 * 1024**2, "text of a trace held in memory at once: the metadata before the events, or one event, string or run of blanks; a trace that needs more is skipped (reason too_large_event)")
     max_inflated_bytes: int = _opt(512 * 1024**2, "text of one trace once uncompressed: beyond it the trace is skipped (reason too_large), at most this much inflated and decoded (CPU)")
@@ -408,6 +409,8 @@ def validate(config: Config) -> None:
                               ("max_names", t.max_names, 100), ("max_name_chars", t.max_name_chars, 64)):
         if value < least:
             raise UserError(f"'traces.{key}' is {value}", f"use {least} or more")
+    if config.traces.incomplete_cpu_seconds <= 0:
+        raise UserError("'traces.incomplete_cpu_seconds' must be positive", "use a few seconds, e.g. 5")
     if config.agent.max_series_per_job < 1:
         raise UserError(f"'max_series_per_job' is {config.agent.max_series_per_job}", "use 1 or more")
     if config.agent.max_label_bytes < 32:

@@ -224,13 +224,15 @@ class TracesSource:
         alive: Callable[[int], bool] = _pid_alive,
         credentials: Callable[[int], Credentials | None] = _credentials,
         strict_dirs: tuple[Path, ...] = (),
+        incomplete_cpu: float = 5.0,
     ) -> None:
         self.interval = interval
         self.user_dirs = user_dirs
         self.top_k = top_k
         self._dirs = dirs
         self._watcher = FolderWatcher(dirs, Processed(state_dir / STATE_FILE if state_dir is not None else None),
-                                      settle_seconds, invalid_after, max_file_bytes, polling, flat=strict_dirs)
+                                      settle_seconds, invalid_after, max_file_bytes, polling, flat=strict_dirs,
+                                      incomplete_cpu=incomplete_cpu)
         # traces.baseline comes from the config (the admin's): read it with the size cap only
         self._read_baseline_file = functools.partial(read_trace, max_bytes=max_file_bytes) \
             if reader is read_trace else reader
@@ -323,11 +325,12 @@ class TracesSource:
         if verdict.action != "attempt":
             self._count(verdict, verdict.action, verdict.reason, verdict.message)
             return
+        started = time.thread_time()
         try:
             trace = self._read(verdict.path)
         except TraceError as exc:
             if exc.reason in ("truncated", "unreadable"):
-                self._watcher.failed(verdict, exc.reason, str(exc))
+                self._watcher.failed(verdict, exc.reason, str(exc), cpu=time.thread_time() - started)
             elif exc.reason in ("not_a_trace", "symlink", "not_regular", "foreign_owner", "too_large", "too_large_event",
                                 "too_many_events", "too_many_names"):
                 self._count(verdict, "skipped", exc.reason, str(exc))
@@ -426,6 +429,7 @@ def traces_source(config: Config, user_dirs: bool = True) -> TracesSource:
         interval=t.interval if t.interval > 0 else min(config.agent.interval, PUBLISH_INTERVAL),
         settle_seconds=t.settle_seconds,
         invalid_after=t.invalid_after,
+        incomplete_cpu=t.incomplete_cpu_seconds,
         max_file_bytes=t.max_file_bytes,
         max_buffered_bytes=t.max_buffered_bytes,
         max_inflated_bytes=t.max_inflated_bytes,

@@ -8,7 +8,9 @@
   its size and mtime have been stable for ``settle_seconds``; reading then checks that the
   gzip stream and the JSON are complete. A ``.json`` must end with ``}``.
 - A file that is still incomplete is retried whenever it changes, and counted ``invalid``
-  (with its reason) once it has been incomplete for ``invalid_after`` seconds.
+  (with its reason) once it has been incomplete for ``invalid_after`` seconds, or once its
+  reads have taken ``incomplete_cpu`` seconds of CPU (reason ``cpu_budget``).
+- Files are read one per user (the file's owner) per round, users in turn.
 - Files are only ever opened for reading, without following a symlink and without waiting
   on a FIFO; only regular files owned by root, the agent, a watched folder's owner or a
   job's user are read (others are ``skipped`` with reason ``symlink``, ``not_regular`` or
@@ -108,6 +110,7 @@ class Pending:
     reason: str = ""
     message: str = ""
     failures: int = 0  # attempts that found it incomplete: each doubles the wait before the next
+    cpu: float = 0.0  # CPU seconds its incomplete reads took, all together
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ class FolderWatcher:
         max_file_bytes: int,
         polling: bool = False,
         flat: Iterable[Path] = (),
+        incomplete_cpu: float = 5.0,
     ) -> None:
         """``flat``: folders watched and scanned without their subfolders (the on-demand
         folder: libkineto writes there directly, and anyone may make folders in it: 30,000
@@ -157,6 +161,7 @@ class FolderWatcher:
         self.settle = settle_seconds
         self.invalid_after = invalid_after
         self.max_bytes = max_file_bytes
+        self.incomplete_cpu = incomplete_cpu  # traces.incomplete_cpu_seconds
         self.polling = polling
         self.wake = threading.Event()
         self._lock = threading.Lock()
@@ -265,10 +270,27 @@ class FolderWatcher:
         for path in dirty:
             self._pending.setdefault(path, Pending(first_seen=now))
         out: list[Verdict] = []
+        attempts: dict[int, list[tuple[Verdict, float | None]]] = {}  # uid -> its files to read now
         for path, p in list(self._pending.items()):
+            before = p.attempted_at
             verdict = self._check(path, p, now)
-            if verdict is not None:
+            if verdict is None:
+                continue
+            if verdict.action == "attempt":
+                attempts.setdefault(verdict.uid, []).append((verdict, before))
+            else:
                 out.append(verdict)
+        # One file per user (its owner) per round, users in turn: a user with hundreds of
+        # files (or one that keeps changing) delays another user's trace by one read, not
+        # by all of theirs. The others wait for the next round, which starts at once.
+        for mine in attempts.values():
+            out.append(mine[0][0])
+            for verdict, before in mine[1:]:
+                pending = self._pending.get(verdict.path)
+                if pending is not None:
+                    pending.attempted_at = before
+        if any(len(mine) > 1 for mine in attempts.values()):
+            self.wake.set()
         return out
 
     def _check(self, path: str, p: Pending, now: float) -> Verdict | None:
@@ -293,6 +315,11 @@ class FolderWatcher:
         if st.st_size > self.max_bytes:
             return self._final(path, sig, "skipped", "too_large",
                                f"{st.st_size} bytes is over traces.max_file_bytes ({self.max_bytes})")
+        if p.failures and p.cpu >= self.incomplete_cpu:
+            # a file kept incomplete on purpose (appended to every 0.7 s) costs at most this
+            return self._final(path, sig, "invalid", "cpu_budget",
+                               f"still incomplete after {p.cpu:.1f} s of CPU over {p.failures} reads "
+                               f"(traces.incomplete_cpu_seconds = {self.incomplete_cpu:g})")
         if p.failures and now - p.first_seen >= self.invalid_after:
             return self._final(path, sig, "invalid", p.reason or "truncated",
                                p.message or f"still incomplete after {self.invalid_after:g}s")
@@ -325,12 +352,14 @@ class FolderWatcher:
         del self._pending[path]
         return Verdict(path, sig, status, reason, message)
 
-    def failed(self, verdict: Verdict, reason: str, message: str) -> None:
-        """An attempt found the file incomplete: wait for it to change (or time out)."""
+    def failed(self, verdict: Verdict, reason: str, message: str, cpu: float = 0.0) -> None:
+        """An attempt found the file incomplete (after ``cpu`` seconds of reading): wait for
+        it to change, until its deadline (invalid_after) or its CPU budget runs out."""
         p = self._pending.get(verdict.path)
         if p is not None:
             p.failed_sig, p.reason, p.message = verdict.sig, reason, message
             p.failures += 1
+            p.cpu += cpu
 
     def finished(self, verdict: Verdict, status: str) -> None:
         """The file is counted: remember it and stop watching it."""
