@@ -399,6 +399,12 @@ def test_an_incomplete_trace_stops_costing_once_its_reads_have_taken_the_cpu_bud
     assert attempts == 3
     assert final is not None and final[1:3] == ("invalid", "cpu_budget") and final[0] < 10.0, final
     assert "1.2 s of CPU over 3 reads (traces.incomplete_cpu_seconds = 1)" in final[3]
+    for tick in range(100):  # its writer goes on: the path is neither read nor counted again
+        with path.open("ab") as fh:
+            fh.write(b"\0" * 16)
+        watcher.notify(str(path))
+        assert watcher.due(final[0] + 1 + tick * 0.7) == []
+    assert watcher.waiting == 0
 
 
 def test_each_users_files_are_read_in_turn(tmp_path: Path) -> None:

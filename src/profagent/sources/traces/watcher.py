@@ -9,7 +9,8 @@
   gzip stream and the JSON are complete. A ``.json`` must end with ``}``.
 - A file that is still incomplete is retried whenever it changes, and counted ``invalid``
   (with its reason) once it has been incomplete for ``invalid_after`` seconds, or once its
-  reads have taken ``incomplete_cpu`` seconds of CPU (reason ``cpu_budget``).
+  reads have taken ``incomplete_cpu`` seconds of CPU (reason ``cpu_budget``); its path is
+  then not read again, however its writer goes on changing it.
 - Files are read one per user (the file's owner) per round, users in turn.
 - Files are only ever opened for reading, without following a symlink and without waiting
   on a FIFO; only regular files owned by root, the agent, a watched folder's owner or a
@@ -41,6 +42,7 @@ from profagent.system.safefs import UnsafePath, open_regular
 log = logging.getLogger(__name__)
 
 STATE_LIMIT = 10000  # processed entries kept in the state file
+MAX_EXHAUSTED = 4096  # paths remembered as never to be read again (invalid: incomplete too long)
 STATE_SAVE_EVERY = 1.0  # seconds: thousands of tiny files must not mean thousands of rewrites
 Signature = tuple[int, int]  # (size, mtime_ns)
 
@@ -173,6 +175,9 @@ class FolderWatcher:
         self._missing_checked = 0.0
         self._saved_at = 0.0
         self._job_pids: frozenset[int] = frozenset()
+        # paths counted invalid for staying incomplete (deadline or CPU budget): a writer that
+        # goes on appending would otherwise start a fresh deadline and budget at each change
+        self._exhausted: dict[str, None] = {}
         self._job_uids: frozenset[int] = frozenset()
         self._owners = {0, os.geteuid()}
         for d in dirs:
@@ -268,7 +273,8 @@ class FolderWatcher:
         with self._lock:
             dirty, self._dirty = self._dirty, set()
         for path in dirty:
-            self._pending.setdefault(path, Pending(first_seen=now))
+            if path not in self._exhausted:
+                self._pending.setdefault(path, Pending(first_seen=now))
         out: list[Verdict] = []
         attempts: dict[int, list[tuple[Verdict, float | None]]] = {}  # uid -> its files to read now
         for path, p in list(self._pending.items()):
@@ -317,10 +323,12 @@ class FolderWatcher:
                                f"{st.st_size} bytes is over traces.max_file_bytes ({self.max_bytes})")
         if p.failures and p.cpu >= self.incomplete_cpu:
             # a file kept incomplete on purpose (appended to every 0.7 s) costs at most this
+            self._exhaust(path)
             return self._final(path, sig, "invalid", "cpu_budget",
                                f"still incomplete after {p.cpu:.1f} s of CPU over {p.failures} reads "
                                f"(traces.incomplete_cpu_seconds = {self.incomplete_cpu:g})")
         if p.failures and now - p.first_seen >= self.invalid_after:
+            self._exhaust(path)
             return self._final(path, sig, "invalid", p.reason or "truncated",
                                p.message or f"still incomplete after {self.invalid_after:g}s")
         if p.attempted_at is not None and now - p.attempted_at < self.settle * 2 ** min(p.failures, 16):
@@ -331,11 +339,18 @@ class FolderWatcher:
             return None
         if p.failed_sig == sig or not self._complete_enough(path, p, now):
             if now - p.first_seen >= self.invalid_after:
+                self._exhaust(path)
                 return self._final(path, sig, "invalid", p.reason or "truncated",
                                    p.message or f"still incomplete after {self.invalid_after:g}s")
             return None
         p.attempted_at = now
         return Verdict(path, sig, "attempt", uid=st.st_uid)
+
+    def _exhaust(self, path: str) -> None:
+        """Never look at ``path`` again (until MAX_EXHAUSTED newer ones push it out)."""
+        self._exhausted[path] = None
+        while len(self._exhausted) > MAX_EXHAUSTED:
+            del self._exhausted[next(iter(self._exhausted))]
 
     def _complete_enough(self, path: str, p: Pending, now: float) -> bool:
         if path.endswith(".gz"):
