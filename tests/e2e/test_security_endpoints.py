@@ -24,9 +24,11 @@ import pytest
 from helpers.nobody import NOBODY, as_nobody
 from helpers.processes import kill_tree, stop_process, wait_for
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not all(shutil.which(t) for t in ("setpriv", "unshare", "nsenter")),
-    reason="plays a root agent against nobody in a network namespace: needs root, setpriv, unshare, nsenter")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0 or not all(shutil.which(t) for t in ("setpriv", "unshare", "nsenter")),
+                       reason="plays a root agent against nobody in a network namespace: needs root, setpriv, unshare, nsenter"),
+]
 
 HOLD = "import socket, time\ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n" \
        "s.bind(b'\\0dynolog\\0')\nprint('bound', flush=True)\ntime.sleep(120)\n"

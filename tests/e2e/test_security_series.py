@@ -31,8 +31,11 @@ from helpers.nobody import nobody_python
 from helpers.processes import kill_tree, wait_for
 from helpers.watch import token
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
-                                reason="plays a root agent against nobody: needs root and setpriv")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                       reason="plays a root agent against nobody: needs root and setpriv"),
+]
 
 CAP = 150
 EXPIRY = 2.0

@@ -4,9 +4,9 @@ completes gets a CPU budget as well as a deadline.
 nobody's watched job fills the on-demand folder with 40 traces of its own (10,000 events
 each, of no watched process: read, analysed, then skipped; written faster than they are read) and keeps appending to a
 ``.json.gz`` whose every read inflates megabytes and finds it incomplete. Root's job then
-writes one trace. Bounds: when root's trace is ingested, fewer than half of nobody's 40
-files have been handled (one file per user per round; read in arrival order, all 40 came
-first), and the endless file is counted invalid for its CPU budget
+writes one trace. Bounds: of nobody's files still waiting when root's trace came, fewer
+than half were read before it (users in turn, a round of reading lasts 0.5 s; read in
+arrival order, every one of them would come first), and the endless file is counted invalid for its CPU budget
 (``traces.incomplete_cpu_seconds = 0.5``), before its deadline (``invalid_after = 120``).
 """
 
@@ -82,14 +82,6 @@ def test_one_users_many_traces_and_an_endless_one_delay_no_other_users_trace(
                                  scripts)
         wait_for(lambda: {"victim-41-6", "nobody-41-6"} <= {lab.get("job_id") for lab, v in parse_metrics(
             http_get(url + "/metrics")).get("profagent_target_up", []) if v == 1}, 30, what="both jobs watched")
-        time.sleep(1.0)  # the traces source's own tick has the victim's tree by now
-        (folder / "go").touch()
-        wait_for(lambda: len(list(folder.glob("profagent_n*_1.json"))) == FILES, 60, interval=0.01,
-                 what="nobody's traces written")
-        staged = folder / f"profagent_v_{victim.pid}.json.tmp"
-        staged.write_text(trace_of(victim.pid))
-        staged.rename(folder / f"profagent_v_{victim.pid}.json")
-
         def totals() -> tuple[float, float, float]:
             parsed = parse_metrics(http_get(url + "/metrics"))
             rows = parsed.get("profagent_traces_total", [])
@@ -98,9 +90,20 @@ def test_one_users_many_traces_and_an_endless_one_delay_no_other_users_trace(
                          if lab.get("reason") == "cpu_budget")
             return ingested, sum(v for _, v in rows), budget
 
+        time.sleep(1.0)  # the traces source's own tick has the victim's tree by now
+        (folder / "go").touch()
+        wait_for(lambda: len(list(folder.glob("profagent_n*_1.json"))) == FILES, 60, interval=0.01,
+                 what="nobody's traces written")
+        before = totals()[1]  # nobody's files handled before root's trace came
+        staged = folder / f"profagent_v_{victim.pid}.json.tmp"
+        staged.write_text(trace_of(victim.pid))
+        staged.rename(folder / f"profagent_v_{victim.pid}.json")
+
         handled = wait_for(lambda: (t := totals())[0] >= 1 and t, 60, interval=0.1, what="root's trace ingested")
-        print(f"root's trace ingested after {handled[1] - 1:.0f} of nobody's {FILES} files")
-        assert handled[1] - 1 < FILES / 2, handled
+        backlog, meanwhile = FILES - before, handled[1] - 1 - before
+        print(f"root's trace ingested after {meanwhile:.0f} of nobody's {backlog:.0f} files waiting")
+        assert backlog >= 10, before  # a backlog to jump: the files come faster than they are read
+        assert meanwhile < backlog / 2, (before, handled)
         # its deadline (invalid_after) is 120 s from its first sight: its CPU budget ends it first
         wait_for(lambda: totals()[2] >= 1, 90, interval=0.5, what="the endless trace over its CPU budget")
         wait_for(lambda: totals()[1] >= FILES + 2, 60, interval=0.5, what="every file of nobody's handled, none lost")

@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 
 WORK_POLL = 0.1  # seconds between looks at files waiting to settle
 WORK_IDLE = 1.0  # seconds between looks with none waiting (a new file wakes the worker at once)
+WORK_SLICE = 0.5  # seconds of reading per round: the rest of a backlog waits for the next, newcomers first
 
 STATE_FILE = "traces-processed.json"
 WARN_PER_REASON = 10  # then every 1000th
@@ -307,10 +308,15 @@ class TracesSource:
                     return
 
     def _work_once(self) -> bool:
-        """Handle what is due; True if stopped meanwhile."""
+        """Handle what is due, reading for at most WORK_SLICE (the rest waits for the next
+        round, where another user's new file comes first); True if stopped meanwhile."""
+        until = self._clock() + WORK_SLICE
         for verdict in self._watcher.due(self._clock()):
             if self._stop.is_set():
                 return True
+            if verdict.action == "attempt" and self._clock() > until:
+                self._watcher.defer(verdict)
+                continue
             try:
                 self._handle(verdict)
             except Exception as exc:  # a bug must not end the worker: count the file

@@ -11,7 +11,8 @@
   (with its reason) once it has been incomplete for ``invalid_after`` seconds, or once its
   reads have taken ``incomplete_cpu`` seconds of CPU (reason ``cpu_budget``); its path is
   then not read again, however its writer goes on changing it.
-- Files are read one per user (the file's owner) per round, users in turn.
+- Files are read users in turn (by each file's owner), one of each user's at a time, and a
+  round lasts at most ``source.WORK_SLICE``: a newcomer's file is read within about that.
 - Files are only ever opened for reading, without following a symlink and without waiting
   on a FIFO; only regular files owned by root, the agent, a watched folder's owner or a
   job's user are read (others are ``skipped`` with reason ``symlink``, ``not_regular`` or
@@ -178,6 +179,7 @@ class FolderWatcher:
         # paths counted invalid for staying incomplete (deadline or CPU budget): a writer that
         # goes on appending would otherwise start a fresh deadline and budget at each change
         self._exhausted: dict[str, None] = {}
+        self._before: dict[str, float | None] = {}  # attempted_at of this round's attempts before it
         self._job_uids: frozenset[int] = frozenset()
         self._owners = {0, os.geteuid()}
         for d in dirs:
@@ -276,28 +278,33 @@ class FolderWatcher:
             if path not in self._exhausted:
                 self._pending.setdefault(path, Pending(first_seen=now))
         out: list[Verdict] = []
-        attempts: dict[int, list[tuple[Verdict, float | None]]] = {}  # uid -> its files to read now
+        attempts: dict[int, list[Verdict]] = {}  # uid -> its files to read now
+        self._before = {}
         for path, p in list(self._pending.items()):
             before = p.attempted_at
             verdict = self._check(path, p, now)
             if verdict is None:
                 continue
             if verdict.action == "attempt":
-                attempts.setdefault(verdict.uid, []).append((verdict, before))
+                attempts.setdefault(verdict.uid, []).append(verdict)
+                self._before[path] = before
             else:
                 out.append(verdict)
-        # One file per user (its owner) per round, users in turn: a user with hundreds of
-        # files (or one that keeps changing) delays another user's trace by one read, not
-        # by all of theirs. The others wait for the next round, which starts at once.
-        for mine in attempts.values():
-            out.append(mine[0][0])
-            for verdict, before in mine[1:]:
-                pending = self._pending.get(verdict.path)
-                if pending is not None:
-                    pending.attempted_at = before
-        if any(len(mine) > 1 for mine in attempts.values()):
-            self.wake.set()
+        # Users in turn (by each file's owner): one file of each, then the next of each...,
+        # so a user with hundreds of files delays another user's trace by one read, not by
+        # all of theirs. The reader takes a slice of this list and defers the rest (defer()),
+        # and the next round puts a newcomer's file first again.
+        queues = list(attempts.values())
+        for i in range(max((len(q) for q in queues), default=0)):
+            out.extend(q[i] for q in queues if i < len(q))
         return out
+
+    def defer(self, verdict: Verdict) -> None:
+        """An attempt ``due`` returned that the reader leaves for a later round."""
+        p = self._pending.get(verdict.path)
+        if p is not None and verdict.path in self._before:
+            p.attempted_at = self._before[verdict.path]
+        self.wake.set()
 
     def _check(self, path: str, p: Pending, now: float) -> Verdict | None:
         try:
