@@ -91,6 +91,22 @@ def test_a_root_agent_refuses_to_start_beside_dynolog_held_by_nobody(netns: list
     assert "ondemand.socket_dir" in errors[0] and "stop that process" in errors[0]
 
 
+def test_doctor_names_who_holds_dynolog_and_what_to_do(netns: list[str], tmp_path: Path) -> None:
+    squatter = _hold(netns, "nobody")
+    try:
+        (tmp_path / "doctor.toml").write_text(f"[ondemand]\ncontrol_socket = '{tmp_path / 'c.sock'}'\n"
+                                              f"trace_dir = '{tmp_path / 'ondemand'}'\n")
+        done = subprocess.run([*netns, sys.executable, "-m", "profagent", "doctor", "--config",
+                               str(tmp_path / "doctor.toml")], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "COLUMNS": "400"})
+    finally:
+        kill_tree(squatter)
+    out = " ".join((done.stdout + done.stderr).split())
+    assert "Traceback" not in out and not out.startswith("error:"), out
+    assert f"held by PID {squatter.pid} of uid {NOBODY}, not by root" in out, out
+    assert "ondemand.socket_dir" in out
+
+
 def test_a_root_agent_starts_beside_dynolog_held_by_root_with_ondemand_off(netns: list[str], tmp_path: Path) -> None:
     """The healthy neighbour: a root daemon (dynolog) holding the name is no attack."""
     daemon = _hold(netns, "root")
