@@ -54,6 +54,7 @@ class AgentConfig:
     exit_grace: float = _opt(3.0, "seconds attach keeps serving after the whole target tree is gone")
     state_dir: str = _opt("", "folder for small state files (default: $XDG_STATE_HOME/profagent or /var/lib/profagent as root)")
     max_label_bytes: int = _opt(128, "longest label value taken from a job's environment (job id, rank, Slurm and pod names), in bytes (>= 32); a longer value keeps its start plus a hash of the whole, so distinct values stay distinct")
+    max_series_per_job: int = _opt(5000, "series of one job in each source's families on /metrics; past it the job's highest ranks are left out, and profagent_series_dropped{job_id} says how many series were")
     cmdline_args: bool = _opt(False, "show arguments in the cmdline label (secret-looking values are redacted: --*key/token/secret/pass/cred/auth/jwt/bearer*, -p, NAME=VALUE with such a NAME, URL passwords); off: program and script only")
 
 
@@ -104,6 +105,7 @@ class TracesConfig:
     polling: bool = _opt(False, "poll the folders instead of inotify (network filesystems)")
     settle_seconds: float = _opt(0.5, "a .json.gz must keep its size this long before it is read")
     invalid_after: float = _opt(60.0, "seconds a trace may stay incomplete before it counts as invalid")
+    incomplete_cpu_seconds: float = _opt(5.0, "CPU seconds the agent spends, over all its reads, on a trace that stays incomplete; past it the trace counts as invalid (reason cpu_budget)")
     max_file_bytes: int = _opt(2 * 1024**3, "traces larger than this, once uncompressed, are skipped (reason too_large; a file of exactly this size is read)")
     max_buffered_bytes: int = _opt(16 * 1024**2, "text of a trace held in memory at once: the metadata before the events, or one event, string or run of blanks; a trace that needs more is skipped (reason too_large_event)")
     max_inflated_bytes: int = _opt(512 * 1024**2, "text of one trace once uncompressed: beyond it the trace is skipped (reason too_large), at most this much inflated and decoded (CPU)")
@@ -196,6 +198,7 @@ class WatchConfig:
     env_markers: list[str] = _opt(["PROFAGENT=1", "KINETO_USE_DAEMON"], "...or whose environment has one of these: NAME (set, non-empty) or NAME=VALUE")
     gpu_processes: bool = _opt(True, "...or that hold a GPU context according to NVML (needs the gpu source on)")
     grace_seconds: float = _opt(30.0, "seconds an ended job keeps profagent_target_up = 0 and its last counters before its series disappear")
+    rank_expiry_seconds: float = _opt(60.0, "seconds a rank that exited keeps its series (its last counters) while its job goes on; then they go, so a job that starts short-lived ranks cannot grow /metrics for as long as it runs")
     max_jobs: int = _opt(16, "jobs watched at once; further jobs are ignored (one log line) until one ends")
     max_jobs_per_user: int = _opt(0, "jobs of one user (the job's launcher's owner) watched at once, so one user cannot fill max_jobs; 0 = half of max_jobs, at least 1")
     max_new_per_scan: int = _opt(32, "new candidate processes examined per scan, round-robin across users (so thousands of look-alike processes cannot stall discovery); the rest wait for the next scans")
@@ -406,6 +409,10 @@ def validate(config: Config) -> None:
                               ("max_names", t.max_names, 100), ("max_name_chars", t.max_name_chars, 64)):
         if value < least:
             raise UserError(f"'traces.{key}' is {value}", f"use {least} or more")
+    if config.traces.incomplete_cpu_seconds <= 0:
+        raise UserError("'traces.incomplete_cpu_seconds' must be positive", "use a few seconds, e.g. 5")
+    if config.agent.max_series_per_job < 1:
+        raise UserError(f"'max_series_per_job' is {config.agent.max_series_per_job}", "use 1 or more")
     if config.agent.max_label_bytes < 32:
         raise UserError(f"'max_label_bytes' is {config.agent.max_label_bytes}", "use 32 bytes or more")
     _validate_watch(config.watch)
@@ -481,6 +488,8 @@ def _validate_watch(w: WatchConfig) -> None:
         raise UserError(f"'watch.scan_interval' is {w.scan_interval}s, below the minimum", f"use at least {MIN_INTERVAL}s")
     if w.grace_seconds < 0:
         raise UserError("'watch.grace_seconds' is negative", "use 0 or more seconds")
+    if w.rank_expiry_seconds < 0:
+        raise UserError("'watch.rank_expiry_seconds' is negative", "use 0 or more seconds")
     for name in ("max_jobs", "max_processes_per_job", "max_new_per_scan"):
         if getattr(w, name) < 1:
             raise UserError(f"'watch.{name}' must be at least 1", f"set watch.{name} to 1 or more")

@@ -73,6 +73,9 @@ class ProcessTree:
     processes: tuple[ProcessInfo, ...]
     alive: bool
     jobs: tuple[tuple[str, bool], ...] = ()
+    # (job_id, rank) of ranks that exited more than watch.rank_expiry_seconds ago while
+    # their job goes on: their series are gone (sources forget them, /metrics leaves them out)
+    expired_ranks: frozenset[tuple[str, str]] = frozenset()
 
     def job_status(self) -> dict[str, bool]:
         """job_id -> alive, for profagent_target_up."""

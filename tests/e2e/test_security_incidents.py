@@ -1,4 +1,4 @@
-"""Incident captures against an unprivileged user (issue 25, items 6, 7 and 10).
+"""Incident captures against an unprivileged user (issue 25, items 6, 7 and 10; issue 41 item 11).
 
 A root `profagent watch` agent (a real subprocess) watches a job of root's (the victim)
 and jobs of `nobody` (really run through setpriv). The attacker's job polls the agent's
@@ -75,6 +75,13 @@ while True:
             fh.write(b"[" + b"{}," * (4 * 1024 * 1024) + b"{}]")
     elif plant == "fifo":
         os.mkfifo(path)
+    elif plant == "big_gzip":  # a gzip's magic and 3 MiB that no compressor shrinks
+        with open(path, "wb") as fh:
+            fh.write(b"\\x1f\\x8b" + os.urandom(3 * 1024 * 1024))
+    elif plant == "big_json":  # a plain trace of 4.6 MB whose names compress to about half
+        names = ",".join('{"ph": "X", "name": "%s", "ts": 1, "dur": 1}' % os.urandom(24).hex() for _ in range(50000))
+        with open(path, "w") as fh:
+            fh.write('{"traceEvents": [' + names + ']}')
     # "silent": polls, is asked, and never writes a trace
     planted = True
     print("planted", path, flush=True)
@@ -292,3 +299,26 @@ def test_nobody_cannot_evict_roots_bundle(node) -> None:
     assert victim["id"] in [i["id"] for i in kept]
     assert (Path(victim["path"]) / "summary.md").exists()
     assert sorted(i["job_id"] for i in kept if i["job_id"] != "victim") == ["attack2", "attack3", "attack4"]
+
+
+@pytest.mark.parametrize("plant", ["big_gzip", "big_json"])
+def test_a_trace_larger_than_the_users_bundle_cap_is_left_out_and_said(node, plant: str) -> None:
+    """Issue 41 item 11: a 1.57 GB trace was copied into a bundle against a 192 MiB per-user
+    cap. Here the cap is 1 MiB: nobody's 3 MiB gzip is refused by its size before a byte is
+    copied, its 4.6 MB plain trace once its compressed copy passes the room left; the
+    bundle stays within the cap, and its notes say what was left out and why."""
+    cap = 1024 * 1024
+    n = node(max_bytes_per_user=cap)
+    attacker = n.job("attack", plant)
+    assert n.capture("attack").returncode == 0
+    path = _planted(attacker)
+    incident = n.wait_complete("attack")
+    detail = json.loads(http_get(n.url + f"/api/incidents?id={incident['id']}"))
+    assert "refused (over_bundle_cap:" in detail["summary"], detail["summary"]
+    assert f"incidents.max_bytes_per_user ({cap})" in detail["summary"]
+    assert n.rejected("over_bundle_cap") == 1
+    folder = Path(incident["path"])
+    size = sum(f.stat().st_size for f in folder.iterdir())
+    assert size < cap, sorted((f.name, f.stat().st_size) for f in folder.iterdir())
+    assert not [f for f in folder.iterdir() if f.name.startswith(("trace-rank", ".trace-rank"))]
+    assert os.stat(path).st_size > cap  # what was planted really was over the cap

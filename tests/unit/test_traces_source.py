@@ -368,3 +368,68 @@ def test_a_gzip_appended_to_forever_is_read_a_few_times_then_counted_invalid(tmp
             break
     assert final is not None and final[1:] == ("invalid", "truncated") and 60.0 <= final[0] < 61.0
     assert 3 <= attempts <= 8, attempts
+
+
+def test_an_incomplete_trace_stops_costing_once_its_reads_have_taken_the_cpu_budget(tmp_path: Path) -> None:
+    """Issue 41 item 6: besides its deadline (invalid_after), a trace that stays incomplete
+    gets a CPU budget over all its reads. Clock injected; each read is said to cost 0.4 s of
+    CPU: the third read passes the 1 s budget, and the file is invalid (cpu_budget) at its
+    next look, long before its 60 s deadline."""
+    from profagent.sources.traces.watcher import FolderWatcher, Processed
+
+    path = tmp_path / "forever.pt.trace.json.gz"
+    path.write_bytes(gzip.compress(b'{"traceEvents": [')[:-8])
+    watcher = FolderWatcher([tmp_path], Processed(None), settle_seconds=0.5, invalid_after=60.0,
+                            max_file_bytes=2**30, incomplete_cpu=1.0)
+    attempts, final = 0, None
+    for tick in range(600):
+        now = tick * 0.1
+        if tick % 7 == 0:
+            with path.open("ab") as fh:
+                fh.write(b"\0" * 16)
+        watcher.notify(str(path))
+        for verdict in watcher.due(now):
+            if verdict.action == "attempt":
+                attempts += 1
+                watcher.failed(verdict, "truncated", "the gzip stream ends early", cpu=0.4)
+            else:
+                final = (now, verdict.action, verdict.reason, verdict.message)
+        if final:
+            break
+    assert attempts == 3
+    assert final is not None and final[1:3] == ("invalid", "cpu_budget") and final[0] < 10.0, final
+    assert "1.2 s of CPU over 3 reads (traces.incomplete_cpu_seconds = 1)" in final[3]
+    for tick in range(100):  # its writer goes on: the path is neither read nor counted again
+        with path.open("ab") as fh:
+            fh.write(b"\0" * 16)
+        watcher.notify(str(path))
+        assert watcher.due(final[0] + 1 + tick * 0.7) == []
+    assert watcher.waiting == 0
+
+
+def test_each_users_files_are_read_in_turn(tmp_path: Path) -> None:
+    """Issue 41 item 6: 50 files of one user and one of another's are due at once; the
+    round interleaves users (by each file's owner), so the other user's file is among the
+    first two; a file the reader defers comes back in the next round, with nothing lost."""
+    from profagent.sources.traces.watcher import FolderWatcher, Processed
+
+    for i in range(50):
+        (tmp_path / f"a{i:02d}.json").write_text("{}")
+        if os.geteuid() == 0:
+            os.chown(tmp_path / f"a{i:02d}.json", 65534, 65534)
+    (tmp_path / "b.json").write_text("{}")
+    watcher = FolderWatcher([tmp_path], Processed(None), settle_seconds=0.5, invalid_after=60.0,
+                            max_file_bytes=2**30)
+    watcher._owners |= {65534}  # both owners may write traces here
+    for p in tmp_path.iterdir():
+        watcher.notify(str(p))
+    first = watcher.due(0.0)
+    assert len(first) == 51 and all(v.action == "attempt" for v in first)
+    if os.geteuid() == 0:
+        assert "b.json" in [Path(v.path).name for v in first[:2]]
+    for v in first[:10]:  # the reader's slice: 10 read, the rest deferred
+        watcher.finished(v, "ingested")
+    for v in first[10:]:
+        watcher.defer(v)
+    second = watcher.due(0.01)  # at once, not a settle period later
+    assert sorted(v.path for v in second) == sorted(v.path for v in first[10:])

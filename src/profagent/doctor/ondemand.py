@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from profagent.config import Config
 from profagent.doctor.check import OK, WARN, Check
-from profagent.errors import SourceUnavailable
+from profagent.errors import SourceUnavailable, UserError
 from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.endpoint import Endpoint
 from profagent.system.unixsock import call, default_control_socket
@@ -48,6 +48,9 @@ def check_ondemand(config: Config) -> Iterator[Check]:
         endpoint.bind()
     except SourceUnavailable:
         pass
+    except UserError as exc:  # held by a user other than root: a root agent would refuse to start
+        yield Check("ondemand", "Kineto endpoint", WARN, exc.problem, exc.fix or "")
+        return
     else:
         endpoint.close()
         yield Check("ondemand", "Kineto endpoint", OK, f"{where} is free: an agent started now will host it")

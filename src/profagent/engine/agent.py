@@ -215,7 +215,7 @@ class Agent:
         self.job = job
         web = load_web_config(config.agent.web_config) if config.agent.web_config else None
         host, port = parse_listen(config.agent.listen)
-        self.exposition = Exposition(job.state.view)
+        self.exposition = Exposition(job.state.view, max_series_per_job=config.agent.max_series_per_job)
         job.state.subscribe(self.exposition.prerender)  # encode in the source's thread, not on scrape
         limits = HttpLimits(**dataclasses.asdict(config.http))
         self.server = AgentHTTPServer(host, port, self.exposition, web, limits)

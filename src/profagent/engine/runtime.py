@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from profagent.contracts import ProcessTree
-from profagent.errors import SourceError, SourceUnavailable, TargetGone
+from profagent.errors import SourceError, SourceUnavailable, TargetGone, UserError
 from profagent.logs import LogOnce
 from profagent.sources import Source
 from profagent.state import State
@@ -64,6 +64,8 @@ class Runtime:
             except SourceUnavailable as exc:
                 self._off(source, str(exc), at_start=True, not_applicable=getattr(exc, "why", ""))
                 continue
+            except UserError:
+                raise  # a source that refuses the agent's start (a squatted endpoint): one line, exit 2
             except Exception as exc:
                 self._off(source, f"{source.name} source failed to start: {exc}", at_start=True)
                 continue

@@ -174,7 +174,8 @@ class HostSource:
                 self._procs.pop(key, None)
                 self._uss.pop(key, None)
         self._last = current
-        self._retired = {g: u for g, u in self._retired.items() if g[0] in live_jobs}
+        self._retired = {g: u for g, u in self._retired.items()
+                         if g[0] in live_jobs and (g[0], g[1]) not in tree.expired_ranks}
 
         totals: dict[Group, Usage] = dict(self._retired)
         for group, usage in current.values():

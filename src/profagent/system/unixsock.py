@@ -7,10 +7,14 @@ and ``\\0name`` for the kernel; a file address is a path.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,59 @@ def describe_address(address: Address) -> str:
     if isinstance(address, bytes):
         return "@" + address[1:].rstrip(b"\0").decode(errors="replace")
     return address
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A process holding a socket: its PID and real uid."""
+
+    pid: int
+    uid: int
+
+
+MAX_NET_UNIX_LINES = 200_000  # /proc/net/unix lines read when looking for a name's holder
+
+
+def abstract_holders(address: bytes, proc_root: str = "/proc", deadline: float = 2.0,
+                     clock: Callable[[], float] = time.monotonic) -> list[Holder] | None:
+    """The processes holding a socket bound to the abstract ``address`` in our network
+    namespace (/proc/net/unix names the socket, each process's fd links say whose it is).
+    None when the look ran out of ``deadline`` seconds or could not read /proc/net/unix."""
+    # /proc/net/unix writes the name with every NUL as "@"
+    want = "@" + address[1:].decode(errors="replace").replace("\0", "@")
+    end = clock() + deadline
+    links: set[str] = set()
+    try:
+        with open(os.path.join(proc_root, "self/net/unix"), errors="replace") as fh:
+            for n, line in enumerate(fh):
+                if n > MAX_NET_UNIX_LINES:
+                    return None
+                parts = line.rstrip("\n").split(None, 7)
+                if len(parts) == 8 and parts[7] == want:
+                    links.add(f"socket:[{parts[6]}]")
+    except OSError:
+        return None
+    holders: list[Holder] = []
+    if not links:
+        return holders
+    try:
+        pids = [int(e.name) for e in os.scandir(proc_root) if e.name.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        if clock() > end:
+            return None
+        folder = os.path.join(proc_root, str(pid), "fd")
+        try:
+            fds = os.listdir(folder)
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    if os.readlink(os.path.join(folder, fd)) in links:
+                        holders.append(Holder(pid, os.stat(os.path.join(proc_root, str(pid))).st_uid))
+                        break
+        except OSError:
+            continue  # gone, or not ours to read
+    return holders
 
 
 def is_stale(path: str, kind: socket.SocketKind = socket.SOCK_STREAM) -> bool:

@@ -40,6 +40,7 @@ Key = tuple[int, float]  # (pid, create_time): a PID alone can be reused
 # once it is this old: a launcher's ranks may bring TORCHELASTIC_RUN_ID a moment later,
 # and the job id should not change under a running job.
 SETTLE_SECONDS = 5.0
+MAX_EXPIRED_PER_JOB = 4096  # expired ranks remembered per job (for /metrics to leave out)
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,12 @@ class Limits:
     scan_interval: float = 2.0
     max_jobs_per_user: int = 0  # 0: half of max_jobs, at least 1
     max_new_per_scan: int = 32  # roots examined (their trees built) per scan
+    rank_expiry_seconds: float = 60.0
 
     @classmethod
     def from_config(cls, w: WatchConfig) -> Limits:
         return cls(w.max_jobs, w.max_processes_per_job, w.grace_seconds, w.scan_interval, w.max_jobs_per_user,
-                   w.max_new_per_scan)
+                   w.max_new_per_scan, w.rank_expiry_seconds)
 
     @property
     def per_user(self) -> int:
@@ -141,6 +143,8 @@ class NodeTarget:
         self._alive_jobs: set[str] = set()
         self._labels: dict[Key, str] = {}  # each root's job label last tick (to tell a relabel from an end)
         self._capped = LogOnce(log)  # one max_processes_per_job line per job
+        self._rank_seen: dict[str, dict[str, float]] = {}  # job id -> rank -> when a process of it was last seen
+        self._expired: dict[str, dict[str, None]] = {}  # job id -> ranks expired (oldest first, bounded)
         self._last_scan: float | None = None
         self._reconfigured = False
         self.last_refresh: float | None = None  # clock() of the last complete refresh
@@ -217,8 +221,37 @@ class NodeTarget:
         for job_id in sorted(by_job):
             processes += self._cap(job_id, _merge(by_job[job_id]), limits.max_processes_per_job)
         jobs = [(j, True) for j in sorted(by_job)] + [(j, False) for j in sorted(self._ended)]
+        expired = self._expire_ranks(processes, {j for j, _ in jobs}, now, limits.rank_expiry_seconds)
         self.last_refresh = self._clock()
-        return ProcessTree("", 0, tuple(processes), alive=True, jobs=tuple(jobs))
+        return ProcessTree("", 0, tuple(processes), alive=True, jobs=tuple(jobs), expired_ranks=expired)
+
+    def _expire_ranks(self, processes: list[ProcessInfo], listed: set[str], now: float,
+                      expiry: float) -> frozenset[tuple[str, str]]:
+        """The (job, rank) pairs whose last process left more than ``expiry`` ago, in jobs
+        still listed. A job that starts 50 short-lived ranks a second (each with a RANK of
+        its own) once grew /metrics to 38,058 series in 230 s: an exited rank's series go
+        ``expiry`` after it, not when its job ends. At most MAX_EXPIRED_PER_JOB are
+        remembered per job (the sources have forgotten the older ones already)."""
+        for p in processes:
+            if p.rank:
+                self._rank_seen.setdefault(p.job_id, {})[p.rank] = now
+        self._rank_seen = {j: ranks for j, ranks in self._rank_seen.items() if j in listed}
+        self._expired = {j: ranks for j, ranks in self._expired.items() if j in listed}
+        for job_id, ranks in self._rank_seen.items():
+            gone = [r for r, seen in ranks.items() if now - seen >= expiry]
+            if not gone:
+                continue
+            mine = self._expired.setdefault(job_id, {})
+            for rank in gone:
+                del ranks[rank]
+                mine.pop(rank, None)
+                mine[rank] = None
+            while len(mine) > MAX_EXPIRED_PER_JOB:
+                del mine[next(iter(mine))]
+        # a rank that comes back (a restarted worker with the same RANK) is not expired
+        for p in processes:
+            self._expired.get(p.job_id, {}).pop(p.rank, None)
+        return frozenset((j, r) for j, ranks in self._expired.items() for r in ranks)
 
     def _claim_trusted(self) -> None:
         """A job whose Slurm id is vouched for (``_Root.trusted``) takes its plain id from a

@@ -55,6 +55,12 @@ ONDEMAND_TRACE_MS = 1000
 COPY_CHUNK = 1024 * 1024
 
 
+def _over_room(size: int, room: int, config: IncidentsConfig, copied: bool = False) -> str:
+    what = f"its compressed copy passed {size} bytes" if copied else f"{size} bytes"
+    return (f"{what}, more than the {room} bytes left to this bundle under incidents.max_bytes_per_user "
+            f"({config.max_bytes_per_user}) and incidents.max_bytes ({config.max_bytes}); left out, raise them to keep such traces")
+
+
 class CaptureHost(Protocol):
     """What a capture uses of the source that started it (``trigger.IncidentsSource``)."""
 
@@ -323,13 +329,31 @@ class Capture:
             return ": it was busy with another trace when asked, and stayed so"
         return ": it did not poll free to trace (libkineto polls every ~5 s)"
 
+    def _room(self) -> int:
+        """Bytes this bundle may still take: incidents.max_bytes_per_user (and max_bytes)
+        less what is in it already. A bundle over its user's cap would evict every other
+        bundle of that user and still be over."""
+        caps = [c for c in (self.source.config.max_bytes_per_user, self.source.config.max_bytes) if c > 0]
+        if not caps:
+            return self.source.max_trace_bytes
+        used = 0
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.folder):
+                with contextlib.suppress(OSError):
+                    used += entry.stat(follow_symlinks=False).st_size
+        return max(0, min(caps) - used)
+
     def _copy_trace(self, path: Path, name: str, uid: int, seen: dict[int, tuple[int, int, int]], pid: int) -> bool:
         """Copy the rank's trace into the bundle (gzip) once libkineto has finished it (it
         parses). Opened with O_NOFOLLOW|O_NONBLOCK; only a regular file of the rank's user
         (or root) within traces.max_file_bytes is read, at most that much, then checked by
         the traces reader (its inflated-size and buffering caps) on our private copy.
+        The copy must also fit the bundle's room under incidents.max_bytes_per_user: a gzip
+        trace larger than that is refused before a byte is copied, a plain one once its
+        compressed copy outgrows it (``over_bundle_cap``).
         False: not there or not complete yet. Raises TraceError when refused for good."""
         cap = self.source.max_trace_bytes
+        room = self._room()
         try:
             fd = open_regular(str(path), lambda owner: owner in (0, uid))
         except FileNotFoundError:
@@ -347,22 +371,27 @@ class Capture:
             if not st.st_size or seen.get(pid) == sig:
                 return False  # empty, or unchanged since it was found incomplete
             seen[pid] = sig
+            chunk = fh.read(COPY_CHUNK)
+            already = chunk[:2] == b"\x1f\x8b"  # a gzip trace is copied as it is
+            if already and st.st_size > room:
+                raise TraceError(_over_room(st.st_size, room, self.source.config), "over_bundle_cap")
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             out = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), "wb")
             copied = 0
-            chunk = fh.read(COPY_CHUNK)
-            already = chunk[:2] == b"\x1f\x8b"  # a gzip trace is copied as it is
             with out, (contextlib.nullcontext(out) if already else gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6)) as sink:
                 while chunk:
                     copied += len(chunk)
-                    if copied > cap:  # it grew after fstat
+                    if copied > cap or out.tell() > room:  # it grew after fstat, or compresses too little
                         break
                     sink.write(chunk)
                     chunk = fh.read(COPY_CHUNK)
+            written = os.stat(tmp).st_size
         try:
             if copied > cap:
                 raise TraceError(f"over traces.max_file_bytes ({cap}) while read", "too_large")
+            if written > room:
+                raise TraceError(_over_room(written, room, self.source.config, copied=True), "over_bundle_cap")
             read_trace(tmp, max_bytes=cap)
         except TraceError as exc:
             os.unlink(tmp)

@@ -65,6 +65,17 @@ def render_health(view: StateView, out: Families) -> None:
             last.add_metric([name], health.last_success)
 
 
+def render_series_dropped(dropped: Mapping[str, int], out: Families) -> None:
+    """Series of each job left out of /metrics by agent.max_series_per_job (absent when none)."""
+    if not dropped:
+        return
+    fam = out.gauge("profagent_series_dropped",
+                    "series of the job left out of this exposition by agent.max_series_per_job, its highest ranks first",
+                    ("job_id",))
+    for job, n in sorted(dropped.items()):
+        fam.add_metric([job], n)
+
+
 def render_cpu(seconds: Mapping[str, float], children: Mapping[str, float], out: Families) -> None:
     """CPU the agent spends per collector (thread CPU clock; py-spy children in ``stacks``)."""
     cpu = out.counter(

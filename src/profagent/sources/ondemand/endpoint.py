@@ -43,7 +43,9 @@ from profagent.sources.ondemand import kineto
 from profagent.system.cputime import CPU
 from profagent.system.safefs import UnsafePath, own_directory
 from profagent.system.unixsock import (
+    Holder,
     abstract_address,
+    abstract_holders,
     close_unix_socket,
     describe_address,
     is_stale,
@@ -187,6 +189,10 @@ class Endpoint:
                 os.chmod(address, 0o666)
         except OSError as exc:
             sock.close()
+            if exc.errno == errno.EADDRINUSE and isinstance(address, bytes) and os.geteuid() == 0:
+                holders = abstract_holders(address)
+                if not holders or not any(h.uid == 0 for h in holders):
+                    raise UserError(_squatted(self.describe(), holders), SQUAT_FIX) from None
             if exc.errno == errno.EADDRINUSE:
                 raise NotApplicable(
                     f"the Kineto daemon endpoint {self.describe()} is held by another daemon (dynolog?): "
@@ -403,6 +409,22 @@ class TokenBuckets:
         if len(self._buckets) > self.max_keys:
             del self._buckets[next(iter(self._buckets))]
         return ok
+
+
+SQUAT_FIX = ("stop that process and start profagent again; or set ondemand.socket_dir = \"/run/profagent\" and "
+             "KINETO_IPC_SOCKET_DIR=/run/profagent in the jobs (a root folder no user can take first); "
+             "or ondemand.enabled = false")
+
+
+def _squatted(endpoint: str, holders: list[Holder] | None) -> str:
+    """Why a root agent refuses an abstract endpoint held by someone else: the holder
+    answers every job's poll, so it decides where their traces go (into its own folder)."""
+    if holders:
+        who = ", ".join(f"PID {h.pid} of uid {h.uid}" for h in holders[:3])
+    else:
+        who = "a process profagent cannot name (another PID namespace?)"
+    return (f"the Kineto endpoint {endpoint} is held by {who}, not by root: whoever holds it tells every job "
+            f"that polls it where to write its on-demand traces, so profagent refuses to start beside it")
 
 
 def _sender(ancdata: list[tuple[int, int, bytes]]) -> Sender:

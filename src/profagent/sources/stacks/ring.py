@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from profagent.analysis.stacks import Sample
 
@@ -44,10 +44,10 @@ class StackRing:
                 total -= ring.popleft()[2]
             self._bytes[key] = total
 
-    def forget(self, live_jobs: set[str]) -> None:
-        """Drop the ranks of jobs that are gone."""
+    def forget(self, live_jobs: set[str], expired: Collection[tuple[str, str]] = frozenset()) -> None:
+        """Drop the ranks of jobs that are gone, and the (job, rank) pairs in ``expired``."""
         with self._lock:
-            for key in [k for k in self._ring if k[0] not in live_jobs]:
+            for key in [k for k in self._ring if k[0] not in live_jobs or k in expired]:
                 del self._ring[key]
                 self._bytes.pop(key, None)
 

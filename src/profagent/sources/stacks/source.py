@@ -145,15 +145,16 @@ class StacksSource:
     def _forget_ended_jobs(self, tree: ProcessTree) -> None:
         """A job that left the tree (watch mode, after its grace) takes its series along."""
         live = set(tree.job_status())
+        expired = tree.expired_ranks  # ranks that exited a while ago, in jobs that run on
         for table in (self._categories, self._topk, self._threads, self._idle_places, self._ratios, self._judged,
                       self._last_native, self._native_stack, self._steady, self._native_pending):
-            for key in [k for k in table if k[0] not in live]:
+            for key in [k for k in table if k[0] not in live or (k[0], k[1]) in expired]:
                 del table[key]
-        self._stall.forget(live)
+        self._stall.forget(live, expired)
         # errors of no job ("": the sampler itself failed) are the agent's: they stay
         for key in [k for k in self._errors if k[0] and k[0] not in live]:
             del self._errors[key]
-        self._ring.forget(live)
+        self._ring.forget(live, expired)
 
     def _targets(self, tree: ProcessTree) -> dict[int, tuple[str, str]]:
         roles = (ROLE_MAIN, ROLE_DATALOADER) if self.config.dataloader else (ROLE_MAIN,)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from profagent.analysis.stacks import (
@@ -68,9 +68,10 @@ class StallPolicy:
         self.worker_pids: dict[RankKey, set[int]] = {}  # the workers sampled now
         self.rank_workers: dict[RankKey, set[int]] = {}  # every DataLoader worker of each rank
 
-    def forget(self, live_jobs: set[str]) -> None:
+    def forget(self, live_jobs: set[str], expired: Collection[tuple[str, str]] = frozenset()) -> None:
+        """Drop the ranks of jobs that are gone, and the (job, rank) pairs in ``expired``."""
         for table in (self.trackers, self.state, self.looked, self.workers, self.worker_pids):
-            for key in [k for k in table if k[0] not in live_jobs]:
+            for key in [k for k in table if k[0] not in live_jobs or (k[0], k[1]) in expired]:
                 del table[key]
 
     def suspects(self) -> set[str]:

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 WORK_POLL = 0.1  # seconds between looks at files waiting to settle
 WORK_IDLE = 1.0  # seconds between looks with none waiting (a new file wakes the worker at once)
+WORK_SLICE = 0.5  # seconds of reading per round: the rest of a backlog waits for the next, newcomers first
 
 STATE_FILE = "traces-processed.json"
 WARN_PER_REASON = 10  # then every 1000th
@@ -204,13 +205,15 @@ class TracesSource:
         alive: Callable[[int], bool] = _pid_alive,
         credentials: Callable[[int], Credentials | None] = _credentials,
         strict_dirs: tuple[Path, ...] = (),
+        incomplete_cpu: float = 5.0,
     ) -> None:
         self.interval = interval
         self.user_dirs = user_dirs
         self.top_k = top_k
         self._dirs = dirs
         self._watcher = FolderWatcher(dirs, Processed(state_dir / STATE_FILE if state_dir is not None else None),
-                                      settle_seconds, invalid_after, max_file_bytes, polling, flat=strict_dirs)
+                                      settle_seconds, invalid_after, max_file_bytes, polling, flat=strict_dirs,
+                                      incomplete_cpu=incomplete_cpu)
         # traces.baseline comes from the config (the admin's): read it with the size cap only
         self._read_baseline_file = functools.partial(read_trace, max_bytes=max_file_bytes) \
             if reader is read_trace else reader
@@ -285,10 +288,15 @@ class TracesSource:
                     return
 
     def _work_once(self) -> bool:
-        """Handle what is due; True if stopped meanwhile."""
+        """Handle what is due, reading for at most WORK_SLICE (the rest waits for the next
+        round, where another user's new file comes first); True if stopped meanwhile."""
+        until = self._clock() + WORK_SLICE
         for verdict in self._watcher.due(self._clock()):
             if self._stop.is_set():
                 return True
+            if verdict.action == "attempt" and self._clock() > until:
+                self._watcher.defer(verdict)
+                continue
             try:
                 self._handle(verdict)
             except Exception as exc:  # a bug must not end the worker: count the file
@@ -303,11 +311,12 @@ class TracesSource:
         if verdict.action != "attempt":
             self._count(verdict, verdict.action, verdict.reason, verdict.message)
             return
+        started = time.thread_time()
         try:
             trace = self._read(verdict.path)
         except TraceError as exc:
             if exc.reason in ("truncated", "unreadable"):
-                self._watcher.failed(verdict, exc.reason, str(exc))
+                self._watcher.failed(verdict, exc.reason, str(exc), cpu=time.thread_time() - started)
             elif exc.reason in ("not_a_trace", "symlink", "not_regular", "foreign_owner", "too_large", "too_large_event",
                                 "too_many_events", "too_many_names"):
                 self._count(verdict, "skipped", exc.reason, str(exc))
@@ -406,6 +415,7 @@ def traces_source(config: Config, user_dirs: bool = True) -> TracesSource:
         interval=t.interval if t.interval > 0 else min(config.agent.interval, PUBLISH_INTERVAL),
         settle_seconds=t.settle_seconds,
         invalid_after=t.invalid_after,
+        incomplete_cpu=t.incomplete_cpu_seconds,
         max_file_bytes=t.max_file_bytes,
         max_buffered_bytes=t.max_buffered_bytes,
         max_inflated_bytes=t.max_inflated_bytes,

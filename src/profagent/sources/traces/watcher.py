@@ -8,7 +8,11 @@
   its size and mtime have been stable for ``settle_seconds``; reading then checks that the
   gzip stream and the JSON are complete. A ``.json`` must end with ``}``.
 - A file that is still incomplete is retried whenever it changes, and counted ``invalid``
-  (with its reason) once it has been incomplete for ``invalid_after`` seconds.
+  (with its reason) once it has been incomplete for ``invalid_after`` seconds, or once its
+  reads have taken ``incomplete_cpu`` seconds of CPU (reason ``cpu_budget``); its path is
+  then not read again, however its writer goes on changing it.
+- Files are read users in turn (by each file's owner), one of each user's at a time, and a
+  round lasts at most ``source.WORK_SLICE``: a newcomer's file is read within about that.
 - Files are only ever opened for reading, without following a symlink and without waiting
   on a FIFO; only regular files owned by root, the agent, a watched folder's owner or a
   job's user are read (others are ``skipped`` with reason ``symlink``, ``not_regular`` or
@@ -39,6 +43,7 @@ from profagent.system.safefs import UnsafePath, open_regular
 log = logging.getLogger(__name__)
 
 STATE_LIMIT = 10000  # processed entries kept in the state file
+MAX_EXHAUSTED = 4096  # paths remembered as never to be read again (invalid: incomplete too long)
 STATE_SAVE_EVERY = 1.0  # seconds: thousands of tiny files must not mean thousands of rewrites
 Signature = tuple[int, int]  # (size, mtime_ns)
 
@@ -108,6 +113,7 @@ class Pending:
     reason: str = ""
     message: str = ""
     failures: int = 0  # attempts that found it incomplete: each doubles the wait before the next
+    cpu: float = 0.0  # CPU seconds its incomplete reads took, all together
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,7 @@ class FolderWatcher:
         max_file_bytes: int,
         polling: bool = False,
         flat: Iterable[Path] = (),
+        incomplete_cpu: float = 5.0,
     ) -> None:
         """``flat``: folders watched and scanned without their subfolders (the on-demand
         folder: libkineto writes there directly, and anyone may make folders in it: 30,000
@@ -157,6 +164,7 @@ class FolderWatcher:
         self.settle = settle_seconds
         self.invalid_after = invalid_after
         self.max_bytes = max_file_bytes
+        self.incomplete_cpu = incomplete_cpu  # traces.incomplete_cpu_seconds
         self.polling = polling
         self.wake = threading.Event()
         self._lock = threading.Lock()
@@ -168,6 +176,10 @@ class FolderWatcher:
         self._missing_checked = 0.0
         self._saved_at = 0.0
         self._job_pids: frozenset[int] = frozenset()
+        # paths counted invalid for staying incomplete (deadline or CPU budget): a writer that
+        # goes on appending would otherwise start a fresh deadline and budget at each change
+        self._exhausted: dict[str, None] = {}
+        self._before: dict[str, float | None] = {}  # attempted_at of this round's attempts before it
         self._job_uids: frozenset[int] = frozenset()
         self._owners = {0, os.geteuid()}
         for d in dirs:
@@ -263,13 +275,36 @@ class FolderWatcher:
         with self._lock:
             dirty, self._dirty = self._dirty, set()
         for path in dirty:
-            self._pending.setdefault(path, Pending(first_seen=now))
+            if path not in self._exhausted:
+                self._pending.setdefault(path, Pending(first_seen=now))
         out: list[Verdict] = []
+        attempts: dict[int, list[Verdict]] = {}  # uid -> its files to read now
+        self._before = {}
         for path, p in list(self._pending.items()):
+            before = p.attempted_at
             verdict = self._check(path, p, now)
-            if verdict is not None:
+            if verdict is None:
+                continue
+            if verdict.action == "attempt":
+                attempts.setdefault(verdict.uid, []).append(verdict)
+                self._before[path] = before
+            else:
                 out.append(verdict)
+        # Users in turn (by each file's owner): one file of each, then the next of each...,
+        # so a user with hundreds of files delays another user's trace by one read, not by
+        # all of theirs. The reader takes a slice of this list and defers the rest (defer()),
+        # and the next round puts a newcomer's file first again.
+        queues = list(attempts.values())
+        for i in range(max((len(q) for q in queues), default=0)):
+            out.extend(q[i] for q in queues if i < len(q))
         return out
+
+    def defer(self, verdict: Verdict) -> None:
+        """An attempt ``due`` returned that the reader leaves for a later round."""
+        p = self._pending.get(verdict.path)
+        if p is not None and verdict.path in self._before:
+            p.attempted_at = self._before[verdict.path]
+        self.wake.set()
 
     def _check(self, path: str, p: Pending, now: float) -> Verdict | None:
         try:
@@ -293,7 +328,14 @@ class FolderWatcher:
         if st.st_size > self.max_bytes:
             return self._final(path, sig, "skipped", "too_large",
                                f"{st.st_size} bytes is over traces.max_file_bytes ({self.max_bytes})")
+        if p.failures and p.cpu >= self.incomplete_cpu:
+            # a file kept incomplete on purpose (appended to every 0.7 s) costs at most this
+            self._exhaust(path)
+            return self._final(path, sig, "invalid", "cpu_budget",
+                               f"still incomplete after {p.cpu:.1f} s of CPU over {p.failures} reads "
+                               f"(traces.incomplete_cpu_seconds = {self.incomplete_cpu:g})")
         if p.failures and now - p.first_seen >= self.invalid_after:
+            self._exhaust(path)
             return self._final(path, sig, "invalid", p.reason or "truncated",
                                p.message or f"still incomplete after {self.invalid_after:g}s")
         if p.attempted_at is not None and now - p.attempted_at < self.settle * 2 ** min(p.failures, 16):
@@ -304,11 +346,18 @@ class FolderWatcher:
             return None
         if p.failed_sig == sig or not self._complete_enough(path, p, now):
             if now - p.first_seen >= self.invalid_after:
+                self._exhaust(path)
                 return self._final(path, sig, "invalid", p.reason or "truncated",
                                    p.message or f"still incomplete after {self.invalid_after:g}s")
             return None
         p.attempted_at = now
         return Verdict(path, sig, "attempt", uid=st.st_uid)
+
+    def _exhaust(self, path: str) -> None:
+        """Never look at ``path`` again (until MAX_EXHAUSTED newer ones push it out)."""
+        self._exhausted[path] = None
+        while len(self._exhausted) > MAX_EXHAUSTED:
+            del self._exhausted[next(iter(self._exhausted))]
 
     def _complete_enough(self, path: str, p: Pending, now: float) -> bool:
         if path.endswith(".gz"):
@@ -325,12 +374,14 @@ class FolderWatcher:
         del self._pending[path]
         return Verdict(path, sig, status, reason, message)
 
-    def failed(self, verdict: Verdict, reason: str, message: str) -> None:
-        """An attempt found the file incomplete: wait for it to change (or time out)."""
+    def failed(self, verdict: Verdict, reason: str, message: str, cpu: float = 0.0) -> None:
+        """An attempt found the file incomplete (after ``cpu`` seconds of reading): wait for
+        it to change, until its deadline (invalid_after) or its CPU budget runs out."""
         p = self._pending.get(verdict.path)
         if p is not None:
             p.failed_sig, p.reason, p.message = verdict.sig, reason, message
             p.failures += 1
+            p.cpu += cpu
 
     def finished(self, verdict: Verdict, status: str) -> None:
         """The file is counted: remember it and stop watching it."""
