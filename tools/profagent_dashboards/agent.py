@@ -71,6 +71,12 @@ def build() -> Dashboard:
             "Samples per scrape", NONE, [q(f"scrape_samples_scraped{{{INST}}}", "{{instance}}")],
             "series in the agent's exposition; a steady climb means a label is unbounded", width=9, height=6,
         ))
+        .with_panel(ts(
+            "Series dropped by the per-job cap", NONE,
+            [q(f"profagent_series_dropped{{{INST}}}", "{{instance}} {{job_id}}")],
+            "series a job would have had beyond agent.max_series_per_job (ranks churning, a job too wide): "
+            "its highest ranks are left out of /metrics", width=24, height=6,
+        ))
         .with_row(row("The agent process"))
         .with_panel(ts(
             "Agent CPU", CORES,
