@@ -119,10 +119,11 @@ def start_two_nodes(tmp: Path, **node: object) -> tuple[str, list[Node]]:
 
 
 # The straggler and healthy scenarios: the defaults' minute-long windows scaled down (stack
-# shares over 20 s, arrivals over 30 s, at least 20 s of them) so that a straggler is named
-# within the issue's two minutes on a loaded machine. Native stack windows at the default
-# pace: each pauses its rank at every sample, and one every few seconds made a healthy rank
-# arrive last at its node's collectives. Stalls at the default (a busy rank never freezes).
-SCALED = ("[stacks]\nwindow = 2\nrate = 50\n"
+# shares over 20 s from windows of 10 s at most, arrivals over 30 s, at least 20 s of them) so that a straggler is named
+# within the issue's two minutes on a loaded machine. Sampling rate and native windows at
+# their defaults: py-spy pauses its rank at every sample, and faster or native sampling made a
+# healthy rank arrive last at its node's collectives. Stalls at the default (a busy rank
+# never freezes).
+SCALED = ("[stacks]\nwindow = 2\nsteady_window = 10\n"
           "[findings]\nwindow_seconds = 20\nmin_samples = 30\narrival_min_seconds = 20\narrival_min_collectives = 20\n"
           "[timeline]\nwindow_seconds = 30\n")

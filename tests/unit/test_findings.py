@@ -170,8 +170,9 @@ def test_stall_outside_collectives_and_no_stall() -> None:
 # -- evaluator: since, clearing, shares ----------------------------------------------------
 
 def cfg(**kw: float) -> FindingsConfig:
+    # each analyzer's verdict at once: the straggler's confirmation has its own tests (test_steady.py)
     base = dict(window_seconds=60.0, min_samples=40, compile_grace_seconds=100.0, gpu_idle_seconds=30.0,
-                leak_min_span_seconds=60.0, leak_window_seconds=600.0)
+                leak_min_span_seconds=60.0, leak_window_seconds=600.0, straggler_confirm_seconds=0.0)
     base.update(kw)
     return FindingsConfig(**base)  # type: ignore[arg-type]
 

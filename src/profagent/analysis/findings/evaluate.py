@@ -61,7 +61,8 @@ class Evaluator:
         self._pending: dict[tuple[str, str, str], float] = {}
         self._since: dict[tuple[str, str, str], float] = {}
         self._hung: frozenset[str] = frozenset()  # jobs with a hang finding at the last evaluation
-        self._steady = Steady(config.hold_seconds)  # window-judged findings held after their last sighting
+        # window-judged findings held after their last sighting; a straggler confirmed first
+        self._steady = Steady(config.hold_seconds, confirm_seconds=config.straggler_confirm_seconds)
 
     # -- histories ----------------------------------------------------------------------
     def _new(self, name: str, snapshot: object) -> bool:
