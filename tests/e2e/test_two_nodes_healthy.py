@@ -83,7 +83,7 @@ def _check(prom: Prometheus, job_id: str, nodes: list[Node]) -> None:
     watched = f"{int(time.monotonic() - measured)}s"
     # Prometheus scraped both nodes and evaluated the rule's inputs on the job throughout
     scrapes = {s["metric"]["instance"]: float(s["value"][1])
-               for s in prom.query(f'count_over_time(up{{job="profagent"}}[{watched}])')}
+               for s in prom.query(f'sum_over_time(up{{job="profagent"}}[{watched}])')}  # scrapes answered
     assert set(scrapes) == {n.address for n in nodes} and min(scrapes.values()) >= WATCHED / 2, scrapes
     [median] = prom.query(f"count_over_time(job_id:profagent_collective_wait_ratio:median{{{job}}}[{watched}])")
     assert float(median["value"][1]) >= WATCHED / 2, median

@@ -88,7 +88,7 @@ def _check(prom: Prometheus, job_id: str, nodes: list[Node]) -> None:
     span = f"{int(time.monotonic() - held_from)}s"
     rule_count = _count(prom, f'count_over_time({SERIES}{{job_id="{job_id}"}}[{span}])')
     evaluations = _count(prom, f'count_over_time(job_id:profagent_target_up:nodes{{job_id="{job_id}"}}[{span}])')
-    scrapes = _count(prom, f'count_over_time(up{{instance="{slow.address}"}}[{span}])')
+    scrapes = _count(prom, f'sum_over_time(up{{instance="{slow.address}"}}[{span}])')  # the ones that answered
     finding_count = _count(prom, f'count_over_time(profagent_finding{{job_id="{job_id}", finding="straggler", '
                                  f'rank="{SLOW_RANK}", instance="{slow.address}"}}[{span}])')
     assert evaluations >= HOLD / 2 and rule_count >= evaluations, (rule_count, evaluations)
