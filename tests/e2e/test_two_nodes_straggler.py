@@ -81,8 +81,12 @@ def _check(prom: Prometheus, job_id: str, nodes: list[Node]) -> None:
     gaps = []
     while time.monotonic() - held_from < HOLD:
         got = (series(), [f["rank"] for f in stragglers(slow)], [f["rank"] for f in stragglers(_other(nodes, slow))])
-        if got != (want, [str(SLOW_RANK)], []):
-            gaps.append((round(time.monotonic() - began), got))
+        if got != (want, [str(SLOW_RANK)], []):  # with what gates the rule and the finding, to say why
+            gates = prom.query(f'{{__name__=~"profagent_rank_stack_unchanged_seconds|profagent_rank_stalled|'
+                               f'profagent_finding", job_id="{job_id}"}}')
+            gaps.append((round(time.monotonic() - began), got,
+                         [(g["metric"]["__name__"], g["metric"].get("finding"), g["metric"]["rank"], g["value"][1])
+                          for g in gates if g["value"][1] != "0"]))
         time.sleep(1)
     assert not gaps, gaps
     span = f"{int(time.monotonic() - held_from)}s"
