@@ -43,6 +43,7 @@ def test_a_straggler_on_node_1_is_named_by_the_job_rule_and_its_agent_and_holds(
     except BaseException:
         for n in nodes:
             print(n.log())
+        _print_state(prom, job_id, nodes)
         raise
     finally:
         prom.stop()
@@ -115,3 +116,22 @@ def _count(prom: Prometheus, expr: str) -> float:
     found = prom.query(expr)
     assert len(found) <= 1, found
     return float(found[0]["value"][1]) if found else 0.0
+
+
+def _print_state(prom: Prometheus, job_id: str, nodes: list[Node]) -> None:
+    """What the rule and the agents saw at the end: each rank's wait share and the rule's steps."""
+    for expr in ("profagent_collective_wait_ratio", "instance_job_id_rank:profagent_collective_wait_ratio:straggling",
+                 "max_over_time(instance_job_id_rank:profagent_collective_wait_ratio:straggling[5m])",
+                 "count_over_time(instance_job_id_rank:profagent_collective_wait_ratio:straggling[5m])", SERIES,
+                 "profagent_finding"):
+        try:
+            found = prom.query(f'{expr}{{job_id="{job_id}"}}' if "(" not in expr else expr)
+            print(expr, [(r["metric"].get("rank"), r["metric"].get("finding"), r["value"][1]) for r in found])
+        except Exception as exc:  # the state is a help, never the failure
+            print(expr, exc)
+    for n in nodes:
+        try:
+            print(n.address, [(f["finding"], f["rank"], f["summary"]) for f in
+                              json.loads(http_get(n.url + "/api/findings"))["findings"]])
+        except Exception as exc:
+            print(n.address, exc)
