@@ -12,8 +12,8 @@ rank on a loaded node arrived last at 63% of its node's collectives (the line is
 one evaluation early in a run; held, that one evaluation was a minute of straggler. A real
 straggler's evidence lasts (91% against the same line).
 
-Never held: a finding of a job with a hang (found or suspected: a stalled rank waits least
-of all, and the straggler's evidence is then the hang's), and one of a rank or job no
+Never held: a finding of a job with a hang (found, or a rank frozen for 30 s, or its steps
+stopped: a stalled rank waits least of all, and the straggler's evidence is then the hang's), and one of a rank or job no
 longer measured (it ended). Pure: the caller passes ``now``.
 """
 
@@ -44,7 +44,7 @@ class Steady:
     def __call__(self, found: list[Finding], now: float, measured: Iterable[tuple[str, str]],
                  quiet_jobs: Iterable[str] = ()) -> list[Finding]:
         """``found`` plus the held findings not in it. ``measured``: (job, rank) still
-        observed; ``quiet_jobs``: jobs with a hang, found or suspected."""
+        observed; ``quiet_jobs``: jobs with a hang, found or likely (the caller decides)."""
         quiet, live = set(quiet_jobs), set(measured)
         live_jobs = {job for job, _ in live}
         found = self._confirm(found, now)
