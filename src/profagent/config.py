@@ -151,6 +151,7 @@ class FindingsConfig:
     straggler_ratio: float = _opt(1.25, "straggler: a rank's traced step time above this times the median of the other ranks (in a job whose traces show a collective)")
     straggler_share: float = _opt(0.2, "straggler: a rank's share of samples in collectives this much (absolute) below the other ranks' median")
     hold_seconds: float = _opt(60.0, "straggler, *_bound, compile_storm: a finding stays active this long after its evidence was last seen, so one that sits on its threshold does not flap (never held through a hang, nor after its rank ended); 0 = no hold")
+    straggler_confirm_seconds: float = _opt(10.0, "straggler: raised only once its evidence (arrivals, wait shares or traces) was found at every evaluation for this long, so one evaluation on the line names no one; then held for hold_seconds")
     contention_share: float = _opt(0.05, "straggler: a rank named from its stacks whose main thread waited for a CPU (run queue) this share of the window or more is said to be slowed by CPU contention on the node")
     arrival_last_share: float = _opt(0.6, "straggler from the kernel probes: a rank that called at least this share of the job's collectives last over timeline.window_seconds...")
     arrival_lag_share: float = _opt(0.1, "...by a median lag behind the first rank of at least this share of the step time...")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -25,87 +24,22 @@ from pathlib import Path
 
 import pytest
 
-from helpers.agent import free_port, http_get
-from helpers.paths import ROOT
-from helpers.processes import kill_tree, wait_for
+from helpers.agent import http_get
+from helpers.nodes import RULES, Node, start_two_nodes
+from helpers.processes import wait_for
 from helpers.prometheus import Prometheus
-from helpers.watch import token
 
-WORKLOAD = ROOT / "tests" / "workloads" / "plain_ddp.py"
-RULES = ROOT / "deploy" / "prometheus"
 STALL_SECONDS = 10.0
 HANG_STEP = 30
+CONFIG = (f"[stacks]\nstall_seconds = {STALL_SECONDS}\nwindow = 2\nrate = 50\nnative_every_seconds = 10\n"
+          "[findings]\nwindow_seconds = 20\nmin_samples = 30\n")
 # like the privilege-dropping cases (tests/README.md): new PID namespaces need root
 pytestmark = [pytest.mark.slow_first, pytest.mark.skipif(os.geteuid() != 0, reason="two simulated nodes need root for unshare -p -m")]
 
 
-def _config(tmp: Path, node: int, tok: str) -> Path:
-    path = tmp / f"node{node}.toml"
-    path.write_text(
-        f"interval = 0.5\nstate_dir = '{tmp / f'state{node}'}'\n"
-        "[gpu]\nbackend = 'off'\n[ondemand]\nenabled = false\n"
-        f"[stacks]\nstall_seconds = {STALL_SECONDS}\nwindow = 2\nrate = 50\nnative_every_seconds = 10\n"
-        "[findings]\nwindow_seconds = 20\nmin_samples = 30\n"
-        f"[watch]\ncmdline_regex = ''\nenv_markers = ['PAW_TOKEN={tok}']\ngpu_processes = false\nscan_interval = 0.3\n"
-    )
-    return path
-
-
-class Node:
-    """One simulated node: a PID and mount namespace holding an agent and a torchrun launcher."""
-
-    def __init__(self, tmp: Path, node: int, tok: str, job_id: str, rdzv_port: int) -> None:
-        self.dir = tmp / f"node{node}"
-        self.dir.mkdir()
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        agent = [sys.executable, "-m", "profagent", "watch", "--config", str(_config(tmp, node, tok)),
-                 "--listen", self.address]
-        torchrun = [sys.executable, str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2",
-                    "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}",
-                    "--rdzv-id", job_id, "--max-restarts", "0", str(WORKLOAD), "healthy", "ddp"]
-        script = self.dir / "node.sh"
-        # torch's rendezvous tells nodes apart by host name and launcher PID: in fresh PID
-        # namespaces on one host both launchers would get the same small PID, so node 1's
-        # starts a few processes first (real nodes differ by name)
-        script.write_text(f"for i in $(seq {1 + 4 * node}); do /bin/true; done\n"
-                          + f"{_quote(agent)} > {self.dir}/agent.log 2>&1 &\n"
-                          f"PAW_TOKEN={tok} {_quote(torchrun)} > {self.dir}/torchrun.log 2>&1 &\nwait\n")
-        tmp_dir = self.dir / "tmp"  # each node its own /tmp, as real nodes have
-        tmp_dir.mkdir()
-        env = {**os.environ, "PLAIN_DDP_LOG": str(self.dir), "PLAIN_DDP_EVENT": f"hang:{HANG_STEP}",
-               "PLAIN_DDP_MAX_SECONDS": "300", "GLOO_SOCKET_IFNAME": "lo", "TMPDIR": str(tmp_dir)}
-        # the namespace's init is the shell: when it goes, the kernel kills everything inside
-        self.proc = subprocess.Popen(["unshare", "-p", "-m", "-f", "--mount-proc", "bash", str(script)],
-                                     env=env, start_new_session=True, cwd=WORKLOAD.parent)
-
-    def rank(self) -> int | None:
-        found = [int(p.stem[4:]) for p in self.dir.glob("rank*.jsonl")]
-        return found[0] if found else None
-
-    def events(self) -> list[dict]:
-        rank = self.rank()
-        path = self.dir / f"rank{rank}.jsonl"
-        text = path.read_text() if rank is not None else ""
-        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
-
-    def log(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.dir.glob("*.log")))
-
-    def stop(self) -> None:
-        kill_tree(self.proc)
-
-
-def _quote(argv: list[str]) -> str:
-    return " ".join("'" + a.replace("'", "'\\''") + "'" for a in argv)
-
-
 @pytest.fixture
 def two_nodes(tmp_path: Path):
-    if shutil.which("unshare") is None:
-        pytest.fail("unshare (util-linux) is needed to simulate two nodes")
-    tok, job_id, rdzv = token(), f"twonode-{token()}", free_port()
-    nodes = [Node(tmp_path, n, tok, job_id, rdzv) for n in (0, 1)]
+    job_id, nodes = start_two_nodes(tmp_path, config=CONFIG, env={"PLAIN_DDP_EVENT": f"hang:{HANG_STEP}"})
     yield job_id, nodes
     for node in nodes:
         node.stop()

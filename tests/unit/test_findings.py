@@ -170,8 +170,9 @@ def test_stall_outside_collectives_and_no_stall() -> None:
 # -- evaluator: since, clearing, shares ----------------------------------------------------
 
 def cfg(**kw: float) -> FindingsConfig:
+    # each analyzer's verdict at once: the straggler's confirmation has its own tests (test_steady.py)
     base = dict(window_seconds=60.0, min_samples=40, compile_grace_seconds=100.0, gpu_idle_seconds=30.0,
-                leak_min_span_seconds=60.0, leak_window_seconds=600.0)
+                leak_min_span_seconds=60.0, leak_window_seconds=600.0, straggler_confirm_seconds=0.0)
     base.update(kw)
     return FindingsConfig(**base)  # type: ignore[arg-type]
 
@@ -357,6 +358,24 @@ def test_no_straggler_while_a_hang_is_suspected_nor_once_it_is_declared() -> Non
     for ticks in range(1, 10):
         rows = suspected if ticks < 6 else hung
         assert "straggler" not in [f.finding for f in feed_waits(ev, STRAGGLER_JOB, ticks, stall_rows=rows).findings]
+
+
+def test_a_held_straggler_outlasts_a_moment_of_suspicion_but_not_a_frozen_rank() -> None:
+    """A rank waiting for the straggler can stand at one collective for a whole short window
+    (a suspicion): the analyzers pause, the held straggler stays. A rank frozen for 30 s (the
+    job-level rule's gate too) may be hanging: the straggler goes at once."""
+    ev = Evaluator(cfg(window_seconds=20.0))
+    assert [f.rank for f in feed_waits(ev, STRAGGLER_JOB, 6).findings] == ["1"]
+
+    def tick(i: int, *rows: RankStall) -> list[tuple[str, str | None]]:
+        groups = tuple(judged(r, share * 100 * i, 100 * i, **{c: n * i for c, n in d.items()})
+                       for r, (share, d) in STRAGGLER_JOB.items())
+        return [(f.finding, f.rank) for f in ev.evaluate({"stacks": stacks(*rows, groups=groups)}, now=5.0 * i).findings]
+
+    waiting = RankStall("0", False, 3.0, "job", frames(*IN_ALL_REDUCE), suspected=True)
+    assert tick(7, waiting) == [("straggler", "1")]
+    frozen = RankStall("0", False, 30.0, "job", frames(*IN_ALL_REDUCE), suspected=True)
+    assert tick(8, frozen) == []
 
 
 def report(step: float, dataloader: float = 0.0, communication: float = 0.1) -> TraceReport:

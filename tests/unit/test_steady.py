@@ -46,3 +46,26 @@ def test_a_hang_or_leak_is_not_held_and_no_finding_is_doubled() -> None:
 def test_the_evaluator_holds_with_the_configured_hold() -> None:
     assert Evaluator(FindingsConfig())._steady.hold_seconds == FindingsConfig().hold_seconds == 60.0
     assert Evaluator(FindingsConfig(hold_seconds=5.0))._steady.hold_seconds == 5.0
+
+
+def test_a_straggler_is_raised_only_once_its_evidence_lasted_the_confirm_time() -> None:
+    steady = Steady(hold_seconds=60.0, confirm_seconds=15.0)
+    # one evaluation on the line (a healthy rank on a loaded node), then none: never raised
+    assert steady([STRAGGLER], 0.0, LIVE) == []
+    assert steady([], 1.0, LIVE) == []
+    # a run broken at t = 14 starts over: the confirm time counts from t = 15
+    assert all(steady([STRAGGLER], float(t), LIVE) == [] for t in range(2, 14))
+    assert steady([], 14.0, LIVE) == []
+    assert all(steady([STRAGGLER], float(t), LIVE) == [] for t in range(15, 30))
+    assert steady([STRAGGLER], 30.0, LIVE) == [STRAGGLER]
+    # confirmed, then held as before: a missed evaluation leaves no gap
+    assert steady([], 31.0, LIVE) == [STRAGGLER]
+    assert steady([STRAGGLER], 32.0, LIVE) == [STRAGGLER]
+    # other kinds are not confirmed, only held
+    bound = Finding("dataloader_bound", "j", "1", "warning", "rank 1 waits for data")
+    assert steady([bound], 40.0, LIVE) == [bound, STRAGGLER]
+
+
+def test_the_evaluator_confirms_with_the_configured_time() -> None:
+    assert Evaluator(FindingsConfig())._steady.confirm_seconds == FindingsConfig().straggler_confirm_seconds == 10.0
+    assert Evaluator(FindingsConfig(straggler_confirm_seconds=0.0))._steady.confirm_seconds == 0.0

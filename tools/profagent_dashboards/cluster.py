@@ -106,8 +106,10 @@ def build() -> Dashboard:
             "the rank that waits least in collectives (native DDP/FSDP frames included), by how many points "
             "below the other ranks' median, once it has been at least 25 points and 30 % below it for 2 "
             "minutes with no rank stalled: in a synchronous job every step lasts as long as the slowest "
-            "rank's, so step times are equal and the straggler is the rank that waits least. Empty when no "
-            "rank qualifies (a healthy job, a hang)",
+            "rank's, so step times are equal and the straggler is the rank that waits least. Also a rank "
+            "its node's agent has named the straggler for 30 s (from the collectives' arrivals; 0 % until "
+            "its wait share is measured). Held through one noisy evaluation; empty when no rank qualifies "
+            "(a healthy job, a hang, a stall)",
             thresholds=WAIT_BELOW_STEPS,
         ))
         .with_panel(ts(

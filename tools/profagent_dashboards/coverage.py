@@ -30,7 +30,9 @@ RECORDED_NOT_ON_A_DASHBOARD: dict[str, str] = {
     name: "a step of the straggler rule: its panel shows the result (job_straggler)"
     for name in ("instance_job_id_rank:profagent_collective_wait_ratio:job_lowest",
                  "job_id:profagent_collective_wait_ratio:median_of_others",
-                 "instance_job_id_rank:profagent_collective_wait_ratio:straggling")
+                 "instance_job_id_rank:profagent_collective_wait_ratio:straggling",
+                 "instance_job_id_rank:profagent_collective_wait_ratio:straggling_steadily",
+                 "instance_job_id_rank:profagent_finding:straggler")
 }
 
 # Families that no panel shows.

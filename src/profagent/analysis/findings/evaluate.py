@@ -43,6 +43,9 @@ ANALYZERS: tuple[Analyzer, ...] = (
     gpu.analyze_throttled,
     gpu.analyze_errors,
 )
+# A rank whose stack has not changed this long may be hanging: no finding is held for its job
+# (recording.yml gates the job-level straggler on the same 30 s).
+FROZEN_SECONDS = 30.0
 # Kinds reported only once their evidence has lasted this config value (seconds).
 HELD = {"gpu_idle": "gpu_idle_seconds"}
 
@@ -61,7 +64,8 @@ class Evaluator:
         self._pending: dict[tuple[str, str, str], float] = {}
         self._since: dict[tuple[str, str, str], float] = {}
         self._hung: frozenset[str] = frozenset()  # jobs with a hang finding at the last evaluation
-        self._steady = Steady(config.hold_seconds)  # window-judged findings held after their last sighting
+        # window-judged findings held after their last sighting; a straggler confirmed first
+        self._steady = Steady(config.hold_seconds, confirm_seconds=config.straggler_confirm_seconds)
 
     # -- histories ----------------------------------------------------------------------
     def _new(self, name: str, snapshot: object) -> bool:
@@ -168,8 +172,13 @@ class Evaluator:
         inputs = dataclasses.replace(inputs, hung=hung)
         for analyze in ANALYZERS:
             found += analyze(inputs)
-        # window-judged kinds held after their last sighting, never through a hang
-        found = self._steady(found, now, {(s.job_id, s.rank) for s in inputs.shares}, hung | inputs.suspected)
+        # window-judged kinds held after their last sighting, never through a hang: one found,
+        # a rank frozen for FROZEN_SECONDS or stalled, or the job's steps stopped (the same
+        # gates as the job-level straggler rule); a mere suspicion (one window with an
+        # unchanged stack, common for a rank waiting for a straggler) pauses the analyzers, not the hold
+        frozen = {s.job_id for s in inputs.stalls if s.stalled or s.unchanged_seconds >= FROZEN_SECONDS}
+        stopped = {f.job_id for f in found if f.finding == "stall"}
+        found = self._steady(found, now, {(s.job_id, s.rank) for s in inputs.shares}, hung | frozen | stopped)
         found = [f for f in found if f.finding not in HELD] + self._hold(
             [f for f in found if f.finding in HELD], now)
         self._evaluations += 1
