@@ -27,6 +27,7 @@ BOARD = BY_KEY["cluster"]
 
 JOB = 'job_id=~"$job_id"'
 STEP = "job_id:profagent_trace_step_seconds"
+PROBED = "job_id:profagent_step_window_seconds"
 RATIO = "instance_job_id_rank:profagent_trace_step_seconds:ratio_to_job_median"
 WAIT = "profagent_collective_wait_ratio"
 # A rank waiting 20 points less than its job's median (and the findings' straggler_share).
@@ -76,7 +77,20 @@ def build() -> Dashboard:
             "ProfagentJobHang pages with the same answer, `profagent diagnose --prometheus` prints it",
             width=24, height=5, hide=("Time", "Value", "job", "__name__"),
         ))
-                .with_row(row("Step time across ranks"))
+        .with_row(row("Steps from the kernel probes (every job, no trace)"))
+        .with_panel(ts(
+            "Step time: median and slowest rank", SECONDS,
+            [q(f"{PROBED}:median{{{JOB}}}", "{{job_id}} median"), q(f"{PROBED}:max{{{JOB}}}", "{{job_id}} slowest")],
+            "each rank's median step (one Optimizer.step call to the next, kernel probes on libtorch) over "
+            "the agent's window, then the median and the slowest of every rank on every node; see docs/timeline.md",
+        ))
+        .with_panel(ts(
+            "Optimizer steps per second", NONE,
+            [q(f"job_id:profagent_optimizer_steps:rate1m_min{{{JOB}}}", "{{job_id}}")],
+            "the job's throughput: the slowest rank's optimizer steps per second (a synchronous job steps "
+            "together); a drop is a slowdown, zero a stopped job",
+        ))
+        .with_row(row("Step time across ranks (profiler traces)"))
         .with_panel(ts(
             "Median and max step time", SECONDS,
             [q(f"{STEP}:median{{{JOB}}}", "{{job_id}} median"), q(f"{STEP}:max{{{JOB}}}", "{{job_id}} max")],
