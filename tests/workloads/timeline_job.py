@@ -130,7 +130,7 @@ def finished(step: int, until: float, distributed: bool) -> bool:
 
 
 def main() -> None:
-    bound(300)
+    bound(int(300 + args.seconds))  # five minutes for start-up and the end, besides the steps
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
         dist.init_process_group("gloo")
