@@ -333,6 +333,7 @@ class TimelineSource:
             span = max(max(a.times.values()) for a in recent) - min(min(a.times.values()) for a in recent)
             out.append(ArrivalStraggler(job, rank, count / summary.collectives, summary.median_lag.get(rank, 0.0),
                                         summary.step_lag.get(rank, 0.0),
+                                        tl.quantile([v for r, v in summary.step_lag.items() if r != rank] or [0.0], 0.5),
                                         summary.step_seconds, summary.collectives, span))
         return tuple(out)
 
