@@ -154,7 +154,7 @@ class FindingsConfig:
     straggler_confirm_seconds: float = _opt(10.0, "straggler: raised only once its evidence (arrivals, wait shares or traces) was found at every evaluation for this long, so one evaluation on the line names no one; then held for hold_seconds")
     contention_share: float = _opt(0.05, "straggler: a rank named from its stacks whose main thread waited for a CPU (run queue) this share of the window or more is said to be slowed by CPU contention on the node")
     arrival_last_share: float = _opt(0.6, "straggler from the kernel probes: a rank that called at least this share of the job's collectives last over timeline.window_seconds...")
-    arrival_lag_share: float = _opt(0.1, "...by a median lag behind the first rank of at least this share of the step time...")
+    arrival_lag_share: float = _opt(0.1, "...by lags behind the first rank that add up, over a step, to at least this share of it more than the other ranks' lags do (the median step; FSDP's per-layer collectives are each late by a slice of it)...")
     arrival_min_collectives: int = _opt(50, "...over this many matched collectives at least...")
     arrival_min_seconds: float = _opt(30.0, "...spanning this many seconds at least (a job's first seconds are uneven); where the probes match a job's collectives, they replace the stack wait shares as its straggler signal")
     min_steps: int = _opt(20, "dataloader_bound from the kernel probes: steps a rank needs in the window before its data-wait share is judged")

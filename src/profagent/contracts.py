@@ -443,6 +443,8 @@ class ArrivalStraggler:
     rank: str
     last_share: float  # of the window's collectives at which it was last
     median_lag: float  # seconds behind the first rank, at the median
+    step_lag: float  # its lags of a step added up, at the median over steps
+    others_step_lag: float  # the same for the other ranks, their median (they arrive last too, now and then)
     step_seconds: float  # the job's median step time over the window
     collectives: int
     span_seconds: float = 0.0  # from the window's first matched collective to its last

@@ -1,10 +1,14 @@
 """Findings from the step timeline on real torchrun jobs (tests/workloads/timeline_job.py):
-a straggler named from its collective arrivals and a healthy job with no finding (the
-stall warning is in test_timeline_stall_e2e.py)."""
+a straggler named from its collective arrivals (DDP, and FSDP2 with a rank of twice the
+compute) and a healthy job with no finding (the stall warning is in
+test_timeline_stall_e2e.py)."""
 
 from __future__ import annotations
 
 import os
+import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +36,49 @@ def test_a_rank_slower_by_half_is_named_the_straggler_from_its_arrivals(tmp_path
         assert time.monotonic() - began < 60
         assert found["rank"] == "1", found
         assert found["evidence"]["last_share"] >= FindingsConfig().arrival_last_share
+    finally:
+        job.stop()
+
+
+def test_an_fsdp2_rank_with_twice_the_compute_is_named_the_straggler(tmp_path: Path, run_agent) -> None:
+    """FSDP2 (``fully_shard`` on each layer, gloo) where rank 1 computes each layer twice,
+    forward and backward, as a device of half the speed would. The arrival thresholds are
+    scaled down (20 s of window, 10 s of span instead of 60 and 30) to keep the test short;
+    the shares are the defaults. Checked: the finding's rank, text and advice, `diagnose`,
+    `top --once`, and the job's own account of each rank's forward compute."""
+    job = Job(tmp_path, 2, "--fsdp2", "--slow-rank", "1", "--slow-layers", "--seconds", "45", "--workers", "0")
+    try:
+        config = tmp_path / "profagent.toml"
+        config.write_text("[timeline]\nwindow_seconds = 20\n[findings]\narrival_min_seconds = 10\n")
+        url = attach(run_agent, job, extra=["--no-stacks", "--config", str(config)])
+        job.start_file.write_text("go")
+
+        def named() -> dict | None:
+            return next((f for f in findings(url)["findings"] if f["finding"] == "straggler"), None)
+
+        found = wait_for(named, 60, interval=1.0, what="a straggler named from arrivals")
+        assert found["rank"] == "1" and found["evidence"]["signal"] == "arrivals", found
+        assert found["summary"].startswith("rank 1 is the straggler: it called "), found["summary"]
+        assert found["evidence"]["last_share"] >= FindingsConfig().arrival_last_share
+        assert found["evidence"]["lag_share"] >= FindingsConfig().arrival_lag_share
+        assert "balance the work" in found["advice"], found
+        env = {**os.environ, "COLUMNS": "400"}
+        out = subprocess.run([sys.executable, "-m", "profagent", "diagnose", "--url", url], capture_output=True,
+                             text=True, timeout=60, env=env)
+        assert out.returncode == 0, out.stderr
+        assert "rank 1 is the straggler" in out.stdout and f"what to do: {found['advice']}" in out.stdout, out.stdout
+        top = subprocess.run([sys.executable, "-m", "profagent", "top", "--url", url, "--once"], capture_output=True,
+                             text=True, timeout=60, env=env)
+        assert top.returncode == 0, top.stderr
+        assert "straggler (rank 1): rank 1 is the straggler" in top.stdout, top.stdout
+        rows = {x.split()[0]: x for x in top.stdout.splitlines() if x.split()[:1] in (["0"], ["1"])}
+        assert "SLOW" in rows["1"] and "SLOW" not in rows["0"], top.stdout
+        # the job's own account: rank 1's layers took about twice as long as rank 0's
+        wait_for(job.done, 120, interval=0.5, what="the job's end")
+        forward = [statistics.median(s["forward_compute"] for s in job.truth(r)["stages"][5:]) for r in (0, 1)]
+        assert forward[1] >= 1.5 * forward[0], forward
+        others = [f for f in findings(url)["findings"] if f["finding"] != "straggler" or f["rank"] != "1"]
+        assert others == [], [(f["summary"], f["evidence"]) for f in others]
     finally:
         job.stop()
 

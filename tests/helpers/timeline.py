@@ -4,6 +4,7 @@ alone), an agent attached once every rank is probed, and readers of what it expo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +17,8 @@ WORKLOAD = ROOT / "tests" / "workloads" / "timeline_job.py"
 
 
 class Job:
-    def __init__(self, tmp: Path, ranks: int, *args: str) -> None:
-        self.dir = tmp / "job"
+    def __init__(self, tmp: Path, ranks: int, *args: str, name: str = "job", env: dict[str, str] | None = None) -> None:
+        self.dir = tmp / name
         self.dir.mkdir()
         self.start_file = self.dir / "start"
         self.ranks = ranks
@@ -26,7 +27,8 @@ class Job:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
                     "--master-port", str(free_port())] if ranks > 1 else [sys.executable]
         self.proc = subprocess.Popen([*launcher, *script], stdout=self._out, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=WORKLOAD.parent)
+                                     start_new_session=True, cwd=WORKLOAD.parent,
+                                     env={**os.environ, **env} if env else None)
 
     def truth(self, rank: int) -> dict:
         return json.loads((self.dir / f"rank{rank}.json").read_text())

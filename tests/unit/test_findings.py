@@ -461,6 +461,35 @@ def test_no_leak_before_min_span_or_when_flat_or_noisy() -> None:
     assert snap.findings == ()
 
 
+def test_a_start_up_that_levelled_off_is_no_leak_and_a_leak_after_it_is() -> None:
+    """A rank's RSS climbs for 100 s while it starts on a loaded node (torch imported, the
+    model built), then holds: close to a line over the default 120 s of history and more
+    (r2 above MIN_R2), yet never a leak. The same start-up followed by a steady leak is
+    one, once the leak fills the history's later half."""
+    startup = lambda t: GIB * min(t, 100) / 100  # noqa: E731
+    defaults = cfg(leak_min_span_seconds=FindingsConfig().leak_min_span_seconds)
+    ev = Evaluator(defaults)
+    found = []
+    for t in range(0, 305, 5):
+        found += [(t, f.finding) for f in ev.evaluate({"host": host(startup(t), None, 0, 8 * GIB)}, now=float(t)).findings]
+    assert line_r2(startup, 150) > 0.8 and found == []
+    rate = 2 << 20
+    ev = Evaluator(defaults)
+    for t in range(0, 600, 5):
+        snap = ev.evaluate({"host": host(startup(t) + rate * max(0, t - 100), None, 0, 8 * GIB)}, now=float(t))
+        found += [(t, f.finding) for f in snap.findings]
+    assert found and found[0][1] == "memory_leak" and 150 <= found[0][0] <= 400, found[:1]
+
+
+def line_r2(value, until: int) -> float:
+    series = MemorySeries(600.0)
+    for t in range(0, until + 1, 5):
+        series.add(float(t), value(t))
+    fit = series.fit()
+    assert fit is not None
+    return fit[1]
+
+
 def gpu(util: float, memory: int, free: int, reasons: dict[str, bool] | None = None,
         xids: dict[int, int] | None = None, ecc: float = 0.0) -> GpuSnapshot:
     dev = GpuDevice(0, "GPU-a", "H100", "0000:01:00.0", "disabled", True,

@@ -146,8 +146,25 @@ def test_collectives_are_matched_by_step_and_order_and_the_late_rank_is_last() -
     summary = tl.last_arrivals(arrivals, 0.02)
     assert summary.last_counts == {"1": 200}
     assert summary.median_lag["1"] == pytest.approx(0.004, abs=3e-5)
+    assert summary.step_lag["1"] == pytest.approx(5 * 0.004, abs=1.5e-4)  # five collectives a step, each late
     # already matched: nothing the second time
     assert tl.match_arrivals(ranks, until) == ([], until)
+
+
+def test_a_steps_lags_add_up_but_calls_back_to_back_count_once() -> None:
+    """FSDP: a collective per layer, each late by a slice of the step. Two calls with no
+    work between (one call hitting two probed functions) are one wait, not two."""
+    arrivals = []
+    for step in range(10):
+        start = 100.0 + step
+        late = [0.003, 0.003, 0.005, 0.002, 0.002]  # the second and fifth follow the one before at once
+        for k, lag in enumerate(late):
+            t = start + 0.01 * k - (0.01 - 5e-5 if k in (1, 4) else 0.0)
+            arrivals.append(tl.Arrival(start, k, {"0": t, "1": t + lag, "2": t + 1e-5}))
+    summary = tl.last_arrivals(arrivals, 0.05)
+    assert summary.step_lag["1"] == pytest.approx(0.003 + 0.005 + 0.002)
+    assert summary.step_lag["2"] == pytest.approx(3 * 1e-5)
+    assert summary.median_lag["1"] == pytest.approx(0.003)
 
 
 def test_a_step_one_rank_has_not_finished_is_left_for_later() -> None:
@@ -188,25 +205,29 @@ def test_arrival_straggler_needs_a_persistent_last_place_and_a_real_lag() -> Non
     cfg = FindingsConfig()
     ranks = (steps_of("0"), steps_of("1"))
 
-    def verdict(last_share: float, lag: float, collectives: int = 200, span: float = 60.0) -> list[str | None]:
-        s = ArrivalStraggler("j", "1", last_share, lag, 0.02, collectives, span)
+    def verdict(last_share: float, lag: float, collectives: int = 200, span: float = 60.0,
+                others: float = 0.001) -> list[str | None]:
+        s = ArrivalStraggler("j", "1", last_share, lag / 4, lag + others, others, 0.02, collectives, span)
         return [f.rank for f in findings.analyze_arrival_straggler(inputs(TimelineSnapshot(ranks, (s,))))]
 
     assert verdict(0.9, 0.004) == ["1"]
     assert verdict(cfg.arrival_last_share - 0.01, 0.004) == []  # not persistently last
-    assert verdict(0.9, cfg.arrival_lag_share * 0.02 * 0.9) == []  # last by a hair
+    assert verdict(0.9, cfg.arrival_lag_share * 0.02 * 0.9) == []  # last by a hair, a step's lags added up
+    assert verdict(0.65, 0.004, others=0.0) == ["1"]
+    # last a little more often than the others, who wait about as long for it as it for them
+    assert verdict(0.65, cfg.arrival_lag_share * 0.02 * 0.9, others=0.03) == []
     assert verdict(0.9, 0.004, collectives=cfg.arrival_min_collectives - 1) == []  # too few to say
     assert verdict(0.9, 0.004, span=cfg.arrival_min_seconds - 1) == []  # too short a time to say
-    s = ArrivalStraggler("j", "1", 0.9, 0.004, 0.02, 200, 60.0)
+    s = ArrivalStraggler("j", "1", 0.9, 0.001, 0.004, 0.0, 0.02, 200, 60.0)
     assert findings.analyze_arrival_straggler(inputs(TimelineSnapshot(ranks, (s,)), hung=frozenset({"j"}))) == []
     quiet = (steps_of("0", idle_seconds=40.0), steps_of("1", idle_seconds=40.0))
     assert findings.analyze_arrival_straggler(inputs(TimelineSnapshot(quiet, (s,)))) == []  # steps stopped
 
 
 def test_probed_jobs_take_their_straggler_from_arrivals_only() -> None:
-    s = ArrivalStraggler("j", "1", 0.5, 0.0001, 0.02, 200)
+    s = ArrivalStraggler("j", "1", 0.5, 0.0001, 0.0005, 0.0, 0.02, 200)
     assert findings.probed_jobs(inputs(TimelineSnapshot((steps_of("0"),), (s,)))) == {"j"}
-    few = ArrivalStraggler("j", "1", 0.5, 0.0001, 0.02, 10)
+    few = ArrivalStraggler("j", "1", 0.5, 0.0001, 0.0005, 0.0, 0.02, 10)
     assert findings.probed_jobs(inputs(TimelineSnapshot((steps_of("0"),), (few,)))) == frozenset()
 
 

@@ -76,6 +76,18 @@ def test_findings_in_the_header() -> None:
     assert "findings: none active" in "\n".join(render(payload([rank(0)])))
 
 
+def test_a_rank_named_straggler_is_slow_in_the_state_column() -> None:
+    """A stalled rank stays STALLED; the straggler, still running, is SLOW; the others run."""
+    slow = {"finding": "straggler", "job_id": "slurm-4242", "rank": "2", "severity": "warning",
+            "summary": "rank 2 is the straggler: it called 90% of the job's last 200 collectives last",
+            "evidence": {"signal": "arrivals"}, "since": 0.0}
+    job_wide = {**slow, "finding": "stall", "rank": None}
+    lines = render(payload([rank(0), rank(1, state="stalled", stalled_seconds=5.0), rank(2)], [slow, job_wide]))
+    states = {line.split()[0]: line.split()[1] for line in lines if line.split()[:1] in (["0"], ["1"], ["2"])}
+    assert states == {"0": "running", "1": "STALLED", "2": "SLOW"}, lines
+    assert [line.split()[1] for line in render(payload([rank(2)])) if line.split()[:1] == ["2"]] == ["running"]
+
+
 def test_missing_values_show_as_dashes_not_zero() -> None:
     bare = rank(0, cpu_percent=None, uss_bytes=None, rss_bytes=None, gpu=None, step=None, categories={},
                 top_function=None, top_function_share=None)

@@ -3,12 +3,19 @@ timeline tests. Run alone (one process) or under torchrun (DDP over gloo, CPU).
 
 usage: [torchrun --nproc-per-node N] timeline_job.py --truth-dir DIR --go-file FILE
        [--steps N] [--accum K] [--workers W] [--slow-loader-rank R] [--slow-rank R]
-       [--slow-factor F] [--raise-in-backward] [--seconds S] [--profile-dir D]
+       [--slow-factor F] [--raise-in-backward] [--seconds S] [--fsdp2] [--device-seconds S]
+       [--slow-layers] [--batch B] [--profile-dir D] [--linger S]
 
 It waits for FILE before its first step, so an agent can place its probes first. Then it
 writes DIR/rankR.json: the monotonic time of every optimizer.step() call and, per step,
 the seconds it spent in next(loader), in loss.backward() and in optimizer.step() plus
-zero_grad(), measured around each call with time.monotonic().
+zero_grad(), measured around each call with time.monotonic(), and the seconds its own
+layers' forwards took (inside FSDP2's hooks: no collective wait in them).
+
+--fsdp2 shards each layer and the model with ``fully_shard`` (FSDP2) instead of DDP.
+--device-seconds sleeps that long each step where a GPU-bound job's host waits for its
+device. --slow-layers makes --slow-rank a slower device: each of its layers computes
+twice, forward and backward, so it arrives last at nearly every collective.
 """
 
 import argparse
@@ -35,6 +42,10 @@ parser.add_argument("--raise-in-backward", action="store_true")
 parser.add_argument("--save-at-step", type=int, default=-1, help="rank 0 saves a checkpoint for --save-seconds, then a barrier")
 parser.add_argument("--save-seconds", type=float, default=40.0)
 parser.add_argument("--hang-at-step", type=int, default=-1, help="rank 1 stops for good in its forward at this step")
+parser.add_argument("--fsdp2", action="store_true")
+parser.add_argument("--device-seconds", type=float, default=0.0)
+parser.add_argument("--slow-layers", action="store_true")
+parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--profile-dir", default="", help="also profile every step, a trace of --profile-steps written here each cycle")
 parser.add_argument("--profile-steps", type=int, default=40)
 parser.add_argument("--linger", type=float, default=0.0, help="seconds to stay after logging the truth (an agent attached to it exits with it)")
@@ -64,10 +75,41 @@ class Failing(torch.autograd.Function):
         raise RuntimeError("backward failed on purpose")
 
 
-def model() -> torch.nn.Module:
+class Layer(torch.nn.Module):
+    """A layer that times its own forward; on a --slow-layers rank it computes twice (the
+    second result times zero: the same values and gradients for twice the work)."""
+
+    forward_seconds = 0.0
+
+    def __init__(self, *modules: torch.nn.Module, twice: bool) -> None:
+        super().__init__()
+        self.inner = torch.nn.Sequential(*modules)
+        self.twice = twice
+
+    def forward(self, x):
+        t0 = time.monotonic()
+        y = self.inner(x)
+        if self.twice:
+            y = y + 0.0 * self.inner(x)
+        Layer.forward_seconds += time.monotonic() - t0
+        return y
+
+
+def model() -> torch.nn.Sequential:
+    twice = args.slow_layers and args.slow_rank == RANK
     return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.ReLU(),
-        torch.nn.Flatten(), torch.nn.Linear(32 * 16 * 16, 10))
+        Layer(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), twice=twice),
+        Layer(torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.ReLU(), twice=twice),
+        torch.nn.Flatten(), Layer(torch.nn.Linear(32 * 16 * 16, 10), twice=twice))
+
+
+def shard(net: torch.nn.Sequential) -> torch.nn.Module:
+    """FSDP2 as its docs show: each layer, then the whole model."""
+    from torch.distributed.fsdp import fully_shard
+    for layer in net:
+        if isinstance(layer, Layer):
+            fully_shard(layer)
+    return fully_shard(net)
 
 
 def save_checkpoint(seconds: float) -> None:
@@ -104,16 +146,16 @@ def finished(step: int, until: float, distributed: bool) -> bool:
 
 
 def main() -> None:
-    bound(300)
+    bound(int(300 + args.seconds))  # five minutes for start-up and the end, besides the steps
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
         dist.init_process_group("gloo")
     torch.manual_seed(RANK)
     net = model()
     if distributed:
-        net = torch.nn.parallel.DistributedDataParallel(net)
+        net = shard(net) if args.fsdp2 else torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    loader = torch.utils.data.DataLoader(Images(), batch_size=32, num_workers=args.workers)
+    loader = torch.utils.data.DataLoader(Images(), batch_size=args.batch, num_workers=args.workers)
     batches = iter(loader)
     start = Path(args.go_file)
     while not start.exists():
@@ -147,7 +189,7 @@ def main() -> None:
             t2 = time.monotonic()
             loss.backward()
             t3 = time.monotonic()
-            if args.slow_rank == RANK:  # a straggler: its compute takes slow_factor times as long
+            if args.slow_rank == RANK and not args.slow_layers:  # a straggler: its compute takes slow_factor times as long
                 extra = time.monotonic() + (args.slow_factor - 1.0) * (t3 - t1)
                 while time.monotonic() < extra:
                     pass
@@ -158,13 +200,17 @@ def main() -> None:
                 Failing.apply(torch.ones(1, requires_grad=True)).sum().backward()
             except RuntimeError:
                 raised += 1
+        if args.device_seconds:
+            time.sleep(args.device_seconds)  # the device computes; the host waits for it
         t4 = time.monotonic()
         calls.append(t4)
         opt.step()
         opt.zero_grad()
         if profiler is not None:
             profiler.step()
-        stages.append({"data_wait": data, "backward": backward, "optimizer": time.monotonic() - t4})
+        stages.append({"data_wait": data, "backward": backward, "optimizer": time.monotonic() - t4,
+                       "forward_compute": Layer.forward_seconds})
+        Layer.forward_seconds = 0.0
     Path(args.truth_dir, f"rank{RANK}.json").write_text(json.dumps(
         {"calls": calls, "stages": stages, "raised": raised, "pid": os.getpid()}))
     if distributed:

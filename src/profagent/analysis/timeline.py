@@ -240,17 +240,38 @@ class LastArrivals:
     last_counts: Mapping[str, int]  # rank -> collectives at which it was last
     median_lag: Mapping[str, float]  # rank -> its median lag behind the first
     step_seconds: float  # median step time of the job over the window
+    step_lag: Mapping[str, float]  # rank -> its lags of a step added up, at the median over steps
 
 
-def last_arrivals(arrivals: Sequence[Arrival], step_seconds: float, tie: float = 50e-6) -> LastArrivals:
+def last_arrivals(arrivals: Sequence[Arrival], step_seconds: float, tie: float = 50e-6,
+                  back_to_back: float = 1e-3) -> LastArrivals:
     """Count, per rank, the collectives it called last (by more than ``tie`` seconds
-    over the runner-up, so that ranks arriving together name no one)."""
+    over the runner-up, so that ranks arriving together name no one), and add up each
+    rank's lags over each step: FSDP calls a collective per layer, each late by a slice of
+    the step, so one collective's lag understates what the others wait. A call that every
+    rank made within ``back_to_back`` seconds of its previous one adds nothing: calls with
+    no work between (one call hitting two probed functions, FSDP's gather of a layer's
+    parameters in a few calls) are one wait."""
     counts: dict[str, int] = {}
     lags: dict[str, list[float]] = {}
-    for a in arrivals:
+    per_step: dict[float, dict[str, float]] = {}
+    previous: dict[float, dict[str, float]] = {}
+    for a in sorted(arrivals, key=lambda a: (a.step_start, a.index)):
         ordered = sorted(a.times.items(), key=lambda kv: kv[1])
         if len(ordered) >= 2 and ordered[-1][1] - ordered[-2][1] > tie:
             counts[ordered[-1][0]] = counts.get(ordered[-1][0], 0) + 1
-        for rank, lag in a.lags().items():
+        now = a.lags()
+        for rank, lag in now.items():
             lags.setdefault(rank, []).append(lag)
-    return LastArrivals(len(arrivals), counts, {r: quantile(v, 0.5) for r, v in lags.items()}, step_seconds)
+        before = previous.get(a.step_start)
+        if before is None or any(t - before.get(rank, float("-inf")) > back_to_back for rank, t in a.times.items()):
+            total = per_step.setdefault(a.step_start, {})
+            for rank, lag in now.items():
+                total[rank] = total.get(rank, 0.0) + lag
+        previous[a.step_start] = dict(a.times)
+    step_lag: dict[str, list[float]] = {}
+    for total in per_step.values():
+        for rank, lag in total.items():
+            step_lag.setdefault(rank, []).append(lag)
+    return LastArrivals(len(arrivals), counts, {r: quantile(v, 0.5) for r, v in lags.items()}, step_seconds,
+                        {r: quantile(v, 0.5) for r, v in step_lag.items()})

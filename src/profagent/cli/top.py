@@ -177,10 +177,18 @@ def header(payload: dict[str, Any], job: dict[str, Any]) -> RenderableType:
     return Group(*lines)
 
 
-def _state_cell(row: dict[str, Any]) -> Text:
+def _state_cell(row: dict[str, Any], slow: frozenset[str] = frozenset()) -> Text:
     if row["state"] == "stalled":
         return Text(f"STALLED {human_seconds(row.get('stalled_seconds'))}", style="bold red")
+    if str(row["rank"]) in slow:  # running, but the others wait for it
+        return Text("SLOW", style="bold yellow")
     return Text("running", style="green")
+
+
+def straggler_ranks(job: dict[str, Any]) -> frozenset[str]:
+    """Ranks an active ``straggler`` finding of the job names."""
+    return frozenset(str(f["rank"]) for f in job.get("findings") or []
+                     if f.get("finding") == "straggler" and f.get("rank") is not None)
 
 
 def _gpu_cell(row: dict[str, Any]) -> str:
@@ -209,6 +217,7 @@ def rank_table(job: dict[str, Any], view: ViewState, interactive: bool = True) -
     table.add_column("gpu" + mark.get("gpu", ""), justify="right", no_wrap=True)
     table.add_column("step" + mark.get("step", ""), justify="right", no_wrap=True)
     table.add_column("top function", no_wrap=True, overflow="ellipsis", ratio=1, min_width=8)
+    slow = straggler_ranks(job)
     for i, r in enumerate(rows):
         cpu = r.get("cpu_percent")
         step = step_seconds(r)
@@ -216,7 +225,7 @@ def rank_table(job: dict[str, Any], view: ViewState, interactive: bool = True) -
         if r.get("top_function_share") is not None:
             top = f"{r['top_function_share'] * 100:.0f}% {top}"
         table.add_row(
-            ("›" if interactive and i == view.selected else "") + str(r["rank"]), _state_cell(r), category_bar(r.get("categories") or {}),
+            ("›" if interactive and i == view.selected else "") + str(r["rank"]), _state_cell(r, slow), category_bar(r.get("categories") or {}),
             "-" if cpu is None else f"{cpu:.0f}", _mem_cell(r), _gpu_cell(r), human_seconds(step), top,
             style="reverse" if interactive and i == view.selected else None,
         )

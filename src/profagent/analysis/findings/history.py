@@ -58,22 +58,28 @@ class MemorySeries:
         return self._points[-1][0] - self._points[0][0] if len(self._points) > 1 else 0.0
 
     @property
+    def last_time(self) -> float | None:
+        return self._points[-1][0] if self._points else None
+
+    @property
     def last(self) -> float | None:
         return self._points[-1][1] if self._points else None
 
     def __len__(self) -> int:
         return len(self._points)
 
-    def fit(self) -> tuple[float, float] | None:
-        """(slope in bytes per second, r squared), or None with fewer than 3 points."""
-        n = len(self._points)
+    def fit(self, since: float | None = None) -> tuple[float, float] | None:
+        """(slope in bytes per second, r squared) of the readings at or after ``since``
+        (all by default), or None with fewer than 3 points."""
+        points = [p for p in self._points if since is None or p[0] >= since]
+        n = len(points)
         if n < 3:
             return None
-        mt = sum(t for t, _ in self._points) / n
-        mv = sum(v for _, v in self._points) / n
-        stt = sum((t - mt) ** 2 for t, _ in self._points)
-        svv = sum((v - mv) ** 2 for _, v in self._points)
-        stv = sum((t - mt) * (v - mv) for t, v in self._points)
+        mt = sum(t for t, _ in points) / n
+        mv = sum(v for _, v in points) / n
+        stt = sum((t - mt) ** 2 for t, _ in points)
+        svv = sum((v - mv) ** 2 for _, v in points)
+        stv = sum((t - mt) * (v - mv) for t, v in points)
         if stt <= 0:
             return None
         slope = stv / stt

@@ -12,6 +12,10 @@ from profagent.config import FindingsConfig
 from profagent.contracts import Finding
 
 MIN_R2 = 0.8  # the readings must lie close to a line: a sawtooth (allocator caching) is no leak
+# A leak keeps growing: the history's later half and last quarter each grow at this share of
+# the whole's rate or more. A start-up that levelled off (torch imported, the model built,
+# the allocator's first steps: minutes on a loaded node) lies close to a line too.
+RECENT_SHARE = 0.5
 
 
 
@@ -29,6 +33,15 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def _still_growing(m: MemoryInput, slope: float, cfg: FindingsConfig) -> bool:
+    end = m.series.last_time or 0.0
+    for part in (2, 4):
+        recent = m.series.fit(since=end - m.series.span / part)
+        if recent is None or recent[0] < max(cfg.leak_min_rate, RECENT_SHARE * slope):
+            return False
+    return True
+
+
 def memory_leak(inputs: list[MemoryInput], cfg: FindingsConfig) -> list[Finding]:
     out: list[Finding] = []
     for m in inputs:
@@ -38,7 +51,7 @@ def memory_leak(inputs: list[MemoryInput], cfg: FindingsConfig) -> list[Finding]
         if fit is None:
             continue
         slope, r2 = fit
-        if slope < cfg.leak_min_rate or r2 < MIN_R2:
+        if slope < cfg.leak_min_rate or r2 < MIN_R2 or not _still_growing(m, slope, cfg):
             continue
         exhaustion = max(m.available, 0.0) / slope
         if exhaustion > cfg.leak_horizon_seconds:

@@ -332,6 +332,8 @@ class TimelineSource:
             rank, count = max(summary.last_counts.items(), key=lambda kv: (kv[1], kv[0]))
             span = max(max(a.times.values()) for a in recent) - min(min(a.times.values()) for a in recent)
             out.append(ArrivalStraggler(job, rank, count / summary.collectives, summary.median_lag.get(rank, 0.0),
+                                        summary.step_lag.get(rank, 0.0),
+                                        tl.quantile([v for r, v in summary.step_lag.items() if r != rank] or [0.0], 0.5),
                                         summary.step_seconds, summary.collectives, span))
         return tuple(out)
 
