@@ -7,10 +7,12 @@ stacks, a watched trace folder, the on-demand Kineto endpoint, incidents, findin
 scrapes /metrics, keeps an HTTP keep-alive connection open, starts an incident capture
 and sends SIGTERM while it runs.
 
-The bound is 5 s, not 2 s: the agent gives itself 1.8 s to stop (engine/agent.py
-STOP_DEADLINE), but this machine's 2 cores are shared by many test runs, so interpreter
-teardown and signal delivery can add seconds that say nothing about the agent. 5 s still
-fails every time the old behaviour (joins adding up, a dump held for up to 20 s) comes back.
+The bound on the agent's own stop (its last log line) is 5 s, not 2 s: the agent gives
+itself 1.8 s (engine/agent.py STOP_DEADLINE), but this machine's 2 cores are shared by
+many test runs, so signal delivery can add seconds that say nothing about the agent. 5 s
+still fails every time the old behaviour (joins adding up, a dump held for up to 20 s)
+comes back. The process's exit after it waits for the kernel to disarm the timeline's
+probes: EXIT_BOUND.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -39,6 +42,9 @@ from profagent.state import State
 pytestmark = pytest.mark.slow
 
 BOUND = 5.0  # seconds; see the module docstring
+# its process's exit too: the kernel disarms each timeline probe in turn as the process
+# closes it, seconds when every CPU is busy (README, on SIGTERM)
+EXIT_BOUND = 15.0
 
 
 def test_sigterm_with_every_source_busy_exits_zero_quickly(tmp_path: Path, run_agent) -> None:
@@ -88,13 +94,17 @@ def test_sigterm_with_every_source_busy_exits_zero_quickly(tmp_path: Path, run_a
         spies = pyspy_processes(of=agent.proc.pid, zombies=True)
         assert spies
 
-        began = time.monotonic()
+        began, sent = time.monotonic(), time.time()
         agent.proc.send_signal(signal.SIGTERM)
         code = agent.proc.wait(timeout=60)
         took = time.monotonic() - began
         keepalive.close()
         assert code == 0, agent.output
-        assert took < BOUND, f"the agent took {took:.1f} s to exit after SIGTERM:\n{agent.output}"
+        stopped = [line for line in agent.output.splitlines() if "stopped in " in line and "; exiting" in line]
+        assert stopped, agent.output
+        own = datetime.fromisoformat(stopped[-1].split()[0].replace("Z", "+00:00")).timestamp() - sent
+        assert own < BOUND, f"the agent took {own:.1f} s to stop after SIGTERM:\n{agent.output}"
+        assert took < EXIT_BOUND, f"the agent took {took:.1f} s to exit after SIGTERM:\n{agent.output}"
         # py-spy children die with the agent (SIGKILL on parent death); let the kernel deliver it.
         wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in spies), 5,
                  what="no py-spy child left")

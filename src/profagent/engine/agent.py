@@ -253,12 +253,16 @@ class Agent:
 
     def stop_within(self, seconds: float) -> bool:
         """``stop()`` in a daemon thread, given up on after ``seconds`` (whatever is left is a
-        daemon thread or a py-spy child bound to us, gone with the process). True if done."""
+        daemon thread or a py-spy child bound to us, gone with the process). True if done.
+        The last line says when the agent's part ended: the kernel disarms the timeline's
+        probes as the process exits, after it (README, on SIGTERM)."""
+        began = time.monotonic()
         stopper = threading.Thread(target=self.stop, name="profagent-stop", daemon=True)
         stopper.start()
         stopper.join(seconds)
         if stopper.is_alive():
             log.warning("stopping took over %g s: exiting anyway", seconds)
+        log.info("stopped in %.1f s; exiting", time.monotonic() - began)
         return not stopper.is_alive()
 
 
