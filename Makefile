@@ -10,11 +10,12 @@ TEST_WORKERS ?= 3
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help venv prometheus test lint demo bench soak dashboards install-service clean
+.PHONY: help venv prometheus test test-long lint demo bench soak dashboards install-service clean
 
 help:
 	@echo "make demo   - set up, then run profagent against a demo torch training job"
 	@echo "make test   - set up (venv, prometheus), then run ruff and the whole test suite"
+	@echo "make test-long - the soaks: healthy jobs watched five minutes for any finding"
 	@echo "make bench  - run the benchmarks in bench/ (about 10 minutes; installs HolisticTraceAnalysis)"
 	@echo "make soak   - watch mode for 10 minutes against churning jobs (RSS growth, CPU)"
 
@@ -38,7 +39,11 @@ lint: venv
 	$(VENV)/bin/ruff check src tests bench examples tools
 
 test: venv prometheus lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not long"
+
+# The soaks (five minutes and more each, marked `long`): healthy jobs that must get no finding.
+test-long: venv prometheus
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m long
 
 demo: venv
 	$(PY) examples/demo.py

@@ -23,7 +23,8 @@ from helpers.processes import wait_for
 from helpers.timeline import Job, findings, metrics
 from helpers.watch import token
 
-pytestmark = [pytest.mark.slow_first, pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root")]
+# five minutes of wall: `make test-long` runs it (tests/README.md), beside the 15-minute suite
+pytestmark = [pytest.mark.long, pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root")]
 
 SECONDS = 300
 # One DDP job of 2 ranks and one FSDP2 job of 4: the four combinations at once (12 ranks)

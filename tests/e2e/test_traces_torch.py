@@ -12,7 +12,7 @@ import pytest
 
 from helpers.paths import WORKLOADS
 from helpers.traces import Reference
-from profagent.analysis.trace.report import analyze, findings
+from profagent.analysis.trace.report import analyze, readings
 from profagent.sources.traces.reader import read_trace
 
 
@@ -63,7 +63,7 @@ def test_cpu_trace_figures(torch_traces: list[Path]) -> None:
     assert report.memory_peak.get("cpu", 0) > 64 * 128 * 4  # at least the weights' gradients
     assert len(report.top_ops) == 6 and report.top_ops[-1][0] == "other"
     assert all(seconds >= 0 for _, seconds, _ in report.top_ops)
-    assert any("no accelerator activity" in f for f in findings(report))
+    assert any("no accelerator activity" in f for f in readings(report))
 
 
 def test_analyze_command_text_and_json(torch_traces: list[Path]) -> None:

@@ -90,4 +90,5 @@ ONLY_AFTER_A_FAILURE: dict[str, str] = {
     "job_id_severity:profagent_finding:distinct": "a finding is active on a rank (profagent_finding == 1)",
     "instance_job_id_rank:profagent_collective_wait_ratio:job_straggler": "a rank straggles: empty on a healthy job",
     "instance_job_id_rank:profagent_hang_rank_info:culprit": "a job hangs and an agent found its culprit",
+    "profagent_series_dropped": "a job passed agent.max_series_per_job",
 }

@@ -253,16 +253,12 @@ class Agent:
 
     def stop_within(self, seconds: float) -> bool:
         """``stop()`` in a daemon thread, given up on after ``seconds`` (whatever is left is a
-        daemon thread or a py-spy child bound to us, gone with the process). True if done.
-        The last line says when the agent's part ended: the kernel disarms the timeline's
-        probes as the process exits, after it (README, on SIGTERM)."""
-        began = time.monotonic()
+        daemon thread or a py-spy child bound to us, gone with the process). True if done."""
         stopper = threading.Thread(target=self.stop, name="profagent-stop", daemon=True)
         stopper.start()
         stopper.join(seconds)
         if stopper.is_alive():
             log.warning("stopping took over %g s: exiting anyway", seconds)
-        log.info("stopped in %.1f s; exiting", time.monotonic() - began)
         return not stopper.is_alive()
 
 
@@ -340,8 +336,10 @@ def attach(config: Config, pid: int, console: Console) -> int:
     agent = Agent(config, job)
     stop = threading.Event()
     restore = install_stop_signals(stop)
+    started = None
     try:
         agent.start()
+        started = time.monotonic()
         print_banner(agent, job, console)
         if warning:
             console.print(f"[yellow]warning[/yellow]: {warning}", highlight=False, soft_wrap=True)
@@ -350,6 +348,11 @@ def attach(config: Config, pid: int, console: Console) -> int:
                 log.info("target PID %d and its whole tree are gone: exiting", pid)
                 break
     finally:
+        stopping = time.monotonic()
         agent.stop_within(STOP_DEADLINE)
         restore()
+        if started is not None:
+            # when the agent's part ended: the kernel disarms the timeline's probes as the
+            # process exits, after it (README, on SIGTERM)
+            log.info("stopped in %.1f s; exiting", time.monotonic() - stopping)
     return 0
