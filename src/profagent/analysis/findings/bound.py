@@ -8,13 +8,14 @@ the stacks source's counters, see history.CountsWindow) and the last trace of ea
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from profagent.analysis.findings.hang import held_up_ranks
 from profagent.analysis.findings.inputs import AnalysisInputs, RankShares
 from profagent.analysis.findings.steps import STRAGGLER_ADVICE, probed_jobs
+from profagent.analysis.straggler import low_waiters
+from profagent.analysis.straggler import median as median_of
 from profagent.config import FindingsConfig
 from profagent.contracts import Finding, RankTrace
 
@@ -83,7 +84,7 @@ def bound(shares: Iterable[RankShares], traces: Iterable[RankTrace], cfg: Findin
 
 
 def _median_others(values: Mapping[str, float], rank: str) -> float:
-    return statistics.median(v for r, v in values.items() if r != rank)
+    return median_of([v for r, v in values.items() if r != rank])
 
 
 def warmed_up(r: RankShares, cfg: FindingsConfig) -> bool:
@@ -93,15 +94,16 @@ def warmed_up(r: RankShares, cfg: FindingsConfig) -> bool:
             and r.share("compile") <= cfg.compile_ratio)
 
 
+# The shared straggler rule (analysis/straggler.py) with the live finding's bounds: a share
+# more than ``findings.straggler_share`` (absolute) below the others' median, and at most
+# half of it (noise under load moves both shares).
+_SHORTFALL = 0.5
+
+
 def _low_waiter(values: Mapping[str, float], threshold: float) -> list[tuple[str, float, float]]:
-    """(rank, its share, the others' median) for each rank far below the others' median:
-    by more than ``threshold`` and by half at least (noise under load moves both shares)."""
-    out = []
-    for rank, share in values.items():
-        median = _median_others(values, rank)
-        if median - share > threshold and share <= median / 2:
-            out.append((rank, share, median))
-    return out
+    """(rank, its share, the others' median) for each rank the straggler rule names."""
+    return [(w.rank, w.wait, w.others_median)
+            for w in low_waiters(values, threshold, _SHORTFALL, gap_strict=True)]
 
 
 # The other ranks of the node must wait for a CPU at least this share of the straggler's own
@@ -114,12 +116,11 @@ def node_contended(queued: Mapping[str, float], rank: str, contention_share: flo
     it waited ``contention_share`` of the window or more, and the median of the node's other
     ranks waited that much too and at least ``CONTENTION_OTHERS`` of its own wait."""
     mine = queued.get(rank, 0.0)
-    others = sorted(q for r, q in queued.items() if r != rank)
+    others = [q for r, q in queued.items() if r != rank]
     if mine < contention_share or not others:
         return False
-    middle = len(others) // 2
-    median = others[middle] if len(others) % 2 else (others[middle - 1] + others[middle]) / 2
-    return median >= contention_share and median >= CONTENTION_OTHERS * mine
+    middle = median_of(others)
+    return middle >= contention_share and middle >= CONTENTION_OTHERS * mine
 
 
 def straggler(shares: Iterable[RankShares], traces: Iterable[RankTrace], cfg: FindingsConfig,

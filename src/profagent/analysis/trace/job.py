@@ -8,9 +8,10 @@ ends when the last rank has, so the ranks that arrived early spend long in their
 collectives and the late rank spends little. Per rank, ``collective`` is the time per step
 in communication: the union of its NCCL/RCCL kernels (mean over its devices), or, without
 communication kernels (gloo, CPU), the step breakdown's ``communication`` (CPU collective
-ranges). The straggler is the rank whose collective time is the shortest, when it is at
-least ``threshold`` (default 25%) below the median of the other ranks' and at least
-``MIN_GAP`` seconds per step below it (a difference of microseconds is noise).
+ranges). The straggler is the rank whose collective time is the shortest, when the shared
+rule of analysis/straggler.py names it: at least ``threshold`` (default 25%) below the
+median of the other ranks' and at least ``MIN_GAP`` seconds per step below it (a
+difference of microseconds is noise).
 
 A set is not one job when its traces disagree on the world size or the backend in
 ``distributedInfo``, or were taken more than ``MAX_APART`` seconds apart; then
@@ -23,6 +24,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from profagent.analysis.straggler import judge
 from profagent.contracts import TraceReport
 
 STRAGGLER_THRESHOLD = 0.25
@@ -45,13 +47,6 @@ def _collective(r: TraceReport) -> float | None:
     if comm:
         return sum(comm) / len(comm) / len(r.steps)
     return r.breakdown.get("communication", 0.0) * (r.step_mean or 0.0)
-
-
-def _median(values: list[float]) -> float:
-    """(statistics imports decimal and fractions: milliseconds on every `analyze`.)"""
-    s = sorted(values)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
 def _mean(values: list[tuple[float, int]]) -> float | None:
@@ -97,14 +92,12 @@ def straggler(ranks: dict[str, dict[str, Any]], threshold: float = STRAGGLER_THR
         return None, "fewer than two ranks with steps: no straggler to name"
     if not any(w > 0 for w in waits.values()):
         return None, "no collective in the traces (no NCCL/RCCL kernel, no gloo/c10d range): no straggler to name"
-    late = min(waits, key=lambda k: (waits[k], k))
-    others = _median([w for k, w in waits.items() if k != late])
-    gap = others - waits[late]
-    shortfall = gap / others if others > 0 else 0.0
-    numbers = (f"rank {late}'s collectives take {waits[late] * 1e3:.2f} ms per step against a median "
-               f"{others * 1e3:.2f} ms on the other ranks ({shortfall:.0%} shorter)")
-    if shortfall >= threshold and gap >= MIN_GAP:
-        return late, f"{numbers}: the others wait for it at each collective (it arrives last)"
+    # the rank that waits least: if the rule does not name it, it names no other rank
+    late = judge(waits, min(waits, key=lambda k: (waits[k], k)), MIN_GAP, threshold)
+    numbers = (f"rank {late.rank}'s collectives take {late.wait * 1e3:.2f} ms per step against a median "
+               f"{late.others_median * 1e3:.2f} ms on the other ranks ({late.shortfall:.0%} shorter)")
+    if late.named:
+        return late.rank, f"{numbers}: the others wait for it at each collective (it arrives last)"
     return None, f"no straggler: {numbers}, under the {threshold:.0%} threshold"
 
 
