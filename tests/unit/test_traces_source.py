@@ -407,6 +407,34 @@ def test_an_incomplete_trace_stops_costing_once_its_reads_have_taken_the_cpu_bud
     assert watcher.waiting == 0
 
 
+def test_a_trace_read_and_refused_is_not_read_again_as_its_writer_appends(tmp_path: Path) -> None:
+    """A file read whole and refused (here as if over traces.max_events) then appended to
+    every 0.7 s: each change would cost another whole read. Clock injected: one attempt,
+    then nothing due for a minute of appends; an ingested file that changes is read again."""
+    from profagent.sources.traces.watcher import FolderWatcher, Processed
+
+    refused, good = tmp_path / "refused.json", tmp_path / "good.json"
+    refused.write_text('{"traceEvents": []}')
+    good.write_text('{"traceEvents": []}')
+    watcher = FolderWatcher([tmp_path], Processed(None), settle_seconds=0.5, invalid_after=60.0,
+                            max_file_bytes=2**30)
+    read: list[str] = []
+    for tick in range(900):  # 90 s, a look every 0.1 s
+        now = tick * 0.1
+        if tick % 7 == 0 and tick:
+            with refused.open("a") as fh:
+                fh.write(" ")
+        if tick == 600:
+            good.write_text('{"traceEvents": [] }')  # rewritten once: a new trace at that path
+        for path in (refused, good):
+            watcher.notify(str(path))
+        for verdict in watcher.due(now):
+            assert verdict.action == "attempt", verdict
+            read.append(Path(verdict.path).name)
+            watcher.finished(verdict, "skipped" if verdict.path == str(refused) else "ingested")
+    assert read.count("refused.json") == 1 and read.count("good.json") == 2, read
+
+
 def test_each_users_files_are_read_in_turn(tmp_path: Path) -> None:
     """Issue 41 item 6: 50 files of one user and one of another's are due at once; the
     round interleaves users (by each file's owner), so the other user's file is among the

@@ -10,7 +10,8 @@
 - A file that is still incomplete is retried whenever it changes, and counted ``invalid``
   (with its reason) once it has been incomplete for ``invalid_after`` seconds, or once its
   reads have taken ``incomplete_cpu`` seconds of CPU (reason ``cpu_budget``); its path is
-  then not read again, however its writer goes on changing it.
+  then not read again, however its writer goes on changing it; nor is a file that was
+  read and refused (a cap on what is inside it).
 - Files are read users in turn (by each file's owner), one of each user's at a time, and a
   round lasts at most ``source.WORK_SLICE``: a newcomer's file is read within about that.
 - Files are only ever opened for reading, without following a symlink and without waiting
@@ -43,7 +44,7 @@ from profagent.system.safefs import UnsafePath, open_regular
 log = logging.getLogger(__name__)
 
 STATE_LIMIT = 10000  # processed entries kept in the state file
-MAX_EXHAUSTED = 4096  # paths remembered as never to be read again (invalid: incomplete too long)
+MAX_EXHAUSTED = 4096  # paths remembered as never to be read again (incomplete too long, or refused)
 STATE_SAVE_EVERY = 1.0  # seconds: thousands of tiny files must not mean thousands of rewrites
 Signature = tuple[int, int]  # (size, mtime_ns)
 
@@ -384,9 +385,13 @@ class FolderWatcher:
             p.cpu += cpu
 
     def finished(self, verdict: Verdict, status: str) -> None:
-        """The file is counted: remember it and stop watching it."""
+        """The file is counted: remember it and stop watching it. One read and refused
+        (a cap on what is inside, a forged field) is not read again when it changes: a
+        writer appending to it would otherwise cost a whole read at each change."""
         self._pending.pop(verdict.path, None)
         self.processed.add(verdict.path, verdict.sig, status)
+        if status != "ingested":
+            self._exhaust(verdict.path)
 
 
 def default_state_dir(configured: str, environ: dict[str, str] | None = None) -> Path:
