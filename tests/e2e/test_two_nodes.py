@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from helpers.agent import http_get
-from helpers.nodes import RULES, Node, start_two_nodes
+from helpers.nodes import Node, prometheus_over, start_two_nodes
 from helpers.processes import wait_for
 from helpers.prometheus import Prometheus
 
@@ -48,15 +48,8 @@ def two_nodes(tmp_path: Path):
 @pytest.mark.slow
 def test_a_hang_on_one_node_is_one_page_naming_rank_node_and_line(two_nodes, tmp_path: Path, request) -> None:
     job_id, nodes = two_nodes
-    prom = Prometheus([n.address for n in nodes], tmp_path, rule_files=[RULES / "alerts.yml", RULES / "recording.yml"])
-    try:
+    with prometheus_over(nodes, tmp_path) as prom:
         _check(prom, job_id, nodes)
-    except BaseException:
-        for n in nodes:
-            print(n.log())
-        raise
-    finally:
-        prom.stop()
 
 
 def _check(prom: Prometheus, job_id: str, nodes: list[Node]) -> None:

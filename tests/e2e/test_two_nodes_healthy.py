@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from helpers.agent import http_get
-from helpers.nodes import RULES, SCALED, Node, start_two_nodes
+from helpers.nodes import SCALED, Node, prometheus_over, start_two_nodes
 from helpers.processes import wait_for
 from helpers.prometheus import Prometheus
 
@@ -34,15 +34,10 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="two simulated nodes n
 @pytest.mark.timeout(400)  # up to 2 min of start-up on a loaded node, 3.5 for the wait shares, 1 watched
 def test_a_healthy_job_over_two_nodes_has_no_straggler_series_and_no_finding(tmp_path: Path) -> None:
     job_id, nodes = start_two_nodes(tmp_path, config=SCALED, mode="healthy", nproc=2)
-    prom = Prometheus([n.address for n in nodes], tmp_path, rule_files=[RULES / "alerts.yml", RULES / "recording.yml"])
     try:
-        _check(prom, job_id, nodes)
-    except BaseException:
-        for n in nodes:
-            print(n.log())
-        raise
+        with prometheus_over(nodes, tmp_path) as prom:
+            _check(prom, job_id, nodes)
     finally:
-        prom.stop()
         for n in nodes:
             n.stop()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from helpers.agent import http_get
-from helpers.nodes import RULES, SCALED, Node, start_two_nodes
+from helpers.nodes import SCALED, Node, prometheus_over, start_two_nodes
 from helpers.processes import wait_for
 from helpers.prometheus import Prometheus
 
@@ -37,16 +37,10 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="two simulated nodes n
 def test_a_straggler_on_node_1_is_named_by_the_job_rule_and_its_agent_and_holds(tmp_path: Path) -> None:
     job_id, nodes = start_two_nodes(tmp_path, config=SCALED, mode="straggler", nproc=2,
                                     env={"PLAIN_DDP_SLOW_RANK": str(SLOW_RANK)})
-    prom = Prometheus([n.address for n in nodes], tmp_path, rule_files=[RULES / "alerts.yml", RULES / "recording.yml"])
     try:
-        _check(prom, job_id, nodes)
-    except BaseException:
-        for n in nodes:
-            print(n.log())
-        _print_state(prom, job_id, nodes)
-        raise
+        with prometheus_over(nodes, tmp_path, on_failure=lambda prom: _print_state(prom, job_id, nodes)) as prom:
+            _check(prom, job_id, nodes)
     finally:
-        prom.stop()
         for n in nodes:
             n.stop()
 

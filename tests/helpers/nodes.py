@@ -10,12 +10,13 @@ node gets which ranks is the rendezvous' choice: tests ask the logs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ import pytest
 from helpers.agent import free_port
 from helpers.paths import ROOT
 from helpers.processes import kill_tree
+from helpers.prometheus import Prometheus
 from helpers.watch import token
 
 WORKLOAD = ROOT / "tests" / "workloads" / "plain_ddp.py"
@@ -127,3 +129,21 @@ def start_two_nodes(tmp: Path, **node: object) -> tuple[str, list[Node]]:
 SCALED = ("[stacks]\nwindow = 2\nsteady_window = 10\n"
           "[findings]\nwindow_seconds = 20\nmin_samples = 30\narrival_min_seconds = 20\narrival_min_collectives = 20\n"
           "[timeline]\nwindow_seconds = 30\n")
+
+
+@contextlib.contextmanager
+def prometheus_over(nodes: list[Node], tmp: Path, on_failure: Callable[[Prometheus], None] | None = None,
+                    ) -> Iterator[Prometheus]:
+    """One real Prometheus scraping every node's agent with the shipped rules; on a failure
+    each node's log (and ``on_failure``'s account) is printed. Prometheus stops either way."""
+    prom = Prometheus([n.address for n in nodes], tmp, rule_files=[RULES / "alerts.yml", RULES / "recording.yml"])
+    try:
+        yield prom
+    except BaseException:
+        for n in nodes:
+            print(n.log())
+        if on_failure is not None:
+            on_failure(prom)
+        raise
+    finally:
+        prom.stop()
