@@ -140,7 +140,8 @@ def test_a_job_that_also_writes_traces_gets_the_same_step_time_from_both(tmp_pat
         url = attach(run_agent, job, extra=["--no-stacks", "--trace-dir", str(traces)], env=WHOLE_JOB)
         job.start_file.write_text("go")
         wait_for(job.done, 180, interval=0.5, what="the job's steps")
-        intervals, _ = expected(job.truth(0))
+        truth = job.truth(0)
+        intervals, _ = expected(truth)
         written = sorted(traces.glob("*.pt.trace.json*"), key=lambda p: p.stat().st_mtime)
         assert len(written) == 2  # 90 steps, cycles of 41 (one warm-up step)
 
@@ -149,9 +150,12 @@ def test_a_job_that_also_writes_traces_gets_the_same_step_time_from_both(tmp_pat
             traced = value(m, "profagent_trace_step_seconds", rank="0")
             probed = value(m, "profagent_step_window_seconds", stat="p50", rank="0")
             ingested = sum(v for labels, v in m.get("profagent_traces_total", []) if labels.get("status") == "ingested")
-            return (traced, probed) if traced and probed and ingested >= len(written) else None
+            # every step read: on a loaded node the probe reader may still be behind the job
+            steps = value(m, "profagent_optimizer_steps_total", rank="0")
+            caught_up = steps == float(len(truth["calls"]))
+            return (traced, probed) if traced and probed and ingested >= len(written) and caught_up else None
 
-        traced, probed = wait_for(both, 60, interval=0.5, what="the last trace analysed and the steps probed")
+        traced, probed = wait_for(both, 60, interval=0.5, what="the last trace analysed and every step probed")
         events = json.loads(written[-1].read_text())["traceEvents"]
         numbers = [int(e["name"].split("#")[1]) for e in events if e.get("name", "").startswith("ProfilerStep#")]
         assert len(numbers) >= 35, numbers
