@@ -9,6 +9,7 @@ finds cycles, which ruff cannot.
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -65,8 +66,13 @@ def imports(name: str, path: Path) -> set[str]:
 
 def graph() -> dict[str, set[str]]:
     """Module -> the project modules it imports (a package counts as its __init__)."""
+    return {name: set(deps) for name, deps in _graph().items()}
+
+
+@functools.cache
+def _graph() -> dict[str, frozenset[str]]:  # parsed once per test session
     mods = modules()
-    return {name: {m for m in imports(name, path) if m in mods and m != name} for name, path in mods.items()}
+    return {name: frozenset(m for m in imports(name, path) if m in mods and m != name) for name, path in mods.items()}
 
 
 def under(module: str, package: str) -> bool:

@@ -76,11 +76,13 @@ def test_kernel_stats_and_launching_op_brute_force(name: str) -> None:
     kernels = [e for e in events if e.get("cat") == "kernel"]
     runtime = {e["args"]["correlation"]: e for e in events
                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    ops = [e for e in events if e.get("cat") == "cpu_op" and not e["name"].startswith("ProfilerStep#")]
+    ops: dict[tuple, list[dict]] = {}  # by thread: a call is launched from its own thread's ops
+    for e in events:
+        if e.get("cat") == "cpu_op" and not e["name"].startswith("ProfilerStep#"):
+            ops.setdefault((e["pid"], e["tid"]), []).append(e)
 
     def innermost(call: dict) -> str | None:
-        around = [o for o in ops if (o["pid"], o["tid"]) == (call["pid"], call["tid"])
-                  and o["ts"] <= call["ts"] < o["ts"] + o["dur"]]
+        around = [o for o in ops.get((call["pid"], call["tid"]), ()) if o["ts"] <= call["ts"] < o["ts"] + o["dur"]]
         # the innermost: latest start; of equal starts, the shortest
         return max(around, key=lambda o: (o["ts"], -o["dur"]))["name"] if around else None
 

@@ -10,6 +10,7 @@ step-time rule would name. Each rank's collective time is computed here by brute
 
 from __future__ import annotations
 
+import gzip
 import json
 import statistics
 import subprocess
@@ -26,11 +27,14 @@ SOURCE = shared_traces() / "a100-2gpu-nccl.pt.trace.json.gz"
 
 
 def _job(folder: Path, late: int | None, ranks: int = 4) -> dict[str, float]:
-    """Write the job; return each rank's brute-force collective seconds per step."""
+    """Write the job; return each rank's brute-force collective seconds per step (computed
+    once per kind of rank: rank 0, the late one, the others)."""
     folder.mkdir()
-    expected = {}
+    source = SOURCE.read_bytes()
+    expected: dict[str, float] = {}
+    by_kind: dict[tuple[bool, bool], float] = {}
     for rank in range(ranks):
-        data = _load(SOURCE)
+        data = json.loads(gzip.decompress(source))
         data["distributedInfo"].update(rank=rank, world_size=ranks)
         for e in data["traceEvents"]:
             if e.get("cat") == "kernel" and "nccl" in e["name"].lower() and rank == late:
@@ -38,8 +42,11 @@ def _job(folder: Path, late: int | None, ranks: int = 4) -> dict[str, float]:
             if rank == 0 and str(e.get("name", "")).startswith("ProfilerStep#") and e.get("ph") == "X":
                 e["dur"] *= 1.1
         path = _write(folder / f"rank{rank}.pt.trace.json.gz", data)
-        ref = Reference(path)
-        expected[str(rank)] = ref.time(ref.cover("comm_kernel")) / len(ref.steps) * 1e-6
+        kind = (rank == 0, rank == late)
+        if kind not in by_kind:
+            ref = Reference(path)
+            by_kind[kind] = ref.time(ref.cover("comm_kernel")) / len(ref.steps) * 1e-6
+        expected[str(rank)] = by_kind[kind]
     return expected
 
 
