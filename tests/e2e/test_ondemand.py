@@ -36,6 +36,7 @@ from profagent.sources.ondemand.endpoint import (
     match_pid,
 )
 
+pytestmark = pytest.mark.slow_first(85)  # seconds on a loaded node: run first
 TRAIN = str(ROOT / "examples" / "train.py")
 
 

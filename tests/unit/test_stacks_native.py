@@ -133,6 +133,29 @@ def test_waits_are_judged_from_the_first_steady_native_window_on() -> None:
     assert sampler.native == [24264]  # the next periodic one after native_every_seconds
 
 
+def test_a_native_window_that_caught_start_up_is_asked_again_at_the_next_steady_window() -> None:
+    """A rank still importing during its first native window (a lazy import in its first
+    steps) is not judged from it; waiting native_every_seconds for the next would leave the
+    rank without a collective-wait share, and out of the straggler rule, that long."""
+    src, sampler, clock = source(native_every_seconds=300.0)
+    native = fixture("ddp_straggler_job_rank0.raw", 24264)
+    plain = [python_only(s) for s in native]
+    importing = parse_folded("thread (24264): MainThread;<module> (plain_ddp.py:103);"
+                             "_find_and_load (<frozen importlib._bootstrap>:1176) 40\n", 24264)
+    window(src, clock, 24264, plain)
+    assert sampler.native == [24264]
+    window(src, clock, 24264, [*native, *importing], native=True)  # caught an import: not learned
+    [group] = src._snapshot("").groups
+    assert group.judged == 0
+    window(src, clock, 24264, plain)  # steady again: asked again at once, not in 300 s
+    assert sampler.native == [24264, 24264]
+    window(src, clock, 24264, native, native=True)
+    [group] = src._snapshot("").groups
+    assert group.judged == sum(s.count for s in native if s.main)
+    window(src, clock, 24264, plain)
+    assert sampler.native == [24264, 24264]  # learned: the next periodic one in 300 s
+
+
 def test_a_native_window_asked_of_a_process_that_is_no_longer_the_rank_is_asked_again() -> None:
     # torchrun's launcher looks like rank 0 until it starts the ranks: it got the first request
     src, sampler, clock = source(native_every_seconds=100.0)

@@ -269,7 +269,11 @@ class StacksSource:
             self._native_pending.pop(key, None)
             if not _steady(main):
                 log.debug("stacks: rank %s: native window during start-up, not learned", key[1])
-                return  # a window of start-up (imports) teaches nothing about the rank's waits
+                # a window of start-up (imports) teaches nothing about the rank's waits; the
+                # next steady window asks again rather than native_every_seconds later
+                if not ratios.learned:
+                    self._last_native.pop(key, None)
+                return
             ratios.learn(native_main)
             log.debug("stacks: rank %s: native window learned %d stacks", key[1], len(native_main))
             waits = float(native_waits(native_main))
