@@ -25,7 +25,7 @@ from helpers.paths import ROOT
 from helpers.processes import kill_tree, wait_for
 from profagent.config import FindingsConfig
 
-pytestmark = pytest.mark.slow_first(240)  # seconds on a loaded node: run first
+pytestmark = pytest.mark.slow_first  # minutes: run first
 
 WORKLOAD = ROOT / "tests" / "workloads" / "plain_ddp.py"
 STALL_SECONDS = 10.0

@@ -29,7 +29,7 @@ PROFILE = MOCK_DIR / "configs" / "mock-nvml-config-h100.yaml"
 INTERVAL = 0.5
 MIB = 1024 * 1024
 
-pytestmark = [pytest.mark.slow_first(45), pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 
 # A launcher with two ranks; both hang in the same frame (their stacks never change).
 LAUNCHER = """

@@ -36,7 +36,6 @@ from profagent.sources.ondemand.endpoint import (
     match_pid,
 )
 
-pytestmark = pytest.mark.slow_first(85)  # seconds on a loaded node: run first
 TRAIN = str(ROOT / "examples" / "train.py")
 
 

@@ -132,8 +132,6 @@ VENV_SEED = {"pip", "setuptools"}
 
 PROBE = r"""
 import importlib.metadata as md, json, os, pathlib, sys, sysconfig
-
-pytestmark = pytest.mark.slow_first(60)  # seconds on a loaded node: run first
 site = pathlib.Path(sysconfig.get_path("purelib"))
 owner = {}
 for dist in md.distributions():

@@ -16,7 +16,7 @@ from helpers.flood import CAN_PLAY_NOBODY, NEEDS, NOBODY_PYTHON, Flood
 from helpers.processes import wait_for
 from helpers.watch import job_env, token, watch_config
 
-pytestmark = [pytest.mark.slow_first(45), pytest.mark.slow, pytest.mark.skipif(not CAN_PLAY_NOBODY, reason=NEEDS)]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CAN_PLAY_NOBODY, reason=NEEDS)]
 SLEEPER = "import time\nwhile True:\n    time.sleep(0.05)\n"
 
 

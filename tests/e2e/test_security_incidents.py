@@ -36,7 +36,6 @@ CAPTURE_TIMEOUT = 6.0
 MAX_TRACE_BYTES = 16 * 1024 * 1024  # traces.max_file_bytes, low for the test
 RSS_HEADROOM = 60 * 1024 * 1024  # the agent may grow this much over its idle RSS during an attack
 pytestmark = [
-    pytest.mark.slow_first(50),
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None, reason="plays a root agent against nobody: needs root and setpriv"),
 ]

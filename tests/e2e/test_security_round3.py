@@ -21,7 +21,6 @@ from helpers.processes import kill_tree, pyspy_processes, wait_for
 from helpers.watch import job_env, samples, token, watch_config
 
 pytestmark = [
-    pytest.mark.slow_first(45),
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                        reason="plays a root agent against nobody: needs root and setpriv"),

@@ -21,7 +21,7 @@ from profagent.sources.stacks.pyspy import target_python
 from profagent.sources.stacks.source import StacksSource
 from profagent.target import PidTarget
 
-pytestmark = [pytest.mark.slow_first(45), pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 def make_source(**kw) -> StacksSource:

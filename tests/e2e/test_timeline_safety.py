@@ -23,7 +23,7 @@ VICTIM = ROOT / "tests" / "workloads" / "probe_victim.py"
 # mounted here when missing, as the agent does (a fresh machine may not have it yet)
 TRACEFS = (uprobes.find_tracefs(mount_if_missing=True) if os.geteuid() == 0 else None) or Path("/sys/kernel/tracing")
 
-pytestmark = [pytest.mark.slow_first(65), pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root")]
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root")
 
 
 class Victim:

@@ -13,7 +13,7 @@ import pytest
 from helpers.processes import wait_for
 from helpers.timeline import Job, attach, findings
 
-pytestmark = [pytest.mark.slow_first(60), pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root")]
+pytestmark = [pytest.mark.slow_first, pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root")]
 
 
 def test_a_save_warns_then_clears_and_a_stuck_rank_is_named_four_times_sooner_than_a_hang(tmp_path: Path,

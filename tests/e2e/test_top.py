@@ -16,7 +16,7 @@ from helpers.agent import free_port
 from helpers.paths import WORKLOADS
 from helpers.processes import wait_for
 
-pytestmark = [pytest.mark.slow_first(40), pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 TOP = [sys.executable, "-m", "profagent", "top"]
 

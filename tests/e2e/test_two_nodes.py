@@ -34,7 +34,7 @@ HANG_STEP = 30
 CONFIG = (f"[stacks]\nstall_seconds = {STALL_SECONDS}\nwindow = 2\nrate = 50\nnative_every_seconds = 10\n"
           "[findings]\nwindow_seconds = 20\nmin_samples = 30\n")
 # like the privilege-dropping cases (tests/README.md): new PID namespaces need root
-pytestmark = [pytest.mark.slow_first(40), pytest.mark.skipif(os.geteuid() != 0, reason="two simulated nodes need root for unshare -p -m")]
+pytestmark = [pytest.mark.slow_first, pytest.mark.skipif(os.geteuid() != 0, reason="two simulated nodes need root for unshare -p -m")]
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="two simulated nodes n
 
 
 @pytest.mark.slow
-@pytest.mark.slow_first(110)
+@pytest.mark.slow_first
 @pytest.mark.timeout(330)  # up to 2 min of start-up on a loaded node, 2 min to name, 30 s of hold
 def test_a_straggler_on_node_1_is_named_by_the_job_rule_and_its_agent_and_holds(tmp_path: Path) -> None:
     job_id, nodes = start_two_nodes(tmp_path, config=SCALED, mode="straggler", nproc=2,
