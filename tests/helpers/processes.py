@@ -15,19 +15,27 @@ from pathlib import Path
 import psutil
 import pytest
 
+# A predicate that costs CPU (parsing an agent's whole /metrics takes 50-250 ms) polls at
+# most this share of the time: on 2 cores the suite's own polling competes with the jobs
+# and agents it waits on.
+POLL_DUTY = 0.25
+
 
 def wait_for(predicate: Callable[[], object], timeout: float = 15.0, interval: float = 0.1, what: str = "condition"):
-    """Poll until predicate() is truthy; return its value or fail the test."""
+    """Poll until predicate() is truthy; return its value or fail the test. Polls every
+    ``interval`` seconds, or less often where the predicate's own CPU time asks it."""
     deadline = time.monotonic() + timeout
     last_exc: Exception | None = None
     while time.monotonic() < deadline:
+        cpu = time.thread_time()
         try:
             value = predicate()
             if value:
                 return value
         except Exception as exc:  # not ready yet
             last_exc = exc
-        time.sleep(interval)
+        cost = time.thread_time() - cpu
+        time.sleep(max(0.0, min(deadline - time.monotonic(), max(interval, cost * (1 / POLL_DUTY - 1)))))
     pytest.fail(f"timed out waiting for {what} (last error: {last_exc})")
 
 
