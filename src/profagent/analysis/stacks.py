@@ -208,7 +208,7 @@ def _idle_leaf(f: Frame) -> bool:
 # leaf line `py-spy dump` saw idle (``idle_places``) is ``idle``. py-spy reads Python frames
 # only, so ``time.sleep(...)`` in a training loop is sampled as the loop's own line.
 def classify(frames: tuple[Frame, ...]) -> str:
-    """The category of one stack (frames root first). See the module docstring."""
+    """The category of one stack (frames root first), by the tiers in the comment above."""
     if any(_is_compile(f) for f in frames):
         return "compile"
     if any(_in(f.file, _CHECKPOINT) for f in frames):
