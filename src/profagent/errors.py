@@ -1,21 +1,20 @@
 """The project's error vocabulary. The short, bounded label is always ``.reason``; the
 one line for people is always a ``problem`` and a ``fix``, kept as fields.
-
-- ``UserError(problem, fix)``: bad input or environment; ends a command with one line
-  (exit 2).
-- ``SourceError(message, reason)``: a failed source tick, counted by ``reason`` in
-  profagent_collector_errors_total. Its kinds:
-  - ``SourceUnavailable(problem, fix, reason)``: the source
-    cannot run here (no driver, ptrace denied...); it is turned off, the others go on.
-  - ``TargetGone``: the observed process exited during the tick; not worth logging.
-
-Errors of one part map onto these: TraceError and MalformedDatagram are SourceErrors
-(``reason`` names what was wrong), PySpyProblem is a SourceUnavailable, NoPollers a UserError.
 """
 
 from __future__ import annotations
 
 
+# - ``UserError(problem, fix)``: bad input or environment; ends a command with one line
+#   (exit 2).
+# - ``SourceError(message, reason)``: a failed source tick, counted by ``reason`` in
+#   profagent_collector_errors_total. Its kinds:
+#   - ``SourceUnavailable(problem, fix, reason)``: the source
+#     cannot run here (no driver, ptrace denied...); it is turned off, the others go on.
+#   - ``TargetGone``: the observed process exited during the tick; not worth logging.
+#
+# Errors of one part map onto these: TraceError and MalformedDatagram are SourceErrors
+# (``reason`` names what was wrong), PySpyProblem is a SourceUnavailable, NoPollers a UserError.
 class UserError(Exception):
     """Bad input or environment. The message names the problem and the fix, on one line."""
 

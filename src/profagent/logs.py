@@ -1,16 +1,7 @@
-"""Log lines that stay lines: one message per line, escaped, and each at most once.
+"""Log lines that stay lines: one message per line, escaped, stamped, and each at most once.
 
-- ``PrintableFormatter``: every log line of profagent goes through it. Messages carry
-  names from the watched jobs (job ids, ranks, paths, function names), so a newline in
-  ``SLURM_JOB_ID`` would start a forged log line and an ESC would drive the reader's
-  terminal: control characters are written as visible escapes (``\\x0a``, ``\\x1b``).
-- Timestamps: a line starts with the time it was logged, RFC 3339 in UTC with
-  milliseconds (``2026-11-28T12:00:00.123Z``), as ``kubectl logs --timestamps`` and log
-  shippers read it, unless stderr is connected to journald (``JOURNAL_STREAM`` names
-  stderr's device and inode, as systemd documents), which stamps every line itself.
-- ``LogOnce``: a failing tick or a recurring condition must not flood the log.
-- ``RateLimit``: and whatever slips through, at most 10 lines per message kind a minute,
-  the number held back said by the kind's next line.
+Messages carry names from the watched jobs, so every line is escaped (``PrintableFormatter``);
+floods are cut (``LogOnce``, ``RateLimit``).
 """
 
 from __future__ import annotations
@@ -26,6 +17,17 @@ from profagent.labels import printable
 LINE_INDENT = "    "  # continuation lines: indented, so none can pass for a record of its own
 
 
+# - ``PrintableFormatter``: every log line of profagent goes through it. Messages carry
+#   names from the watched jobs (job ids, ranks, paths, function names), so a newline in
+#   ``SLURM_JOB_ID`` would start a forged log line and an ESC would drive the reader's
+#   terminal: control characters are written as visible escapes (``\x0a``, ``\x1b``).
+# - Timestamps: a line starts with the time it was logged, RFC 3339 in UTC with
+#   milliseconds (``2026-11-28T12:00:00.123Z``), as ``kubectl logs --timestamps`` and log
+#   shippers read it, unless stderr is connected to journald (``JOURNAL_STREAM`` names
+#   stderr's device and inode, as systemd documents), which stamps every line itself.
+# - ``LogOnce``: a failing tick or a recurring condition must not flood the log.
+# - ``RateLimit``: and whatever slips through, at most 10 lines per message kind a minute,
+#   the number held back said by the kind's next line.
 def rfc3339(when: float) -> str:
     """``when`` (Unix time) as RFC 3339 in UTC with milliseconds: ``2026-11-28T12:00:00.123Z``."""
     millis = int(when * 1000)

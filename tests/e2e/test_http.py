@@ -195,7 +195,8 @@ def test_incidents_cli_through_basic_auth_and_tls(tmp_path: Path, cert) -> None:
     import sys
     import time
 
-    from profagent.engine.incidents.store import IncidentStore, incidents_route
+    from profagent.engine.incidents.store import IncidentStore
+    from profagent.exporters.api.incidents import incidents_route
 
     crt, key = cert
     store = IncidentStore(tmp_path / "incidents")
@@ -207,7 +208,7 @@ def test_incidents_cli_through_basic_auth_and_tls(tmp_path: Path, cert) -> None:
     web = tmp_path / "web.yml"
     web.write_text(f"tls_server_config:\n  cert_file: {crt}\n  key_file: {key}\nbasic_auth_users:\n  ops: '{hashed}'\n")
     server = _server(load_web_config(web))
-    server.add_route("/api/incidents", incidents_route(store))
+    server.add_route("/api/incidents", incidents_route(store.list))
     secret = tmp_path / "auth"
     secret.write_text("ops:s3cret\n")
     url = f"https://127.0.0.1:{server.port}"

@@ -21,7 +21,7 @@ from profagent.contracts import (
     StacksSnapshot,
     Usage,
 )
-from profagent.exporters.api import CounterHistory, Counters, RanksApi, ranks_payload
+from profagent.exporters.api.ranks import CounterHistory, Counters, RanksApi, ranks_payload
 from profagent.state import State
 
 JOB = "job-7"

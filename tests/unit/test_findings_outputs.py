@@ -10,7 +10,7 @@ from rich.console import Console
 from profagent.cli.diagnose import findings_url, render
 from profagent.contracts import Finding, FindingsSnapshot, TracesSnapshot
 from profagent.engine.agent import FINAL_SCRAPE_WAIT, done_serving
-from profagent.engine.findings import findings_route
+from profagent.exporters.api.findings import findings_route
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.families import Families, agent
 from profagent.exporters.families import findings as findings_families

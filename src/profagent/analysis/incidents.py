@@ -1,19 +1,5 @@
 """Incident decisions (pure, no I/O): what triggers a capture, when, and what to delete.
 
-- ``hang_triggers``: one trigger per job with an active ``hang`` finding.
-- ``RegressionDetector``: a rank's trace step time above ``factor`` x its own recent
-  baseline (median of its last normal traces, or ``traces.baseline``) for ``seconds``;
-  its evidence names the top contributors of the diff of the slow trace against the
-  baseline (``traces.baseline``, else the rank's first steady traces), as ``profagent diff``.
-- ``IncidentGate``: turns the triggers seen at each tick into captures: an episode (a
-  trigger kind for a job, active from one tick to the next) fires once, only when a
-  capture slot is free, and at most once per job and kind per ``period``; its last
-  captures can be exported and restored (they survive a restart).
-- ``diagnosis``: what a trigger says, less the seconds it has lasted.
-- ``to_remove``: which stored incidents go so that count and bytes stay bounded, per job,
-  per user and in all (``Retention``), one user's evicting only its own.
-- ``self_profiling``: the ranks that profile themselves, whose on-demand traces never come.
-
 Every clock is injected: callers pass ``now``.
 """
 
@@ -31,6 +17,19 @@ from profagent.analysis.trace.diff import Side
 from profagent.contracts import FindingsSnapshot
 from profagent.labels import shorten
 
+# - ``hang_triggers``: one trigger per job with an active ``hang`` finding.
+# - ``RegressionDetector``: a rank's trace step time above ``factor`` x its own recent
+#   baseline (median of its last normal traces, or ``traces.baseline``) for ``seconds``;
+#   its evidence names the top contributors of the diff of the slow trace against the
+#   baseline (``traces.baseline``, else the rank's first steady traces), as ``profagent diff``.
+# - ``IncidentGate``: turns the triggers seen at each tick into captures: an episode (a
+#   trigger kind for a job, active from one tick to the next) fires once, only when a
+#   capture slot is free, and at most once per job and kind per ``period``; its last
+#   captures can be exported and restored (they survive a restart).
+# - ``diagnosis``: what a trigger says, less the seconds it has lasted.
+# - ``to_remove``: which stored incidents go so that count and bytes stay bounded, per job,
+#   per user and in all (``Retention``), one user's evicting only its own.
+# - ``self_profiling``: the ranks that profile themselves, whose on-demand traces never come.
 KINDS = ("hang", "regression", "manual")
 BASELINE_TRACES = 8  # normal traces a rank's baseline is the median of
 MIN_BASELINE = 3  # traces needed before a rank can regress

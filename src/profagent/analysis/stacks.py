@@ -1,22 +1,7 @@
 """What a Python stack sample says the job is doing. Pure: no I/O, no clock.
 
-Input is py-spy's folded (``raw``) output recorded with ``--threads --idle``: one line per
-distinct stack, root first, then a count::
-
-    thread (4242): MainThread;<module> (train.py:9);Module._call_impl (torch/nn/modules/module.py:1789) 12
-
-Categories (``classify``), decided in three tiers; see docs/stacks.md:
-
-1. anywhere in the stack: ``compile`` (torch._dynamo / _inductor compiling), then
-   ``checkpoint_io`` (torch.save/load, torch.distributed.checkpoint, safetensors);
-2. innermost match, walking from the leaf to the root: ``host_sync``, ``collective``,
-   ``dataloader``, ``optimizer``, ``backward``, ``forward``;
-3. the leaf alone: ``idle`` (a thread waiting on a lock, queue, select or socket);
-4. else ``other``.
-
-``classify_with_idle`` adds one rule after these: a stack they leave as ``other`` whose
-leaf line `py-spy dump` saw idle (``idle_places``) is ``idle``. py-spy reads Python frames
-only, so ``time.sleep(...)`` in a training loop is sampled as the loop's own line.
+Parses py-spy's folded output into ``Sample``s and puts each stack in one category
+(``classify``, docs/stacks.md), which the stacks source counts and the findings read.
 """
 
 from __future__ import annotations
@@ -81,6 +66,10 @@ class Folded:
     dropped_samples: int = 0
 
 
+# Input is py-spy's folded (``raw``) output recorded with ``--threads --idle``: one line per
+# distinct stack, root first, then a count::
+#
+#     thread (4242): MainThread;<module> (train.py:9);Module._call_impl (torch/nn/modules/module.py:1789) 12
 def parse_folded(text: str, pid: int) -> list[Sample]:
     """Parse py-spy raw output of process ``pid``. Malformed lines are skipped; the caps of
     :func:`fold_capped` hold."""
@@ -206,8 +195,20 @@ def _idle_leaf(f: Frame) -> bool:
     return False
 
 
+# Categories (``classify``), decided in three tiers; see docs/stacks.md:
+#
+# 1. anywhere in the stack: ``compile`` (torch._dynamo / _inductor compiling), then
+#    ``checkpoint_io`` (torch.save/load, torch.distributed.checkpoint, safetensors);
+# 2. innermost match, walking from the leaf to the root: ``host_sync``, ``collective``,
+#    ``dataloader``, ``optimizer``, ``backward``, ``forward``;
+# 3. the leaf alone: ``idle`` (a thread waiting on a lock, queue, select or socket);
+# 4. else ``other``.
+#
+# ``classify_with_idle`` adds one rule after these: a stack they leave as ``other`` whose
+# leaf line `py-spy dump` saw idle (``idle_places``) is ``idle``. py-spy reads Python frames
+# only, so ``time.sleep(...)`` in a training loop is sampled as the loop's own line.
 def classify(frames: tuple[Frame, ...]) -> str:
-    """The category of one stack (frames root first). See the module docstring."""
+    """The category of one stack (frames root first), by the tiers in the comment above."""
     if any(_is_compile(f) for f in frames):
         return "compile"
     if any(_in(f.file, _CHECKPOINT) for f in frames):

@@ -115,10 +115,10 @@ def show_cmd(incident_id: Annotated[str, typer.Argument(metavar="ID", help="the 
     if url:
         detail = _get(url, auth, {"id": incident_id})
     else:
-        from profagent.engine.incidents.store import find_incident, incident_detail
+        from profagent.engine.incidents.store import find_incident
 
         meta = find_incident(_store(config, folder), incident_id)
-        detail = {**meta.listed(), **incident_detail(meta)}
+        detail = {**meta.listed(), **meta.detail()}
     from profagent.labels import printable, printable_data
 
     out = Console()

@@ -1,21 +1,7 @@
 """`profagent diagnose --prometheus URL`: one answer per job across nodes, from Prometheus.
 
-Each node's agent sees its own ranks only: in a hang over two nodes, the node with the
-culprit names it, the other sees ranks waiting in a collective. Prometheus (or Thanos,
-Mimir: the same HTTP API) scrapes them all, so the verdict for the job is assembled here
-from three instant queries:
-
-- ``profagent_finding == 1``: every active finding, with its node (``instance``);
-- ``profagent_hang_rank_info``: each hung rank's part (culprit, waiting) and line;
-- ``profagent_finding_since_timestamp_seconds``: when each finding began.
-
-A job's ``hang`` findings of every node become one: its culprits are the ranks any node
-named, each with its ``instance`` and ``location``; when no node saw one, it says so (a
-collective mismatch, or the network). Other findings are listed per node and rank, with
-the ``profagent diagnose --url`` that shows their evidence.
-
-Everything in the answer comes from labels that the watched jobs chose: it is bounded here
-(count of series, bytes of the answer) and escaped where it is printed.
+Each node's agent sees its own ranks only; Prometheus (or Thanos, Mimir) scrapes them all,
+so the job's verdict is assembled here from three instant queries (``queries``).
 """
 
 from __future__ import annotations
@@ -29,6 +15,8 @@ from urllib.parse import urlencode, urlunsplit
 from profagent.cli.client import NO_AUTH, ClientAuth, JsonClient, parse_agent_url
 from profagent.errors import UserError
 
+# Everything in the answer comes from labels that the watched jobs chose: it is bounded here
+# (count of series, bytes of the answer) and escaped where it is printed.
 MAX_ANSWER_BYTES = 32 << 20  # one query's JSON
 MAX_SERIES = 20_000  # series per query taken into account (a cluster's findings are far fewer)
 NO_CULPRIT = "no culprit seen on any node: a collective mismatch or the network"
@@ -40,6 +28,14 @@ def _selector(name: str, job: str | None, extra: str = "") -> str:
     return f"{name}{{{', '.join(matchers)}}}" if matchers else name
 
 
+# Each node's agent sees its own ranks only: in a hang over two nodes, the node with the
+# culprit names it, the other sees ranks waiting in a collective. Prometheus (or Thanos,
+# Mimir: the same HTTP API) scrapes them all, so the verdict for the job is assembled here
+# from three instant queries:
+#
+# - ``profagent_finding == 1``: every active finding, with its node (``instance``);
+# - ``profagent_hang_rank_info``: each hung rank's part (culprit, waiting) and line;
+# - ``profagent_finding_since_timestamp_seconds``: when each finding began.
 def queries(job: str | None) -> dict[str, str]:
     """The instant queries of a verdict (``job``: only that job_id). json.dumps quotes a job
     id as PromQL reads a string, so no job id can change the query."""
@@ -100,6 +96,10 @@ def _number(text: str | None) -> float | None:
     return value if value is not None and value == value else None  # NaN: unknown
 
 
+# A job's ``hang`` findings of every node become one: its culprits are the ranks any node
+# named, each with its ``instance`` and ``location``; when no node saw one, it says so (a
+# collective mismatch, or the network). Other findings are listed per node and rank, with
+# the ``profagent diagnose --url`` that shows their evidence.
 def verdict(findings: Iterable[Mapping[str, str]], roles: Iterable[Mapping[str, str]],
             since: Iterable[Mapping[str, str]], now: float) -> dict[str, Any]:
     """The findings of every job (pure): a job's hang findings on all nodes become one."""

@@ -2,7 +2,7 @@
 
 Data comes from GET /api/ranks (and /api/stacks for the selected rank): over HTTP from a
 running agent (``--url``), or from an agent run in this process (``--pid``), built by the
-same function (exporters/api.py). The rendering functions below are pure over that JSON,
+same function (exporters/api/ranks.py). The rendering functions below are pure over that JSON,
 so they are tested without a terminal.
 """
 
@@ -500,7 +500,7 @@ def local_feed(config: Any, pid: int) -> LocalFeed:
     import socket
 
     from profagent.engine.agent import Job
-    from profagent.exporters.api import RanksApi
+    from profagent.exporters.api.ranks import RanksApi
     from profagent.target import check_attachable
 
     check_attachable(pid)

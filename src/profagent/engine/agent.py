@@ -24,17 +24,12 @@ from rich.text import Text
 from profagent.analysis.findings.steps import pausing_jobs
 from profagent.config import Config, parse_listen
 from profagent.engine.control import ControlledOndemand, ControlServer
-from profagent.engine.findings import FindingsEngine, findings_route
-from profagent.engine.incidents.store import (
-    IncidentStore,
-    incidents_dir,
-    incidents_route,
-    rate_limits_path,
-)
+from profagent.engine.findings import FindingsEngine
+from profagent.engine.incidents.store import IncidentStore, incidents_dir, rate_limits_path
 from profagent.engine.incidents.trigger import IncidentsSource
 from profagent.engine.runtime import Runtime
 from profagent.errors import SourceUnavailable
-from profagent.exporters.api import RanksApi
+from profagent.exporters.api import ROUTES, ApiProviders
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.http import AgentHTTPServer, HttpLimits, load_web_config
 from profagent.labels import printable, set_value_max
@@ -43,7 +38,7 @@ from profagent.sources.gpu.source import GpuSource, build_gpu_source
 from profagent.sources.host import HostSource
 from profagent.sources.ondemand.kineto import TraceOptions
 from profagent.sources.ondemand.source import OndemandSource
-from profagent.sources.stacks.source import StacksSource, stacks_route
+from profagent.sources.stacks.source import StacksSource
 from profagent.sources.timeline.source import TimelineSource
 from profagent.sources.traces.source import traces_source
 from profagent.state import State
@@ -219,21 +214,18 @@ class Agent:
         job.state.subscribe(self.exposition.prerender)  # encode in the source's thread, not on scrape
         limits = HttpLimits(**dataclasses.asdict(config.http))
         self.server = AgentHTTPServer(host, port, self.exposition, web, limits)
-        self.server.add_route("/api/stacks", stacks_route(
-            lambda: [s for s in job.sources if isinstance(s, StacksSource)]
-        ))
-        self.server.add_route("/api/findings", findings_route(
-            lambda: [job.state.view().findings] if job.findings is not None else []
-        ))
-        self.server.add_route("/api/incidents", incidents_route(
-            IncidentStore(incidents_dir(config.incidents, config.agent.state_dir)),
-            None if job.watch else lambda: _job_ids(job)))
-        self.ranks_api = RanksApi(lambda: [job.state.view()], socket.gethostname())
-        self.server.add_route("/api/ranks", self._ranks_route)
-
-    def _ranks_route(self, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
-        self.job.watched()  # `profagent top --url` polls this
-        return self.ranks_api.route(query)
+        store = IncidentStore(incidents_dir(config.incidents, config.agent.state_dir))
+        providers = ApiProviders(
+            node=socket.gethostname(),
+            views=lambda: [job.state.view()],
+            watched=job.watched,
+            stacks=lambda: [s for s in job.sources if isinstance(s, StacksSource)],
+            findings=lambda: [job.state.view().findings] if job.findings is not None else [],
+            incidents=store.list,
+            job_ids=None if job.watch else lambda: _job_ids(job),
+        )
+        for path, build in ROUTES.items():
+            self.server.add_route(path, build(providers))
 
     def start(self) -> None:
         """Bind first (a taken port fails before anything runs), then start the job;

@@ -1,22 +1,8 @@
 """``profagent watch``: the node daemon. One runtime, one set of sources, one endpoint.
 
-The target is a ``NodeTarget`` (``target/node.py``) that finds every training job
-of the node; the rest is the attach machinery. Under systemd (``Type=notify``) it sends
-READY=1 once serving, WATCHDOG=1 every WatchdogSec/2 while the agent is healthy,
-RELOADING=1 and READY=1 around a SIGHUP reload, and STOPPING=1 on SIGTERM/SIGINT.
-
-The watchdog pings come from a thread of their own (``profagent-watchdog``) that does
-nothing else: no scan, capture, trace ingestion or reload runs on it, so none can delay
-a ping. "Healthy" means the runtime's target loop (discovery and the job trees) finished
-a refresh within the last WatchdogSec: a loop that is stuck, or that takes longer than
-that per refresh, stops the pings and systemd restarts the agent; a slow tick alone does
-not. The HTTP server and the sources run on their own threads and do not take part.
-
-SIGHUP re-reads the configuration (file, environment, the original flags) and applies
-what can change in place: the ``[watch]`` section (discovery rules, limits, grace, scan
-interval) and ``log_level``. Other keys (listen, sources) need a restart; a reload that
-changes them says so in the log. A configuration that fails to load is logged and the
-previous one is kept. Jobs already watched stay until they end, so no series drop.
+The target is a ``NodeTarget`` (``target/node.py``) that finds every training job of the
+node; the rest is the attach machinery. systemd's notify protocol, the watchdog and SIGHUP
+reloads are ``NodeDaemon``'s (the comment above it says what each means).
 """
 
 from __future__ import annotations
@@ -96,6 +82,22 @@ def _changed_fixed_keys(old: Config, new: Config) -> list[str]:
     return out
 
 
+# Under systemd (``Type=notify``) the daemon sends
+# READY=1 once serving, WATCHDOG=1 every WatchdogSec/2 while the agent is healthy,
+# RELOADING=1 and READY=1 around a SIGHUP reload, and STOPPING=1 on SIGTERM/SIGINT.
+#
+# The watchdog pings come from a thread of their own (``profagent-watchdog``) that does
+# nothing else: no scan, capture, trace ingestion or reload runs on it, so none can delay
+# a ping. "Healthy" means the runtime's target loop (discovery and the job trees) finished
+# a refresh within the last WatchdogSec: a loop that is stuck, or that takes longer than
+# that per refresh, stops the pings and systemd restarts the agent; a slow tick alone does
+# not. The HTTP server and the sources run on their own threads and do not take part.
+#
+# SIGHUP re-reads the configuration (file, environment, the original flags) and applies
+# what can change in place: the ``[watch]`` section (discovery rules, limits, grace, scan
+# interval) and ``log_level``. Other keys (listen, sources) need a restart; a reload that
+# changes them says so in the log. A configuration that fails to load is logged and the
+# previous one is kept. Jobs already watched stay until they end, so no series drop.
 class NodeDaemon:
     """Runs the agent until stopped; ``reload_config`` re-reads the configuration."""
 

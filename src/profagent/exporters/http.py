@@ -1,18 +1,8 @@
 """The agent's HTTP endpoint: /metrics, /healthz and small read-only APIs.
 
-TLS, basic auth and extra headers come from an exporter-toolkit ``web-config.yml`` (the
-file node_exporter users already have), read with exporter-toolkit's meaning in webconfig.py.
-
-The endpoint may face the network and every local user. One I/O thread reads each whole
-request (TLS handshake, head and body) without blocking, under a deadline for the whole
-request (``http.request_deadline``); only then does one of a few workers compute the answer,
-scrapes and already-proven credentials first. A slow client therefore holds a socket and a
-buffer, never a worker. Connections are capped in all and per client
-(``http.max_connections``, ``http.max_connections_per_client``); at the cap, the connection
-that has been reading its request longest is closed to make room, one that has begun a
-request before one that has sent nothing yet. Failed logins delay the
-failing answers of that client only (``http.auth_backoff_max``); a correct password is
-always accepted.
+TLS, basic auth and extra headers come from an exporter-toolkit ``web-config.yml``
+(webconfig.py). The endpoint may face the network and every local user, so every request
+and connection is bounded (the comment above ``_EventServer``).
 """
 
 from __future__ import annotations
@@ -209,6 +199,16 @@ class _Chunks:
         pass
 
 
+# The endpoint may face the network and every local user. One I/O thread reads each whole
+# request (TLS handshake, head and body) without blocking, under a deadline for the whole
+# request (``http.request_deadline``); only then does one of a few workers compute the answer,
+# scrapes and already-proven credentials first. A slow client therefore holds a socket and a
+# buffer, never a worker. Connections are capped in all and per client
+# (``http.max_connections``, ``http.max_connections_per_client``); at the cap, the connection
+# that has been reading its request longest is closed to make room, one that has begun a
+# request before one that has sent nothing yet. Failed logins delay the
+# failing answers of that client only (``http.auth_backoff_max``); a correct password is
+# always accepted.
 class _EventServer:
     """One I/O thread reads whole requests (and TLS handshakes) without blocking; a
     fixed pool of workers only computes answers, scrapes and proven credentials first."""

@@ -1,19 +1,8 @@
 """exporter-toolkit's ``web-config.yml``, read with exporter-toolkit's meaning.
 
-node_exporter users bring this file; where we read a key differently their security would
-silently change, so every key we accept does what exporter-toolkit does
-(web-configuration.md and web/tls_config.go of prometheus/exporter-toolkit), and
-every key or value we cannot honour is refused at start, in one line:
-
-- ``RequireAnyClientCert`` (a certificate required, never verified) cannot be expressed
-  with Python's ``ssl``, which verifies every certificate it asks for; refused.
-- ``RequestClientCert`` asks for a certificate and never verifies or requires it: every
-  client is served, with or without one, so we do not ask (same outcome); with
-  ``client_allowed_sans`` it would need the unverified certificate: refused.
-- Inline ``cert``/``key``/``client_ca``, ``rate_limit`` and more than one
-  ``curve_preferences`` entry are not implemented: refused.
-- ``http2: true`` is accepted: HTTP/2 is an optional upgrade that clients negotiate; we
-  offer HTTP/1.1 only, which every Prometheus speaks.
+node_exporter users bring this file: a key read differently would silently change their
+security, so every key we cannot honour is refused at start, in one line (the list is above
+``CLIENT_AUTH_TYPES``).
 """
 
 from __future__ import annotations
@@ -34,6 +23,20 @@ from profagent.errors import UserError
 
 MAX_WEB_CONFIG_BYTES = 1024 * 1024
 
+# node_exporter users bring this file; where we read a key differently their security would
+# silently change, so every key we accept does what exporter-toolkit does
+# (web-configuration.md and web/tls_config.go of prometheus/exporter-toolkit), and
+# every key or value we cannot honour is refused at start, in one line:
+#
+# - ``RequireAnyClientCert`` (a certificate required, never verified) cannot be expressed
+#   with Python's ``ssl``, which verifies every certificate it asks for; refused.
+# - ``RequestClientCert`` asks for a certificate and never verifies or requires it: every
+#   client is served, with or without one, so we do not ask (same outcome); with
+#   ``client_allowed_sans`` it would need the unverified certificate: refused.
+# - Inline ``cert``/``key``/``client_ca``, ``rate_limit`` and more than one
+#   ``curve_preferences`` entry are not implemented: refused.
+# - ``http2: true`` is accepted: HTTP/2 is an optional upgrade that clients negotiate; we
+#   offer HTTP/1.1 only, which every Prometheus speaks.
 CLIENT_AUTH_TYPES = ("NoClientCert", "RequestClientCert", "RequireAnyClientCert", "VerifyClientCertIfGiven",
                      "RequireAndVerifyClientCert")
 _VERIFYING = ("VerifyClientCertIfGiven", "RequireAndVerifyClientCert")

@@ -1,24 +1,7 @@
 """Who a process belongs to, beyond the job: its Kubernetes pod or its Slurm job step.
 
-Pure helpers, no state, no logging, nothing done at import time:
-
-- ``read_pod_identity(proc_root, pid)`` reads ``/proc/PID/cgroup`` and returns the pod
-  UID, container ID, container runtime and QoS class encoded in the cgroup path, or
-  ``None`` for a process outside any pod. It knows cgroup v1 (one line per hierarchy)
-  and v2 (``0::PATH``), the kubelet's ``systemd`` driver
-  (``kubepods-burstable-pod<uid>.slice/cri-containerd-<id>.scope``) and ``cgroupfs``
-  driver (``/kubepods/burstable/pod<uid>/<id>``), and containerd, CRI-O and
-  Docker/cri-dockerd container names.
-- ``parse_pod_identity(text)`` does the same on the file's text.
-- ``slurm_identity(environ)`` reads the Slurm variables of a process environment.
-- ``pod_names(pod_list, pod_uid, container_id)`` maps a pod UID (and container ID) to the
-  namespace, pod name and container name, given the kubelet's parsed ``/pods`` answer.
-  The cgroup path carries no names: they come only from the kubelet (or the API server),
-  so the caller does that I/O and passes the parsed JSON in.
-
-The cgroup path is the host's view: the agent must run in the host PID namespace (and
-read the host's ``/proc``) for it to show the kubepods hierarchy. Inside a container with
-a private cgroup namespace a process sees ``0::/`` and no pod can be found.
+Pure helpers, no state, no logging, nothing done at import time (each described above
+``read_pod_identity``).
 """
 
 from __future__ import annotations
@@ -134,6 +117,23 @@ def parse_pod_identity(text: str) -> PodIdentity | None:
     return None
 
 
+# - ``read_pod_identity(proc_root, pid)`` reads ``/proc/PID/cgroup`` and returns the pod
+#   UID, container ID, container runtime and QoS class encoded in the cgroup path, or
+#   ``None`` for a process outside any pod. It knows cgroup v1 (one line per hierarchy)
+#   and v2 (``0::PATH``), the kubelet's ``systemd`` driver
+#   (``kubepods-burstable-pod<uid>.slice/cri-containerd-<id>.scope``) and ``cgroupfs``
+#   driver (``/kubepods/burstable/pod<uid>/<id>``), and containerd, CRI-O and
+#   Docker/cri-dockerd container names.
+# - ``parse_pod_identity(text)`` does the same on the file's text.
+# - ``slurm_identity(environ)`` reads the Slurm variables of a process environment.
+# - ``pod_names(pod_list, pod_uid, container_id)`` maps a pod UID (and container ID) to the
+#   namespace, pod name and container name, given the kubelet's parsed ``/pods`` answer.
+#   The cgroup path carries no names: they come only from the kubelet (or the API server),
+#   so the caller does that I/O and passes the parsed JSON in.
+#
+# The cgroup path is the host's view: the agent must run in the host PID namespace (and
+# read the host's ``/proc``) for it to show the kubepods hierarchy. Inside a container with
+# a private cgroup namespace a process sees ``0::/`` and no pod can be found.
 def read_pod_identity(proc_root: Path, pid: int) -> PodIdentity | None:
     """``parse_pod_identity`` of ``proc_root/PID/cgroup``; None if it cannot be read."""
     try:

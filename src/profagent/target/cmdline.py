@@ -2,19 +2,7 @@
 
 By default only the program and the script (``python3 train.py``, ``python3 -m pkg``) are
 kept: command lines routinely carry tokens and passwords, and the label is served on the
-network. With ``agent.cmdline_args = true`` the arguments are kept too, with every value
-that looks secret replaced by ``***``:
-
-- the value of an option whose name mentions a secret (key, token, secret, pass, pwd,
-  cred, auth, jwt, bearer, cookie, session, private, signature), after ``=`` or in the
-  next argument (``--api-key=X``, ``--pass X``, ``--jwt X``);
-- the value of ``-p`` (``mysql -p X``, ``psql``-like tools): a ``-p 8`` that means a port
-  or a count is hidden too, the safe side of an ambiguity the agent cannot resolve;
-- ``NAME=VALUE`` where NAME mentions a secret (``HF_TOKEN=X``, ``db.password=X``);
-- the password of a URL (``postgres://user:***@host``) and a ``Bearer`` token, anywhere.
-
-Words are matched inside names, so an unrelated option that contains one (``--keep``
-does not, ``--bypass`` does) is hidden too: over-hiding costs a label, a leak a secret.
+network. ``agent.cmdline_args = true`` keeps the arguments, secrets replaced by ``***``.
 """
 
 from __future__ import annotations
@@ -22,6 +10,18 @@ from __future__ import annotations
 import os
 import re
 
+# With ``agent.cmdline_args = true``, every value that looks secret is replaced by ``***``:
+#
+# - the value of an option whose name mentions a secret (key, token, secret, pass, pwd,
+#   cred, auth, jwt, bearer, cookie, session, private, signature), after ``=`` or in the
+#   next argument (``--api-key=X``, ``--pass X``, ``--jwt X``);
+# - the value of ``-p`` (``mysql -p X``, ``psql``-like tools): a ``-p 8`` that means a port
+#   or a count is hidden too, the safe side of an ambiguity the agent cannot resolve;
+# - ``NAME=VALUE`` where NAME mentions a secret (``HF_TOKEN=X``, ``db.password=X``);
+# - the password of a URL (``postgres://user:***@host``) and a ``Bearer`` token, anywhere.
+#
+# Words are matched inside names, so an unrelated option that contains one (``--keep``
+# does not, ``--bypass`` does) is hidden too: over-hiding costs a label, a leak a secret.
 REDACTED = "***"
 _SECRET_WORD = r"(key|token|secret|pass|pwd|cred|auth|jwt|bearer|cookie|session|private|signature)"
 _SECRET_OPTION = re.compile(rf"^(-{{1,2}}[\w.-]*{_SECRET_WORD}[\w.-]*|-p)$", re.IGNORECASE)

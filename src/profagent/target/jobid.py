@@ -1,21 +1,7 @@
 """The job id: one name per training job, the same on every node, from the first scrape.
 
 Series of one job from several nodes join on ``job_id``, so it must name the job, not a
-process of one node. In order of preference:
-
-1. ``SLURM_JOB_ID`` of any process of the tree (the launcher first);
-2. ``TORCHELASTIC_RUN_ID`` of a rank (torchrun sets it in the ranks only);
-3. a torchrun launcher's own command line: ``--rdzv-id``/``--rdzv_id``/``--run-id``/
-   ``--run_id``, as ``--x=v`` or ``--x v``, before the training script (whose own
-   arguments may reuse the names); ignored with ``--standalone``, where torchrun makes a
-   random id of its own that the ranks will carry;
-4. ``PET_RDZV_ID`` of the launcher: torchrun's environment form of ``--rdzv-id``, which
-   Kubernetes operators (Kubeflow's PyTorchJob) set;
-5. else ``HOST:PID`` of the root: a bare PID is not a name, two nodes (or two
-   containers, where PIDs are small) can share it.
-
-2 to 4 are one value for a torchrun job, so a launcher seen before its ranks has its
-final id at once. torchrun's default rendezvous id ``none`` names nothing.
+process of one node (the order of preference is above ``resolve_job_id``).
 """
 
 from __future__ import annotations
@@ -77,6 +63,19 @@ def usable(value: str | None) -> bool:
     return bool(value) and value != NOT_AN_ID
 
 
+# 1. ``SLURM_JOB_ID`` of any process of the tree (the launcher first);
+# 2. ``TORCHELASTIC_RUN_ID`` of a rank (torchrun sets it in the ranks only);
+# 3. a torchrun launcher's own command line: ``--rdzv-id``/``--rdzv_id``/``--run-id``/
+#    ``--run_id``, as ``--x=v`` or ``--x v``, before the training script (whose own
+#    arguments may reuse the names); ignored with ``--standalone``, where torchrun makes a
+#    random id of its own that the ranks will carry;
+# 4. ``PET_RDZV_ID`` of the launcher: torchrun's environment form of ``--rdzv-id``, which
+#    Kubernetes operators (Kubeflow's PyTorchJob) set;
+# 5. else ``HOST:PID`` of the root: a bare PID is not a name, two nodes (or two
+#    containers, where PIDs are small) can share it.
+#
+# 2 to 4 are one value for a torchrun job, so a launcher seen before its ranks has its
+# final id at once. torchrun's default rendezvous id ``none`` names nothing.
 def resolve_job_id(
     procs: Iterable[ProcessInfo],
     envs: Mapping[int, Mapping[str, str]],

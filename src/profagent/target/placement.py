@@ -2,22 +2,6 @@
 
 Read once per process (PID and start time) by the target and exported only as labels of
 ``profagent_target_info``, so dashboards can join on them without spreading other series.
-
-Names come from what the node itself shows, without any API call:
-
-- the pod UID and container ID from ``/proc/PID/cgroup`` (``system/cgroup.py``);
-- namespace, pod and container names from a kubelet ``/pods`` answer, when one is given;
-- else the pod name from the process' ``HOSTNAME`` (Kubernetes sets it to the pod name
-  unless the pod sets ``hostname:``) and the namespace from ``POD_NAMESPACE`` (the usual
-  downward-API variable), each kept only if it is a valid Kubernetes name;
-- Slurm's job name, step, task and node from the environment (``SLURM_*``);
-- the user from the kernel: the process' owner. ``SLURM_JOB_USER`` is the job's word and
-  may name another user (``nobody`` claimed to be ``alice``), so it is not read here.
-
-Nothing is read inside the job's root (``/proc/PID/root``): the job controls its mount
-namespace (``unshare -Urm`` needs no privilege), so a path there, such as the
-service-account ``namespace`` file, may be a symlink that root would follow to a file of
-the host. Environment variables are the job's word too, but reading them opens no file.
 """
 
 from __future__ import annotations
@@ -53,6 +37,21 @@ def _owner(proc_root: Path, pid: int) -> str:
         return str(uid)
 
 
+# Names come from what the node itself shows, without any API call:
+#
+# - the pod UID and container ID from ``/proc/PID/cgroup`` (``system/cgroup.py``);
+# - namespace, pod and container names from a kubelet ``/pods`` answer, when one is given;
+# - else the pod name from the process' ``HOSTNAME`` (Kubernetes sets it to the pod name
+#   unless the pod sets ``hostname:``) and the namespace from ``POD_NAMESPACE`` (the usual
+#   downward-API variable), each kept only if it is a valid Kubernetes name;
+# - Slurm's job name, step, task and node from the environment (``SLURM_*``);
+# - the user from the kernel: the process' owner. ``SLURM_JOB_USER`` is the job's word and
+#   may name another user (``nobody`` claimed to be ``alice``), so it is not read here.
+#
+# Nothing is read inside the job's root (``/proc/PID/root``): the job controls its mount
+# namespace (``unshare -Urm`` needs no privilege), so a path there, such as the
+# service-account ``namespace`` file, may be a symlink that root would follow to a file of
+# the host. Environment variables are the job's word too, but reading them opens no file.
 def placement_of(
     proc_root: Path, pid: int, environ: Mapping[str, str], pod_list: Mapping | None = None
 ) -> Placement:

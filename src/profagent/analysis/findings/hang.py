@@ -1,21 +1,7 @@
 """``hang``: stalled ranks, and the rank that holds the others up. One finding per job.
 
-Input: each rank's ``RankStall`` from the stacks source (stalled or not, the main thread's
-current stack, and the same stack with native frames when a native window caught it).
-In a collective every rank must arrive: a rank whose stack is in the collective layer
-(Python ``torch.distributed``, or native frames: DDP's reducer, ``Work::wait``, gloo,
-NCCL; see analysis/collectives.py) is a victim; a rank that is not is the culprit.
-When every rank this agent sees waits in the same collective, the rank holding them up
-is elsewhere (another node) or the network is stuck; in different collectives, the
-ranks took different paths (a collective mismatch); when some wait in an end-of-loop
-collective (``barrier``, ``destroy_process_group``, an all_reduce outside backward) while the
-others still wait in backward's all_reduce, the ranks had different numbers of batches
-(uneven inputs). A rank whose main thread waits for its DataLoader while one of its worker
-processes stands still making a batch is held up by that worker: the worker is named.
-
-Each place is the rank's own line (the innermost frame of the job's code), with the
-innermost Python frame beside it in the evidence (``innermost``): a wait's innermost
-frames change (a poll loop waking every few seconds), its own line does not.
+Ranks waiting in a collective are victims; a stalled rank that is not in one is the
+culprit (how each case is told apart: the comment above ``hang``).
 """
 
 from __future__ import annotations
@@ -131,6 +117,22 @@ def _native_may_change_its_role(s: RankStall, wait: CollectiveWait | None, settl
     return not settled
 
 
+# Input: each rank's ``RankStall`` from the stacks source (stalled or not, the main thread's
+# current stack, and the same stack with native frames when a native window caught it).
+# In a collective every rank must arrive: a rank whose stack is in the collective layer
+# (Python ``torch.distributed``, or native frames: DDP's reducer, ``Work::wait``, gloo,
+# NCCL; see analysis/collectives.py) is a victim; a rank that is not is the culprit.
+# When every rank this agent sees waits in the same collective, the rank holding them up
+# is elsewhere (another node) or the network is stuck; in different collectives, the
+# ranks took different paths (a collective mismatch); when some wait in an end-of-loop
+# collective (``barrier``, ``destroy_process_group``, an all_reduce outside backward) while the
+# others still wait in backward's all_reduce, the ranks had different numbers of batches
+# (uneven inputs). A rank whose main thread waits for its DataLoader while one of its worker
+# processes stands still making a batch is held up by that worker: the worker is named.
+#
+# Each place is the rank's own line (the innermost frame of the job's code), with the
+# innermost Python frame beside it in the evidence (``innermost``): a wait's innermost
+# frames change (a poll loop waking every few seconds), its own line does not.
 def hang(stalls: Iterable[RankStall], job_id: str, settled: bool = False) -> list[Finding]:
     """The job's ``hang`` finding (at most one) from its ranks' ``RankStall``. ``settled``:
     the job had one at the last evaluation (it is not held back again for native frames)."""

@@ -1,20 +1,8 @@
-"""Findings that hold steady: a finding judged from a window of stack samples stays
-active for ``findings.hold_seconds`` after its evidence was last seen, and a straggler is
-raised only once its evidence has lasted ``findings.straggler_confirm_seconds``.
+"""Findings that hold steady: held ``findings.hold_seconds`` after their evidence was last
+seen, and a straggler raised only once its evidence lasted ``findings.straggler_confirm_seconds``.
 
-A straggler or a ``*_bound`` rank sits on its threshold as often as not (a wait share of
-0.36 against a line at 0.365): raised and cleared every few ticks, the finding was active
-in a fifth to a half of the polls, and an alert rule with ``for:`` never fired. Held, it
-clears only once its evidence has been gone for the hold: a cause that is clearly gone.
-
-Confirmed first: a straggler's evidence at every evaluation for the confirm time. A healthy
-rank on a loaded node arrived last at 63% of its node's collectives (the line is 60%) for
-one evaluation early in a run; held, that one evaluation was a minute of straggler. A real
-straggler's evidence lasts (91% against the same line).
-
-Never held: a finding of a job with a hang (found, or a rank frozen for 30 s, or its steps
-stopped: a stalled rank waits least of all, and the straggler's evidence is then the hang's), and one of a rank or job no
-longer measured (it ended). Pure: the caller passes ``now``.
+Why: a rank on its threshold would otherwise flap, and an alert with ``for:`` never fire.
+Pure: the caller passes ``now``.
 """
 
 from __future__ import annotations
@@ -28,6 +16,19 @@ HELD_KINDS = frozenset({"straggler", "dataloader_bound", "host_sync_bound", "opt
 CONFIRMED_KINDS = frozenset({"straggler"})
 
 
+# Held: a finding judged from a window of stack samples. A straggler or a ``*_bound`` rank
+# sits on its threshold as often as not (a wait share of 0.36 against a line at 0.365): raised and cleared every few ticks, the finding was active
+# in a fifth to a half of the polls, and an alert rule with ``for:`` never fired. Held, it
+# clears only once its evidence has been gone for the hold: a cause that is clearly gone.
+#
+# Confirmed first: a straggler's evidence at every evaluation for the confirm time. A healthy
+# rank on a loaded node arrived last at 63% of its node's collectives (the line is 60%) for
+# one evaluation early in a run; held, that one evaluation was a minute of straggler. A real
+# straggler's evidence lasts (91% against the same line).
+#
+# Never held: a finding of a job with a hang (found, or a rank frozen for 30 s, or its steps
+# stopped: a stalled rank waits least of all, and the straggler's evidence is then the
+# hang's), and one of a rank or job no longer measured (it ended).
 class Steady:
     """Keeps each held kind's finding ``hold_seconds`` after its last sighting; a confirmed
     kind's finding appears only once it was found at every evaluation for ``confirm_seconds``."""

@@ -1,16 +1,7 @@
 """Step-time breakdown: every instant of a step gets exactly one category, by priority.
 
 Priority (as tb-profiler did): kernel > memcpy > memset > communication > runtime >
-dataloader > cpu_exec > other. An instant where a compute kernel runs is ``kernel`` even
-if the CPU is busy too; an instant where nothing below is active is ``other``.
-
-- kernel: GPU kernels except communication ones;
-- memcpy / memset: ``gpu_memcpy`` / ``gpu_memset``;
-- communication: NCCL/RCCL kernels, and CPU ranges named ``nccl:``, ``gloo:``, ``c10d::``...;
-- runtime: ``cuda_runtime``, ``cuda_driver``, ``cuda_sync`` (CUDA or HIP API calls);
-- dataloader: ``enumerate(DataLoader)#...__next__`` ranges;
-- cpu_exec: ATen ops (``cpu_op``);
-- other: the rest of the step (Python, waiting...).
+dataloader > cpu_exec > other, so the categories add up to the step time.
 """
 
 from __future__ import annotations
@@ -21,6 +12,17 @@ import numpy as np
 
 from profagent.analysis.trace.kinds import Frame
 
+# Priority (as tb-profiler did): kernel > memcpy > memset > communication > runtime >
+# dataloader > cpu_exec > other. An instant where a compute kernel runs is ``kernel`` even
+# if the CPU is busy too; an instant where nothing below is active is ``other``.
+#
+# - kernel: GPU kernels except communication ones;
+# - memcpy / memset: ``gpu_memcpy`` / ``gpu_memset``;
+# - communication: NCCL/RCCL kernels, and CPU ranges named ``nccl:``, ``gloo:``, ``c10d::``...;
+# - runtime: ``cuda_runtime``, ``cuda_driver``, ``cuda_sync`` (CUDA or HIP API calls);
+# - dataloader: ``enumerate(DataLoader)#...__next__`` ranges;
+# - cpu_exec: ATen ops (``cpu_op``);
+# - other: the rest of the step (Python, waiting...).
 CATEGORIES = ("kernel", "memcpy", "memset", "communication", "runtime", "dataloader", "cpu_exec", "other")
 _UNIONS = {
     "kernel": ("kernel",), "memcpy": ("memcpy",), "memset": ("memset",),

@@ -1,18 +1,7 @@
 """GPU time per device, from interval unions over GPU ops inside the step window.
 
-For one device, with W = the union of the step spans (the analysed window):
-
-- busy = union of kernels, memcpy and memset; idle = W - busy;
-- utilization = |union of kernels| / |W| (tb-profiler's "GPU utilization": kernels only);
-- compute = union of non-communication kernels; non_compute = busy - compute
-  (communication and memory ops not hidden under compute); compute + non_compute + idle = W
-  (HolisticTraceAnalysis' temporal breakdown, over the step window);
-- idle is split per gap, using the op that ends the gap and its launching runtime call L:
-  host_wait = [gap start, min(L, gap end)) when L is after the gap start (the CPU had not
-  launched it yet), kernel_wait = the rest of the gap (the op was queued: launch latency,
-  stream/event dependencies); a gap no op ends (window tail) or without a launch is other;
-- overlap = |comm ∩ compute| / |comm| (share of communication hidden under compute);
-- memcpy share = |union of memcpy| / |busy|.
+Busy, idle (split into host wait and kernel wait), utilisation, compute, overlap and memcpy
+share per device, over the union of the step spans; the definitions are above ``DeviceTime``.
 """
 
 from __future__ import annotations
@@ -24,6 +13,19 @@ import numpy as np
 from profagent.analysis.trace.kinds import Classified, Frame
 
 
+# For one device, with W = the union of the step spans (the analysed window):
+#
+# - busy = union of kernels, memcpy and memset; idle = W - busy;
+# - utilization = |union of kernels| / |W| (tb-profiler's "GPU utilization": kernels only);
+# - compute = union of non-communication kernels; non_compute = busy - compute
+#   (communication and memory ops not hidden under compute); compute + non_compute + idle = W
+#   (HolisticTraceAnalysis' temporal breakdown, over the step window);
+# - idle is split per gap, using the op that ends the gap and its launching runtime call L:
+#   host_wait = [gap start, min(L, gap end)) when L is after the gap start (the CPU had not
+#   launched it yet), kernel_wait = the rest of the gap (the op was queued: launch latency,
+#   stream/event dependencies); a gap no op ends (window tail) or without a launch is other;
+# - overlap = |comm ∩ compute| / |comm| (share of communication hidden under compute);
+# - memcpy share = |union of memcpy| / |busy|.
 @dataclass(frozen=True)
 class DeviceTime:
     device: int

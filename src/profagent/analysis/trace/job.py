@@ -1,21 +1,5 @@
 """A whole job from its ranks' traces: a per-rank table, the straggler from collectives,
 and why a set of traces cannot be one job.
-
-The straggler is the rank the others wait for. In a synchronous job every rank's step
-time is the same (each waits at every collective), so step time cannot name it; what
-differs is *where* the time goes: a collective kernel starts when its rank reaches it and
-ends when the last rank has, so the ranks that arrived early spend long in their
-collectives and the late rank spends little. Per rank, ``collective`` is the time per step
-in communication: the union of its NCCL/RCCL kernels (mean over its devices), or, without
-communication kernels (gloo, CPU), the step breakdown's ``communication`` (CPU collective
-ranges). The straggler is the rank whose collective time is the shortest, when the shared
-rule of analysis/straggler.py names it: at least ``threshold`` (default 25%) below the
-median of the other ranks' and at least ``MIN_GAP`` seconds per step below it (a
-difference of microseconds is noise).
-
-A set is not one job when its traces disagree on the world size or the backend in
-``distributedInfo``, or were taken more than ``MAX_APART`` seconds apart; then
-``warnings`` says so and no straggler is named.
 """
 
 from __future__ import annotations
@@ -84,6 +68,17 @@ def rank_table(reports: Sequence[tuple[TraceReport, str | None]]) -> dict[str, d
     return out
 
 
+# The straggler is the rank the others wait for. In a synchronous job every rank's step
+# time is the same (each waits at every collective), so step time cannot name it; what
+# differs is *where* the time goes: a collective kernel starts when its rank reaches it and
+# ends when the last rank has, so the ranks that arrived early spend long in their
+# collectives and the late rank spends little. Per rank, ``collective`` is the time per step
+# in communication: the union of its NCCL/RCCL kernels (mean over its devices), or, without
+# communication kernels (gloo, CPU), the step breakdown's ``communication`` (CPU collective
+# ranges). The straggler is the rank whose collective time is the shortest, when the shared
+# rule of analysis/straggler.py names it: at least ``threshold`` (default 25%) below the
+# median of the other ranks' and at least ``MIN_GAP`` seconds per step below it (a
+# difference of microseconds is noise).
 def straggler(ranks: dict[str, dict[str, Any]], threshold: float = STRAGGLER_THRESHOLD) -> tuple[str | None, str]:
     """(the rank the others wait for, or None; why, in words)."""
     waits = {k: v["collective_seconds"] for k, v in ranks.items()
@@ -101,6 +96,9 @@ def straggler(ranks: dict[str, dict[str, Any]], threshold: float = STRAGGLER_THR
     return None, f"no straggler: {numbers}, under the {threshold:.0%} threshold"
 
 
+# A set is not one job when its traces disagree on the world size or the backend in
+# ``distributedInfo``, or were taken more than ``MAX_APART`` seconds apart; then
+# ``warnings`` says so and no straggler is named.
 def job_warnings(reports: Sequence[tuple[TraceReport, str | None]]) -> list[str]:
     """Why these traces cannot be one job (empty when they can)."""
     out = []

@@ -8,8 +8,10 @@ as absent, never as data of another shape.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import re
 import typing
 from dataclasses import dataclass
@@ -80,6 +82,21 @@ class BundleMeta:
     def listed(self) -> dict[str, Any]:
         """The keys shown by GET /api/incidents and `incidents list`, None where absent."""
         return {k: getattr(self, k) for k in LISTED}
+
+    def detail(self) -> dict[str, Any]:
+        """The summary text and the files (name, bytes) of the bundle found at ``path``:
+        GET /api/incidents?id=ID and `incidents show` add them to ``listed()``."""
+        folder = Path(self.path or "")
+        try:
+            summary = read_nofollow(folder / SUMMARY).decode(errors="replace")
+        except OSError:
+            summary = ""
+        files = []
+        with contextlib.suppress(OSError):
+            for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+                if entry.is_file(follow_symlinks=False) and not entry.name.startswith("."):
+                    files.append({"name": entry.name, "bytes": entry.stat(follow_symlinks=False).st_size})
+        return {"summary": summary, "files": files}
 
     @classmethod
     def from_json(cls, data: Any, path: str | None = None) -> BundleMeta | None:

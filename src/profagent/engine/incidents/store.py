@@ -2,7 +2,8 @@
 
 ``IncidentStore`` is one 0700 folder of bundles, bounded in count and bytes (the pure
 ``to_remove`` decides what goes); ``RateLimitFile`` keeps the gate's last captures across
-restarts; ``incidents_route`` and ``find_incident`` read bundles for the API and the CLI.
+restarts; ``find_incident`` reads one bundle back for the CLI (/api/incidents is
+exporters/api/incidents.py, over ``IncidentStore.list``).
 """
 
 from __future__ import annotations
@@ -14,15 +15,13 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import orjson
 
 from profagent.analysis.incidents import KINDS, Retention, Stored, to_remove
 from profagent.config import IncidentsConfig
-from profagent.engine.incidents.bundle import SUMMARY, BundleMeta, safe_name
+from profagent.engine.incidents.bundle import BundleMeta, safe_name
 from profagent.errors import UserError
 from profagent.sources.traces.watcher import default_state_dir
 from profagent.system.safefs import read_nofollow, replace_nofollow
@@ -151,50 +150,7 @@ class RateLimitFile:
             log.warning("cannot save the incidents' rate-limit state to %s (%s): a restart forgets it", self.path, exc)
 
 
-# -- reading (CLI, HTTP) ---------------------------------------------------------------------
-def incidents_route(
-    store: IncidentStore, jobs: Callable[[], Iterable[str]] | None = None,
-) -> Callable[[dict[str, list[str]]], tuple[int, str, bytes]]:
-    """GET /api/incidents[?job=J] -> ``{"incidents": [{id, kind, job_id, time, path, rank,
-    reason, status}, ...]}``, oldest first (an object, like /api/findings and /api/ranks);
-    GET /api/incidents?id=ID -> that incident with its ``summary`` (Markdown) and ``files``.
-
-    ``jobs`` (attach mode) gives the job ids this agent observes: the store's folder is
-    shared by every agent of the user, so only their bundles are listed (docs/openapi.yaml)."""
-
-    def listed(job: str | None) -> list[BundleMeta]:
-        mine = None if jobs is None else set(jobs())
-        return [m for m in store.list() if (mine is None or m.job_id in mine) and job in (None, m.job_id)]
-
-    def route(query: dict[str, list[str]]) -> tuple[int, str, bytes]:
-        wanted = (query.get("id") or [""])[0]
-        job = (query.get("job") or [None])[0]
-        items = listed(job)
-        if not wanted:
-            return 200, "application/json", orjson.dumps({"incidents": [m.listed() for m in items]})
-        meta = next((m for m in items if m.id == wanted), None)
-        if meta is None:
-            return 404, "text/plain", f"no incident {wanted!r} of this agent's jobs\n".encode()
-        return 200, "application/json", orjson.dumps({**meta.listed(), **incident_detail(meta)})
-
-    return route
-
-
-def incident_detail(meta: BundleMeta) -> dict[str, Any]:
-    """The summary text and the files (name, bytes) of a listed incident."""
-    folder = Path(meta.path or "")
-    try:
-        summary = read_nofollow(folder / SUMMARY).decode(errors="replace")
-    except OSError:
-        summary = ""
-    files = []
-    with contextlib.suppress(OSError):
-        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-            if entry.is_file(follow_symlinks=False) and not entry.name.startswith("."):
-                files.append({"name": entry.name, "bytes": entry.stat(follow_symlinks=False).st_size})
-    return {"summary": summary, "files": files}
-
-
+# -- reading (CLI) ---------------------------------------------------------------------------
 def find_incident(store: IncidentStore, incident_id: str) -> BundleMeta:
     """The incident's metadata. Raises UserError when there is no such incident."""
     for meta in store.list():

@@ -1,27 +1,8 @@
 """The one entry point into NVML.
 
-Every NVML call in profagent goes through ``Nvml``. It owns the library's lifecycle (init
-on ``open``, shutdown on ``close``) and turns NVML's answers into these outcomes
-(docs/gpu.md has the table per call):
-
-- ``read()`` returns ``None`` for a value the device or driver does not have
-  (NotSupported, FunctionNotFound, ArgumentVersionMismatch, a function missing from
-  pynvml). That (device, field) is remembered and never asked again; absent is never 0.
-- NoPermission leaves the value absent for this tick and is asked again later: it depends
-  on who runs the agent (root, MIG), not on the hardware, so it is never remembered.
-- NotFound, and an ``NVMLError`` carrying SUCCESS (what some libraries answer for "no
-  samples"), return the caller's ``not_found`` value (e.g. [] for "no samples").
-- GpuIsLost from any call raises ``DeviceLost``: that device is down, the others go on.
-  Unknown and ResetRequired raise ``DeviceLost`` only from the device-level query
-  (``call(..., device_level=True)``); from a single field they are field errors.
-- Any other error on a field leaves it absent for this tick, is counted by reason
-  (``take_errors``, exported as ``profagent_collector_errors_total{collector="gpu"}``) and
-  logged once.
-- ``SourceUnavailable`` (one line naming problem and fix) when the library or driver is
-  missing, unloaded or mismatched.
-
-The library itself is injected: the real ``pynvml`` module, or a ``SimulatedNvml`` /
-``ScriptedNvml`` that has the same functions (``--gpu-backend simulated[:...]``).
+Every NVML call in profagent goes through ``Nvml``, which owns the library's lifecycle and
+turns NVML's answers into a few outcomes (the comment above ``Nvml``; docs/gpu.md has the
+table per call). The library is injected: ``pynvml``, or a simulated one.
 """
 
 from __future__ import annotations
@@ -177,6 +158,28 @@ _FATAL_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
+# Every NVML call in profagent goes through ``Nvml``. It owns the library's lifecycle (init
+# on ``open``, shutdown on ``close``) and turns NVML's answers into these outcomes
+# (docs/gpu.md has the table per call):
+#
+# - ``read()`` returns ``None`` for a value the device or driver does not have
+#   (NotSupported, FunctionNotFound, ArgumentVersionMismatch, a function missing from
+#   pynvml). That (device, field) is remembered and never asked again; absent is never 0.
+# - NoPermission leaves the value absent for this tick and is asked again later: it depends
+#   on who runs the agent (root, MIG), not on the hardware, so it is never remembered.
+# - NotFound, and an ``NVMLError`` carrying SUCCESS (what some libraries answer for "no
+#   samples"), return the caller's ``not_found`` value (e.g. [] for "no samples").
+# - GpuIsLost from any call raises ``DeviceLost``: that device is down, the others go on.
+#   Unknown and ResetRequired raise ``DeviceLost`` only from the device-level query
+#   (``call(..., device_level=True)``); from a single field they are field errors.
+# - Any other error on a field leaves it absent for this tick, is counted by reason
+#   (``take_errors``, exported as ``profagent_collector_errors_total{collector="gpu"}``) and
+#   logged once.
+# - ``SourceUnavailable`` (one line naming problem and fix) when the library or driver is
+#   missing, unloaded or mismatched.
+#
+# The library itself is injected: the real ``pynvml`` module, or a ``SimulatedNvml`` /
+# ``ScriptedNvml`` that has the same functions (``--gpu-backend simulated[:...]``).
 class Nvml:
     """Lazy init, shutdown on close, per-field reads with remembered NotSupported."""
 

@@ -1,22 +1,7 @@
 """A simulated NVML scripted by the same YAML as NVIDIA's mock NVML.
 
-``--gpu-backend simulated:PATH.yaml`` runs the production source on ``ScriptedNvml``:
-devices, values, processes, per-process utilisation and failures come from a mock NVML
-configuration file (``device_defaults`` merged under each ``devices`` entry), and runtime
-changes from ``overrides.yaml`` next to it (or ``MOCK_NVML_OVERRIDES``), re-read every
-``MOCK_NVML_OVERRIDES_TTL`` (Go duration such as ``200ms``, or seconds; default 1 s) and
-deep-merged over the configuration (``all``, then ``devices["N"]``). Deleting the file
-restores the configuration. The same file therefore drives both backends, so one contract
-suite runs unchanged on both (tests/e2e/test_gpu_contract.py).
-
-It answers what NVML documents and the mock does: no per-process utilisation sample for a
-process whose ``sm_util`` and ``mem_util`` are 0 (``NOT_FOUND`` when there is none),
-PCIe throughput in KB/s, ``failure: {mode: lost | fallen_off_bus}`` answering
-GPU_IS_LOST to every call (the handle lookup too) once ``after_calls`` device calls have
-been made, ``ecc_uncorrectable`` making the uncorrected ECC counter grow and delivering
-``xid.code`` once to the event sets the device is registered with. A lost device leaves
-the event sets (a driver forgets the registration); removing the failure brings the GPU
-back. Not modelled: ``probability``, ``dynamic_metrics``, MIG, MPS, NVLink traffic.
+``--gpu-backend simulated:PATH.yaml`` runs the production source on ``ScriptedNvml``, so one
+contract suite runs unchanged on both backends (tests/e2e/test_gpu_contract.py).
 """
 
 from __future__ import annotations
@@ -102,6 +87,23 @@ class _State:
         self.xid_pending = False
 
 
+# ``--gpu-backend simulated:PATH.yaml`` runs the production source on ``ScriptedNvml``:
+# devices, values, processes, per-process utilisation and failures come from a mock NVML
+# configuration file (``device_defaults`` merged under each ``devices`` entry), and runtime
+# changes from ``overrides.yaml`` next to it (or ``MOCK_NVML_OVERRIDES``), re-read every
+# ``MOCK_NVML_OVERRIDES_TTL`` (Go duration such as ``200ms``, or seconds; default 1 s) and
+# deep-merged over the configuration (``all``, then ``devices["N"]``). Deleting the file
+# restores the configuration. The same file therefore drives both backends, so one contract
+# suite runs unchanged on both (tests/e2e/test_gpu_contract.py).
+#
+# It answers what NVML documents and the mock does: no per-process utilisation sample for a
+# process whose ``sm_util`` and ``mem_util`` are 0 (``NOT_FOUND`` when there is none),
+# PCIe throughput in KB/s, ``failure: {mode: lost | fallen_off_bus}`` answering
+# GPU_IS_LOST to every call (the handle lookup too) once ``after_calls`` device calls have
+# been made, ``ecc_uncorrectable`` making the uncorrected ECC counter grow and delivering
+# ``xid.code`` once to the event sets the device is registered with. A lost device leaves
+# the event sets (a driver forgets the registration); removing the failure brings the GPU
+# back. Not modelled: ``probability``, ``dynamic_metrics``, MIG, MPS, NVLink traffic.
 class ScriptedNvml:
     """pynvml's functions, answered from a mock NVML YAML configuration."""
 

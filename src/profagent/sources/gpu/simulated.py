@@ -1,28 +1,7 @@
 """A simulated NVML: the pynvml functions profagent uses, for machines without a GPU.
 
-``SimulatedNvml`` quacks like the ``pynvml`` module at its boundary: the same function
-names and arguments, the same ctypes structures as return values, and failures raised as
-the real ``pynvml.NVMLError`` subclasses with their real codes. The production source
-runs on it unchanged. It is selected only by ``--gpu-backend simulated[:PROFILE[xN]]``,
-never automatically.
-
-Behaviour:
-
-- static properties come from a profile (``profiles.py``);
-- utilisation is a healthy training job's on GPUs that have target processes (steady
-  around 88%, a few points of step-to-step jitter, never throttled) and stays 0 on the
-  others; power, temperature, clocks and PCIe/NVLink traffic follow utilisation. Anything
-  unhealthy (a dip, a power cap, an XID) is scripted on purpose: ``simulated:FILE.yaml``
-  (``scripted.py``) or the test hooks below;
-- energy, NVLink and ECC counters only go up;
-- per-process memory and utilisation are reported for the PIDs handed over with
-  ``simulatedSetTargetProcesses`` (the source passes the target's real rank PIDs, so
-  attribution works end to end): local rank L sits on GPU ``L mod N`` (or, under MIG, on
-  MIG slice ``L mod slices``).
-
-Test hooks (not NVML functions, all prefixed ``simulated``): ``simulatedSetNotSupported``,
-``simulatedLoseGpu``, ``simulatedInjectXid``, ``simulatedFailInit``; ``calls`` counts every
-call per (function, device index).
+The production source runs on it unchanged; it is selected only by
+``--gpu-backend simulated[:PROFILE[xN]]``, never automatically.
 """
 
 from __future__ import annotations
@@ -111,6 +90,29 @@ def _uuid(seed: str) -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
+# ``SimulatedNvml`` quacks like the ``pynvml`` module at its boundary: the same function
+# names and arguments, the same ctypes structures as return values, and failures raised as
+# the real ``pynvml.NVMLError`` subclasses with their real codes. The production source
+# runs on it unchanged. It is selected only by ``--gpu-backend simulated[:PROFILE[xN]]``,
+# never automatically.
+#
+# Behaviour:
+#
+# - static properties come from a profile (``profiles.py``);
+# - utilisation is a healthy training job's on GPUs that have target processes (steady
+#   around 88%, a few points of step-to-step jitter, never throttled) and stays 0 on the
+#   others; power, temperature, clocks and PCIe/NVLink traffic follow utilisation. Anything
+#   unhealthy (a dip, a power cap, an XID) is scripted on purpose: ``simulated:FILE.yaml``
+#   (``scripted.py``) or the test hooks below;
+# - energy, NVLink and ECC counters only go up;
+# - per-process memory and utilisation are reported for the PIDs handed over with
+#   ``simulatedSetTargetProcesses`` (the source passes the target's real rank PIDs, so
+#   attribution works end to end): local rank L sits on GPU ``L mod N`` (or, under MIG, on
+#   MIG slice ``L mod slices``).
+#
+# Test hooks (not NVML functions, all prefixed ``simulated``): ``simulatedSetNotSupported``,
+# ``simulatedLoseGpu``, ``simulatedInjectXid``, ``simulatedFailInit``; ``calls`` counts every
+# call per (function, device index).
 class SimulatedNvml:
     """A fresh simulated node per instance (no module state)."""
 

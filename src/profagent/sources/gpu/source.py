@@ -3,18 +3,6 @@
 All NVML access goes through ``profagent.sources.gpu.nvml.Nvml``, so the same code runs on a
 real driver and on the simulated backend. Per tick, every selected device is read field
 by field; a lost device is reported down and the others go on.
-
-Per-process attribution: NVML lists the processes on each device (compute, graphics and
-MPS client contexts; under MIG through each MIG device handle, which needs no privilege)
-with host PIDs. Each process of the target tree is known under every PID it
-has in the nested PID namespaces (``NSpid`` in /proc/PID/status), so the match works when
-the agent sees the host's PID namespace (on the host, ``docker --pid=host``,
-``hostPID: true``). Memory comes from the process lists; SM and memory utilisation from
-``nvmlDeviceGetProcessUtilization``, asking each tick only for samples newer than the
-last one seen. A listed process without a new sample keeps its value for one tick (the
-driver samples every 1/6 s to 1 s), then reads 0: it is idle (a driver makes no sample
-for a process that did no work). Processes are aggregated by (job, rank, role, gpu[, mig]);
-PIDs never become labels.
 """
 
 from __future__ import annotations
@@ -74,6 +62,17 @@ class _Group:
     mem_util: float | None = None
 
 
+# Per-process attribution: NVML lists the processes on each device (compute, graphics and
+# MPS client contexts; under MIG through each MIG device handle, which needs no privilege)
+# with host PIDs. Each process of the target tree is known under every PID it
+# has in the nested PID namespaces (``NSpid`` in /proc/PID/status), so the match works when
+# the agent sees the host's PID namespace (on the host, ``docker --pid=host``,
+# ``hostPID: true``). Memory comes from the process lists; SM and memory utilisation from
+# ``nvmlDeviceGetProcessUtilization``, asking each tick only for samples newer than the
+# last one seen. A listed process without a new sample keeps its value for one tick (the
+# driver samples every 1/6 s to 1 s), then reads 0: it is idle (a driver makes no sample
+# for a process that did no work). Processes are aggregated by (job, rank, role, gpu[, mig]);
+# PIDs never become labels.
 class GpuSource:
     name = "gpu"
 

@@ -1,24 +1,8 @@
 """The Kineto daemon endpoint: the datagram socket libkineto polls, the registry of polling
 processes, and the trace requests handed to them on their next poll.
 
-Any local user can write to the socket, so each poll is authenticated by the sender's
-kernel credentials (SCM_CREDENTIALS): the poll's PID must be the sender's, and of the
-ancestors it lists only those that really are its ancestors are kept (a process cannot
-pose as another job's child to receive that job's trace config). Replies never wait on a
-sender that does not read them.
-
-The registry is bounded per user (by the sender's uid) and in all. A new process of a
-user at ``max_per_user`` replaces that user's least recently seen entry; a new process
-when the registry is full replaces the least recently seen entry of the user holding the
-most (its own, on a tie). So a user who floods it with short-lived pollers only ever evicts its own entries,
-and another user's new job always gets in. Each eviction is counted (``evicted``).
-
-Datagrams are rate-limited before they are read, by the sender's kernel credentials: a
-process may send POLLS_PER_PROCESS a second (bursts of POLL_BURST; libkineto polls about
-once a second), a user USER_POLLS_PER_SECOND (bursts of USER_POLL_BURST). What is over is
-dropped unread and unanswered, counted as ``rate_limited``; the process polls again. 100
-processes polling flat out (44k polls) once cost ~23% of a core and made another user's
-`profagent trace` fail.
+Any local user can write to the socket, so polls are authenticated by kernel credentials,
+and the registry and the datagrams are bounded per user (the comment above ``POLLER_TTL``).
 """
 
 from __future__ import annotations
@@ -53,6 +37,24 @@ from profagent.system.unixsock import (
 
 log = logging.getLogger(__name__)
 
+# Any local user can write to the socket, so each poll is authenticated by the sender's
+# kernel credentials (SCM_CREDENTIALS): the poll's PID must be the sender's, and of the
+# ancestors it lists only those that really are its ancestors are kept (a process cannot
+# pose as another job's child to receive that job's trace config). Replies never wait on a
+# sender that does not read them.
+#
+# The registry is bounded per user (by the sender's uid) and in all. A new process of a
+# user at ``max_per_user`` replaces that user's least recently seen entry; a new process
+# when the registry is full replaces the least recently seen entry of the user holding the
+# most (its own, on a tie). So a user who floods it with short-lived pollers only ever evicts its own entries,
+# and another user's new job always gets in. Each eviction is counted (``evicted``).
+#
+# Datagrams are rate-limited before they are read, by the sender's kernel credentials: a
+# process may send POLLS_PER_PROCESS a second (bursts of POLL_BURST; libkineto polls about
+# once a second), a user USER_POLLS_PER_SECOND (bursts of USER_POLL_BURST). What is over is
+# dropped unread and unanswered, counted as ``rate_limited``; the process polls again. 100
+# processes polling flat out (44k polls) once cost ~23% of a core and made another user's
+# `profagent trace` fail.
 POLLER_TTL = 60.0  # libkineto polls every ~5 s; silent this long means gone
 MALFORMED_LOG_EVERY = 100
 MAX_POLLERS = 4096  # far more processes than a node traces; a flood cannot grow the registry past it

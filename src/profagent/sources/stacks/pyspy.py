@@ -1,17 +1,7 @@
 """Running py-spy: find the binary, check it fits the target, run windows, stop them.
 
-py-spy writes its output only when a ``record`` ends, and ends cleanly only on SIGINT
-or when its ``--duration`` is over. Every child started here:
-
-- runs in its own session (a Ctrl-C on the agent's terminal is ours to forward);
-- gets ``PR_SET_PDEATHSIG`` = SIGKILL, so it dies with the agent even on SIGKILL (set by
-  ``setpriv`` where util-linux has it, so the agent is not forked: see ``lifeline``);
-- is bounded anyway: a ``record`` window ends by itself after ``--duration``.
-
-With ``--nonblocking`` py-spy never stops the target. In blocking mode a killed py-spy
-can leave the target stopped (py-spy issues #390, #416), so ``resume_if_stopped`` sends
-SIGCONT to a target found in state T after a blocking window, unless it was already
-stopped before the window (someone else's stop, e.g. a Slurm suspend).
+Every child started here dies with the agent and ends by itself, and the target is never
+left stopped (see ``lifeline`` and ``resume_if_stopped``).
 """
 
 from __future__ import annotations
@@ -190,6 +180,13 @@ def _root_owned_executable(path: str) -> bool:
 _STILL_OURS = 'test "$PPID" = "$0" && exec "$@"'
 
 
+# py-spy writes its output only when a ``record`` ends, and ends cleanly only on SIGINT
+# or when its ``--duration`` is over. Every child started here:
+#
+# - runs in its own session (a Ctrl-C on the agent's terminal is ours to forward);
+# - gets ``PR_SET_PDEATHSIG`` = SIGKILL, so it dies with the agent even on SIGKILL (set by
+#   ``setpriv`` where util-linux has it, so the agent is not forked: see ``lifeline``);
+# - is bounded anyway: a ``record`` window ends by itself after ``--duration``.
 @functools.cache
 def lifeline() -> tuple[str, ...]:
     """A command prefix that gives the child PR_SET_PDEATHSIG=SIGKILL with no preexec
@@ -350,6 +347,10 @@ def is_stopped(pid: int) -> bool:
         return False
 
 
+# With ``--nonblocking`` py-spy never stops the target. In blocking mode a killed py-spy
+# can leave the target stopped (py-spy issues #390, #416), so ``resume_if_stopped`` sends
+# SIGCONT to a target found in state T after a blocking window, unless it was already
+# stopped before the window (someone else's stop, e.g. a Slurm suspend).
 def resume_if_stopped(pid: int, stopped_before: bool) -> bool:
     """SIGCONT the target if a blocking py-spy left it stopped (state T). True if it did.
 

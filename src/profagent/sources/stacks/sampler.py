@@ -1,27 +1,7 @@
 """The py-spy sampler thread: back-to-back record windows and periodic dumps per process.
 
-One thread for all the sampled processes: it sleeps until a py-spy child exits (a pidfd),
-a run is due, or the owner changes the targets, at most MAX_WAIT seconds; then it reaps
-finished py-spy children, parses their output into ``Result``s, and starts what is due:
-the next ``record`` window at once, a ``dump --json`` every STATE_EVERY seconds. A py-spy that
-fails on a process is retried after RETRY_AFTER seconds, doubling up to RETRY_MAX. The owner
-sets each process' pace (``set_pace``); a window longer than its process' new pace is cut
-short, so a job that needs the full pace (a stall suspected) gets it at once.
-The owner sets the processes with ``set_targets`` and takes results with ``drain``.
-
-At most ``stacks.max_pyspy`` children run at once, whatever the number of ranks (a job
-of 150 ranks would otherwise get 300 root py-spy processes). Runs that are due wait
-their turn, least recently started first, so every rank is sampled in rotation; each
-wait is counted once, as an error with reason ``pyspy_cap``.
-
-Every run has a deadline: a record window its seconds + DEADLINE_SLACK, a dump
-DUMP_DEADLINE. A py-spy still there then is killed (it may be blocked in an ``open()``
-of a file the target's owner planted, or reading a process that hides its interpreter),
-counted as ``pyspy_deadline``, and its slot is free again; the process is retried with
-the usual back-off, and after LATE_RUNS_BEFORE_SKIP such runs in a row it is skipped
-(``pyspy_skipped``, logged once) until it exits. Before each run the target's interpreter
-files are checked (``pyspy.unsafe_interpreter``): a process whose mapped Python is
-deleted, or not a regular file, is skipped the same way (``unsafe_target``).
+One thread for all the sampled processes, at most ``stacks.max_pyspy`` py-spy children at
+once, each with a deadline (the comment above ``Sampler``).
 """
 
 from __future__ import annotations
@@ -125,6 +105,28 @@ class Result:
     native: bool = False  # a record window with native frames (py-spy --native)
 
 
+# One thread for all the sampled processes: it sleeps until a py-spy child exits (a pidfd),
+# a run is due, or the owner changes the targets, at most MAX_WAIT seconds; then it reaps
+# finished py-spy children, parses their output into ``Result``s, and starts what is due:
+# the next ``record`` window at once, a ``dump --json`` every STATE_EVERY seconds. A py-spy that
+# fails on a process is retried after RETRY_AFTER seconds, doubling up to RETRY_MAX. The owner
+# sets each process' pace (``set_pace``); a window longer than its process' new pace is cut
+# short, so a job that needs the full pace (a stall suspected) gets it at once.
+# The owner sets the processes with ``set_targets`` and takes results with ``drain``.
+#
+# At most ``stacks.max_pyspy`` children run at once, whatever the number of ranks (a job
+# of 150 ranks would otherwise get 300 root py-spy processes). Runs that are due wait
+# their turn, least recently started first, so every rank is sampled in rotation; each
+# wait is counted once, as an error with reason ``pyspy_cap``.
+#
+# Every run has a deadline: a record window its seconds + DEADLINE_SLACK, a dump
+# DUMP_DEADLINE. A py-spy still there then is killed (it may be blocked in an ``open()``
+# of a file the target's owner planted, or reading a process that hides its interpreter),
+# counted as ``pyspy_deadline``, and its slot is free again; the process is retried with
+# the usual back-off, and after LATE_RUNS_BEFORE_SKIP such runs in a row it is skipped
+# (``pyspy_skipped``, logged once) until it exits. Before each run the target's interpreter
+# files are checked (``pyspy.unsafe_interpreter``): a process whose mapped Python is
+# deleted, or not a regular file, is skipped the same way (``unsafe_target``).
 class Sampler:
     def __init__(
         self,

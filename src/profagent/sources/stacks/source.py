@@ -350,7 +350,7 @@ class StacksSource:
         errors = tuple((job, reason, n) for (job, reason), n in sorted(self._errors.items()))
         return StacksSnapshot(job_id, tuple(groups), stalls, errors)
 
-    # -- /api/stacks ----------------------------------------------------------------------------
+    # -- read by /api/stacks (exporters/api/stacks.py) ---------------------------------------
     def ranks(self) -> list[tuple[str, str]]:
         """(job_id, rank) pairs with stacks in the ring."""
         return self._ring.ranks()
@@ -359,28 +359,10 @@ class StacksSource:
         """Collapsed stacks of ``rank`` over the last ``seconds`` (one ``stack count`` a line)."""
         return self._ring.folded(rank, self._wall() - seconds, job_id)
 
-    def route(self, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
-        """GET /api/stacks?rank=R&seconds=S[&job=J] -> folded stacks as text/plain."""
-        self.watched()
-        keys = self.ranks()
-        job = (query.get("job") or [None])[0]
-        rank = (query.get("rank") or [""])[0]
-        known = ", ".join(f"{r} (job {j})" if j else r for j, r in keys) or "none yet"
-        if not rank:
-            if len(keys) != 1:
-                return 400, "text/plain", f"rank=R is required (sampled ranks: {known})\n".encode()
-            job, rank = keys[0]
-        try:
-            seconds = float((query.get("seconds") or ["60"])[0])
-        except ValueError:
-            return 400, "text/plain", b"seconds=S must be a number\n"
-        matches = [(j, r) for j, r in keys if r == rank and job in (None, j)]
-        if not matches:
-            return 404, "text/plain", f"no stacks for rank {rank} (sampled ranks: {known})\n".encode()
-        if len({j for j, _ in matches}) > 1:
-            return 400, "text/plain", f"rank {rank} exists in several jobs: add job=J (sampled ranks: {known})\n".encode()
-        seconds = min(max(seconds, 0.0), self.config.ring_seconds)
-        return 200, "text/plain; charset=utf-8", self.folded(rank, seconds, matches[0][0]).encode()
+    @property
+    def ring_seconds(self) -> float:
+        """How many seconds of stacks the ring keeps: the most /api/stacks gives."""
+        return self.config.ring_seconds
 
 
 def _steady(main: list[Sample]) -> bool:
@@ -388,18 +370,3 @@ def _steady(main: list[Sample]) -> bool:
     return bool(main) and not any(
         classify(s.frames) == "compile" or any(f.file.startswith("<frozen importlib") for f in s.frames) for s in main)
 
-
-def stacks_route(sources: Callable[[], list[StacksSource]]) -> Callable[[dict[str, list[str]]], tuple[int, str, bytes]]:
-    """The handler of GET /api/stacks over every running stacks source (one per job)."""
-
-    def route(query: dict[str, list[str]]) -> tuple[int, str, bytes]:
-        live = sources()
-        if not live:
-            return 503, "text/plain", b"the stacks source is off (see profagent_collector_up and the agent log)\n"
-        rank = (query.get("rank") or [""])[0]
-        for source in live:
-            if not rank or rank in {r for _, r in source.ranks()}:
-                return source.route(query)
-        return live[0].route(query)
-
-    return route

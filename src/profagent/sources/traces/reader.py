@@ -1,26 +1,8 @@
 """Reading Kineto (Chrome trace JSON) files, fast and memory-bounded.
 
-Only what the analyzers use is decoded: msgspec decodes events into typed Structs
-(unknown fields skipped), and the kept events become numpy columns (about 40 bytes per
-event). The ``traceEvents`` array is decoded piece by piece, cut at event boundaries
-(``}`` , ``{``; a cut inside a string or a nested object fails to decode and an earlier
-one is tried), so peak memory is one piece of text (about ``CHUNK``) plus the columns,
-never the whole text plus a dict per event. Gzip is inflated in bounded chunks too.
-
-Two caps hold whatever the file holds: ``max_bytes`` bounds the inflated text read
-(``too_large``), and ``max_buffered`` bounds the text held at once: the metadata before
-``traceEvents``, and any one event, string or run of blanks between two event boundaries.
-A file that needs more (a gzip of a gigabyte of blanks, a 600 MiB name) is refused with
-reason ``too_large_event`` as soon as the buffer passes the cap, so the reader's peak
-memory is a small multiple of ``max_buffered`` (the text and its decoded events).
-
-What the text holds is capped too (``Limits``), since a 7 MB gzip of small valid events
-inflated to 2 GB and cost 4.5 GB of memory: events decoded (``too_many_events``), distinct
-names and distinct threads (``too_many_names``) refuse the trace as soon as they pass their
-cap; a name, pid or tid string longer than ``max_name_chars`` is cut there (+ "…"). Each
-piece of text is at most about CHUNK, so the reader holds at most one piece past a cap.
-
-Raises ``TraceError`` (with a short bounded ``reason``) and nothing else for bad input.
+Only what the analyzers use is decoded, piece by piece, and caps bound memory by what the
+file holds, not its size. Raises ``TraceError`` (with a short bounded ``reason``) and nothing
+else for bad input.
 """
 
 from __future__ import annotations
@@ -46,6 +28,12 @@ try:  # zlib-ng: CPython's zlib module built on zlib-ng, the same API, inflating
 except ImportError:  # a platform without its wheel: the standard library's
     import zlib  # type: ignore[no-redef]
 
+# Only what the analyzers use is decoded: msgspec decodes events into typed Structs
+# (unknown fields skipped), and the kept events become numpy columns (about 40 bytes per
+# event). The ``traceEvents`` array is decoded piece by piece, cut at event boundaries
+# (``}`` , ``{``; a cut inside a string or a nested object fails to decode and an earlier
+# one is tried), so peak memory is one piece of text (about ``CHUNK``) plus the columns,
+# never the whole text plus a dict per event. Gzip is inflated in bounded chunks too.
 # Small pieces: inflated text is decoded while still in the CPU cache (a reader thread
 # was slower: it waits for the GIL while msgspec decodes, and it evicts the pieces).
 CHUNK = 512 * 1024
@@ -65,6 +53,18 @@ MAX_NAME_CHARS = 2_048
 MAX_INFLATED = 512 * 1024**2
 
 
+# Two caps hold whatever the file holds: ``max_bytes`` bounds the inflated text read
+# (``too_large``), and ``max_buffered`` bounds the text held at once: the metadata before
+# ``traceEvents``, and any one event, string or run of blanks between two event boundaries.
+# A file that needs more (a gzip of a gigabyte of blanks, a 600 MiB name) is refused with
+# reason ``too_large_event`` as soon as the buffer passes the cap, so the reader's peak
+# memory is a small multiple of ``max_buffered`` (the text and its decoded events).
+#
+# What the text holds is capped too (``Limits``), since a 7 MB gzip of small valid events
+# inflated to 2 GB and cost 4.5 GB of memory: events decoded (``too_many_events``), distinct
+# names and distinct threads (``too_many_names``) refuse the trace as soon as they pass their
+# cap; a name, pid or tid string longer than ``max_name_chars`` is cut there (+ "…"). Each
+# piece of text is at most about CHUNK, so the reader holds at most one piece past a cap.
 @dataclass(frozen=True)
 class Limits:
     """Caps on what a trace holds (``traces.max_events``, ``max_names``, ``max_name_chars``);

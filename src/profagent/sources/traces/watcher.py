@@ -1,26 +1,7 @@
 """Watching trace folders: which files are traces, when they are complete, what was done.
 
-- Candidates: ``*.json`` and ``*.json.gz`` (``*.pt.trace.json[.gz]`` from
-  ``tensorboard_trace_handler``, on-demand ``*.json``), recursively (the on-demand folder:
-  its own files only, no watch per subfolder); ``*.tmp`` and hidden
-  files are ignored (Kineto writes ``.json`` to a ``.tmp`` file and renames it).
-- Completeness: a ``.json.gz`` is streamed into its final path, so it is read only once
-  its size and mtime have been stable for ``settle_seconds``; reading then checks that the
-  gzip stream and the JSON are complete. A ``.json`` must end with ``}``.
-- A file that is still incomplete is retried whenever it changes, and counted ``invalid``
-  (with its reason) once it has been incomplete for ``invalid_after`` seconds, or once its
-  reads have taken ``incomplete_cpu`` seconds of CPU (reason ``cpu_budget``); its path is
-  then not read again, however its writer goes on changing it; nor is a file that was
-  read and refused (a cap on what is inside it).
-- Files are read users in turn (by each file's owner), one of each user's at a time, and a
-  round lasts at most ``source.WORK_SLICE``: a newcomer's file is read within about that.
-- Files are only ever opened for reading, without following a symlink and without waiting
-  on a FIFO; only regular files owned by root, the agent, a watched folder's owner or a
-  job's user are read (others are ``skipped`` with reason ``symlink``, ``not_regular`` or
-  ``foreign_owner``); whose job a trace is, once read, is ``source.attribute``'s call.
-  A file that keeps changing is attempted at most once per settle period.
-- What was done with each (path, size, mtime) is kept in a small JSON state file, written
-  at most once a second, so a restart does not count a file twice.
+Files are read in turn per owner, only when complete and only if owned by someone trusted;
+what was done with each is kept across restarts (the rules are above ``FolderWatcher``).
 """
 
 from __future__ import annotations
@@ -141,6 +122,27 @@ class _Handler(FileSystemEventHandler):
                 self._notify(os.fsdecode(path))
 
 
+# - Candidates: ``*.json`` and ``*.json.gz`` (``*.pt.trace.json[.gz]`` from
+#   ``tensorboard_trace_handler``, on-demand ``*.json``), recursively (the on-demand folder:
+#   its own files only, no watch per subfolder); ``*.tmp`` and hidden
+#   files are ignored (Kineto writes ``.json`` to a ``.tmp`` file and renames it).
+# - Completeness: a ``.json.gz`` is streamed into its final path, so it is read only once
+#   its size and mtime have been stable for ``settle_seconds``; reading then checks that the
+#   gzip stream and the JSON are complete. A ``.json`` must end with ``}``.
+# - A file that is still incomplete is retried whenever it changes, and counted ``invalid``
+#   (with its reason) once it has been incomplete for ``invalid_after`` seconds, or once its
+#   reads have taken ``incomplete_cpu`` seconds of CPU (reason ``cpu_budget``); its path is
+#   then not read again, however its writer goes on changing it; nor is a file that was
+#   read and refused (a cap on what is inside it).
+# - Files are read users in turn (by each file's owner), one of each user's at a time, and a
+#   round lasts at most ``source.WORK_SLICE``: a newcomer's file is read within about that.
+# - Files are only ever opened for reading, without following a symlink and without waiting
+#   on a FIFO; only regular files owned by root, the agent, a watched folder's owner or a
+#   job's user are read (others are ``skipped`` with reason ``symlink``, ``not_regular`` or
+#   ``foreign_owner``); whose job a trace is, once read, is ``source.attribute``'s call.
+#   A file that keeps changing is attempted at most once per settle period.
+# - What was done with each (path, size, mtime) is kept in a small JSON state file, written
+#   at most once a second, so a restart does not count a file twice.
 class FolderWatcher:
     """Collects candidate paths from watchdog (inotify or polling) and decides when each
     is ready. Thread-safe: watchdog threads call ``notify``; one worker calls ``due``."""
