@@ -39,7 +39,7 @@ lint: venv
 	$(VENV)/bin/ruff check src tests bench examples tools
 
 test: venv prometheus lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not long" --durations=20
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not long" --durations=20
 
 # The soaks (five minutes and more each, marked `long`): healthy jobs that must get no finding.
 test-long: venv prometheus

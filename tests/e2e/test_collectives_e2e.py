@@ -22,10 +22,9 @@ import pytest
 
 from helpers.agent import free_port, http_get, parse_metrics
 from helpers.paths import ROOT
+from helpers.plain_ddp import rank_events, trigger_event
 from helpers.processes import kill_tree, wait_for
 from profagent.config import FindingsConfig
-
-pytestmark = pytest.mark.slow_first  # minutes: run first
 
 WORKLOAD = ROOT / "tests" / "workloads" / "plain_ddp.py"
 STALL_SECONDS = 10.0
@@ -53,9 +52,7 @@ class Job:
         )
 
     def events(self, rank: int) -> list[dict]:
-        path = self.dir / f"rank{rank}.jsonl"
-        text = path.read_text() if path.exists() else ""
-        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+        return rank_events(self.dir, rank)
 
     def last(self, rank: int, event: str) -> dict | None:
         return next((e for e in reversed(self.events(rank)) if e["event"] == event), None)
@@ -64,18 +61,9 @@ class Job:
         return wait_for(lambda: self.last(rank, event), timeout, interval=0.2, what=f"rank {rank} {event}")
 
     def trigger_event(self, kind: str, ahead_seconds: float = 5.0) -> int:
-        """Both ranks take ``kind`` at a step neither has reached: about ``ahead_seconds`` of
-        steps on, 20 at least. A rank reads the trigger once, so a step it has passed by then
-        is never taken: at 12 ms a step (seen beside stress-ng) a fixed 20 steps were gone
-        while the logs were still being read."""
+        """Both ranks take ``kind`` at a step neither has reached (helpers.plain_ddp)."""
         steps = [[e for e in self.events(r) if e["event"] == "step"] for r in (0, 1)]
-        recent = [s[-200:] for s in steps]
-        rate = max((r[-1]["step"] - r[0]["step"]) / max(r[-1]["time"] - r[0]["time"], 1e-3) for r in recent)
-        step = max(s[-1]["step"] for s in steps) + max(20, int(rate * ahead_seconds))
-        tmp = self.trigger.with_suffix(".tmp")
-        tmp.write_text(f"{kind}:{step}\n")
-        tmp.rename(self.trigger)
-        return step
+        return trigger_event(self.trigger, steps, kind, ahead_seconds)
 
     def stop(self) -> None:
         kill_tree(self.proc)

@@ -49,7 +49,7 @@ from profagent_dashboards.coverage import (
 )
 from profagent_dashboards.model import PanelQuery, iter_targets, metric_names
 
-pytestmark = [pytest.mark.slow_first, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 DASHBOARDS = ROOT / "dashboards"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"

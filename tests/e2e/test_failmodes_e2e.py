@@ -21,8 +21,6 @@ from helpers.agent import free_port, http_get, parse_metrics
 from helpers.paths import ROOT
 from helpers.processes import kill_tree, wait_for
 
-pytestmark = pytest.mark.slow_first  # minutes: run first
-
 WORKLOAD = ROOT / "tests" / "workloads" / "failmodes.py"
 STALL_SECONDS = 6.0
 # From the event to the finding: stall_seconds, a native window or two, and py-spy's start-up
@@ -112,10 +110,12 @@ def test_hung_dataloader_worker_is_named_with_its_pid_and_line(job, run_agent, t
     url = start_agent(run_agent, tmp_path, j.proc.pid)
     truth = j.event(0, "worker_hang")
     line = f"{truth['file']}:{truth['line']}"
-    hang = wait_hang(url, lambda f: f"PID {truth['pid']}" in f["summary"], "the hang naming the worker")
+    # the worker is named as soon as it stands still; its rank is stalled once the worker has
+    # stood still for stall_seconds (rank 1, waiting in backward, may stall first)
+    hang = wait_hang(url, lambda f: f"PID {truth['pid']}" in f["summary"] and f["evidence"]["roles"]["0"]["stalled"],
+                     "the hang naming the worker, its rank stalled")
     # rank 0 holds the job up, waiting for its worker; rank 1 waits in backward's all_reduce
     assert hang["rank"] == "0" and hang["evidence"]["culprit_ranks"] == ["0"], hang["summary"]
-    assert hang["evidence"]["roles"]["0"]["stalled"] is True
     assert line in hang["summary"] and f"DataLoader worker PID {truth['pid']}" in hang["summary"], hang["summary"]
     # the rank's own line, not a frame of the DataLoader's poll loop
     assert hang["evidence"]["roles"]["0"]["at"].startswith("main (failmodes.py:"), hang["evidence"]["roles"]

@@ -14,8 +14,6 @@ from helpers.agent import free_port, http_get, parse_metrics
 from helpers.paths import ROOT
 from helpers.processes import kill_tree, wait_for
 
-pytestmark = pytest.mark.slow_first  # minutes: run first
-
 WORKLOAD = ROOT / "tests" / "workloads" / "train_ddp.py"
 STALL_SECONDS = 10.0
 

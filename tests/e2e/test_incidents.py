@@ -28,8 +28,6 @@ from helpers.agent import free_port, http_get, parse_metrics
 from helpers.paths import WORKLOADS
 from helpers.processes import kill_tree, pyspy_processes, wait_for
 
-pytestmark = pytest.mark.slow_first  # minutes: run first
-
 STALL_SECONDS = 4.0
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 

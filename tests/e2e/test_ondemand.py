@@ -264,14 +264,22 @@ def test_duration_trace_of_a_launcher_covers_both_ranks_and_is_ingested(traced_j
         assert str(f) in res.stderr  # each report names its file
     assert "steps" in res.stdout
 
+    counted: dict[str, list] = {}
+
     def ingested() -> bool:
         samples = parse_metrics(http_get(traced_job["url"]))
+        counted.update({name: samples.get(name, []) for name in ("profagent_traces_total",
+                                                                 "profagent_ondemand_datagrams_total")})
         total = sum(v for lab, v in samples.get("profagent_traces_total", []) if lab["status"] == "ingested")
         malformed = [v for lab, v in samples.get("profagent_ondemand_datagrams_total", []) if lab["kind"] == "malformed"]
         return total >= 2 and malformed and malformed[0] >= 4
 
     # 60 s: a starved agent parses two MB-size traces (two suites at once on 2 cores)
-    wait_for(ingested, timeout=60, what="on-demand traces ingested and junk counted")
+    try:
+        wait_for(ingested, timeout=60, what="on-demand traces ingested and junk counted")
+    except BaseException:
+        print("what the agent counted last:", counted)  # which of the two never came, and how each trace ended
+        raise
 
 
 @pytest.mark.slow

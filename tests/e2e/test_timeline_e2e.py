@@ -23,7 +23,7 @@ STAGES = ("data_wait", "backward", "optimizer")
 # the window of the p50 covers the whole job, even when a loaded node makes it run long
 WHOLE_JOB = {"PROFAGENT_TIMELINE_WINDOW_SECONDS": "900"}
 
-pytestmark = [pytest.mark.slow_first, pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root")]
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root")]
 
 
 def run(tmp_path: Path, run_agent, ranks: int, *args: str) -> tuple[Job, dict]:

@@ -163,7 +163,8 @@ def test_an_agent_without_cap_perfmon_says_why_and_runs_on(tmp_path: Path) -> No
     try:
         wait_for(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=1).strip() == "ok", 60,
                  what="the agent's /healthz")
-        text = log.read_text()
+        # the banner follows the HTTP server's start
+        text = wait_for(lambda: t if "  metrics: http" in (t := log.read_text()) else None, 30, what="the banner")
         assert re.search(r"source timeline: off: timeline: needs CAP_PERFMON .*run profagent as root", text), text
         assert "Traceback" not in text
         m = parse_metrics(http_get(f"http://127.0.0.1:{port}/metrics"))

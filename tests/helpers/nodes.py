@@ -124,11 +124,15 @@ def start_two_nodes(tmp: Path, **node: object) -> tuple[str, list[Node]]:
 # shares over 20 s from windows of 10 s at most, arrivals over 30 s, at least 20 s of them) so that a straggler is named
 # within the issue's two minutes on a loaded machine. Sampling rate and native windows at
 # their defaults: py-spy pauses its rank at every sample, and faster or native sampling made a
-# healthy rank arrive last at its node's collectives. Stalls at the default (a busy rank
-# never freezes).
-SCALED = ("[stacks]\nwindow = 2\nsteady_window = 10\n"
-          "[findings]\nwindow_seconds = 20\nmin_samples = 30\narrival_min_seconds = 20\narrival_min_collectives = 20\n"
-          "[timeline]\nwindow_seconds = 30\n")
+# healthy rank arrive last at its node's collectives. Stalls at the default unless a scenario
+# hangs (a busy rank never freezes).
+def scaled(stall_seconds: float | None = None) -> str:
+    """The scaled-down agent config (TOML sections for ``agent_config``'s ``extra``)."""
+    stall = f"stall_seconds = {stall_seconds}\n" if stall_seconds is not None else ""
+    return (f"[stacks]\nwindow = 2\nsteady_window = 10\n{stall}"
+            "[findings]\nwindow_seconds = 20\nmin_samples = 30\narrival_min_seconds = 20\narrival_min_collectives = 20\n"
+            "[timeline]\nwindow_seconds = 30\n")
+
 
 
 @contextlib.contextmanager

@@ -10,8 +10,8 @@ SLOW_FACTOR times the compute of the others each step).
 
 An event, at a step both ranks reach (so every rank takes it at the same step), given by
 PLAIN_DDP_EVENT="KIND:STEP" or, once it exists, by the file PLAIN_DDP_TRIGGER holding it:
-  hang:S      rank 1 sleeps before its forward of step S (the others wait in backward, or
-              in FSDP2's all_gather);
+  hang:S      rank PLAIN_DDP_HANG_RANK (1 by default) sleeps before its forward of step S
+              (the others wait in backward, or in FSDP2's all_gather);
   mismatch:S  rank 0 enters all_reduce, the other ranks a broadcast from rank 0: they never
               meet (gloo keeps the two apart, and a receiving rank cannot finish alone;
               as the sender, a rank would return once its bytes are buffered, and move on).
@@ -33,6 +33,7 @@ from lifeline import bound
 
 MAX_SECONDS = int(os.environ.get("PLAIN_DDP_MAX_SECONDS", "400"))
 SLOW_RANK = int(os.environ.get("PLAIN_DDP_SLOW_RANK", "1"))
+HANG_RANK = int(os.environ.get("PLAIN_DDP_HANG_RANK", "1"))
 WORK = 6  # matmuls per forward
 # The straggler's work: three times the others'. Steps this small are half gloo transfers, and
 # on a loaded node those wait for a CPU on every rank: a 2x straggler's collective-wait share
@@ -105,7 +106,7 @@ def main() -> None:
         began = time.monotonic()
         x = torch.randn(64, 256)
         event = events.at(step)
-        if event == "hang" and rank == 1:
+        if event == "hang" and rank == HANG_RANK:
             note(event="hang", file=os.path.basename(__file__), line=here() + 1)
             time.sleep(3600)  # the culprit: never reaches its forward, the others wait in backward
         if event == "mismatch":
