@@ -6,6 +6,7 @@ them as ``helpers.*``).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -29,10 +30,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     would. A file of one or two long tests would otherwise start last and be the suite's
     tail. Only a few files carry the mark: handing out every long file first was slower, as
     their CPU-heavy jobs then ran together and, on 2 cores, slowed one another."""
-    per_file: dict[str, int] = {}
-    for item in items:
-        per_file[item.nodeid.split("::")[0]] = per_file.get(item.nodeid.split("::")[0], 0) + 1
-    items.sort(key=lambda item: (item.get_closest_marker("slow_first") is None, -per_file[item.nodeid.split("::")[0]]))
+    per_file = collections.Counter(item.path for item in items)
+    items.sort(key=lambda item: (item.get_closest_marker("slow_first") is None, -per_file[item.path]))
 
 
 AGENT_LOG_LINES_ON_FAILURE = 60

@@ -194,7 +194,7 @@ def _findings(node: Node) -> dict:
 
 
 @pytest.mark.timeout(400)  # up to 2 min of start-up on a loaded node, 3.5 for the wait shares, 1 watched
-def test_a_healthy_job_over_two_nodes_has_no_straggler_series_and_no_finding(two_nodes: TwoNodes, request) -> None:
+def test_a_healthy_job_over_two_nodes_has_no_straggler_series_and_no_finding(two_nodes: TwoNodes) -> None:
     job_id, nodes, prom = two_nodes.job_id, two_nodes.nodes, two_nodes.prom
     with _logs_on_failure(nodes):
         ready_at = two_nodes.ready()

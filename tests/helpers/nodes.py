@@ -11,7 +11,6 @@ node gets which ranks is the rendezvous' choice: tests ask the logs.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ import pytest
 
 from helpers.agent import free_port
 from helpers.paths import ROOT
+from helpers.plain_ddp import rank_events
 from helpers.processes import kill_tree
 from helpers.prometheus import Prometheus
 from helpers.watch import token
@@ -89,9 +89,7 @@ class Node:
 
     def events(self, rank: int | None = None) -> list[dict]:
         rank = self.rank() if rank is None else rank
-        path = self.dir / f"rank{rank}.jsonl"
-        text = path.read_text() if rank is not None and path.exists() else ""
-        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+        return rank_events(self.dir, rank) if rank is not None else []
 
     def log(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.dir.glob("*.log")))
