@@ -197,9 +197,9 @@ def test_plain_ddp_healthy_then_hang_one_culprit_with_its_line(job, run_agent, t
     line = f"{truth['file']}:{truth['line']}"
     # Rank 0 is named waiting from its native frames (the first verdict waits for those in
     # flight). If a periodic native window caught it stepping for most of the window before
-    # it blocked, it looks like a rank computing in one C++ call until its next native look
-    # (stall_seconds / 2 later): meanwhile the finding names rank 1 alone, stuck at its line
-    # (docs/diagnosis.md). Never another culprit.
+    # it blocked, that look is from before it stopped: the verdict waits for its next one
+    # (stall_seconds / 2 later). Until rank 0 is stalled the finding names rank 1 alone,
+    # stuck at its line (docs/diagnosis.md). Never another culprit.
     hang = watch.until(lambda fs: next((f for f in fs if f["finding"] == "hang" and f["evidence"]["waiting_ranks"]),
                                        None), STALL_SECONDS, "rank 0 named waiting")
     assert all(f["rank"] == "1" and f["evidence"]["culprit_ranks"] == ["1"] for f in watch.kinds("hang")), \

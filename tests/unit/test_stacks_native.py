@@ -3,11 +3,12 @@ results built from real --native output (tests/unit/fixtures/native) and an inje
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from profagent.analysis.collectives import native_waits, python_only
+from profagent.analysis.collectives import in_collective, native_waits, python_only
 from profagent.analysis.findings.hang import hang
-from profagent.analysis.stacks import parse_folded
+from profagent.analysis.stacks import dominant_stack, parse_folded
 from profagent.config import StacksConfig
 from profagent.sources.stacks.sampler import Result
 from profagent.sources.stacks.source import StacksSource
@@ -113,6 +114,35 @@ def test_a_ddp_rank_that_blocks_during_a_periodic_native_window_waits_it_does_no
     [stall] = src._snapshot("").stalls
     assert stall.stalled and stall.suspected
     assert "c10d::Reducer::finalize_backward (libtorch_cpu.so)" in [f.name for f in stall.native]
+
+
+def test_a_ddp_rank_that_blocks_late_in_a_periodic_native_window_is_judged_from_its_next_look() -> None:
+    """A periodic native window in which the rank computed for most of the window, then
+    blocked in backward's reducer: its most sampled stack is backward's compute, from before
+    the rank stopped. It is not where the rank stands: the rank is not taken for one
+    computing, nor named a culprit stuck in backward beside the real one; the hang verdict
+    waits for its next native window (asked half of stall_seconds after that look)."""
+    src, sampler, clock = source(native_every_seconds=100.0)
+    stepping = [s for s in fixture("ddp_straggler_job_rank1.raw", 12077) if s.main]
+    blocked = fixture("ddp_reducer_record_native.raw", 12077)
+    plain = [python_only(s) for s in blocked]
+    window(src, clock, 12077, [python_only(s) for s in stepping])
+    assert sampler.native == [12077]  # the first steady window: the periodic look
+    late = [*stepping, dataclasses.replace(blocked[0], count=5)]  # blocked for the last few samples
+    assert not in_collective(dominant_stack(late))  # stepping for most of the window
+    window(src, clock, 12077, late, native=True)
+    for _ in range(6):  # the stack stands still from here on
+        window(src, clock, 12077, plain)
+    assert sampler.native == [12077, 12077]  # looked at again after stall_seconds / 2
+    [stall] = src._snapshot("").stalls
+    assert stall.stalled and stall.native == () and stall.native_pending
+    culprit = dataclasses.replace(stall, rank="1", frames=stall.frames[:2], native=(), native_pending=False)
+    assert hang([stall, culprit], "") == []  # the verdict waits for rank 0's native frames
+    window(src, clock, 12077, blocked, native=True)
+    [stall] = src._snapshot("").stalls
+    assert stall.stalled and "c10d::Reducer::finalize_backward (libtorch_cpu.so)" in [f.name for f in stall.native]
+    [finding] = hang([stall, culprit], "")
+    assert finding.evidence["culprit_ranks"] == ["1"] and finding.evidence["waiting_ranks"] == ["0"], finding
 
 
 def test_waits_are_judged_from_the_first_steady_native_window_on() -> None:

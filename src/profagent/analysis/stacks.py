@@ -458,6 +458,11 @@ class StallTracker:
         self._since: float | None = None
         self._stalled = False
 
+    @property
+    def since(self) -> float | None:
+        """When the current run of one unchanged stack began (its first window's start)."""
+        return self._since
+
     def update(self, main_samples: list[Sample], start: float, end: float, gpu_busy: bool | None) -> StallStatus:
         stacks = {standing_key(s.frames) for s in main_samples}
         if len(stacks) != 1:

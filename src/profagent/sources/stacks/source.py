@@ -226,7 +226,7 @@ class StacksSource:
         if r.role == ROLE_DATALOADER:
             self._stall.check_worker(group[:2], r.pid, main, r.start, r.end, self.config.stall_seconds)
         if r.role == ROLE_MAIN:
-            self._count_waits(group[:2], main, native_main if r.native else None)
+            self._count_waits(group[:2], main, native_main if r.native else None, r.start)
             self._check_stall(r, main)
             self._ask_native(r.pid, group[:2], main)
 
@@ -262,7 +262,8 @@ class StacksSource:
                 busy = None
         self._stall.check_rank((job, r.rank), main, r.start, r.end, busy, self.config.stall_seconds)
 
-    def _count_waits(self, key: tuple[str, str], main: list[Sample], native_main: list[Sample] | None) -> None:
+    def _count_waits(self, key: tuple[str, str], main: list[Sample], native_main: list[Sample] | None,
+                     start: float) -> None:
         """Judged samples and collective waits of one main-thread window (see docs/stacks.md)."""
         ratios = self._ratios.setdefault(key, WaitRatios())
         if native_main is not None:
@@ -279,7 +280,8 @@ class StacksSource:
             waits = float(native_waits(native_main))
             if native_main:
                 top = dominant_stack(native_main)
-                self._native_stack[key] = NativeLook(python_frames(top), top, moving(native_main, top), self._clock())
+                self._native_stack[key] = NativeLook(python_frames(top), top, moving(native_main, top),
+                                                     self._clock(), start)
         elif ratios.learned:
             waits = ratios.waits(main)
         else:
@@ -305,7 +307,9 @@ class StacksSource:
         stall = self._stall.state.get(key)
         look = self._native_stack.get(key)
         # a stack standing still: look at its native frames, and again every half stall_seconds
-        # (a rank computing for long in one C++ call may stop there later)
+        # (a rank computing for long in one C++ call may stop there later; a look from before
+        # the stack stood still is not where it stands, yet asking again at once would cost a
+        # native window per step of a job whose backward stands still for windows each step)
         standing = stall is not None and stall[1] > 0 and (
             look is None or look.python != stall[2] or now - look.at >= cfg.stall_seconds / 2)
         retried_soon = last is not None and now - last < max(cfg.window, 1.0) * 2

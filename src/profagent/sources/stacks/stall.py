@@ -15,6 +15,7 @@ import logging
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+from profagent.analysis.collectives import in_collective
 from profagent.analysis.stacks import (
     Sample,
     StallTracker,
@@ -50,12 +51,14 @@ class WorkerLook:
 @dataclass(frozen=True)
 class NativeLook:
     """What a native window saw of a rank's main thread: its most sampled stack (with and
-    without native frames), whether the thread moved, and when (clock)."""
+    without native frames), whether the thread moved, when it was read (clock) and when its
+    window began."""
 
     python: tuple[Frame, ...]
     frames: tuple[Frame, ...]
     moving: bool
     at: float
+    start: float = float("-inf")
 
 
 class StallPolicy:
@@ -127,6 +130,15 @@ class StallPolicy:
                         key[1], pid, extra={"lines": [str(f) for f in frames]})
         looks[pid] = WorkerLook(look.tracker, frames, stuck, status.unchanged_seconds)
 
+    def look_holds(self, key: RankKey, look: NativeLook) -> bool:
+        """Whether a native look says where the rank stands now: its window lies within the
+        stack's current standing run, or it caught the rank already waiting in a collective
+        (blocked during the window). A window that began before the run and shows the rank
+        computing is from before it stopped (it stepped, then blocked late in the window)."""
+        tracker = self.trackers.get(key)
+        since = tracker.since if tracker is not None else None
+        return since is None or look.start >= since or in_collective(look.frames)
+
     def rank_stalls(self, config: StacksConfig, native: dict[RankKey, NativeLook], native_pending: set[RankKey],
                     now: float) -> tuple[RankStall, ...]:
         """Every rank's ``RankStall`` for the snapshot, stale ones marked."""
@@ -135,7 +147,8 @@ class StallPolicy:
 
     def _rank_stall(self, config: StacksConfig, key: RankKey, look: NativeLook | None, pending_native: bool, now: float,
                     stalled: bool, unchanged: float, frames: tuple[Frame, ...]) -> RankStall:
-        same = look is not None and bool(frames) and standing_key(look.python) == standing_key(frames)
+        same = (look is not None and bool(frames) and standing_key(look.python) == standing_key(frames)
+                and self.look_holds(key, look))
         # native frames that moved (outside any collective) since this stack stood still: the
         # rank computes in one long C++ call (a slow backward), it is not stuck
         moving = same and look is not None and look.moving and look.at >= now - unchanged
