@@ -97,8 +97,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     os.chmod(sockets, 0o755)
     env = {**os.environ, "TORCHELASTIC_RUN_ID": JOB_ID, "KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(sockets)}
     job = subprocess.Popen(
+        # 50 ms of sleep a step: the panels need steps, not load (the module runs minutes)
         [sys.executable, str(ROOT / "examples" / "train.py"), "--ranks", "2", "--workers", "1",
-         "--trace-dir", str(traces), "--profile-every", "60"],
+         "--trace-dir", str(traces), "--profile-every", "60", "--step-sleep", "0.05"],
         env=env, stdout=(tmp / "train.log").open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
     )
     agent: AgentProcess | None = None
@@ -109,7 +110,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         agent = AgentProcess(
             ["attach", "--pid", str(job.pid), "--listen", f"127.0.0.1:{port}", "--interval", "0.5",
              "--trace-dir", str(traces), "--stacks", "--stack-dataloader", "--gpu-backend", "simulated:h100x2"],
+            # a 20 s findings window: the wait-share panels fill after one window, not the default minute
             tmp, env={"PROFAGENT_STATE_DIR": str(tmp / "state"), "PROFAGENT_ONDEMAND_SOCKET_DIR": str(sockets),
+                      "PROFAGENT_FINDINGS_WINDOW_SECONDS": "20",
                       "PROFAGENT_ONDEMAND_CONTROL_SOCKET": str(tmp / "control.sock"),
                       "PROFAGENT_ONDEMAND_TRACE_DIR": str(tmp / "ondemand")},
         )

@@ -214,10 +214,13 @@ def _trace_cli(env: dict, *args: str, timeout: float = 90) -> subprocess.Complet
 
 
 @contextlib.contextmanager
-def _attached(env: dict, job_args: list[str], ranks: list[str]) -> Iterator[dict]:
-    """examples/train.py with ``job_args``, and an agent attached to it, once ``ranks`` poll it."""
+def _attached(env: dict, job_args: list[str], ranks: list[str], stepping: bool = True) -> Iterator[dict]:
+    """examples/train.py with ``job_args``, and an agent attached to it, once ``ranks`` poll
+    it and (``stepping``) have each taken a step. A rank polls from ``import torch`` on, long
+    before its loop on a loaded node: a trace of it then holds no step, nor any op."""
+    out = env["base"] / f"job-{len(list(env['base'].glob('job-*.log')))}.log"
     job = subprocess.Popen([sys.executable, TRAIN, *job_args], env={**os.environ, **env["env"]},
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                           stdout=out.open("wb"), stderr=subprocess.DEVNULL, start_new_session=True)
     port = free_port()
     log = (env["base"] / "agent.log").open("wb")
     agent = subprocess.Popen([sys.executable, "-m", "profagent", "attach", "--pid", str(job.pid),
@@ -231,6 +234,9 @@ def _attached(env: dict, job_args: list[str], ranks: list[str]) -> Iterator[dict
 
     try:
         wait_for(ranks_poll, timeout=60, interval=0.5, what=f"ranks {ranks} polling the agent")
+        if stepping:  # each rank's own word: train.py prints "rank R step 0" after its first step
+            wait_for(lambda: all(f"rank {r} step " in out.read_text() for r in ranks), timeout=60, interval=0.2,
+                     what=f"ranks {ranks} stepping")
         yield {"job": job, "agent": agent, "url": url}
     finally:
         agent.terminate()
@@ -241,8 +247,9 @@ def _attached(env: dict, job_args: list[str], ranks: list[str]) -> Iterator[dict
 
 @pytest.fixture(scope="module")
 def traced_job(ondemand_env):
-    """A 2-rank job polling the agent, and the agent attached to its launcher."""
-    with _attached(ondemand_env, ["--ranks", "2", "--workers", "0", "--step-sleep", "0.005"], ["0", "1"]) as job:
+    """A 2-rank job polling the agent, and the agent attached to its launcher (paced: 20 ms
+    of sleep a step, as the module runs for minutes beside other tests)."""
+    with _attached(ondemand_env, ["--ranks", "2", "--workers", "0", "--step-sleep", "0.02"], ["0", "1"]) as job:
         yield job
 
 
@@ -305,7 +312,7 @@ def test_an_iteration_trace_asked_before_the_first_step_has_those_steps(tmp_path
     once the job trains the trace has exactly 2 steps."""
     go = tmp_path / "go"
     job_args = ["--workers", "0", "--step-sleep", "0.005", "--start-after", str(go)]
-    with _ondemand_setup(tmp_path) as env, _attached(env, job_args, ["0"]) as traced:
+    with _ondemand_setup(tmp_path) as env, _attached(env, job_args, ["0"], stepping=False) as traced:
         cli = subprocess.Popen([sys.executable, "-m", "profagent", "trace", "--config", str(env["config"]),
                                 "--pid", str(traced["job"].pid), "--iterations", "2", "--json", "--timeout", "120"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

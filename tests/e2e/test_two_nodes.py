@@ -179,8 +179,12 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodes]:
     tmp = tmp_path_factory.mktemp("two-nodes")
     trigger = tmp / "trigger"
     started = time.monotonic()
+    # paced (50 ms of sleep a step, as a job waiting on its devices): four ranks stepping
+    # flat out for two minutes would slow every other test on the node; the flat-out healthy
+    # job is test_collectives_e2e's
     job_id, nodes = start_two_nodes(tmp, config=scaled(stall_seconds=STALL_SECONDS), mode="healthy", nproc=2,
-                                    env={"PLAIN_DDP_TRIGGER": str(trigger), "PLAIN_DDP_HANG_RANK": str(HANG_RANK)})
+                                    env={"PLAIN_DDP_TRIGGER": str(trigger), "PLAIN_DDP_HANG_RANK": str(HANG_RANK),
+                                         "PLAIN_DDP_STEP_SLEEP": "0.05"})
     try:
         with prometheus_over(nodes, tmp) as prom:
             yield TwoNodes(job_id, nodes, prom, trigger, started)

@@ -18,7 +18,8 @@ PLAIN_DDP_EVENT="KIND:STEP" or, once it exists, by the file PLAIN_DDP_TRIGGER ho
 
 Ground truth goes to DIR/rank<R>.jsonl (one JSON object a line): {"event": "ready",
 "repeat", "pid"}, {"event": "step", "step", "seconds"} and {"event": "hang"|"mismatch", "file",
-"line", "collective"}. Every rank is bounded (lifeline.bound).
+"line", "collective"}. Every rank is bounded (lifeline.bound). PLAIN_DDP_STEP_SLEEP=S makes
+every rank sleep S seconds after each step (a paced job).
 """
 
 import argparse
@@ -34,6 +35,9 @@ from lifeline import bound
 MAX_SECONDS = int(os.environ.get("PLAIN_DDP_MAX_SECONDS", "400"))
 SLOW_RANK = int(os.environ.get("PLAIN_DDP_SLOW_RANK", "1"))
 HANG_RANK = int(os.environ.get("PLAIN_DDP_HANG_RANK", "1"))
+# Seconds every rank sleeps after each step, as a job waiting on I/O or its device does:
+# a test that does not depend on the job's load leaves the node's CPUs to the others
+STEP_SLEEP = float(os.environ.get("PLAIN_DDP_STEP_SLEEP", "0"))
 WORK = 6  # matmuls per forward
 # The straggler's work: three times the others'. Steps this small are half gloo transfers, and
 # on a loaded node those wait for a CPU on every rank: a 2x straggler's collective-wait share
@@ -123,6 +127,8 @@ def main() -> None:
         opt.zero_grad()
         step += 1
         note(event="step", step=step, seconds=time.monotonic() - began)
+        if STEP_SLEEP:
+            time.sleep(STEP_SLEEP)
 
 
 if __name__ == "__main__":

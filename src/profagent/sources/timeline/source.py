@@ -44,6 +44,7 @@ MAPS_MAX = 4 << 20  # bytes of /proc/PID/maps read (a process with 100k mappings
 RECHECK_AFTER = 5.0  # seconds before a rank without libtorch is looked at again
 SWEEP_EVERY = 60.0  # seconds between two looks for definitions a dead agent left
 ARRIVALS_KEPT = 4096  # matched collectives kept per job for the straggler window
+STRAGGLER_EVERY = 2.0  # seconds between two summaries of a job's arrivals
 _COMMON = struct.Struct("<H")
 _HEAD = struct.Struct("<8s8s")
 
@@ -108,6 +109,7 @@ class TimelineSource:
         self._looked: dict[int, float] = {}  # pid -> when its maps were last read without libtorch
         self._arrivals: dict[str, deque[tl.Arrival]] = {}
         self._matched_until: dict[str, float] = {}
+        self._straggler_at: dict[str, tuple[float, ArrivalStraggler | None]] = {}  # job -> (when, summary)
         self._counts = [0, 0]  # events, foreign events
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -318,24 +320,36 @@ class TimelineSource:
             self._matched_until.pop(job, None)
 
     def _stragglers(self, now: float) -> tuple[ArrivalStraggler, ...]:
+        """Each job's arrival straggler over the window, recomputed at most every
+        STRAGGLER_EVERY seconds: the summary reads every matched collective of the window
+        (thousands), and the finding it feeds needs the window, not the last tick."""
         out = []
         for job, arrivals in sorted(self._arrivals.items()):
-            since = now - self.config.window_seconds
-            recent = [a for a in arrivals if a.step_start >= since]
-            if not recent:
-                continue
-            steps = [s.seconds for r in self._ranks.values() if r.job_id == job
-                     for s in tl.window(r.timeline.recent, since)]
-            summary = tl.last_arrivals(recent, tl.quantile(steps, 0.5) if steps else 0.0)
-            if not summary.last_counts:
-                continue
-            rank, count = max(summary.last_counts.items(), key=lambda kv: (kv[1], kv[0]))
-            span = max(max(a.times.values()) for a in recent) - min(min(a.times.values()) for a in recent)
-            out.append(ArrivalStraggler(job, rank, count / summary.collectives, summary.median_lag.get(rank, 0.0),
-                                        summary.step_lag.get(rank, 0.0),
-                                        tl.quantile([v for r, v in summary.step_lag.items() if r != rank] or [0.0], 0.5),
-                                        summary.step_seconds, summary.collectives, span))
+            cached = self._straggler_at.get(job)
+            if cached is None or now - cached[0] >= STRAGGLER_EVERY:
+                cached = self._straggler_at[job] = (now, self._job_straggler(job, arrivals, now))
+            if cached[1] is not None:
+                out.append(cached[1])
+        for job in [j for j in self._straggler_at if j not in self._arrivals]:
+            del self._straggler_at[job]
         return tuple(out)
+
+    def _job_straggler(self, job: str, arrivals: deque[tl.Arrival], now: float) -> ArrivalStraggler | None:
+        since = now - self.config.window_seconds
+        recent = [a for a in arrivals if a.step_start >= since]
+        if not recent:
+            return None
+        steps = [s.seconds for r in self._ranks.values() if r.job_id == job
+                 for s in tl.window(r.timeline.recent, since)]
+        summary = tl.last_arrivals(recent, tl.quantile(steps, 0.5) if steps else 0.0)
+        if not summary.last_counts:
+            return None
+        rank, count = max(summary.last_counts.items(), key=lambda kv: (kv[1], kv[0]))
+        span = max(max(a.times.values()) for a in recent) - min(min(a.times.values()) for a in recent)
+        return ArrivalStraggler(job, rank, count / summary.collectives, summary.median_lag.get(rank, 0.0),
+                                summary.step_lag.get(rank, 0.0),
+                                tl.quantile([v for r, v in summary.step_lag.items() if r != rank] or [0.0], 0.5),
+                                summary.step_seconds, summary.collectives, span)
 
     def _rank_steps(self, pid: int, r: _Rank, now: float) -> RankSteps:
         t = r.timeline
