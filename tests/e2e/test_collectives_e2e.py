@@ -34,8 +34,6 @@ STRAGGLER_SHARE = FindingsConfig().straggler_share  # the agent runs with the de
 CONTENTION_SHARE = FindingsConfig().contention_share
 HEALTHY_SECONDS = 60.0  # from the launch: start-up, the first native windows, warm-up, two full windows judged
 
-pytestmark = pytest.mark.slow_first(1)  # minutes of flat-out ranks: after the first wave, not last
-
 
 class Job:
     """A torchrun job of plain_ddp.py and its ground truth."""

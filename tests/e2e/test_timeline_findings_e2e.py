@@ -18,7 +18,7 @@ from helpers.processes import wait_for
 from helpers.timeline import Job, attach, findings, metrics
 from profagent.config import FindingsConfig
 
-pytestmark = [pytest.mark.slow_first(1), pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root")]
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need root")]
 
 
 def test_a_rank_slower_by_half_is_named_the_straggler_from_its_arrivals(tmp_path: Path, run_agent) -> None:

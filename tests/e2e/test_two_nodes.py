@@ -110,12 +110,13 @@ def _check_straggler(prom: Prometheus, job_id: str, nodes: list[Node]) -> None:
                           for g in gates if g["value"][1] != "0"]))
         time.sleep(1)
     assert not gaps, gaps
-    span = f"{int(time.monotonic() - held_from)}s"
-    rule_count = _count(prom, f'count_over_time({SERIES}{{job_id="{job_id}"}}[{span}])')
-    evaluations = _count(prom, f'count_over_time(job_id:profagent_target_up:nodes{{job_id="{job_id}"}}[{span}])')
-    scrapes = _count(prom, f'sum_over_time(up{{instance="{slow.address}"}}[{span}])')  # the ones that answered
+    span = f"{int(time.monotonic() - held_from) - 2}s"
+    at = time.time() - 2  # one evaluation time for the four counts, with its last scrape stored
+    rule_count = _count(prom, f'count_over_time({SERIES}{{job_id="{job_id}"}}[{span}])', at)
+    evaluations = _count(prom, f'count_over_time(job_id:profagent_target_up:nodes{{job_id="{job_id}"}}[{span}])', at)
+    scrapes = _count(prom, f'sum_over_time(up{{instance="{slow.address}"}}[{span}])', at)  # the ones that answered
     finding_count = _count(prom, f'count_over_time(profagent_finding{{job_id="{job_id}", finding="straggler", '
-                                 f'rank="{SLOW_RANK}", instance="{slow.address}"}}[{span}])')
+                                 f'rank="{SLOW_RANK}", instance="{slow.address}"}}[{span}])', at)
     assert evaluations >= HOLD / 2 and rule_count >= evaluations, (rule_count, evaluations)
     assert scrapes >= HOLD / 2 and finding_count == scrapes, (finding_count, scrapes)
 
@@ -132,8 +133,8 @@ def _other(nodes: list[Node], node: Node) -> Node:
     return next(n for n in nodes if n is not node)
 
 
-def _count(prom: Prometheus, expr: str) -> float:
-    found = prom.query(expr)
+def _count(prom: Prometheus, expr: str, at: float) -> float:
+    found = prom.query(expr, at)
     assert len(found) <= 1, found
     return float(found[0]["value"][1]) if found else 0.0
 

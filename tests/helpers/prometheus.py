@@ -49,8 +49,11 @@ class Prometheus:
         )
         wait_for(lambda: http_get(self.url + "/-/ready", timeout=1), 30, what="prometheus ready")
 
-    def query(self, expr: str) -> list[dict]:
-        body = json.loads(http_get(f"{self.url}/api/v1/query?query={quote(expr)}"))
+    def query(self, expr: str, at: float | None = None) -> list[dict]:
+        """An instant query, at ``at`` (Unix time) or now: queries that compare counts over
+        a range evaluate at one time, or the range slides by a scrape between them."""
+        when = f"&time={at:.3f}" if at is not None else ""
+        body = json.loads(http_get(f"{self.url}/api/v1/query?query={quote(expr)}{when}"))
         assert body["status"] == "success", body
         return body["data"]["result"]
 
