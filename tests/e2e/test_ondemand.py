@@ -377,11 +377,14 @@ def test_a_trace_dropped_by_a_job_paused_when_it_arrived_is_sent_again(tmp_path:
     stderr = tmp_path / "job.stderr"
     env = {**os.environ, "KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(sockets),
            "KINETO_ONDEMAND_TRACE_DIR": str(tmp_path)}
-    with stderr.open("wb") as err:
+    out = tmp_path / "job.stdout"
+    with stderr.open("wb") as err, out.open("wb") as printed:
         job = subprocess.Popen([sys.executable, TRAIN, "--workers", "1", "--step-sleep", "0.005"], env=env,
-                               stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+                               stdout=printed, stderr=err, start_new_session=True)
     try:
         wait_for(lambda: any(p.pid == job.pid for p in endpoint.pollers()), timeout=60, what="the job polling")
+        # it polls from `import torch` on: a trace before its first step would hold no op
+        wait_for(lambda: "rank 0 step " in out.read_text(), timeout=60, interval=0.2, what="the job stepping")
         # The job's own log is the ground truth: libkineto's drop, or a pause that came after
         # it had started the trace (then try again; the window is 1 s, the pause 2.5 s).
         for _ in range(3):

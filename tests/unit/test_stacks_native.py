@@ -119,9 +119,10 @@ def test_a_ddp_rank_that_blocks_during_a_periodic_native_window_waits_it_does_no
 def test_a_ddp_rank_that_blocks_late_in_a_periodic_native_window_is_judged_from_its_next_look() -> None:
     """A periodic native window in which the rank computed for most of the window, then
     blocked in backward's reducer: its most sampled stack is backward's compute, from before
-    the rank stopped. It is not where the rank stands: the rank is not taken for one
-    computing, nor named a culprit stuck in backward beside the real one; the hang verdict
-    waits for its next native window (asked half of stall_seconds after that look)."""
+    the rank stopped. It is not where the rank stands: the rank is neither named a culprit
+    stuck in backward beside the real one (CI saw that) nor a victim yet. Until its next
+    native window (asked half of stall_seconds after that look) it may still be computing
+    (a straggler's backward): it is not stalled, and the first verdict waits for that look."""
     src, sampler, clock = source(native_every_seconds=100.0)
     stepping = [s for s in fixture("ddp_straggler_job_rank1.raw", 12077) if s.main]
     blocked = fixture("ddp_reducer_record_native.raw", 12077)
@@ -131,18 +132,40 @@ def test_a_ddp_rank_that_blocks_late_in_a_periodic_native_window_is_judged_from_
     late = [*stepping, dataclasses.replace(blocked[0], count=5)]  # blocked for the last few samples
     assert not in_collective(dominant_stack(late))  # stepping for most of the window
     window(src, clock, 12077, late, native=True)
-    for _ in range(6):  # the stack stands still from here on
+    for _ in range(5):  # the stack stands still from here on
         window(src, clock, 12077, plain)
     assert sampler.native == [12077, 12077]  # looked at again after stall_seconds / 2
     [stall] = src._snapshot("").stalls
-    assert stall.stalled and stall.native == () and stall.native_pending
-    culprit = dataclasses.replace(stall, rank="1", frames=stall.frames[:2], native=(), native_pending=False)
-    assert hang([stall, culprit], "") == []  # the verdict waits for rank 0's native frames
-    window(src, clock, 12077, blocked, native=True)
+    assert stall.unchanged_seconds > 8 and not stall.stalled and stall.native == () and stall.native_pending
+    culprit = dataclasses.replace(stall, rank="1", frames=stall.frames[:2], stalled=True, unchanged_seconds=12.0,
+                                  native=(), native_pending=False)
+    assert hang([stall, culprit], "") == []  # the first verdict waits for rank 0's look on its way
+    settled = hang([stall, culprit], "", settled=True)  # (a verdict already given is not held back)
+    assert [f.evidence["culprit_ranks"] for f in settled] == [["1"]], settled
+    window(src, clock, 12077, blocked, native=True)  # the next look: it waits in the reducer
     [stall] = src._snapshot("").stalls
     assert stall.stalled and "c10d::Reducer::finalize_backward (libtorch_cpu.so)" in [f.name for f in stall.native]
     [finding] = hang([stall, culprit], "")
     assert finding.evidence["culprit_ranks"] == ["1"] and finding.evidence["waiting_ranks"] == ["0"], finding
+
+
+def test_a_look_from_before_the_stack_stood_still_stands_for_it_stall_seconds_at_most() -> None:
+    """A rank computing under one Python line, whose native windows stop coming back (py-spy
+    cannot read them): its last look, from before its stack stood still, keeps it from being
+    stalled for stall_seconds, not for ever."""
+    src, sampler, clock = source(native_every_seconds=100.0)
+    stepping = [s for s in fixture("ddp_straggler_job_rank1.raw", 12077) if s.main]
+    plain = [python_only(s) for s in fixture("ddp_reducer_record_native.raw", 12077)]
+    window(src, clock, 12077, [python_only(s) for s in stepping])
+    window(src, clock, 12077, [*stepping], native=True)
+    for _ in range(4):
+        window(src, clock, 12077, plain)
+    [stall] = src._snapshot("").stalls
+    assert not stall.stalled and not stall.suspected  # 8 s after the look: may be computing
+    for _ in range(3):
+        window(src, clock, 12077, plain)
+    [stall] = src._snapshot("").stalls
+    assert stall.stalled and stall.unchanged_seconds > 12 and stall.native == ()
 
 
 def test_waits_are_judged_from_the_first_steady_native_window_on() -> None:

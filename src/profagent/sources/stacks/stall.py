@@ -147,11 +147,15 @@ class StallPolicy:
 
     def _rank_stall(self, config: StacksConfig, key: RankKey, look: NativeLook | None, pending_native: bool, now: float,
                     stalled: bool, unchanged: float, frames: tuple[Frame, ...]) -> RankStall:
-        same = (look is not None and bool(frames) and standing_key(look.python) == standing_key(frames)
-                and self.look_holds(key, look))
-        # native frames that moved (outside any collective) since this stack stood still: the
-        # rank computes in one long C++ call (a slow backward), it is not stuck
-        moving = same and look is not None and look.moving and look.at >= now - unchanged
+        same = look is not None and bool(frames) and standing_key(look.python) == standing_key(frames)
+        # its native frames, only from a look that says where it stands now (look_holds)
+        holds = same and look is not None and self.look_holds(key, look)
+        # native frames that moved (outside any collective) under this stack: the rank computes
+        # in one long C++ call (a slow backward), it is not stuck. A look from before the stack
+        # stood still says the same for stall_seconds at most (the next look is asked after
+        # half of it): the rank may compute still (a straggler's backward) or have blocked
+        # since; not known yet
+        moving = same and look is not None and look.moving and (holds or now - look.at <= config.stall_seconds)
         waiting = unchanged > 0 and waits_on_dataloader(frames)
         workers = tuple(WorkerStall(pid, w.stuck, w.unchanged, w.frames)
                         for pid, w in sorted(self.workers.get(key, {}).items())) if waiting else ()
@@ -162,7 +166,7 @@ class StallPolicy:
         # a rank waiting for a worker that stands still is stalled, whatever its poll loop does
         held = any(w.stuck and w.unchanged_seconds > config.stall_seconds for w in workers)
         return RankStall(key[1], (stalled and not moving) or held, unchanged, key[0], frames,
-                         suspected=unchanged > 0 and not moving, native=look.frames if same and look else (),
+                         suspected=unchanged > 0 and not moving, native=look.frames if holds and look else (),
                          native_pending=pending_native, workers=workers, workers_pending=pending,
                          window_age_seconds=max(0.0, now - self.looked.get(key, (now, 0.0))[0]))
 
