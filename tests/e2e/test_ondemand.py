@@ -218,7 +218,7 @@ def _attached(env: dict, job_args: list[str], ranks: list[str], stepping: bool =
     """examples/train.py with ``job_args``, and an agent attached to it, once ``ranks`` poll
     it and (``stepping``) have each taken a step. A rank polls from ``import torch`` on, long
     before its loop on a loaded node: a trace of it then holds no step, nor any op."""
-    out = env["base"] / f"job-{len(list(env['base'].glob('job-*.log')))}.log"
+    out = env["base"] / "job.log"  # one attached job per set-up
     job = subprocess.Popen([sys.executable, TRAIN, *job_args], env={**os.environ, **env["env"]},
                            stdout=out.open("wb"), stderr=subprocess.DEVNULL, start_new_session=True)
     port = free_port()
