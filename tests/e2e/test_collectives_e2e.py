@@ -142,13 +142,15 @@ class Watch:
         self.seen: list[dict] = []
         self.evaluations = 0
         self.judged: dict[str, float] = {}  # rank -> last collective-wait share exported
+        self.current: dict[str, float] = {}  # rank -> its share at the last poll (a rank not judged then: absent)
 
     def poll(self) -> list[dict]:
         body = json.loads(http_get(self.url + "/api/findings"))
         self.evaluations = body["evaluations"]
         self.seen += body["findings"]
-        for labels, value in parse_metrics(http_get(self.url + "/metrics")).get("profagent_collective_wait_ratio", []):
-            self.judged[labels["rank"]] = value
+        self.current = {labels["rank"]: value for labels, value in
+                        parse_metrics(http_get(self.url + "/metrics")).get("profagent_collective_wait_ratio", [])}
+        self.judged.update(self.current)
         return body["findings"]
 
     def until(self, predicate, timeout: float, what: str):
@@ -240,26 +242,32 @@ def test_plain_ddp_straggler_then_collective_mismatch(job, run_agent, tmp_path) 
     assert ready[slow]["repeat"] == 3 * ready[1 - slow]["repeat"]
     watch = Watch(url)
     # How long warm-up and the first native windows take depends on the node's load (34-117 s
-    # seen); what must not is the agent's reaction once its own judged shares, exported beside
-    # the findings, show the straggler with a margin over the rule: within 10 evaluations
-    # after the rule's confirmation time (findings.straggler_confirm_seconds, at 0.5 s a tick).
-    clear_at: int | None = None  # the agent's evaluation count when the test first saw that
+    # seen), and so does how long the straggler's share stays past the rule's line: under load
+    # both ranks' shares move with each window, and a share that clears the line for a few
+    # seconds only is not the rule's evidence (it must hold at every evaluation for
+    # findings.straggler_confirm_seconds). What must not depend on it is the agent's reaction
+    # once its own judged shares, exported beside the findings, have shown the straggler with
+    # a margin over the rule at every poll for that time: within that time again (a dip between
+    # two polls, unseen here, starts the rule's confirmation over).
+    confirm = round(FindingsConfig().straggler_confirm_seconds / 0.5)
+    clear_from: int | None = None  # the agent's evaluation count when the current run of clear polls began
+    clear_at: int | None = None  # ... when that run had lasted the confirmation time
 
     def named(findings: list[dict]) -> dict | None:
-        nonlocal clear_at
+        nonlocal clear_from, clear_at
         f = next((f for f in findings if f["finding"] == "straggler"), None)
-        shares = watch.judged
-        if f is None and clear_at is None and len(shares) == 2:
-            mine, other = shares[str(slow)], shares[str(1 - slow)]
-            if other - mine > STRAGGLER_SHARE + 0.05 and mine <= 0.45 * other:
-                clear_at = watch.evaluations
+        shares = watch.current
+        clear = len(shares) == 2 and shares[str(1 - slow)] - shares[str(slow)] > STRAGGLER_SHARE + 0.05 \
+            and shares[str(slow)] <= 0.45 * shares[str(1 - slow)]
+        clear_from = (clear_from if clear_from is not None else watch.evaluations) if clear else None
+        if f is None and clear_at is None and clear_from is not None and watch.evaluations - clear_from >= confirm:
+            clear_at = watch.evaluations
         return f
 
     f = watch.until(named, 240, "a straggler")
     if clear_at is not None:
         late = watch.evaluations - clear_at
-        confirm = round(FindingsConfig().straggler_confirm_seconds / 0.5)
-        assert late <= 10 + confirm, f"straggler named {late} evaluations after the shares showed it"
+        assert late <= confirm, f"straggler named {late} evaluations after the shares had shown it for {confirm}"
     assert f["rank"] == str(slow), f
     assert {x["rank"] for x in watch.kinds("straggler")} == {str(slow)}
     ev = f["evidence"]
