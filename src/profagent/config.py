@@ -143,7 +143,7 @@ class TimelineConfig:
 @dataclass
 class FindingsConfig:
     enabled: bool = _opt(True, "evaluate findings (hang, straggler, leak...) every agent tick; see docs/diagnosis.md")
-    window_seconds: float = _opt(60.0, "stack samples of the last N seconds decide the *_bound, straggler and compile_storm findings")
+    window_seconds: float = _opt(60.0, "stack samples of the last N seconds decide the *_bound, straggler and compile_storm findings; keep it at least twice stacks.steady_window, or a steady rank has no judged samples between two of its windows")
     min_samples: int = _opt(40, "main-thread stack samples a rank needs in the window before a stack-based finding is judged")
     bound_ratio: float = _opt(0.3, "dataloader_bound / host_sync_bound / optimizer_bound: that category's share of the main thread (or of the traced step) above this")
     compile_ratio: float = _opt(0.2, "compile_storm: share of the main thread in torch.compile above this...")

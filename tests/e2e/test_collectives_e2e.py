@@ -28,7 +28,10 @@ from profagent.config import FindingsConfig
 
 WORKLOAD = ROOT / "tests" / "workloads" / "plain_ddp.py"
 STALL_SECONDS = 10.0
-WINDOW_SECONDS = 20.0  # findings.window_seconds: a rank is judged after a full window of steady stacks
+# findings.window_seconds: a rank is judged after a full window of steady stacks. Shorter than
+# the advised twice stacks.steady_window (docs/diagnosis.md), to keep the file short: a steady
+# rank may drop out of judgement between two py-spy windows (the straggler check allows for it)
+WINDOW_SECONDS = 20.0
 NATIVE_EVERY = 10.0  # stacks.native_every_seconds (300 by default)
 STRAGGLER_SHARE = FindingsConfig().straggler_share  # the agent runs with the defaults
 CONTENTION_SHARE = FindingsConfig().contention_share
