@@ -14,6 +14,7 @@ import dataclasses
 import logging
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 from profagent.analysis.collectives import in_collective
 from profagent.analysis.stacks import (
@@ -59,6 +60,11 @@ class NativeLook:
     moving: bool
     at: float
     start: float = float("-inf")
+
+    @cached_property
+    def in_collective(self) -> bool:
+        """Its frames wait in a collective (asked at every snapshot: computed once)."""
+        return in_collective(self.frames)
 
 
 class StallPolicy:
@@ -137,7 +143,7 @@ class StallPolicy:
         computing is from before it stopped (it stepped, then blocked late in the window)."""
         tracker = self.trackers.get(key)
         since = tracker.since if tracker is not None else None
-        return since is None or look.start >= since or in_collective(look.frames)
+        return since is None or look.start >= since or look.in_collective
 
     def rank_stalls(self, config: StacksConfig, native: dict[RankKey, NativeLook], native_pending: set[RankKey],
                     now: float) -> tuple[RankStall, ...]:
