@@ -4,6 +4,7 @@ removes what it created."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import signal
@@ -108,6 +109,10 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
     assert (bundle / "trace-rank0.pt.trace.json.gz").is_file(), summary
     # rank 1 profiles itself, so libkineto drops on-demand requests: the bundle says why
     assert re.search(r"^- no on-demand trace (of|from) rank 1\b.*: it profiles itself \(its torch\.profiler wrote", summary, re.M), summary
+    # and it is not asked, so the capture ends with rank 0's trace, not at the demo's
+    # incidents.capture_timeout (45 s) waiting for rank 1's
+    meta = json.loads((bundle / "incident.json").read_text())
+    assert meta["completed"] - meta["time"] < 40, meta
     # `profagent diff` of rank 1's first and latest traces, or why not yet
     assert re.search(r"^verdict: ", out, re.M) or "profagent diff needs two traces" in out, out[-3000:]
     # `profagent top --once` snapshots: the header, the findings, one row per rank.

@@ -264,7 +264,10 @@ class Capture:
         if ondemand is None:
             return None
         pollers = {p.pid: p for p in ondemand.endpoint.pollers()}
-        own = self._self_profiling(self.now)
+        # now, not the trigger's time: the dumps took seconds, and a trace the rank wrote
+        # meanwhile is younger than the trigger
+        now = self.source.wall()
+        own = self._self_profiling(now)
         wanted = set()
         some_poll = any(info.pid in pollers for info in self.ranks)
         for info in self.ranks:
@@ -272,8 +275,10 @@ class Capture:
             if poller is None:
                 if some_poll:
                     self.notes.append(f"no on-demand trace of rank {info.rank}: not polling Kineto (KINETO_USE_DAEMON=1 unset)")
-            elif not poller.can_trace and info.rank in own:
-                self.notes.append(f"no on-demand trace of rank {info.rank}{self._profiles_itself(own[info.rank], self.now)}")
+            elif info.rank in own:
+                # not asked even when its poll says it is free: it drops the request when its
+                # own next window starts, and waiting for it held every capture to its deadline
+                self.notes.append(f"no on-demand trace of rank {info.rank}{self._profiles_itself(own[info.rank], now)}")
             else:
                 # A rank busy with a trace now gets the request at its first free poll: the
                 # endpoint sends a config only to a poll that can trace.
