@@ -62,7 +62,7 @@ class NativeLook:
     start: float = float("-inf")
 
     @cached_property
-    def in_collective(self) -> bool:
+    def waits_in_collective(self) -> bool:
         """Its frames wait in a collective (asked at every snapshot: computed once)."""
         return in_collective(self.frames)
 
@@ -143,7 +143,7 @@ class StallPolicy:
         computing is from before it stopped (it stepped, then blocked late in the window)."""
         tracker = self.trackers.get(key)
         since = tracker.since if tracker is not None else None
-        return since is None or look.start >= since or look.in_collective
+        return since is None or look.start >= since or look.waits_in_collective
 
     def rank_stalls(self, config: StacksConfig, native: dict[RankKey, NativeLook], native_pending: set[RankKey],
                     now: float) -> tuple[RankStall, ...]:
