@@ -106,6 +106,26 @@ def test_an_exit_without_its_entry_and_a_backward_that_raised_are_dropped() -> N
     assert all(kind != tl.BACKWARD for kind, _ in r._open.get(MAIN, []))
 
 
+def test_the_stage_now_is_the_newest_open_stage_of_any_thread() -> None:
+    r = tl.RankTimeline()
+    assert r.stage_now == ""
+    r.feed(tl.DATA, MAIN, 1.0)
+    assert r.stage_now == "data_wait"
+    r.feed(tl.RECORD, MAIN, 1.1)  # a block of no stage inside it: still waiting for data
+    assert r.stage_now == "data_wait"
+    r.feed(tl.RECORD_EXIT, MAIN, 1.2)
+    r.feed(tl.RECORD_EXIT, MAIN, 1.3)
+    assert r.stage_now == ""
+    r.feed(tl.BACKWARD, MAIN, 2.0)
+    r.feed(tl.DATA, MAIN + 1, 2.1)  # a thread of its own prefetching data, newer
+    assert r.stage_now == "data_wait"
+    r.feed(tl.RECORD_EXIT, MAIN + 1, 2.2)
+    assert r.stage_now == "backward"
+    r.feed(tl.BACKWARD_END, MAIN, 2.5)
+    r.feed(tl.STEP, MAIN, 2.6)
+    assert r.stage_now == "optimizer"
+
+
 def test_open_blocks_per_thread_are_bounded() -> None:
     r = tl.RankTimeline()
     for i in range(10 * tl.MAX_OPEN):

@@ -52,7 +52,7 @@ def _live_probe(tracefs: Path) -> Iterator[Check]:
         tp = uprobes.define(tracefs, group, "doctor", libc, functions[0].file_offset)
         reader.add(tp)
         os.getppid()
-        hits = [s for s in reader.read(0.5) if s.pid == os.getpid()]
+        hits = [pid for _, pid, *_ in reader.read(0.5) if pid == os.getpid()]
         if hits:
             yield Check("timeline", "live probe", OK, "a uprobe fired and was read back")
         else:
