@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 
+from helpers.agent import http_get
 from helpers.processes import wait_for
 from helpers.timeline import Job, attach, metrics, value
 from profagent.analysis.timeline import quantile
@@ -162,5 +164,54 @@ def test_a_job_that_also_writes_traces_gets_the_same_step_time_from_both(tmp_pat
         covered = [intervals[n - 1] for n in numbers]
         assert traced == pytest.approx(sum(covered) / len(covered), rel=0.05)
         assert probed == pytest.approx(quantile(intervals, 0.5), rel=0.02)
+    finally:
+        job.stop()
+
+
+def test_a_step_time_that_regresses_is_captured_from_the_probes_with_no_trace(tmp_path: Path, run_agent) -> None:
+    """A job that writes no trace, paced by its device (30 ms a step), whose device then
+    gets slower (90 ms): the regression rule runs on the probes' p50 (one value every half
+    timeline window, 2 s here) and captures an incident. Its baseline and the slow step
+    time are checked against the job's own log."""
+    slow, incidents = tmp_path / "slow", tmp_path / "incidents"
+    job = Job(tmp_path, 1, "--seconds", "35", "--workers", "0", "--batch", "8", "--device-seconds", "0.03",
+              "--slow-file", str(slow), "--slow-device-seconds", "0.09", "--linger", "120")
+    try:
+        url = attach(run_agent, job, env={
+            "PROFAGENT_TIMELINE_WINDOW_SECONDS": "4", "PROFAGENT_INCIDENTS_DIR": str(incidents),
+            "PROFAGENT_INCIDENTS_REGRESSION_FACTOR": "2", "PROFAGENT_INCIDENTS_REGRESSION_SECONDS": "2"})
+        job.start_file.write_text("go")
+        # the baseline: the p50 of at least 10 steps, fed every 2 s, 3 values at least; the
+        # agent's own step count says how long it has watched steady steps
+        first = wait_for(lambda: value(metrics(url), "profagent_step_window_seconds", stat="p50", rank="0") and
+                         value(metrics(url), "profagent_optimizer_steps_total", rank="0"), 60, interval=0.5,
+                         what="the probes' p50 of rank 0")
+        steady = wait_for(lambda: value(metrics(url), "profagent_optimizer_steps_total", rank="0") >= first + 250,
+                          60, interval=0.5, what="250 steady steps (about 10 s) seen by the agent")
+        assert steady
+        m = metrics(url)
+        assert not value(m, "profagent_incidents_total", kind="regression")  # a steady job has no incident
+        slowed_at = time.monotonic()  # the job's clock too: it logs time.monotonic()
+        slow.touch()
+
+        def complete() -> dict | None:
+            found = [i for i in json.loads(http_get(url + "/api/incidents"))["incidents"] if i["kind"] == "regression"]
+            return found[0] if found and found[0]["status"] == "complete" else None
+
+        incident = wait_for(complete, 90, interval=0.5, what="a complete regression incident")
+        agent_slow = value(metrics(url), "profagent_step_window_seconds", stat="p50", rank="0")
+        wait_for(job.done, 90, interval=0.5, what="the job's log")
+        calls = job.truth(0)["calls"]
+        before = [b - a for a, b in zip(calls, calls[1:], strict=False) if b < slowed_at]
+        after = [b - a for a, b in zip(calls, calls[1:], strict=False) if a > slowed_at + 1.0]
+        assert incident["rank"] == "0"
+        trigger = json.loads((Path(incident["path"]) / "findings.json").read_text())["trigger"]
+        assert trigger["kind"] == "regression"
+        assert trigger["evidence"]["measured_by"] == "kernel probes, no trace"
+        assert trigger["evidence"]["baseline_seconds"] == pytest.approx(quantile(before, 0.5), rel=0.1)
+        assert agent_slow == pytest.approx(quantile(after, 0.5), rel=0.1)
+        assert agent_slow > 2 * trigger["evidence"]["baseline_seconds"]
+        assert "kernel probes" in (Path(incident["path"]) / "summary.md").read_text()
+        assert not value(metrics(url), "profagent_traces_total", status="ingested")  # no trace was read
     finally:
         job.stop()

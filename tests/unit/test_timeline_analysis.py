@@ -336,20 +336,24 @@ def test_a_probed_step_time_above_the_factor_for_long_enough_is_a_regression(tmp
     source = IncidentsSource(cfg, tmp_path, State())
     tree = ProcessTree("j", 1, (ProcessInfo(10, 1, 0.0, "main", "0", "0", "1", "train.py", "j"),), True)
 
+    window = 60.0
+    every = PROBED_EVERY * window  # one value every half window
+
     def tick(now: float, p50: float) -> list:
-        view = StateView(tree=tree, timeline=TimelineSnapshot((steps_of("0", p50=p50),)))
+        view = StateView(tree=tree, timeline=TimelineSnapshot((steps_of("0", p50=p50),), window_seconds=window))
         return source._probed_regressions(view, tree, now)
 
     now = 1000.0
     for _ in range(3):  # the baseline: 20 ms
         assert tick(now, 0.020) == []
-        now += PROBED_EVERY
+        assert tick(now + every / 2, 0.100) == []  # between two values: not looked at
+        now += every
     assert tick(now, 0.039) == []  # below 2x
-    now += PROBED_EVERY
+    now += every
     began = now
     assert tick(now, 0.050) == []  # above, not yet for 60 s
     while now - began < cfg.regression_seconds:
-        now += PROBED_EVERY
+        now += every
         triggers = tick(now, 0.050)
     (t,) = triggers
     assert (t.kind, t.job_id, t.rank) == ("regression", "j", "0")

@@ -5,6 +5,7 @@ usage: [torchrun --nproc-per-node N] timeline_job.py --truth-dir DIR --go-file F
        [--steps N] [--accum K] [--workers W] [--slow-loader-rank R] [--slow-rank R]
        [--slow-factor F] [--raise-in-backward] [--seconds S] [--fsdp2] [--device-seconds S]
        [--slow-layers] [--batch B] [--profile-dir D] [--linger S]
+       [--slow-file FILE --slow-device-seconds S]
 
 It waits for FILE before its first step, so an agent can place its probes first. Then it
 writes DIR/rankR.json: the monotonic time of every optimizer.step() call and, per step,
@@ -14,7 +15,8 @@ layers' forwards took (inside FSDP2's hooks: no collective wait in them).
 
 --fsdp2 shards each layer and the model with ``fully_shard`` (FSDP2) instead of DDP.
 --device-seconds sleeps that long each step where a GPU-bound job's host waits for its
-device. --slow-layers makes --slow-rank a slower device: each of its layers computes
+device; once --slow-file exists, it sleeps --slow-device-seconds instead (a step-time
+regression). --slow-layers makes --slow-rank a slower device: each of its layers computes
 twice, forward and backward, so it arrives last at nearly every collective.
 """
 
@@ -44,6 +46,8 @@ parser.add_argument("--save-seconds", type=float, default=40.0)
 parser.add_argument("--hang-at-step", type=int, default=-1, help="rank 1 stops for good in its forward at this step")
 parser.add_argument("--fsdp2", action="store_true")
 parser.add_argument("--device-seconds", type=float, default=0.0)
+parser.add_argument("--slow-file", default="", help="once this file exists, the device takes --slow-device-seconds a step")
+parser.add_argument("--slow-device-seconds", type=float, default=0.0)
 parser.add_argument("--slow-layers", action="store_true")
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--profile-dir", default="", help="also profile every step, a trace of --profile-steps written here each cycle")
@@ -200,8 +204,11 @@ def main() -> None:
                 Failing.apply(torch.ones(1, requires_grad=True)).sum().backward()
             except RuntimeError:
                 raised += 1
-        if args.device_seconds:
-            time.sleep(args.device_seconds)  # the device computes; the host waits for it
+        device = args.device_seconds
+        if args.slow_file and os.path.exists(args.slow_file):  # a regression: the device got slower
+            device = args.slow_device_seconds
+        if device:
+            time.sleep(device)  # the device computes; the host waits for it
         t4 = time.monotonic()
         calls.append(t4)
         opt.step()

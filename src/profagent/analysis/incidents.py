@@ -96,11 +96,13 @@ class _RankSteps:
 
 
 class RegressionDetector:
-    """Step-time regressions per (job_id, rank), fed one value per new trace."""
+    """Step-time regressions per (job_id, rank), fed one value per new trace (or per
+    period of the kernel probes' p50: ``measured_by`` says which, in the reason)."""
 
-    def __init__(self, factor: float, seconds: float) -> None:
+    def __init__(self, factor: float, seconds: float, measured_by: str = "traces") -> None:
         self.factor = factor
         self.seconds = seconds
+        self.measured_by = measured_by
         self._ranks: dict[tuple[str, str], _RankSteps] = {}
         self._configured: Side | None = None  # traces.baseline, pooled
         self._configured_from: tuple[Any, ...] = ()
@@ -172,9 +174,10 @@ class RegressionDetector:
                 why = self.explain(job_id, rank)
                 out[job_id] = Trigger(
                     "regression", job_id, rank,
-                    f"rank {rank} step time above {self.factor:g}x its baseline of {base:.3f} s "
-                    f"for {now - r.slow_since:.0f} s" + (f": {why['verdict']}" if why else ""),
-                    {"baseline_seconds": base, "slow_since": r.slow_since, "factor": self.factor, **why},
+                    f"rank {rank} step time ({self.measured_by}) above {self.factor:g}x its baseline of "
+                    f"{base:.3f} s for {now - r.slow_since:.0f} s" + (f": {why['verdict']}" if why else ""),
+                    {"baseline_seconds": base, "slow_since": r.slow_since, "factor": self.factor,
+                     "measured_by": self.measured_by, **why},
                 )
         return list(out.values())
 

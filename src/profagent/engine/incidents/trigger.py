@@ -41,7 +41,9 @@ from profagent.system.cputime import CPU
 
 log = logging.getLogger(__name__)
 
-PROBED_EVERY = 30.0  # seconds between two of a rank's probed step times fed to the regression rule
+# A rank's probed p50 is fed to the regression rule once every half timeline window (30 s
+# at the default 60): each value covers the window, so two in a row share half their steps.
+PROBED_EVERY = 0.5  # of timeline.window_seconds
 PROBED_MIN_STEPS = 10  # steps in the timeline window for its p50 to count
 
 
@@ -107,7 +109,8 @@ class IncidentsSource:
         self._rate_file = RateLimitFile(rate_file) if rate_file is not None else None
         self._regression = RegressionDetector(config.regression_factor, config.regression_seconds)
         # the same rule on the kernel probes' step time: every job, no trace needed
-        self._probed = RegressionDetector(config.regression_factor, config.regression_seconds)
+        self._probed = RegressionDetector(config.regression_factor, config.regression_seconds,
+                                          measured_by="kernel probes, no trace")
         self._probed_at: dict[tuple[str, str], float] = {}  # when each rank's p50 was last fed
         self._lock = threading.Lock()  # the gate and the counts (control requests come from another thread)
         self._counts: dict[tuple[str, str], int] = {}
@@ -286,13 +289,14 @@ class IncidentsSource:
         return self._regression.triggers(now) + self._probed_regressions(view, tree, now)
 
     def _probed_regressions(self, view: StateView, tree: ProcessTree, now: float) -> list[Trigger]:
-        """The probes' p50 step time of each rank, one value per PROBED_EVERY seconds (the
+        """The probes' p50 step time of each rank, one value per half timeline window (the
         first MIN_BASELINE of them are its baseline): no trace needed."""
         timeline = view.timeline
+        every = PROBED_EVERY * timeline.window_seconds if timeline is not None else 0.0
         for r in timeline.ranks if timeline is not None else ():
             key = (r.job_id, r.rank)
             if r.p50 is not None and r.window_steps >= PROBED_MIN_STEPS \
-                    and now - self._probed_at.get(key, float("-inf")) >= PROBED_EVERY:
+                    and now - self._probed_at.get(key, float("-inf")) >= every:
                 self._probed_at[key] = now
                 self._probed.observe(r.job_id, r.rank, r.p50, now)
         self._probed.forget(tree.job_status())
