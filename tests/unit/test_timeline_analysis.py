@@ -358,3 +358,5 @@ def test_a_probed_step_time_above_the_factor_for_long_enough_is_a_regression(tmp
     (t,) = triggers
     assert (t.kind, t.job_id, t.rank) == ("regression", "j", "0")
     assert t.evidence["baseline_seconds"] == pytest.approx(0.020)
+    assert t.evidence["step_seconds"] == pytest.approx(0.050)
+    assert t.evidence["measured_by"] == "kernel probes, no trace"

@@ -5,7 +5,7 @@ usage: [torchrun --nproc-per-node N] timeline_job.py --truth-dir DIR --go-file F
        [--steps N] [--accum K] [--workers W] [--slow-loader-rank R] [--slow-rank R]
        [--slow-factor F] [--raise-in-backward] [--seconds S] [--fsdp2] [--device-seconds S]
        [--slow-layers] [--batch B] [--profile-dir D] [--linger S]
-       [--slow-file FILE --slow-device-seconds S]
+       [--slow-file FILE --slow-device-seconds S [--slow-steps K]]
 
 It waits for FILE before its first step, so an agent can place its probes first. Then it
 writes DIR/rankR.json: the monotonic time of every optimizer.step() call and, per step,
@@ -16,7 +16,7 @@ layers' forwards took (inside FSDP2's hooks: no collective wait in them).
 --fsdp2 shards each layer and the model with ``fully_shard`` (FSDP2) instead of DDP.
 --device-seconds sleeps that long each step where a GPU-bound job's host waits for its
 device; once --slow-file exists, it sleeps --slow-device-seconds instead (a step-time
-regression). --slow-layers makes --slow-rank a slower device: each of its layers computes
+regression), and ends after --slow-steps such steps when given. --slow-layers makes --slow-rank a slower device: each of its layers computes
 twice, forward and backward, so it arrives last at nearly every collective.
 """
 
@@ -48,6 +48,7 @@ parser.add_argument("--fsdp2", action="store_true")
 parser.add_argument("--device-seconds", type=float, default=0.0)
 parser.add_argument("--slow-file", default="", help="once this file exists, the device takes --slow-device-seconds a step")
 parser.add_argument("--slow-device-seconds", type=float, default=0.0)
+parser.add_argument("--slow-steps", type=int, default=0, help="one process only: end this many steps after --slow-file appears")
 parser.add_argument("--slow-layers", action="store_true")
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--profile-dir", default="", help="also profile every step, a trace of --profile-steps written here each cycle")
@@ -172,7 +173,10 @@ def main() -> None:
     until = time.monotonic() + args.seconds
     step = 0
     profiler = profiled(args.profile_dir)
-    while not finished(step, until, distributed):
+    slow_steps = 0
+    if distributed and args.slow_steps:
+        parser.error("--slow-steps is for one process: ranks would see the slow file at different steps")
+    while not finished(step, until, distributed) and not (args.slow_steps and slow_steps >= args.slow_steps):
         step += 1
         if step == args.save_at_step and distributed:
             marker = Path(args.truth_dir, "saving")
@@ -207,6 +211,7 @@ def main() -> None:
         device = args.device_seconds
         if args.slow_file and os.path.exists(args.slow_file):  # a regression: the device got slower
             device = args.slow_device_seconds
+            slow_steps += 1
         if device:
             time.sleep(device)  # the device computes; the host waits for it
         t4 = time.monotonic()

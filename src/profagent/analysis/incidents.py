@@ -93,6 +93,7 @@ class _RankSteps:
     slow_since: float | None = None
     steady: list = field(default_factory=list)  # reports of its first MIN_BASELINE normal traces
     slow: Any = None  # the report of its last slow trace
+    slow_seconds: float = 0.0  # the step time of its last slow value
 
 
 class RegressionDetector:
@@ -129,7 +130,7 @@ class RegressionDetector:
         if base is not None and step_seconds > self.factor * base:
             if r.slow_since is None:
                 r.slow_since = at
-            r.slow = report
+            r.slow, r.slow_seconds = report, step_seconds
             return  # slow traces never join the baseline
         r.slow_since = None
         r.baseline.append(step_seconds)
@@ -176,8 +177,8 @@ class RegressionDetector:
                     "regression", job_id, rank,
                     f"rank {rank} step time ({self.measured_by}) above {self.factor:g}x its baseline of "
                     f"{base:.3f} s for {now - r.slow_since:.0f} s" + (f": {why['verdict']}" if why else ""),
-                    {"baseline_seconds": base, "slow_since": r.slow_since, "factor": self.factor,
-                     "measured_by": self.measured_by, **why},
+                    {"baseline_seconds": base, "step_seconds": r.slow_seconds, "slow_since": r.slow_since,
+                     "factor": self.factor, "measured_by": self.measured_by, **why},
                 )
         return list(out.values())
 

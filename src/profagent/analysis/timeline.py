@@ -47,7 +47,7 @@ _EXITS = frozenset((RECORD_EXIT, BACKWARD_END))
 _RESETS = frozenset((STEP, DATA))  # blocks never opened inside a backward
 
 
-class Step(NamedTuple):  # one a step of every rank: a tuple is made ten times faster
+class Step(NamedTuple):  # one per step of every rank: a NamedTuple is built ten times faster than a frozen dataclass
     """One completed step: its start (monotonic seconds), length and stage times."""
 
     start: float
