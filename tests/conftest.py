@@ -26,12 +26,14 @@ def children(tmp_path: Path) -> Iterator[Children]:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The order xdist hands out files in (``make test`` turns its own reordering off):
-    files marked ``slow_first`` first, then the files with the most tests first, as xdist
-    would. A file of one or two long tests would otherwise start last and be the suite's
-    tail. Only a few files carry the mark: handing out every long file first was slower, as
-    their CPU-heavy jobs then ran together and, on 2 cores, slowed one another."""
+    files marked ``slow_first`` first, then the end-to-end files with the most tests first,
+    as xdist would, and the unit files last. A file of one or two long tests would otherwise
+    start last and be the suite's tail; the unit files, seconds each, fill the workers' ends
+    instead. Only a few files carry the mark: handing out every long file first was slower,
+    as their CPU-heavy jobs then ran together and, on 2 cores, slowed one another."""
     per_file = collections.Counter(item.path for item in items)
-    items.sort(key=lambda item: (item.get_closest_marker("slow_first") is None, -per_file[item.path]))
+    items.sort(key=lambda item: (item.get_closest_marker("slow_first") is None, item.path.parent.name == "unit",
+                                 -per_file[item.path]))
 
 
 AGENT_LOG_LINES_ON_FAILURE = 60

@@ -22,7 +22,12 @@ pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="kernel probes need r
 
 
 def test_a_rank_slower_by_half_is_named_the_straggler_from_its_arrivals(tmp_path: Path, run_agent) -> None:
-    job = Job(tmp_path, 2, "--slow-rank", "1", "--slow-factor", "1.5", "--seconds", "90", "--workers", "0")
+    """A job whose host waits 40 ms a step for its device, as GPU jobs do, where rank 1's
+    device takes half as long again: rank 1 arrives last at every collective, by about a
+    quarter of its step. (The devices are sleeps and the batches small: the suite's CPUs
+    stay free for the other tests.)"""
+    job = Job(tmp_path, 2, "--slow-rank", "1", "--slow-factor", "1.5", "--device-seconds", "0.04", "--seconds", "90",
+              "--workers", "0", "--batch", "8")
     try:
         url = attach(run_agent, job)
         began = time.monotonic()
@@ -44,9 +49,12 @@ def test_an_fsdp2_rank_with_twice_the_compute_is_named_the_straggler(tmp_path: P
     """FSDP2 (``fully_shard`` on each layer, gloo) where rank 1 computes each layer twice,
     forward and backward, as a device of half the speed would. The arrival thresholds are
     scaled down (20 s of window, 10 s of span instead of 60 and 30) to keep the test short;
-    the shares are the defaults. Checked: the finding's rank, text and advice, `diagnose`,
-    `top --once`, and the job's own account of each rank's forward compute."""
-    job = Job(tmp_path, 2, "--fsdp2", "--slow-rank", "1", "--slow-layers", "--seconds", "45", "--workers", "0")
+    the shares are the defaults. Each step also waits 20 ms on the rest of its device's work
+    (a sleep, the same on both ranks), so the two ranks leave the suite's CPUs half the time.
+    Checked: the finding's rank, text and advice, `diagnose`, `top --once`, and the job's
+    own account of each rank's forward compute."""
+    job = Job(tmp_path, 2, "--fsdp2", "--slow-rank", "1", "--slow-layers", "--seconds", "45", "--workers", "0",
+              "--device-seconds", "0.02")
     try:
         config = tmp_path / "profagent.toml"
         config.write_text("[timeline]\nwindow_seconds = 20\n[findings]\narrival_min_seconds = 10\n")
@@ -85,8 +93,11 @@ def test_an_fsdp2_rank_with_twice_the_compute_is_named_the_straggler(tmp_path: P
 
 def test_a_healthy_job_gets_no_straggler_nor_any_other_finding(tmp_path: Path, run_agent) -> None:
     """Every evaluation of 45 s of a healthy 2-rank DDP job with DataLoader workers is
-    read (the evaluation counter proves the agent looked), and none holds a finding."""
-    job = Job(tmp_path, 2, "--seconds", "45", "--workers", "2", "--linger", "60")  # read after its steps
+    read (the evaluation counter proves the agent looked), and none holds a finding. Its
+    host waits 30 ms a step for its device, as in the straggler's job above (the flat-out
+    healthy job is test_collectives_e2e's, the five-minute ones test_healthy_jobs_e2e's)."""
+    job = Job(tmp_path, 2, "--seconds", "45", "--workers", "2", "--device-seconds", "0.03", "--batch", "8",
+              "--linger", "60")  # read after its steps
     try:
         url = attach(run_agent, job)
         job.start_file.write_text("go")

@@ -1,29 +1,30 @@
 """A DDP job over two simulated nodes: one answer for the job (issue #39;
-tests/helpers/nodes.py). Real torchrun DDP jobs of two ranks per node, each rank logging
+tests/helpers/nodes.py). A real torchrun DDP job of two ranks per node, each rank logging
 its own ground truth (tests/workloads/plain_ddp.py: its work per step, its steps, the line
 where it hangs); which node gets which ranks is the rendezvous' choice, so tests ask the
-logs. One real Prometheus scrapes both agents and evaluates the shipped rules. The three
-scenarios run in order in this one file, so that two two-node jobs never share the CPUs.
+logs. One real Prometheus scrapes both agents and evaluates the shipped rules. The module's
+one job goes through three phases, each a test, in order: a job started once (two nodes'
+start-up is minutes of CPU on a loaded node) and never beside another two-node job.
 
-Straggler on node 1 (its own job: global rank 2 does three times the others' work): within
-two minutes of the ranks' start, the job-level straggler series
-(instance_job_id_rank:profagent_collective_wait_ratio:job_straggler) and the agent of rank
-2's node both name rank 2, and then they hold: sampled every second for half a minute, and
-counted by Prometheus over the same time, with no evaluation or scrape without them. No
-other rank is named, on either node, and no other finding is raised.
+Healthy (every rank doing the same work, paced by a sleep a step): from the ranks' start
+until a minute after every rank's collective-wait share is in Prometheus (the straggler
+rule's input), the straggler series stays empty and neither agent raises any finding: read
+every two seconds, and over the whole time from Prometheus. The agents looked: their
+evaluations went on, the probes matched every rank's collectives, and Prometheus scraped
+both nodes and evaluated the rule on the job throughout.
 
-Healthy (the module's job, every rank doing the same work): from the ranks' start until a
-minute after every rank's collective-wait share is in Prometheus (the straggler rule's
-input), the straggler series stays empty and neither agent raises any finding: read every
-two seconds, and over the whole time from Prometheus. The agents looked: their evaluations
-went on, the probes matched every rank's collectives, and Prometheus scraped both nodes and
-evaluated the rule on the job throughout.
+Straggler on node 1 (from a step set through the trigger file, global rank 2 does three
+times the others' work and no rank sleeps): within two minutes, the job-level straggler
+series (instance_job_id_rank:profagent_collective_wait_ratio:job_straggler) and the agent
+of rank 2's node both name rank 2, and then they hold: sampled every second for half a
+minute, and counted by Prometheus over the same time, with no evaluation or scrape without
+them. No other rank is named, on either node, and no other finding is raised.
 
-Hang on node 1 (the same job; global rank 3 then sleeps before its forward, through the
-trigger file): one ProfagentJobHang for the job naming rank 3, its node and its line (while
-node 0's agent sees only ranks waiting), ``diagnose --prometheus`` saying the same, no
-straggler series while the job is hung, and the job id from torchrun's command line on
-both nodes from the first scrape (no PID id, no relabel).
+Hang on node 1 (global rank 3 then sleeps before its forward, while rank 2 still
+straggles): one ProfagentJobHang for the job naming rank 3, its node and its line (while
+node 0's agent sees only ranks waiting), ``diagnose --prometheus`` saying the same, the
+straggler series gone while the job is hung, and the job id from torchrun's command line
+on both nodes from the first scrape (no PID id, no relabel).
 """
 
 from __future__ import annotations
@@ -58,106 +59,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.slow_first,
               pytest.mark.skipif(os.geteuid() != 0, reason="two simulated nodes need root for unshare -p -m")]
 
 
-# The straggler first: its own job, ended before the module's healthy-then-hung one starts.
-@pytest.mark.timeout(330)  # up to 2 min of start-up on a loaded node, 2 min to name, 30 s of hold
-def test_a_straggler_on_node_1_is_named_by_the_job_rule_and_its_agent_and_holds(tmp_path: Path) -> None:
-    job_id, nodes = start_two_nodes(tmp_path, config=scaled(), mode="straggler", nproc=2,
-                                    env={"PLAIN_DDP_SLOW_RANK": str(SLOW_RANK)})
-    try:
-        with prometheus_over(nodes, tmp_path, on_failure=lambda prom: _print_state(prom, job_id, nodes)) as prom:
-            _check_straggler(prom, job_id, nodes)
-    finally:
-        for n in nodes:
-            n.stop()
-
-
-def _check_straggler(prom: Prometheus, job_id: str, nodes: list[Node]) -> None:
-    started = time.monotonic()
-    wait_for(lambda: all(n.ready() == 2 for n in nodes), 120, interval=0.5, what="four ranks ready")
-    began = time.monotonic()
-    slow = next(n for n in nodes if SLOW_RANK in n.ranks())
-    # ground truth from the ranks themselves: rank 2 does three times the others' work
-    work = {r: next(e["repeat"] for e in n.events(r) if e["event"] == "ready") for n in nodes for r in n.ranks()}
-    assert work[SLOW_RANK] == 3 * min(work.values()) and sorted(work.values())[:3] == [min(work.values())] * 3, work
-
-    def series() -> list[tuple[str, str]]:
-        return [(s["metric"]["instance"], s["metric"]["rank"]) for s in prom.query(f'{SERIES}{{job_id="{job_id}"}}')]
-
-    def stragglers(node: Node) -> list[dict]:
-        answer = json.loads(http_get(node.url + "/api/findings"))
-        return [f for f in answer["findings"] if f["finding"] == "straggler" and f["job_id"] == job_id]
-
-    want = [(slow.address, str(SLOW_RANK))]
-    wait_for(lambda: series() == want, NAMED_WITHIN, interval=1, what="the job-level straggler series naming rank 2")
-    rule_at = time.monotonic() - began
-    [finding] = wait_for(lambda: stragglers(slow), max(1.0, NAMED_WITHIN - rule_at), interval=1,
-                         what="rank 2's agent naming its straggler")
-    agent_at = time.monotonic() - began
-    assert finding["rank"] == str(SLOW_RANK), finding
-    assert "contended" not in finding["summary"], finding  # its own extra work, not the node
-    print(f"ranks ready at +{began - started:.0f} s; named by the rule at +{rule_at:.0f} s, by the agent at +{agent_at:.0f} s: {finding['summary']}")
-
-    # They hold: every second for HOLD seconds, and at every evaluation and scrape in between.
-    held_from = time.monotonic()
-    gaps = []
-    while time.monotonic() - held_from < HOLD:
-        got = (series(), [f["rank"] for f in stragglers(slow)], [f["rank"] for f in stragglers(_other(nodes, slow))])
-        if got != (want, [str(SLOW_RANK)], []):  # with what gates the rule and the finding, to say why
-            gates = prom.query(f'{{__name__=~"profagent_rank_stack_unchanged_seconds|profagent_rank_stalled|'
-                               f'profagent_finding", job_id="{job_id}"}}')
-            gaps.append((round(time.monotonic() - began), got,
-                         [(g["metric"]["__name__"], g["metric"].get("finding"), g["metric"]["rank"], g["value"][1])
-                          for g in gates if g["value"][1] != "0"]))
-        time.sleep(1)
-    assert not gaps, gaps
-    span = f"{int(time.monotonic() - held_from) - 2}s"
-    at = time.time() - 2  # one evaluation time for the four counts, with its last scrape stored
-    rule_count = _count(prom, f'count_over_time({SERIES}{{job_id="{job_id}"}}[{span}])', at)
-    evaluations = _count(prom, f'count_over_time(job_id:profagent_target_up:nodes{{job_id="{job_id}"}}[{span}])', at)
-    scrapes = _count(prom, f'sum_over_time(up{{instance="{slow.address}"}}[{span}])', at)  # the ones that answered
-    finding_count = _count(prom, f'count_over_time(profagent_finding{{job_id="{job_id}", finding="straggler", '
-                                 f'rank="{SLOW_RANK}", instance="{slow.address}"}}[{span}])', at)
-    assert evaluations >= HOLD / 2 and rule_count >= evaluations, (rule_count, evaluations)
-    assert scrapes >= HOLD / 2 and finding_count == scrapes, (finding_count, scrapes)
-
-    # Over the whole run: no other rank named, no other finding, on either node.
-    run = f"{int(time.monotonic() - began) + 60}s"
-    named = prom.query(f'group by (instance, rank) (last_over_time({SERIES}{{job_id="{job_id}"}}[{run}]))')
-    assert [(s["metric"]["instance"], s["metric"]["rank"]) for s in named] == want, named
-    raised = prom.query(f'group by (instance, rank, finding) (last_over_time(profagent_finding{{job_id="{job_id}"}}[{run}]))')
-    assert [(s["metric"]["instance"], s["metric"]["rank"], s["metric"]["finding"]) for s in raised] == [
-        (slow.address, str(SLOW_RANK), "straggler")], raised
-
-
-def _other(nodes: list[Node], node: Node) -> Node:
-    return next(n for n in nodes if n is not node)
-
-
-def _count(prom: Prometheus, expr: str, at: float) -> float:
-    found = prom.query(expr, at)
-    assert len(found) <= 1, found
-    return float(found[0]["value"][1]) if found else 0.0
-
-
-def _print_state(prom: Prometheus, job_id: str, nodes: list[Node]) -> None:
-    """What the rule and the agents saw at the end: each rank's wait share and the rule's steps."""
-    for expr in ("profagent_collective_wait_ratio", "instance_job_id_rank:profagent_collective_wait_ratio:straggling",
-                 "max_over_time(instance_job_id_rank:profagent_collective_wait_ratio:straggling[5m])",
-                 "count_over_time(instance_job_id_rank:profagent_collective_wait_ratio:straggling[5m])", SERIES,
-                 "profagent_finding"):
-        try:
-            found = prom.query(f'{expr}{{job_id="{job_id}"}}' if "(" not in expr else expr)
-            print(expr, [(r["metric"].get("rank"), r["metric"].get("finding"), r["value"][1]) for r in found])
-        except Exception as exc:  # the state is a help, never the failure
-            print(expr, exc)
-    for n in nodes:
-        try:
-            print(n.address, [(f["finding"], f["rank"], f["summary"]) for f in
-                              json.loads(http_get(n.url + "/api/findings"))["findings"]])
-        except Exception as exc:
-            print(n.address, exc)
-
-
 @dataclass
 class TwoNodes:
     job_id: str
@@ -180,12 +81,14 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodes]:
     tmp = tmp_path_factory.mktemp("two-nodes")
     trigger = tmp / "trigger"
     started = time.monotonic()
-    # paced (50 ms of sleep a step, as a job waiting on its devices): four ranks stepping
-    # flat out for two minutes would slow every other test on the node; the flat-out healthy
-    # job is test_collectives_e2e's
+    # healthy and paced (50 ms of sleep a step, as a job waiting on its devices) until the
+    # straggler's step: four ranks stepping flat out for minutes would slow every other test
+    # on the node; the flat-out healthy job is test_collectives_e2e's. Ten minutes of life:
+    # three phases on a loaded node.
     job_id, nodes = start_two_nodes(tmp, config=scaled(stall_seconds=STALL_SECONDS), mode="healthy", nproc=2,
                                     env={"PLAIN_DDP_TRIGGER": str(trigger), "PLAIN_DDP_HANG_RANK": str(HANG_RANK),
-                                         "PLAIN_DDP_STEP_SLEEP": "0.05"})
+                                         "PLAIN_DDP_SLOW_RANK": str(SLOW_RANK), "PLAIN_DDP_STEP_SLEEP": "0.05",
+                                         "PLAIN_DDP_MAX_SECONDS": "600"})
     try:
         with prometheus_over(nodes, tmp) as prom:
             yield TwoNodes(job_id, nodes, prom, trigger, started)
@@ -246,7 +149,114 @@ def test_a_healthy_job_over_two_nodes_has_no_straggler_series_and_no_finding(two
               "wait-share gap below the job's median:", {s["metric"]["rank"]: round(float(s["value"][1]), 3) for s in spread})
 
 
-@pytest.mark.timeout(360)  # the start-up when run alone, then the stall and the verdict
+@pytest.mark.timeout(330)  # 2 min to name on a loaded node, 30 s of hold, Prometheus' counts
+def test_a_straggler_on_node_1_is_named_by_the_job_rule_and_its_agent_and_holds(two_nodes: TwoNodes) -> None:
+    job_id, nodes, prom = two_nodes.job_id, two_nodes.nodes, two_nodes.prom
+    try:
+        _check_straggler(prom, job_id, nodes, two_nodes)
+    except BaseException:
+        _print_state(prom, job_id, nodes)
+        for n in nodes:
+            print(n.log())
+        raise
+
+
+def _check_straggler(prom: Prometheus, job_id: str, nodes: list[Node], two_nodes: TwoNodes) -> None:
+    two_nodes.ready()
+    trigger_event(two_nodes.trigger, [[e for e in n.events(r) if e["event"] == "step"] for n in nodes
+                                      for r in n.ranks()], "straggle")
+
+    def switched() -> dict[int, int] | None:
+        work = {r: next((e["repeat"] for e in n.events(r) if e["event"] == "straggle"), None)
+                for n in nodes for r in n.ranks()}
+        return work if None not in work.values() else None  # type: ignore[return-value]
+
+    work = wait_for(switched, 60, interval=0.2, what="every rank at the straggler's step")
+    began = time.monotonic()
+    slow = two_nodes.node_of(SLOW_RANK)
+    # ground truth from the ranks themselves: rank 2 now does three times the others' work
+    assert work[SLOW_RANK] == 3 * min(work.values()) and sorted(work.values())[:3] == [min(work.values())] * 3, work
+
+    def series() -> list[tuple[str, str]]:
+        return [(s["metric"]["instance"], s["metric"]["rank"]) for s in prom.query(f'{SERIES}{{job_id="{job_id}"}}')]
+
+    def stragglers(node: Node) -> list[dict]:
+        answer = json.loads(http_get(node.url + "/api/findings"))
+        return [f for f in answer["findings"] if f["finding"] == "straggler" and f["job_id"] == job_id]
+
+    want = [(slow.address, str(SLOW_RANK))]
+    wait_for(lambda: series() == want, NAMED_WITHIN, interval=1, what="the job-level straggler series naming rank 2")
+    rule_at = time.monotonic() - began
+    [finding] = wait_for(lambda: stragglers(slow), max(1.0, NAMED_WITHIN - rule_at), interval=1,
+                         what="rank 2's agent naming its straggler")
+    agent_at = time.monotonic() - began
+    assert finding["rank"] == str(SLOW_RANK), finding
+    assert "contended" not in finding["summary"], finding  # its own extra work, not the node
+    print(f"from the straggler's step, named by the rule at +{rule_at:.0f} s, by the agent at +{agent_at:.0f} s: "
+          f"{finding['summary']}")
+
+    # They hold: every second for HOLD seconds, and at every evaluation and scrape in between.
+    held_from = time.monotonic()
+    gaps = []
+    while time.monotonic() - held_from < HOLD:
+        got = (series(), [f["rank"] for f in stragglers(slow)], [f["rank"] for f in stragglers(_other(nodes, slow))])
+        if got != (want, [str(SLOW_RANK)], []):  # with what gates the rule and the finding, to say why
+            gates = prom.query(f'{{__name__=~"profagent_rank_stack_unchanged_seconds|profagent_rank_stalled|'
+                               f'profagent_finding", job_id="{job_id}"}}')
+            gaps.append((round(time.monotonic() - began), got,
+                         [(g["metric"]["__name__"], g["metric"].get("finding"), g["metric"]["rank"], g["value"][1])
+                          for g in gates if g["value"][1] != "0"]))
+        time.sleep(1)
+    assert not gaps, gaps
+    span = f"{int(time.monotonic() - held_from) - 2}s"
+    at = time.time() - 2  # one evaluation time for the four counts, with its last scrape stored
+    rule_count = _count(prom, f'count_over_time({SERIES}{{job_id="{job_id}"}}[{span}])', at)
+    evaluations = _count(prom, f'count_over_time(job_id:profagent_target_up:nodes{{job_id="{job_id}"}}[{span}])', at)
+    scrapes = _count(prom, f'sum_over_time(up{{instance="{slow.address}"}}[{span}])', at)  # the ones that answered
+    finding_count = _count(prom, f'count_over_time(profagent_finding{{job_id="{job_id}", finding="straggler", '
+                                 f'rank="{SLOW_RANK}", instance="{slow.address}"}}[{span}])', at)
+    assert evaluations >= HOLD / 2 and rule_count >= evaluations, (rule_count, evaluations)
+    assert scrapes >= HOLD / 2 and finding_count == scrapes, (finding_count, scrapes)
+
+    # Over the phase and the minute before it: no other rank named, no other finding, on either node.
+    run = f"{int(time.monotonic() - began) + 60}s"
+    named = prom.query(f'group by (instance, rank) (last_over_time({SERIES}{{job_id="{job_id}"}}[{run}]))')
+    assert [(s["metric"]["instance"], s["metric"]["rank"]) for s in named] == want, named
+    raised = prom.query(f'group by (instance, rank, finding) (last_over_time(profagent_finding{{job_id="{job_id}"}}[{run}]))')
+    assert [(s["metric"]["instance"], s["metric"]["rank"], s["metric"]["finding"]) for s in raised] == [
+        (slow.address, str(SLOW_RANK), "straggler")], raised
+
+
+def _other(nodes: list[Node], node: Node) -> Node:
+    return next(n for n in nodes if n is not node)
+
+
+def _count(prom: Prometheus, expr: str, at: float) -> float:
+    found = prom.query(expr, at)
+    assert len(found) <= 1, found
+    return float(found[0]["value"][1]) if found else 0.0
+
+
+def _print_state(prom: Prometheus, job_id: str, nodes: list[Node]) -> None:
+    """What the rule and the agents saw at the end: each rank's wait share and the rule's steps."""
+    for expr in ("profagent_collective_wait_ratio", "instance_job_id_rank:profagent_collective_wait_ratio:straggling",
+                 "max_over_time(instance_job_id_rank:profagent_collective_wait_ratio:straggling[5m])",
+                 "count_over_time(instance_job_id_rank:profagent_collective_wait_ratio:straggling[5m])", SERIES,
+                 "profagent_finding"):
+        try:
+            found = prom.query(f'{expr}{{job_id="{job_id}"}}' if "(" not in expr else expr)
+            print(expr, [(r["metric"].get("rank"), r["metric"].get("finding"), r["value"][1]) for r in found])
+        except Exception as exc:  # the state is a help, never the failure
+            print(expr, exc)
+    for n in nodes:
+        try:
+            print(n.address, [(f["finding"], f["rank"], f["summary"]) for f in
+                              json.loads(http_get(n.url + "/api/findings"))["findings"]])
+        except Exception as exc:
+            print(n.address, exc)
+
+
+@pytest.mark.timeout(420)  # the start-up and straggler's step when run alone, then the stall and the verdict
 def test_a_hang_on_node_1_is_one_page_naming_rank_node_and_line(two_nodes: TwoNodes) -> None:
     job_id, nodes, prom = two_nodes.job_id, two_nodes.nodes, two_nodes.prom
     with _logs_on_failure(nodes):

@@ -123,7 +123,7 @@ def start_two_nodes(tmp: Path, **node: object) -> tuple[str, list[Node]]:
 # within the issue's two minutes on a loaded machine. Sampling rate and native windows at
 # their defaults: py-spy pauses its rank at every sample, and faster or native sampling made a
 # healthy rank arrive last at its node's collectives. Stalls at the default unless a scenario
-# hangs (a busy rank never freezes).
+# hangs (a busy rank never freezes, so a short stall time names no one before the hang).
 def scaled(stall_seconds: float | None = None) -> str:
     """The scaled-down agent config (TOML sections for ``agent_config``'s ``extra``)."""
     stall = f"stall_seconds = {stall_seconds}\n" if stall_seconds is not None else ""

@@ -8,17 +8,21 @@ usage: PLAIN_DDP_LOG=DIR torchrun --nproc-per-node N plain_ddp.py MODE [ddp|fsdp
 MODE: healthy (every rank at the same pace) or straggler (rank PLAIN_DDP_SLOW_RANK does
 SLOW_FACTOR times the compute of the others each step).
 
-An event, at a step both ranks reach (so every rank takes it at the same step), given by
-PLAIN_DDP_EVENT="KIND:STEP" or, once it exists, by the file PLAIN_DDP_TRIGGER holding it:
+An event, at a step every rank reaches (so every rank takes it at the same step), given by
+PLAIN_DDP_EVENT="KIND:STEP" or, once it exists, by the file PLAIN_DDP_TRIGGER holding it
+(read at every step: a test may write one event after another):
   hang:S      rank PLAIN_DDP_HANG_RANK (1 by default) sleeps before its forward of step S
               (the others wait in backward, or in FSDP2's all_gather);
   mismatch:S  rank 0 enters all_reduce, the other ranks a broadcast from rank 0: they never
               meet (gloo keeps the two apart, and a receiving rank cannot finish alone;
-              as the sender, a rank would return once its bytes are buffered, and move on).
+              as the sender, a rank would return once its bytes are buffered, and move on);
+  straggle:S  from step S on, a healthy job becomes a straggler job: rank
+              PLAIN_DDP_SLOW_RANK does SLOW_FACTOR times the others' work, and no rank
+              sleeps after its steps any more.
 
 Ground truth goes to DIR/rank<R>.jsonl (one JSON object a line): {"event": "ready",
-"repeat", "pid"}, {"event": "step", "step", "seconds"} and {"event": "hang"|"mismatch", "file",
-"line", "collective"}. Every rank is bounded (lifeline.bound). PLAIN_DDP_STEP_SLEEP=S makes
+"repeat", "pid"}, {"event": "step", "step", "seconds"}, {"event": "straggle", "repeat"} and
+{"event": "hang"|"mismatch", "file", "line", "collective"}. Every rank is bounded (lifeline.bound). PLAIN_DDP_STEP_SLEEP=S makes
 every rank sleep S seconds after each step (a paced job).
 """
 
@@ -68,16 +72,20 @@ def here() -> int:
 
 
 class Event:
-    """The event to take and its step, from PLAIN_DDP_EVENT or the trigger file (read once)."""
+    """The event to take and its step, from PLAIN_DDP_EVENT or the trigger file (its last
+    content: tests replace it whole, by a rename)."""
 
     def __init__(self) -> None:
         self.trigger = os.environ.get("PLAIN_DDP_TRIGGER", "")
         self.spec = os.environ.get("PLAIN_DDP_EVENT", "")
 
     def at(self, step: int) -> str:
-        if not self.spec and self.trigger and os.path.exists(self.trigger):
-            with open(self.trigger) as fh:
-                self.spec = fh.read().strip()
+        if self.trigger:
+            try:
+                with open(self.trigger) as fh:
+                    self.spec = fh.read().strip()
+            except FileNotFoundError:
+                pass
         kind, _, when = self.spec.partition(":")
         return kind if when.isdigit() and int(when) == step else ""
 
@@ -106,10 +114,14 @@ def main() -> None:
     note(event="ready", repeat=repeat, pid=os.getpid())
     events = Event()
     step = 0
+    step_sleep = STEP_SLEEP
     while True:
         began = time.monotonic()
         x = torch.randn(64, 256)
         event = events.at(step)
+        if event == "straggle":
+            repeat, step_sleep = SLOW_FACTOR * WORK if rank == SLOW_RANK else WORK, 0.0
+            note(event="straggle", repeat=repeat)
         if event == "hang" and rank == HANG_RANK:
             note(event="hang", file=os.path.basename(__file__), line=here() + 1)
             time.sleep(3600)  # the culprit: never reaches its forward, the others wait in backward
@@ -127,8 +139,8 @@ def main() -> None:
         opt.zero_grad()
         step += 1
         note(event="step", step=step, seconds=time.monotonic() - began)
-        if STEP_SLEEP:
-            time.sleep(STEP_SLEEP)
+        if step_sleep:
+            time.sleep(step_sleep)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,11 @@ layers' forwards took (inside FSDP2's hooks: no collective wait in them).
 --fsdp2 shards each layer and the model with ``fully_shard`` (FSDP2) instead of DDP.
 --device-seconds sleeps that long each step where a GPU-bound job's host waits for its
 device; once --slow-file exists, it sleeps --slow-device-seconds instead (a step-time
-regression), and ends after --slow-steps such steps when given. --slow-layers makes --slow-rank a slower device: each of its layers computes
-twice, forward and backward, so it arrives last at nearly every collective.
+regression), and ends after --slow-steps such steps when given. --slow-rank makes that
+rank's compute take --slow-factor times as long: its host compute (a busy loop), or with
+--device-seconds its device alone (a slower GPU: no CPU spent on it). --slow-layers
+instead makes each of its layers compute twice, forward and backward, so it arrives last
+at nearly every collective.
 """
 
 import argparse
@@ -197,7 +200,8 @@ def main() -> None:
             t2 = time.monotonic()
             loss.backward()
             t3 = time.monotonic()
-            if args.slow_rank == RANK and not args.slow_layers:  # a straggler: its compute takes slow_factor times as long
+            if args.slow_rank == RANK and not args.slow_layers and not args.device_seconds:
+                # a straggler: its compute takes slow_factor times as long
                 extra = time.monotonic() + (args.slow_factor - 1.0) * (t3 - t1)
                 while time.monotonic() < extra:
                     pass
@@ -209,6 +213,8 @@ def main() -> None:
             except RuntimeError:
                 raised += 1
         device = args.device_seconds
+        if args.slow_rank == RANK and not args.slow_layers:
+            device *= args.slow_factor  # with a device, the straggler's device is the slow part
         if args.slow_file and os.path.exists(args.slow_file):  # a regression: the device got slower
             device = args.slow_device_seconds
             slow_steps += 1
