@@ -39,6 +39,9 @@ lint: venv
 	$(VENV)/bin/ruff check src tests bench examples tools
 
 test: venv prometheus lint
+	@# Bytecode for the checkout, written once: where PYTHONDONTWRITEBYTECODE is set, every
+	@# agent, CLI and worker the suite starts would compile profagent's sources again.
+	$(PY) -m compileall -q src tests examples >/dev/null
 	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not long" --durations=20
 
 # The soaks (five minutes and more each, marked `long`): healthy jobs that must get no finding.

@@ -247,9 +247,9 @@ def _attached(env: dict, job_args: list[str], ranks: list[str], stepping: bool =
 
 @pytest.fixture(scope="module")
 def traced_job(ondemand_env):
-    """A 2-rank job polling the agent, and the agent attached to its launcher (paced: 20 ms
+    """A 2-rank job polling the agent, and the agent attached to its launcher (paced: 50 ms
     of sleep a step, as the module runs for minutes beside other tests)."""
-    with _attached(ondemand_env, ["--ranks", "2", "--workers", "0", "--step-sleep", "0.02"], ["0", "1"]) as job:
+    with _attached(ondemand_env, ["--ranks", "2", "--workers", "0", "--step-sleep", "0.05"], ["0", "1"]) as job:
         yield job
 
 

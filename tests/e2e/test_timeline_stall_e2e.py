@@ -24,7 +24,7 @@ def test_a_save_warns_then_clears_and_a_stuck_rank_is_named_four_times_sooner_th
     gone once steps resume, never a `hang`. Then rank 1 stops for good in its forward: a
     `stall` naming rank 1 and its line by a quarter of the hang's time."""
     warn_after, hang_after = 12.0, 48.0
-    job = Job(tmp_path, 2, "--steps", "100000", "--workers", "0", "--save-at-step", "60", "--save-seconds", "25",
+    job = Job(tmp_path, 2, "--steps", "100000", "--workers", "0", "--batch", "8", "--save-at-step", "60", "--save-seconds", "25",
               "--hang-at-step", "300")
     try:
         config = tmp_path / "profagent.toml"

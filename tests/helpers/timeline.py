@@ -26,9 +26,11 @@ class Job:
         script = [str(WORKLOAD), "--truth-dir", str(self.dir), "--go-file", str(self.start_file), *args]
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
                     "--master-port", str(free_port())] if ranks > 1 else [sys.executable]
+        # one thread per process, as torchrun gives its ranks: a lone process would otherwise
+        # run an OpenMP thread per core, spinning on the suite's 2 cores between its ops
         self.proc = subprocess.Popen([*launcher, *script], stdout=self._out, stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=WORKLOAD.parent,
-                                     env={**os.environ, **env} if env else None)
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
     def truth(self, rank: int) -> dict:
         return json.loads((self.dir / f"rank{rank}.json").read_text())
