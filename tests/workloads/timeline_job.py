@@ -8,9 +8,9 @@ usage: [torchrun --nproc-per-node N] timeline_job.py --truth-dir DIR --go-file F
        [--slow-file FILE --slow-device-seconds S [--slow-steps K]]
 
 It waits for FILE before its first step, so an agent can place its probes first. Then it
-writes DIR/rankR.json: the monotonic time of every optimizer.step() call and, per step,
-the seconds it spent in next(loader), in loss.backward() and in optimizer.step() plus
-zero_grad(), measured around each call with time.monotonic(), and the seconds its own
+writes DIR/rankR.json: the monotonic time of every optimizer.step() call (from a step
+pre-hook) and, per step, the seconds it spent in next(loader), in loss.backward() and in
+optimizer.step() plus zero_grad(), measured around each call with time.monotonic(), and the seconds its own
 layers' forwards took (inside FSDP2's hooks: no collective wait in them).
 
 --fsdp2 shards each layer and the model with ``fully_shard`` (FSDP2) instead of DDP.
@@ -171,6 +171,10 @@ def main() -> None:
     if distributed:
         dist.barrier()  # every rank starts together
     calls: list[float] = []
+    # Each step call's time from a step pre-hook: torch runs it first thing inside
+    # Optimizer.step's record_function, microseconds after the probe there. A time taken
+    # before the call would put the node's preemptions between the two clocks.
+    opt.register_step_pre_hook(lambda *_: calls.append(time.monotonic()))
     stages: list[dict[str, float]] = []
     raised = 0
     until = time.monotonic() + args.seconds
@@ -221,7 +225,6 @@ def main() -> None:
         if device:
             time.sleep(device)  # the device computes; the host waits for it
         t4 = time.monotonic()
-        calls.append(t4)
         opt.step()
         opt.zero_grad()
         if profiler is not None:
