@@ -35,7 +35,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,16 +152,12 @@ def test_a_healthy_job_over_two_nodes_has_no_straggler_series_and_no_finding(two
 @pytest.mark.timeout(330)  # 2 min to name on a loaded node, 30 s of hold, Prometheus' counts
 def test_a_straggler_on_node_1_is_named_by_the_job_rule_and_its_agent_and_holds(two_nodes: TwoNodes) -> None:
     job_id, nodes, prom = two_nodes.job_id, two_nodes.nodes, two_nodes.prom
-    try:
-        _check_straggler(prom, job_id, nodes, two_nodes)
-    except BaseException:
-        _print_state(prom, job_id, nodes)
-        for n in nodes:
-            print(n.log())
-        raise
+    with _logs_on_failure(nodes, also=lambda: _print_state(prom, job_id, nodes)):
+        _check_straggler(two_nodes)
 
 
-def _check_straggler(prom: Prometheus, job_id: str, nodes: list[Node], two_nodes: TwoNodes) -> None:
+def _check_straggler(two_nodes: TwoNodes) -> None:
+    job_id, nodes, prom = two_nodes.job_id, two_nodes.nodes, two_nodes.prom
     two_nodes.ready()
     trigger_event(two_nodes.trigger, [[e for e in n.events(r) if e["event"] == "step"] for n in nodes
                                       for r in n.ranks()], "straggle")
@@ -308,11 +304,14 @@ def test_a_hang_on_node_1_is_one_page_naming_rank_node_and_line(two_nodes: TwoNo
 
 
 @contextlib.contextmanager
-def _logs_on_failure(nodes: list[Node]) -> Iterator[None]:
-    """Each node's log printed when the block fails (the module's set-up outlives a test)."""
+def _logs_on_failure(nodes: list[Node], also: Callable[[], None] | None = None) -> Iterator[None]:
+    """Each node's log (and what ``also`` prints) when the block fails (the module's set-up
+    outlives a test)."""
     try:
         yield
     except BaseException:
+        if also is not None:
+            also()
         for n in nodes:
             print(n.log())
         raise

@@ -22,8 +22,9 @@ PLAIN_DDP_EVENT="KIND:STEP" or, once it exists, by the file PLAIN_DDP_TRIGGER ho
 
 Ground truth goes to DIR/rank<R>.jsonl (one JSON object a line): {"event": "ready",
 "repeat", "pid"}, {"event": "step", "step", "seconds"}, {"event": "straggle", "repeat"} and
-{"event": "hang"|"mismatch", "file", "line", "collective"}. Every rank is bounded (lifeline.bound). PLAIN_DDP_STEP_SLEEP=S makes
-every rank sleep S seconds after each step (a paced job).
+{"event": "hang"|"mismatch", "file", "line", "collective"}. Every rank is bounded
+(lifeline.bound). PLAIN_DDP_STEP_SLEEP=S makes every rank sleep S seconds after each step
+(a paced job).
 """
 
 import argparse
@@ -110,7 +111,11 @@ def main() -> None:
     else:
         model = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    repeat = SLOW_FACTOR * WORK if args.mode == "straggler" and rank == SLOW_RANK else WORK
+
+    def work(straggling: bool) -> int:
+        return SLOW_FACTOR * WORK if straggling and rank == SLOW_RANK else WORK
+
+    repeat = work(args.mode == "straggler")
     note(event="ready", repeat=repeat, pid=os.getpid())
     events = Event()
     step = 0
@@ -120,7 +125,7 @@ def main() -> None:
         x = torch.randn(64, 256)
         event = events.at(step)
         if event == "straggle":
-            repeat, step_sleep = SLOW_FACTOR * WORK if rank == SLOW_RANK else WORK, 0.0
+            repeat, step_sleep = work(True), 0.0
             note(event="straggle", repeat=repeat)
         if event == "hang" and rank == HANG_RANK:
             note(event="hang", file=os.path.basename(__file__), line=here() + 1)

@@ -10,8 +10,9 @@ usage: [torchrun --nproc-per-node N] timeline_job.py --truth-dir DIR --go-file F
 It waits for FILE before its first step, so an agent can place its probes first. Then it
 writes DIR/rankR.json: the monotonic time of every optimizer.step() call (from a step
 pre-hook) and, per step, the seconds it spent in next(loader), in loss.backward() and in
-optimizer.step() plus zero_grad(), measured around each call with time.monotonic(), and the seconds its own
-layers' forwards took (inside FSDP2's hooks: no collective wait in them).
+optimizer.step() plus zero_grad(), measured around each call with time.monotonic(), and
+the seconds its own layers' forwards took (inside FSDP2's hooks: no collective wait in
+them).
 
 --fsdp2 shards each layer and the model with ``fully_shard`` (FSDP2) instead of DDP.
 --device-seconds sleeps that long each step where a GPU-bound job's host waits for its
@@ -171,6 +172,7 @@ def main() -> None:
     if distributed:
         dist.barrier()  # every rank starts together
     calls: list[float] = []
+    slow_compute = args.slow_rank == RANK and not args.slow_layers  # --slow-factor on this rank
     # Each step call's time from a step pre-hook: torch runs it first thing inside
     # Optimizer.step's record_function, microseconds after the probe there. A time taken
     # before the call would put the node's preemptions between the two clocks.
@@ -204,7 +206,7 @@ def main() -> None:
             t2 = time.monotonic()
             loss.backward()
             t3 = time.monotonic()
-            if args.slow_rank == RANK and not args.slow_layers and not args.device_seconds:
+            if slow_compute and not args.device_seconds:
                 # a straggler: its compute takes slow_factor times as long
                 extra = time.monotonic() + (args.slow_factor - 1.0) * (t3 - t1)
                 while time.monotonic() < extra:
@@ -217,7 +219,7 @@ def main() -> None:
             except RuntimeError:
                 raised += 1
         device = args.device_seconds
-        if args.slow_rank == RANK and not args.slow_layers:
+        if slow_compute:
             device *= args.slow_factor  # with a device, the straggler's device is the slow part
         if args.slow_file and os.path.exists(args.slow_file):  # a regression: the device got slower
             device = args.slow_device_seconds
