@@ -103,9 +103,12 @@ def test_issuing_patterns_match_frames_of_a_real_native_window(pattern: str, fra
 
 
 @pytest.mark.parametrize(("pattern", "frame"), [
-    # No GPU pair here: these two are written from NCCL's and c10d's symbol names, not captured.
+    # No GPU pair here: these are written from NCCL's and c10d's symbol names, not captured.
     ("nccl", "ncclAllReduce (libnccl.so.2)"),
     ("process_group_nccl", "c10d::ProcessGroupNCCL::WorkNCCL::synchronize (libtorch_cuda.so)"),
+    # torch 2.14.1's libtorch_cuda.so exports it (tests/unit/fixtures/torch_symbols)
+    ("process_group_nccl", "c10d::nccl2::ProcessGroupNCCL::allreduce(std::vector<at::Tensor, std::allocator<at::Tensor> >&, "
+                           "c10d::AllreduceOptions const&) (libtorch_cuda.so)"),
 ])
 def test_nccl_patterns_on_symbol_names(pattern: str, frame: str) -> None:
     assert native_pattern(Frame(frame, "", 0)).name == pattern

@@ -43,7 +43,8 @@ NATIVE_PATTERNS = (
     _p("ddp_reducer", r"\bc10d::Reducer::", "all_reduce from backward (DDP's reducer)"),
     _p("work_wait", r"\bc10d::(?:\w+::)*\w*Work::wait\b", "a collective's Work::wait"),
     _p("process_group_gloo", r"\bc10d::ProcessGroupGloo::", "a gloo collective"),
-    _p("process_group_nccl", r"\bc10d::ProcessGroupNCCL::", "an NCCL collective"),
+    # torch 2.14 has a second NCCL process group in c10d::nccl2
+    _p("process_group_nccl", r"\bc10d::(?:nccl2::)?ProcessGroupNCCL::", "an NCCL collective"),
     _p("c10d_dispatch", r"\bc10d::ops::|\bc10d::ProcessGroup::", "a collective being issued (c10d)"),
 )
 

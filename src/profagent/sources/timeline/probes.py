@@ -35,19 +35,34 @@ class ProbeSpec:
     required: bool = False  # without it the library is not probed at all
 
 
-# The collectives DDP, FSDP and FSDP2 call, and barrier. Each probe costs the kernel about
-# 0.1 s to disarm when the agent stops (it visits every process mapping the library), so
-# the rarely used ones (gather, scatter, alltoall...) are left out.
-_OPS = ("allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base",
-        "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
-        "reduce_scatter_tensor_coalesced", "barrier")
+# The collectives DDP, FSDP and FSDP2 call, and barrier: (the process group's method, the
+# collective's name). torch 2.14 renamed the one-tensor ones (``_allgather_base`` became
+# ``all_gather_single``...): a build has one name or the other, and both are looked for.
+# Each probe costs the kernel about 0.1 s to disarm when the agent stops (it visits every
+# process mapping the library), so the rarely used ones (gather, scatter, alltoall...) are
+# left out.
+_OPS = (
+    ("allreduce", "allreduce"), ("allreduce_coalesced", "allreduce_coalesced"), ("broadcast", "broadcast"),
+    ("allgather", "allgather"), ("_allgather_base", "allgather_base"), ("all_gather_single", "allgather_base"),
+    ("allgather_into_tensor_coalesced", "allgather_into_tensor_coalesced"),
+    ("all_gather_single_coalesced", "allgather_into_tensor_coalesced"),
+    ("reduce_scatter", "reduce_scatter"), ("_reduce_scatter_base", "reduce_scatter_base"),
+    ("reduce_scatter_single", "reduce_scatter_base"),
+    ("reduce_scatter_tensor_coalesced", "reduce_scatter_tensor_coalesced"),
+    ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"),
+    ("barrier", "barrier"),
+)
+# The process group classes: (probe key prefix, mangled class). torch 2.14's libtorch_cuda.so
+# has a second NCCL process group, c10d::nccl2::ProcessGroupNCCL, beside the first.
+_GROUPS = (("gloo", "4c10d16ProcessGroupGloo"), ("nccl", "4c10d16ProcessGroupNCCL"),
+           ("nccl2", "4c10d5nccl216ProcessGroupNCCL"))
 
 
-def _collective(backend: str, op: str) -> ProbeSpec:
-    mangled = f"{len(op)}{op}".encode()
-    name = f"ProcessGroup{backend}".encode()
-    pattern = re.compile(rb"_ZN4c10d" + str(len(name)).encode() + name + mangled + rb"E[A-Za-z0-9_]*")
-    return ProbeSpec(f"{backend.lower()}_{op.strip('_')}"[:40], tl.COLLECTIVE, pattern, collective=op.strip("_"))
+def _collective(prefix: str, group: str, method: str, collective: str) -> ProbeSpec:
+    # ending in its options (``const ReduceScatterOptions&``...): the method that overrides
+    # c10d::Backend's, not a helper of the same name (nccl2 has a reduce_scatter of its own)
+    pattern = re.compile(rb"_ZN" + group.encode() + f"{len(method)}{method}".encode() + rb"E[A-Za-z0-9_]*OptionsE")
+    return ProbeSpec(f"{prefix}_{method.strip('_')}"[:40], tl.COLLECTIVE, pattern, collective=collective)
 
 
 PROBES: tuple[ProbeSpec, ...] = (
@@ -62,10 +77,10 @@ PROBES: tuple[ProbeSpec, ...] = (
     ProbeSpec("bwd", tl.BACKWARD, re.compile(rb"_ZN5torch8autograd6Engine7executeE[A-Za-z0-9_]*")),
     ProbeSpec("bwd_end", tl.BACKWARD_END, re.compile(
         rb"_ZN5torch8autograd5utils19DelayWarningHandler15replay_warningsEv")),
-    *(_collective("Gloo", op) for op in _OPS),
-    # NCCL's process group lives in libtorch_cuda.so; named from torch's source
-    # (ProcessGroupNCCL.hpp), probed where a library has them.
-    *(_collective("NCCL", op) for op in _OPS),
+    # gloo's process group lives in libtorch_cpu.so, NCCL's in libtorch_cuda.so; the names
+    # are torch's own (ProcessGroup*.hpp), checked against real builds (tests/unit/fixtures/
+    # torch_symbols), and probed where a library has them
+    *(_collective(prefix, group, method, collective) for prefix, group in _GROUPS for method, collective in _OPS),
 )
 
 LIBRARY_NAMES = re.compile(r"(^|/)lib(torch_cpu|torch_cuda|torch)\.so(\.[0-9.]+)?$")
