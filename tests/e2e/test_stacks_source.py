@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 def make_source(**kw) -> StacksSource:
     cfg = StacksConfig(rate=50, window=1.0, stall_seconds=kw.pop("stall_seconds", 120.0), **kw)
-    return StacksSource(cfg, interval=0.2, gpu_busy=kw.pop("gpu_busy", None) if "gpu_busy" in kw else None)
+    return StacksSource(cfg, interval=0.2, busy=kw.pop("busy", None) if "busy" in kw else None)
 
 
 def pyspy_children() -> list[psutil.Process]:
@@ -365,8 +365,8 @@ def test_stall_is_flagged_once_with_frames_unless_gpus_are_busy(children, tmp_pa
     caplog.set_level(logging.INFO, logger="profagent")
     proc = children.python(STUCK)
     wait_ready(proc, str(tmp_path / "child_0.py.ready"))
-    busy = StacksSource(StacksConfig(rate=20, window=1.0, stall_seconds=2.0), 0.2, gpu_busy=lambda rank, job: True)
-    idle = StacksSource(StacksConfig(rate=20, window=1.0, stall_seconds=2.0), 0.2, gpu_busy=lambda rank, job: False)
+    busy = StacksSource(StacksConfig(rate=20, window=1.0, stall_seconds=2.0), 0.2, busy=lambda rank, job: True)
+    idle = StacksSource(StacksConfig(rate=20, window=1.0, stall_seconds=2.0), 0.2, busy=lambda rank, job: False)
     for s in (busy, idle):
         s.start()
     try:

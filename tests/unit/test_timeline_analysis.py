@@ -290,6 +290,28 @@ def test_a_job_whose_probes_went_quiet_is_pausing_before_any_stall() -> None:
         == findings.pausing_jobs(None) == frozenset()
 
 
+def test_a_rank_the_probes_saw_step_is_busy_for_the_stall_verdict() -> None:
+    """A rank that waits for a straggler in every step can show that one wait in every py-spy
+    sample of a window; its steps say it works, so its stack alone never stalls it."""
+    from types import SimpleNamespace
+
+    from profagent.engine.agent import Job
+    from profagent.state import State
+
+    t = TimelineSnapshot((steps_of("0", since_step_seconds=0.2), steps_of("1", since_step_seconds=12.0),
+                          steps_of("2", since_step_seconds=None)))
+    assert findings.stepped_within(t, "j", "0", 10.0) and findings.stepped_within(t, "", "0", 10.0)
+    assert not findings.stepped_within(t, "j", "1", 10.0)  # no step for longer than that
+    assert not findings.stepped_within(t, "j", "2", 10.0)  # never stepped (an evaluation, start-up)
+    assert not findings.stepped_within(t, "other", "0", 10.0) and not findings.stepped_within(None, "j", "0", 10.0)
+    state = State()
+    job = SimpleNamespace(state=state, stall_seconds=10.0)
+    assert Job.rank_busy(job, "0", "j") is None  # nothing known yet
+    state.publish("timeline", t, 0.0)
+    assert Job.rank_busy(job, "0", "j") is True
+    assert Job.rank_busy(job, "1", "j") is None  # no GPU signal either: the stacks decide
+
+
 def test_no_stall_before_the_threshold_nor_in_an_evaluation_loop() -> None:
     cfg = FindingsConfig()
     slow_steps = (steps_of("0", idle_seconds=31.0, p90=5.0), steps_of("1", idle_seconds=31.0, p90=5.0))

@@ -447,8 +447,11 @@ class StallTracker:
     Windows are the unit: a window whose main-thread samples all share one stack extends
     the run if it is the same stack as before, else starts a new run at the window start.
     A window with several stacks (or none) ends the run. Stacks are compared by
-    ``standing_key``: one wait whose innermost frames change (a poll loop) stands still. The rank is stalled when the run is longer than
-    ``stall_seconds`` and ``gpu_busy`` is not True (None = no GPU signal).
+    ``standing_key``: one wait whose innermost frames change (a poll loop) stands still. The
+    rank is stalled when the run is longer than ``stall_seconds`` and ``busy`` is not True:
+    True when another signal says it works (its GPUs are busy, or its kernel probes saw it
+    step lately: a rank that waits for a straggler in every step may show that one wait in
+    every sample of a window), False when its GPUs are idle, None when nothing is known.
     """
 
     def __init__(self, stall_seconds: float) -> None:
@@ -463,7 +466,7 @@ class StallTracker:
         """When the current run of one unchanged stack began (its first window's start)."""
         return self._since
 
-    def update(self, main_samples: list[Sample], start: float, end: float, gpu_busy: bool | None) -> StallStatus:
+    def update(self, main_samples: list[Sample], start: float, end: float, busy: bool | None) -> StallStatus:
         stacks = {standing_key(s.frames) for s in main_samples}
         if len(stacks) != 1:
             self._stack, self._since, self._frames = None, None, ()
@@ -472,7 +475,7 @@ class StallTracker:
             if stack != self._stack or self._since is None:
                 self._stack, self._since, self._frames = stack, start, main_samples[0].frames
         unchanged = end - self._since if self._since is not None else 0.0
-        stalled = unchanged > self.stall_seconds and gpu_busy is not True
+        stalled = unchanged > self.stall_seconds and busy is not True
         started = stalled and not self._stalled
         self._stalled = stalled
         return StallStatus(stalled, unchanged, self._frames, started)

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from profagent.analysis.findings.steps import pausing_jobs
+from profagent.analysis.findings.steps import pausing_jobs, stepped_within
 from profagent.config import Config, parse_listen
 from profagent.engine.control import ControlledOndemand, ControlServer
 from profagent.engine.findings import FindingsEngine
@@ -112,6 +112,7 @@ class Job:
         """``target`` replaces ``PidTarget(pid)`` (watch mode passes a NodeTarget)."""
         set_value_max(config.agent.max_label_bytes)  # before the first environment is read
         self.pid = pid
+        self.stall_seconds = config.stacks.stall_seconds
         self.watch = target is not None  # a node target: every job of the node, not one tree
         self.state = State()
         self.target = target if target is not None else PidTarget(pid, cmdline_args=config.agent.cmdline_args)
@@ -121,7 +122,7 @@ class Job:
         self.engine_control: ControlServer | None = None  # the socket's own server, with on-demand off
         for source in self.sources:
             if isinstance(source, StacksSource):
-                source.gpu_busy = self.gpu_busy  # a stall needs the rank's GPUs idle too
+                source.busy = self.rank_busy  # a stall needs the rank's steps stopped and its GPUs idle
                 source.job_hot = self.has_findings  # py-spy at the full rate while a finding is active
             if isinstance(source, GpuSource):  # per-field NVML errors -> collector_errors_total
                 source.record_error = functools.partial(self.state.record_error, "gpu")
@@ -152,10 +153,15 @@ class Job:
         self.sources.append(source)
         return source
 
-    def gpu_busy(self, rank: str, job_id: str | None = None) -> bool | None:
-        """Whether the rank's GPUs work, from the GPU source's latest snapshot (None: unknown)."""
-        snapshot = self.state.view().gpu
-        return snapshot.rank_busy(rank, job_id=job_id or None) if snapshot is not None else None
+    def rank_busy(self, rank: str, job_id: str | None = None) -> bool | None:
+        """Whether the rank works, for the stacks source's stall verdict: True when its kernel
+        probes saw an optimizer step within stacks.stall_seconds (a rank waiting for a
+        straggler in every step can show that one wait in every sample of a window), else
+        what its GPUs say from the GPU source's latest snapshot (None: unknown)."""
+        view = self.state.view()
+        if stepped_within(view.timeline, job_id, rank, self.stall_seconds):
+            return True
+        return view.gpu.rank_busy(rank, job_id=job_id or None) if view.gpu is not None else None
 
     def has_findings(self, job_id: str) -> bool:
         """Whether a finding began on the job in the last FRESH_FINDING seconds (from the

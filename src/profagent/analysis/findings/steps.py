@@ -96,6 +96,15 @@ def pausing_jobs(timeline: TimelineSnapshot | None) -> frozenset[str]:
                             and r.idle_seconds >= _stall_after(r, PAUSE_SECONDS, PAUSE_FACTOR) for r in rs))
 
 
+def stepped_within(timeline: TimelineSnapshot | None, job_id: str | None, rank: str, seconds: float) -> bool:
+    """Whether the kernel probes saw the rank make an optimizer step in the last ``seconds``
+    (of the timeline's latest snapshot). ``job_id`` None or "": any job (attach mode)."""
+    if timeline is None:
+        return False
+    return any(r.rank == rank and (not job_id or r.job_id == job_id) and r.since_step_seconds is not None
+               and r.since_step_seconds < seconds for r in timeline.ranks)
+
+
 def _stall_after(r: RankSteps, floor: float, factor: float) -> float:
     return max(floor, factor * (r.p90 or 0.0))
 

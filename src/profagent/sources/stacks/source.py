@@ -56,7 +56,9 @@ log = logging.getLogger(__name__)
 
 JOB_MEMORY_SECONDS = 60.0  # how long a pid's job is remembered after it left the targets
 
-GpuBusy = Callable[[str, str], "bool | None"]  # (rank, job_id) -> GPUs busy? None: unknown
+# (rank, job_id) -> whether the rank works by a signal other than its stacks (its GPUs, its
+# steps); None: unknown. True holds off a stall however still its stack stands.
+RankBusy = Callable[[str, str], "bool | None"]
 JobHot = Callable[[str], bool]  # job_id -> a finding is active on the job
 
 
@@ -68,7 +70,7 @@ class StacksSource:
         self,
         config: StacksConfig,
         interval: float = 1.0,
-        gpu_busy: GpuBusy | None = None,
+        busy: RankBusy | None = None,
         binary: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
@@ -76,7 +78,7 @@ class StacksSource:
     ) -> None:
         self.config = config
         self.interval = interval
-        self.gpu_busy = gpu_busy
+        self.busy = busy
         self.job_hot: JobHot | None = None  # set by the engine: full rate while the job has a finding
         self._pace_policy = PacePolicy()
         self._binary = binary
@@ -255,10 +257,10 @@ class StacksSource:
     def _check_stall(self, r: Result, main: list[Sample]) -> None:
         job = self._job(r.pid)
         busy = None
-        if self.gpu_busy is not None:
+        if self.busy is not None:
             try:
-                busy = self.gpu_busy(r.rank, job)
-            except Exception:  # the GPU hook is someone else's: never let it break stacks
+                busy = self.busy(r.rank, job)
+            except Exception:  # the hook is someone else's: never let it break stacks
                 busy = None
         self._stall.check_rank((job, r.rank), main, r.start, r.end, busy, self.config.stall_seconds)
 

@@ -106,16 +106,16 @@ class StallPolicy:
             self.workers[key] = {pid: look for pid, look in self.workers[key].items() if pid in live}
         return wanted
 
-    def check_rank(self, key: RankKey, main: list[Sample], start: float, end: float, gpu_busy: bool | None,
+    def check_rank(self, key: RankKey, main: list[Sample], start: float, end: float, busy: bool | None,
                    stall_seconds: float) -> None:
-        """One window of a rank's main process."""
+        """One window of a rank's main process; ``busy`` as ``StallTracker.update`` takes it."""
         tracker = self.trackers.setdefault(key, StallTracker(stall_seconds))
-        status = tracker.update(main, start, end, gpu_busy)
+        status = tracker.update(main, start, end, busy)
         self.looked[key] = (start, end)
         was = self.state.get(key, (False, 0.0, ()))[0]
         self.state[key] = (status.stalled, status.unchanged_seconds, dominant_stack(main))
         if status.started:
-            gpu = "no GPU signal" if gpu_busy is None else "its GPUs idle"
+            gpu = "no GPU signal" if busy is None else "its GPUs idle"  # False comes from the GPUs alone
             log.warning("rank %s stalled: main thread stack unchanged for %.0f s (%s); stack, innermost last:",
                         key[1], status.unchanged_seconds, gpu, extra={"lines": [str(f) for f in status.frames]})
         elif was and not status.stalled:
