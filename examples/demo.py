@@ -155,6 +155,17 @@ def wait_for_polling(url: str, stop: list[bool], timeout: float = 90.0) -> bool:
     return False
 
 
+def wait_for_own_trace(url: str, stop: list[bool], timeout: float = 60.0) -> bool:
+    """Whether the agent has taken in a trace that rank 1's own profiler wrote: until then
+    it cannot know that rank 1 drops on-demand requests, and a capture would wait for one."""
+    deadline = time.monotonic() + timeout
+    while not stop[0] and time.monotonic() < deadline:
+        if any(line.startswith("profagent_trace_step_seconds{") and 'rank="1"' in line for line in scrape(url).splitlines()):
+            return True
+        time.sleep(0.5)
+    return False
+
+
 def on_demand_trace(launcher: int, config: Path) -> None:
     """Take one on-demand trace of rank 0 through the agent, as a user would."""
     try:
@@ -335,6 +346,9 @@ def run(args: argparse.Namespace, agent: subprocess.Popen, work: Path, base: str
         remember(seen, base)
         if not stop[0]:
             print_probed_steps(base, stop)
+        if not stop[0] and not wait_for_own_trace(url, stop) and not stop[0]:
+            print("demo: rank 1's first trace has not come in yet; the capture may wait for its on-demand trace",
+                  flush=True)
         if not stop[0]:
             diagnose_and_capture(base, config)
             remember(seen, base)

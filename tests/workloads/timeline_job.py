@@ -9,8 +9,9 @@ usage: [torchrun --nproc-per-node N] timeline_job.py --truth-dir DIR --go-file F
 
 It waits for FILE before its first step, so an agent can place its probes first. Then it
 writes DIR/rankR.json: the monotonic time of every optimizer.step() call (from a step
-pre-hook) and, per step, the seconds it spent in next(loader), in loss.backward() and in
-optimizer.step() plus zero_grad(), measured around each call with time.monotonic(), and
+pre-hook) and, per step, the seconds it spent in next(loader), in loss.backward() (as the
+autograd engine ran it, from a hook and a callback inside it) and in optimizer.step() plus
+zero_grad(), measured around each call with time.monotonic(), and
 the seconds its own layers' forwards took (inside FSDP2's hooks: no collective wait in
 them).
 
@@ -143,6 +144,24 @@ def profiled(folder: str):
     return profiler
 
 
+def engine_clock(loss: "torch.Tensor") -> list[float]:
+    """[start, end] of loss.backward() as the autograd engine runs it, filled in during the
+    call: a hook on the first node and a callback after every other one (DDP's and FSDP2's
+    own end-of-backward callbacks, queued while the graph runs, come before it). Times taken
+    around the Python call would put its argument checks and a loaded node's preemptions
+    between the job's clock and the probes on Engine::execute."""
+    times: list[float] = []
+    engine = torch.autograd.Variable._execution_engine
+
+    def first_node(_grads: object) -> None:
+        times.append(time.monotonic())
+        # queued from a callback, so it runs after those the graph's own hooks queue
+        engine.queue_callback(lambda: engine.queue_callback(lambda: times.append(time.monotonic())))
+
+    loss.grad_fn.register_prehook(first_node)
+    return times
+
+
 def finished(step: int, until: float, distributed: bool) -> bool:
     """--steps, or --seconds: then every rank stops at the same step (the first rank past
     the time decides, through an all_reduce of the flags, as time-boxed jobs do)."""
@@ -203,9 +222,9 @@ def main() -> None:
             x, y = next(batches)
             t1 = time.monotonic()
             loss = torch.nn.functional.cross_entropy(net(x), y) / args.accum
-            t2 = time.monotonic()
+            inside = engine_clock(loss)
             loss.backward()
-            t3 = time.monotonic()
+            t2, t3 = inside
             if slow_compute and not args.device_seconds:
                 # a straggler: its compute takes slow_factor times as long
                 extra = time.monotonic() + (args.slow_factor - 1.0) * (t3 - t1)
