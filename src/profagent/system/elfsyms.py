@@ -1,7 +1,8 @@
 """Function symbols of a mapped library, as file offsets a uprobe can take.
 
 The library comes from a process we observe, so its bytes are hostile: pyelftools reads
-the headers, every section we read whole is capped (``MAX_SECTION``), and anything
+the ELF header, the section header table is read whole (``MAX_SECTIONS``), every section
+we read whole is capped (``MAX_SECTION``), and anything
 malformed is one ``ElfError``. Names are matched by regular expression against both the
 dynamic and the full symbol table (``.symtab``, when the build kept it), so any torch
 wheel that exports or keeps the symbol can be probed without importing torch.
@@ -21,7 +22,15 @@ from elftools.elf.elffile import ELFFile
 
 MAX_SECTION = 256 << 20  # bytes of one symbol or string table we read
 CODE_BYTES = 16  # bytes read at each function's start, to check its first instructions
+HEAD_BYTES = 24  # of a pattern's literal head, searched for once for all patterns sharing them
 _SYM64 = struct.Struct("<IBBHQQ")  # st_name, st_info, st_other, st_shndx, st_value, st_size
+# sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size, sh_link, sh_info, sh_addralign, sh_entsize
+_SHDR64 = struct.Struct("<IIQQQQIIQQ")
+MAX_SECTIONS = 1 << 16
+MAX_NOTES = 1 << 16  # bytes of one note section we read for the build id
+SHN_XINDEX = 0xFFFF
+SHT_NOTE = 7
+NT_GNU_BUILD_ID = 3
 STT_FUNC = 2
 
 
@@ -52,9 +61,10 @@ def read_functions(fh: BinaryIO, patterns: Mapping[str, re.Pattern[bytes]]) -> L
             raise ElfError("not a 64-bit little-endian ELF file")
         segments = [(s["p_vaddr"], s["p_memsz"], s["p_offset"], s["p_filesz"]) for s in elf.iter_segments()
                     if s["p_type"] == "PT_LOAD" and s["p_flags"] & 1]  # PF_X: code
+        sections = _sections(fh, elf)
         found: dict[str, dict[str, Function]] = {key: {} for key in patterns}
         for table, strings in ((".dynsym", ".dynstr"), (".symtab", ".strtab")):
-            symtab, strtab = elf.get_section_by_name(table), elf.get_section_by_name(strings)
+            symtab, strtab = sections.get(table), sections.get(strings)
             if symtab is None or strtab is None:
                 continue
             names = _section_bytes(fh, strtab)
@@ -69,7 +79,7 @@ def read_functions(fh: BinaryIO, patterns: Mapping[str, re.Pattern[bytes]]) -> L
                 offset = _file_offset(segments, value)
                 if offset is not None and name not in found[key]:
                     found[key][name] = Function(name, offset, _read_at(fh, offset, CODE_BYTES))
-        return Library(elf.header["e_machine"], _build_id(elf),
+        return Library(elf.header["e_machine"], _build_id(fh, sections),
                        {k: tuple(v.values()) for k, v in found.items()})
     except ElfError:
         raise
@@ -77,11 +87,44 @@ def read_functions(fh: BinaryIO, patterns: Mapping[str, re.Pattern[bytes]]) -> L
         raise ElfError(f"malformed ELF file ({type(exc).__name__})") from exc
 
 
-def _section_bytes(fh: BinaryIO, section: object, whole: bool = False) -> bytes:
-    size = section["sh_size"]  # type: ignore[index]
-    if size > MAX_SECTION:
-        raise ElfError(f"a symbol section of {size} bytes is over the {MAX_SECTION >> 20} MiB cap")
-    data = _read_at(fh, section["sh_offset"], size)  # type: ignore[index]
+@dataclass(frozen=True)
+class _Section:
+    type: int
+    offset: int
+    size: int
+
+
+def _sections(fh: BinaryIO, elf: ELFFile) -> dict[str, _Section]:
+    """Name -> section, from the section header table read whole. Not pyelftools' section
+    list: making it parses every GNU hash table in full (half the time for libtorch_cpu.so)."""
+    shoff, count, names_at = elf.header["e_shoff"], elf.header["e_shnum"], elf.header["e_shstrndx"]
+    if shoff == 0:
+        return {}
+    if elf.header["e_shentsize"] != _SHDR64.size:
+        raise ElfError(f"section headers of {elf.header['e_shentsize']} bytes, not {_SHDR64.size}")
+    first = _SHDR64.unpack(_read_at(fh, shoff, _SHDR64.size))
+    count = count or first[5]  # more than 0xff00 sections: the count is section 0's sh_size
+    if names_at == SHN_XINDEX:
+        names_at = first[6]  # ... and the name table's index its sh_link
+    if count > MAX_SECTIONS:
+        raise ElfError(f"{count} sections, over the {MAX_SECTIONS} cap")
+    table = _read_at(fh, shoff, count * _SHDR64.size)
+    headers = [(h[0], _Section(h[1], h[4], h[5]))  # (where its name is, the section)
+               for h in _SHDR64.iter_unpack(table[: len(table) - len(table) % _SHDR64.size])]
+    if names_at >= len(headers):
+        raise ElfError("no section name table")
+    names = _section_bytes(fh, headers[names_at][1])
+    out: dict[str, _Section] = {}
+    for name_at, section in headers:
+        end = names.find(b"\x00", name_at)
+        out.setdefault(names[name_at:end if end >= 0 else len(names)].decode("ascii", "replace"), section)
+    return out
+
+
+def _section_bytes(fh: BinaryIO, section: _Section, whole: bool = False) -> bytes:
+    if section.size > MAX_SECTION:
+        raise ElfError(f"a symbol section of {section.size} bytes is over the {MAX_SECTION >> 20} MiB cap")
+    data = _read_at(fh, section.offset, section.size)
     if whole and len(data) % _SYM64.size:
         data = data[: len(data) - len(data) % _SYM64.size]
     return data
@@ -92,25 +135,33 @@ def _read_at(fh: BinaryIO, offset: int, size: int) -> bytes:
 
 
 def _names(strtab: bytes, patterns: Mapping[str, re.Pattern[bytes]]) -> dict[int, tuple[str, str]]:
-    """String-table offset -> (pattern key, name) for every name matching a pattern. Each
-    pattern's literal head is found with bytes.find (tables run to 100 MB)."""
-    out: dict[int, tuple[str, str]] = {}
+    """String-table offset -> (pattern key, name) for every name matching a pattern. Names
+    are found by their literal head with bytes.find (tables run to 100 MB), one pass per
+    head shared by several patterns (a process group's methods): not one per pattern. A
+    name may start inside another (linkers store ``fork`` as the tail of ``vfork``), so a
+    head counts wherever it is."""
+    by_head: dict[bytes, list[tuple[str, re.Pattern[bytes]]]] = {}
     for key, pattern in patterns.items():
-        head = b"\x00" + _literal_head(pattern.pattern)
+        by_head.setdefault(_literal_head(pattern.pattern)[:HEAD_BYTES], []).append((key, pattern))
+    out: dict[int, tuple[str, str]] = {}
+    for head, group in by_head.items():
         i = strtab.find(head)
         while i >= 0:
-            end = strtab.find(b"\x00", i + 1)
-            name = strtab[i + 1:end if end >= 0 else len(strtab)]
-            if pattern.fullmatch(name):
-                out[i + 1] = (key, name.decode("ascii", "replace"))
+            end = strtab.find(b"\x00", i)
+            name = strtab[i:end if end >= 0 else len(strtab)]
+            key = next((key for key, pattern in group if pattern.fullmatch(name)), None)
+            if key is not None:
+                out[i] = (key, name.decode("ascii", "replace"))
             i = strtab.find(head, i + 1)
     return out
 
 
 def _literal_head(pattern: bytes) -> bytes:
+    """The bytes every match starts with: up to the first special character, less a
+    character that a quantifier after it makes optional."""
     for i, c in enumerate(pattern):
         if c in b".^$*+?{}[]\\|()":
-            return pattern[:i]
+            return pattern[:i - 1] if c in b"*?{" and i > 0 else pattern[:i]
     return pattern
 
 
@@ -121,10 +172,16 @@ def _file_offset(segments: list[tuple[int, int, int, int]], vaddr: int) -> int |
     return None
 
 
-def _build_id(elf: ELFFile) -> str:
-    for section in elf.iter_sections():
-        if section["sh_type"] == "SHT_NOTE":
-            for note in section.iter_notes():
-                if note["n_type"] == "NT_GNU_BUILD_ID":
-                    return str(note["n_desc"])[:80]
+def _build_id(fh: BinaryIO, sections: Mapping[str, _Section]) -> str:
+    """The GNU build id (hex) from the file's note sections, "" when it has none."""
+    for section in sections.values():
+        if section.type != SHT_NOTE or section.size > MAX_NOTES:
+            continue
+        notes, at = _read_at(fh, section.offset, section.size), 0
+        while at + 12 <= len(notes):
+            name_size, desc_size, kind = struct.unpack_from("<III", notes, at)
+            desc_at = at + 12 + (name_size + 3) // 4 * 4
+            if kind == NT_GNU_BUILD_ID and notes[at + 12:at + 12 + name_size] == b"GNU\x00":
+                return notes[desc_at:desc_at + desc_size].hex()[:80]
+            at = desc_at + (desc_size + 3) // 4 * 4
     return ""
