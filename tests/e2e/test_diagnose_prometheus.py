@@ -118,13 +118,17 @@ def test_one_verdict_per_job_across_nodes(two_nodes, tmp_path: Path) -> None:
         assert f"rank 3 on {node1} at train_ddp.py:104" in res.stdout and "j3" not in res.stdout
 
         # The page: one ProfagentJobHang per job (pending: its `for` is a minute), and its
-        # summary already names what any node found.
+        # summary already names what any node found. A summary is written at each evaluation
+        # from what Prometheus holds then: one made before node 1's last scrape says no
+        # culprit until the next evaluation (a second here), long before the page is sent.
+        culprit = f"Job j2 is hung: rank 3 on {node1} at train_ddp.py:104 holds it up"
+
         def pending() -> dict[str, str]:
             alerts = json.loads(prom_get(prom, "/api/v1/alerts"))["data"]["alerts"]
             return {a["labels"]["job_id"]: a["annotations"]["summary"] for a in alerts if a["labels"]["alertname"] == "ProfagentJobHang"}
 
-        summaries = wait_for(lambda: len(s := pending()) == 2 and s, timeout=30, what="ProfagentJobHang pending for both jobs")
-        assert summaries["j2"] == f"Job j2 is hung: rank 3 on {node1} at train_ddp.py:104 holds it up"
+        summaries = wait_for(lambda: len(s := pending()) == 2 and s.get("j2") == culprit and s, timeout=30,
+                             what="ProfagentJobHang pending for both jobs, naming j2's culprit")
         assert summaries["j3"] == "Job j3 is hung: no culprit seen on any node: a collective mismatch or the network"
         alerts = json.loads(prom_get(prom, "/api/v1/alerts"))["data"]["alerts"]
         assert not [a for a in alerts if a["labels"]["alertname"] == "ProfagentFindingCritical"]
