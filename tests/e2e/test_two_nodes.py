@@ -14,7 +14,9 @@ evaluations went on, the probes matched every rank's collectives, and Prometheus
 both nodes and evaluated the rule on the job throughout.
 
 Straggler on node 1 (from a step set through the trigger file, global rank 2 does three
-times the others' work and no rank sleeps): within two minutes, the job-level straggler
+times the others' work, and each rank waits on its device three times as long as its
+forward took, rank 2's device as much slower as its host): within two minutes, the
+job-level straggler
 series (instance_job_id_rank:profagent_collective_wait_ratio:job_straggler) and the agent
 of rank 2's node both name rank 2, and then they hold: sampled every second for half a
 minute, and counted by Prometheus over the same time, with no evaluation or scrape without
@@ -81,10 +83,10 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodes]:
     tmp = tmp_path_factory.mktemp("two-nodes")
     trigger = tmp / "trigger"
     started = time.monotonic()
-    # healthy and paced (50 ms of sleep a step, as a job waiting on its devices) until the
-    # straggler's step: four ranks stepping flat out for minutes would slow every other test
-    # on the node; the flat-out healthy job is test_collectives_e2e's. Ten minutes of life:
-    # three phases on a loaded node.
+    # healthy and paced (50 ms of sleep a step, as a job waiting on its devices), then
+    # paced by each rank's device (plain_ddp.py's straggle): four ranks stepping flat out
+    # for minutes would slow every other test on the node; the flat-out healthy job is
+    # test_collectives_e2e's. Ten minutes of life: three phases on a loaded node.
     job_id, nodes = start_two_nodes(tmp, config=scaled(stall_seconds=STALL_SECONDS), mode="healthy", nproc=2,
                                     env={"PLAIN_DDP_TRIGGER": str(trigger), "PLAIN_DDP_HANG_RANK": str(HANG_RANK),
                                          "PLAIN_DDP_SLOW_RANK": str(SLOW_RANK), "PLAIN_DDP_STEP_SLEEP": "0.05",

@@ -17,8 +17,10 @@ PLAIN_DDP_EVENT="KIND:STEP" or, once it exists, by the file PLAIN_DDP_TRIGGER ho
               meet (gloo keeps the two apart, and a receiving rank cannot finish alone;
               as the sender, a rank would return once its bytes are buffered, and move on);
   straggle:S  from step S on, a healthy job becomes a straggler job: rank
-              PLAIN_DDP_SLOW_RANK does SLOW_FACTOR times the others' work, and no rank
-              sleeps after its steps any more.
+              PLAIN_DDP_SLOW_RANK does SLOW_FACTOR times the others' work, and each rank
+              then waits on its device DEVICE_FACTOR times as long as its forward took
+              (the straggler's device is as much slower as its host), not the fixed
+              PLAIN_DDP_STEP_SLEEP.
 
 Ground truth goes to DIR/rank<R>.jsonl (one JSON object a line): {"event": "ready",
 "repeat", "pid"}, {"event": "step", "step", "seconds"}, {"event": "straggle", "repeat"} and
@@ -48,6 +50,10 @@ WORK = 6  # matmuls per forward
 # on a loaded node those wait for a CPU on every rank: a 2x straggler's collective-wait share
 # (0.31) was then more than half the others' (0.55), which docs/diagnosis.md does not name.
 SLOW_FACTOR = 3
+# A straggler job's device time a step, in forwards: every share of a step then holds on
+# any node, idle or loaded (the others wait about two thirds of the straggler's step, the
+# straggler almost never), with about half the CPU of four ranks computing flat out.
+DEVICE_FACTOR = 3.0
 
 parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=["healthy", "straggler"])
@@ -119,13 +125,13 @@ def main() -> None:
     note(event="ready", repeat=repeat, pid=os.getpid())
     events = Event()
     step = 0
-    step_sleep = STEP_SLEEP
+    straggling = False
     while True:
         began = time.monotonic()
         x = torch.randn(64, 256)
         event = events.at(step)
         if event == "straggle":
-            repeat, step_sleep = work(True), 0.0
+            repeat, straggling = work(True), True
             note(event="straggle", repeat=repeat)
         if event == "hang" and rank == HANG_RANK:
             note(event="hang", file=os.path.basename(__file__), line=here() + 1)
@@ -138,14 +144,17 @@ def main() -> None:
             else:
                 note(event="mismatch", file=os.path.basename(__file__), line=here() + 1, collective="broadcast")
                 dist.broadcast(t, src=0)
+        forward = time.monotonic()
         loss = model(x, repeat)
+        forward = time.monotonic() - forward
         loss.backward()
         opt.step()
         opt.zero_grad()
         step += 1
         note(event="step", step=step, seconds=time.monotonic() - began)
-        if step_sleep:
-            time.sleep(step_sleep)
+        device = DEVICE_FACTOR * forward if straggling else STEP_SLEEP
+        if device:
+            time.sleep(device)
 
 
 if __name__ == "__main__":
