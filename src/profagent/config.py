@@ -11,7 +11,6 @@ table per source (``[gpu] backend = ...``). The environment variable of a key is
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import re
 import sys
@@ -271,6 +270,8 @@ def all_keys() -> list[Key]:
 
 
 def _suggest(name: str, known: list[str]) -> str:
+    import difflib  # only for a mistyped key: its import is 30 ms of every agent's and command's start
+
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
     return f"did you mean '{close[0]}'?" if close else "see docs/configuration.md for the known keys"
 
