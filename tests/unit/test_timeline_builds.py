@@ -10,6 +10,7 @@ on purpose here, and a new one fails this file until it is one or the other.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -22,8 +23,11 @@ FIXTURES = Path(__file__).parent / "fixtures" / "torch_symbols"
 
 
 def _installed() -> list[tuple[str, str, bytes]]:
-    torch = pytest.importorskip("torch")  # the test extras install it; the agent does not need it
-    return read_build(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")
+    # found, not imported (seconds of CPU); the test extras install torch
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("torch is not installed here: `make venv` installs the test extras")
+    return read_build(Path(spec.submodule_search_locations[0]) / "lib" / "libtorch_cpu.so")
 
 
 BUILDS = {"installed": _installed, "torch-2.14.1-cu13": lambda: load_fixture(FIXTURES / "torch-2.14.1-cu13.tsv")}
