@@ -144,26 +144,26 @@ def print_capabilities(url: str) -> bool:
     return all(family in present for _, family in CAPABILITIES)
 
 
-def wait_for_polling(url: str, stop: list[bool], timeout: float = 90.0) -> bool:
-    """Whether rank 0 polls the Kineto endpoint (its profagent_ondemand_processes series
-    exists): a trace requested earlier has nobody to pick it up."""
+def wait_for_series(url: str, stop: list[bool], family: str, rank: str, timeout: float) -> bool:
+    """Whether /metrics has a ``family`` series of ``rank`` within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not stop[0] and time.monotonic() < deadline:
-        if any(line.startswith("profagent_ondemand_processes{") and 'rank="0"' in line for line in scrape(url).splitlines()):
+        if any(line.startswith(family + "{") and f'rank="{rank}"' in line for line in scrape(url).splitlines()):
             return True
         time.sleep(0.5)
     return False
+
+
+def wait_for_polling(url: str, stop: list[bool], timeout: float = 90.0) -> bool:
+    """Whether rank 0 polls the Kineto endpoint (its profagent_ondemand_processes series
+    exists): a trace requested earlier has nobody to pick it up."""
+    return wait_for_series(url, stop, "profagent_ondemand_processes", "0", timeout)
 
 
 def wait_for_own_trace(url: str, stop: list[bool], timeout: float = 60.0) -> bool:
     """Whether the agent has taken in a trace that rank 1's own profiler wrote: until then
     it cannot know that rank 1 drops on-demand requests, and a capture would wait for one."""
-    deadline = time.monotonic() + timeout
-    while not stop[0] and time.monotonic() < deadline:
-        if any(line.startswith("profagent_trace_step_seconds{") and 'rank="1"' in line for line in scrape(url).splitlines()):
-            return True
-        time.sleep(0.5)
-    return False
+    return wait_for_series(url, stop, "profagent_trace_step_seconds", "1", timeout)
 
 
 def on_demand_trace(launcher: int, config: Path) -> None:

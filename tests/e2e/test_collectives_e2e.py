@@ -6,7 +6,9 @@ Each job logs its own ground truth (its mode, each step, the event's file:line) 
 tests compare the findings against it. To keep the suite short, one job serves several
 questions where that is honest: the healthy phase of a job precedes the hang triggered in
 it (the hang's step is written to a trigger file once the healthy phase is checked), and
-a straggler job is then driven into a collective mismatch.
+a straggler job is then driven into a collective mismatch. The healthy job computes flat
+out (balanced ranks on a contended node must not be called stragglers); the straggler job
+is paced by each rank's device (plain_ddp.py), at about half the CPU.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ reducer, FSDP2's hooks).
 
 usage: PLAIN_DDP_LOG=DIR torchrun --nproc-per-node N plain_ddp.py MODE [ddp|fsdp]
 (positional only: torchrun's own parser would take an abbreviated --option)
-MODE: healthy (every rank at the same pace) or straggler (rank PLAIN_DDP_SLOW_RANK does
-SLOW_FACTOR times the compute of the others each step).
+MODE: healthy (every rank at the same pace) or straggler (from the start, as after the
+straggle event below: rank PLAIN_DDP_SLOW_RANK does SLOW_FACTOR times the compute of the
+others each step, and each rank waits on its device DEVICE_FACTOR times its forward).
 
 An event, at a step every rank reaches (so every rank takes it at the same step), given by
 PLAIN_DDP_EVENT="KIND:STEP" or, once it exists, by the file PLAIN_DDP_TRIGGER holding it
@@ -121,11 +122,11 @@ def main() -> None:
     def work(straggling: bool) -> int:
         return SLOW_FACTOR * WORK if straggling and rank == SLOW_RANK else WORK
 
-    repeat = work(args.mode == "straggler")
+    straggling = args.mode == "straggler"
+    repeat = work(straggling)
     note(event="ready", repeat=repeat, pid=os.getpid())
     events = Event()
     step = 0
-    straggling = False
     while True:
         began = time.monotonic()
         x = torch.randn(64, 256)
