@@ -1,6 +1,7 @@
 """The kernel probes never harm the target: fork, threads, DataLoader workers, a library
 loaded after the agent looked, exit, an agent killed with SIGKILL and restarted, and an
-agent without the capability (which says so and stays up)."""
+agent without the capability (which says so and stays up), and files of `nobody` mapped
+under libtorch's name that are no library, then swapped for a FIFO and a symlink."""
 
 from __future__ import annotations
 
@@ -178,3 +179,68 @@ def test_an_agent_without_cap_perfmon_says_why_and_runs_on(tmp_path: Path) -> No
         agent.wait(30)
         kill_tree(victim.proc)
         victim.go.write_text("go")
+
+
+HOSTILE_JOB = """
+import mmap, os, time
+maps = []
+paths = os.environ["LIBS"].split(":")
+for path in paths:
+    with open(path, "rb") as fh:
+        maps.append(mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ | mmap.PROT_EXEC, flags=mmap.MAP_PRIVATE))
+# the mapped files' names now lead elsewhere: a FIFO (where the file and its "(deleted)"
+# name were), and a symlink to a file only root may read
+os.unlink(paths[0])
+os.mkfifo(paths[0])
+os.mkfifo(paths[0] + " (deleted)")
+os.unlink(paths[1])
+os.symlink("/etc/shadow", paths[1])
+open(os.environ["READY"], "w").write("mapped")
+time.sleep(600)
+"""
+
+
+def test_nobodys_hostile_files_mapped_as_libtorch_are_one_line_each_and_the_agent_runs_on(tmp_path: Path,
+                                                                                         run_agent) -> None:
+    """Two files of ``nobody`` mapped executable under libtorch's name, then swapped for a
+    FIFO and a symlink to /etc/shadow: the root agent reads each mapped file (through
+    map_files, never the name), says in one line why it is not probed, and serves on."""
+    import struct
+    import tempfile
+
+    from helpers.nobody import nobody_python
+
+    base = Path(tempfile.mkdtemp(prefix="paw-libs-"))
+    try:
+        base.chmod(0o777)
+        garbage, sections = base / "a" / "libtorch_cpu.so", base / "b" / "libtorch_cpu.so"
+        for path in (garbage, sections):
+            path.parent.mkdir(mode=0o777)
+            path.parent.chmod(0o777)
+        garbage.write_bytes(b"\x7fELF" + b"\xff" * 4092)
+        # the C library, claiming 2**20 sections (e_shnum 0: the count is section 0's sh_size)
+        libc = bytearray(Path("/usr/lib/x86_64-linux-gnu/libc.so.6").read_bytes())
+        shoff, = struct.unpack_from("<Q", libc, 0x28)
+        struct.pack_into("<H", libc, 0x3C, 0)
+        struct.pack_into("<Q", libc, shoff + 32, 1 << 20)
+        sections.write_bytes(bytes(libc))
+        ready = base / "ready"
+        job = nobody_python(HOSTILE_JOB, {"LIBS": f"{garbage}:{sections}", "READY": str(ready)}, base)
+        try:
+            wait_for(ready.exists, 30, interval=0.2, what="nobody's files mapped and swapped")
+            agent, url = agent_on(run_agent, job.pid)
+            lines = wait_for(lambda: len(found := [line for line in agent.output.splitlines()
+                                                   if "timeline:" in line and "not probed" in line]) >= 2 and found,
+                             30, interval=0.5, what="a line for each hostile library")
+            assert len(lines) == 2, lines
+            assert any(str(garbage) in line and "malformed ELF file" in line for line in lines), lines
+            # the mapped file was read, not the symlink's target: its claimed section count
+            assert any(str(sections) in line and "1048576 sections, over the" in line for line in lines), lines
+            assert http_get(url + "/healthz").strip() == "ok"
+            m = parse_metrics(http_get(url + "/metrics"))
+            assert not m.get("profagent_timeline_probes")  # nothing placed
+            assert any(labels.get("rank") is not None for labels, _ in m.get("profagent_process_cpu_seconds_total", []))
+        finally:
+            kill_tree(job)
+    finally:
+        subprocess.run(["rm", "-rf", str(base)], check=False)
