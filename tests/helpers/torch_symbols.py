@@ -46,16 +46,17 @@ def load_fixture(path: Path) -> list[tuple[str, str, bytes]]:
     return rows
 
 
-def method_of(name: str) -> str | None:
-    """``allreduce`` for ``_ZN4c10d16ProcessGroupGloo9allreduceE...``; None for another name.
-    The length prefix says where the method's name ends."""
+def method_of(name: str) -> tuple[str, str] | None:
+    """(the mangled class, the method): ``("_ZN4c10d16ProcessGroupGloo", "allreduce")`` for
+    ``_ZN4c10d16ProcessGroupGloo9allreduceE...``; None for another name. The length prefix
+    says where the method's name ends."""
     m = CLASS_METHOD.fullmatch(name.encode())
     if m is None:
         return None
     length = int(m.group(1))
     tail = name.encode()[m.start(2):]
     # a nested name (ProcessGroupNCCL::Options::Options) goes on after it: not a method
-    return tail[:length].decode() if tail[length:length + 1] == b"E" else None
+    return (name[:m.start(1)], tail[:length].decode()) if tail[length:length + 1] == b"E" else None
 
 
 if __name__ == "__main__":

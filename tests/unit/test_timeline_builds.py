@@ -11,7 +11,6 @@ on purpose here, and a new one fails this file until it is one or the other.
 from __future__ import annotations
 
 import importlib.util
-import re
 from pathlib import Path
 
 import pytest
@@ -46,7 +45,6 @@ LEFT_OUT = {
 TRAINING = {"allreduce", "allreduce_coalesced", "broadcast", "allgather", "allgather_base",
             "allgather_into_tensor_coalesced", "reduce_scatter", "reduce_scatter_base",
             "reduce_scatter_tensor_coalesced", "barrier"}
-CLASS = re.compile(r"_ZN4c10d(?:5nccl2)?16ProcessGroup(?:Gloo|NCCL)")
 
 
 def _probe_of(name: str):
@@ -58,11 +56,11 @@ def test_every_collective_of_a_real_build_is_probed_or_left_out_on_purpose(build
     rows = BUILDS[build]()
     classes: dict[str, dict[str, str]] = {}  # class -> method -> the collective probed ("" if none)
     for _library, name, _code in rows:
-        method = method_of(name)
-        if method is None or not name.endswith("OptionsE"):  # a collective takes its options last
+        of = method_of(name)
+        if of is None or not name.endswith("OptionsE"):  # a collective takes its options last
             continue
         spec = _probe_of(name)
-        classes.setdefault(CLASS.match(name).group(0), {})[method] = spec.collective if spec is not None else ""
+        classes.setdefault(of[0], {})[of[1]] = spec.collective if spec is not None else ""
     assert len(classes) == (1 if build == "installed" else 3), sorted(classes)  # gloo; gloo, NCCL, nccl2
     for cls, methods in classes.items():
         unknown = sorted(m for m, probed in methods.items() if not probed and m not in LEFT_OUT)

@@ -53,7 +53,7 @@ WORK = 6  # matmuls per forward
 SLOW_FACTOR = 3
 # A straggler job's device time a step, in forwards: every share of a step then holds on
 # any node, idle or loaded (the others wait about two thirds of the straggler's step, the
-# straggler almost never), with about half the CPU of four ranks computing flat out.
+# straggler almost never), with about half the CPU of its ranks computing flat out.
 DEVICE_FACTOR = 3.0
 
 parser = argparse.ArgumentParser()
@@ -145,9 +145,9 @@ def main() -> None:
             else:
                 note(event="mismatch", file=os.path.basename(__file__), line=here() + 1, collective="broadcast")
                 dist.broadcast(t, src=0)
-        forward = time.monotonic()
+        forward_began = time.monotonic()
         loss = model(x, repeat)
-        forward = time.monotonic() - forward
+        forward = time.monotonic() - forward_began
         loss.backward()
         opt.step()
         opt.zero_grad()

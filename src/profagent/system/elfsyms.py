@@ -2,8 +2,8 @@
 
 The library comes from a process we observe, so its bytes are hostile: pyelftools reads
 the ELF header, the section header table is read whole (``MAX_SECTIONS``), every section
-we read whole is capped (``MAX_SECTION``), and anything malformed is one ``ElfError``. Names are matched by regular expression against both the
-dynamic and the full symbol table (``.symtab``, when the build kept it), so any torch
+we read whole is capped (``MAX_SECTION``), and anything malformed is one ``ElfError``.
+Names are matched by regular expression against both the dynamic and the full symbol table (``.symtab``, when the build kept it), so any torch
 wheel that exports or keeps the symbol can be probed without importing torch.
 """
 
