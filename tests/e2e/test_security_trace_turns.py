@@ -1,9 +1,10 @@
 """Issue 41 item 6, the rest: each user's traces are read in turn, and a trace that never
 completes gets a CPU budget as well as a deadline.
 
-nobody's watched job fills the on-demand folder with 40 traces of its own (10,000 events
-each, of no watched process: read, analysed, then skipped; written faster than they are read) and keeps appending to a
-``.json.gz`` whose every read inflates megabytes and finds it incomplete. Root's job then
+nobody's watched job fills the on-demand folder with 40 traces of its own (25,000 events
+each, several rounds' reading in all on a fast node, of no watched process: read, analysed,
+then skipped; written faster than they are read) and keeps appending to a ``.json.gz``
+whose every read inflates megabytes and finds it incomplete. Root's job then
 writes one trace. Bounds: of nobody's files still waiting when root's trace came, not all
 were read before it (users in turn: at most the rest of the round it arrived in, a round
 reading for up to 0.5 s; read in arrival order, every one of them would come first), and the endless file is counted invalid for its CPU budget
@@ -35,7 +36,7 @@ FILES = 40
 ATTACKER = """
 import json, os, sys, time, zlib
 folder = {folder!r}
-events = [{{"ph": "X", "cat": "cpu_op", "name": f"op{{i % 50}}", "pid": 1, "tid": 1, "ts": i, "dur": 1}} for i in range(10000)]
+events = [{{"ph": "X", "cat": "cpu_op", "name": f"op{{i % 50}}", "pid": 1, "tid": 1, "ts": i, "dur": 1}} for i in range(25000)]
 text = json.dumps({{"traceEvents": events}})  # serialized once: the files come faster than they are read
 while not os.path.exists(os.path.join(folder, "go")):
     time.sleep(0.05)
