@@ -89,9 +89,18 @@ def _evidence_lines(evidence: dict[str, Any]) -> list[str]:
                         lines.append(f"rank {rank}: DataLoader worker PID {w.get('pid')} {state} at {w.get('at')}")
         elif isinstance(value, (dict, list)):
             lines.append(f"{key}: {json.dumps(value)}")
+        elif isinstance(value, float):  # a measurement, to the digits it means
+            lines.append(f"{key}: {value:.3g}")
         else:
             lines.append(f"{key}: {value}")
     return lines
+
+
+def _without_advice(summary: str, advice: str) -> str:
+    """The summary without the advice it ends with: the "what to do" line says it once."""
+    if advice and summary.endswith(advice) and len(summary) > len(advice):
+        return summary[: -len(advice)].rstrip(" :;,")
+    return summary
 
 
 def _render_steps(steps: list[dict[str, Any]], console: Console) -> None:
@@ -127,7 +136,8 @@ def render(body: dict[str, Any], console: Console, now: float | None = None) -> 
         color = COLORS.get(f.get("severity"), "")
         console.print(f"[{color}]{escape(str(f['severity']).upper())}[/{color}] [bold]{escape(f['finding'])}[/bold] "
                       f"(job {escape(f['job_id'])}, {who}, for {since:.0f} s)", highlight=False)
-        console.print(f"  {escape(f['summary'])}", highlight=False, soft_wrap=True)
+        console.print(f"  {escape(_without_advice(str(f['summary']), str(f.get('advice') or '')))}",
+                      highlight=False, soft_wrap=True)
         if f.get("advice"):
             console.print(f"  [bold]what to do[/bold]: {escape(str(f['advice']))}", highlight=False, soft_wrap=True)
         for line in _evidence_lines(f.get("evidence") or {}):
