@@ -39,7 +39,7 @@ PROVOKED = ("dataloader_bound",)
 # The on-demand trace records this many whole optimizer steps of rank 0.
 TRACED_STEPS = 5
 # The change the demo makes on purpose before `profagent diff` (examples/train.py --extra-work-file).
-EXTRA_MATMULS = 100
+EXTRA_WORK_MS = 40
 # Without a terminal, rich would cut lines at 80 columns (mid-word for long paths) and end
 # long findings in "…": the demo's commands get a width no line of theirs reaches.
 WIDE = "400"
@@ -263,9 +263,20 @@ def _interrupt(proc: subprocess.Popen, timeout: float) -> None:
             proc.wait()
 
 
+def written(path: Path) -> bool:
+    """Whether the profiler has finished writing a trace: the whole gzip stream and JSON read."""
+    import gzip
+
+    try:
+        data = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+        return isinstance(json.loads(data), dict)
+    except (OSError, EOFError, ValueError):
+        return False
+
+
 def rank1_traces(trace_dir: Path) -> list[Path]:
     """Rank 1's finished traces, oldest first."""
-    return sorted((p for p in trace_dir.glob("rank1*.json*") if not p.name.endswith(".tmp")),
+    return sorted((p for p in trace_dir.glob("rank1*.json*") if not p.name.endswith(".tmp") and written(p)),
                   key=lambda p: p.stat().st_mtime)
 
 
@@ -281,8 +292,9 @@ def diff_on_purpose(trace_dir: Path, extra_work: Path, stop: list[bool], report:
         print("\ndemo: rank 1 wrote no trace in time: no `profagent diff`", flush=True)
         report["diff"] = "not run: no trace of rank 1"
         return
-    print(f"\ndemo: on purpose, rank 1 now multiplies 256x256 matrices {EXTRA_MATMULS} more times per step, as a code"
-          " change would; its next trace is compared with its last one before the change", flush=True)
+    print(f"\ndemo: on purpose, rank 1 now spends {EXTRA_WORK_MS:g} ms more per step in matrix products, as a code"
+          " change would (its DataLoader keeps preparing the next batch meanwhile, so the step grows by less);"
+          " its next trace is compared with its last one before the change", flush=True)
     extra_work.touch()
     changed = time.time()
     after: list[Path] = []
@@ -302,7 +314,7 @@ def diff_on_purpose(trace_dir: Path, extra_work: Path, stop: list[bool], report:
     print(f"demo: profagent diff {before[-1].name} {after[0].name}   (rank 1 is back to its usual steps now)",
           flush=True)
     done = subprocess.run([*PROFAGENT, "diff", str(before[-1]), str(after[0])], timeout=120, check=False,
-                          env=child_env(), stdout=subprocess.PIPE, text=True)
+                          env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     print("\n".join(line.rstrip() for line in done.stdout.splitlines()), flush=True)
     verdict = re.search(r"^verdict: (.*)$", done.stdout, re.M)
     report["diff"] = verdict.group(1) if verdict else f"no verdict (exit {done.returncode})"
@@ -361,7 +373,7 @@ def main() -> int:
     job = subprocess.Popen(
         [sys.executable, str(HERE / "train.py"), "--ranks", "2", "--workers", "1", "--trace-dir", str(trace_dir), "--profile-every", "40",
          "--profile-ranks", "1", "--slow-data", str(SLOW_DATA_SECONDS), "--step-sleep", "0",
-         "--extra-work-file", str(work / "extra-work"), "--extra-matmuls", str(EXTRA_MATMULS)],
+         "--extra-work-file", str(work / "extra-work"), "--extra-work-ms", f"{EXTRA_WORK_MS:g}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, "KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": str(work / "kineto")},
     )

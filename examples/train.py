@@ -85,9 +85,11 @@ def train(args: argparse.Namespace) -> None:
         loss.backward()
         opt.step()
         if args.extra_work_file and os.path.exists(args.extra_work_file):
-            extra = torch.ones(256, 256)
-            for _ in range(args.extra_matmuls):
-                extra = extra @ extra / 256
+            # by the clock, not a count: the same added time on an idle or a loaded machine
+            until = time.perf_counter() + args.extra_work_ms / 1000
+            extra = torch.ones(128, 128)
+            while time.perf_counter() < until:
+                extra = extra @ extra / 128
         if step % 50 == 0:
             print(f"rank {os.environ.get('RANK', '0')} step {step} loss {loss.item():.3f}", flush=True)
         if profiler is not None:
@@ -113,8 +115,8 @@ def main() -> int:
     parser.add_argument("--slow-data", type=float, default=0.0, help="seconds of sleep per sample")
     parser.add_argument("--step-sleep", type=float, default=0.01, help="seconds of sleep per step")
     parser.add_argument("--extra-work-file", default="",
-                        help="while this file exists, each step does --extra-matmuls more 256x256 matrix products (a change made on purpose)")
-    parser.add_argument("--extra-matmuls", type=int, default=20)
+                        help="while this file exists, each step spends --extra-work-ms more in matrix products (a change made on purpose)")
+    parser.add_argument("--extra-work-ms", type=float, default=40.0)
     parser.add_argument("--start-after", default="",
                         help="wait until this file exists before the first step, torch loaded (a job waiting for its data)")
     args = parser.parse_args()
