@@ -320,11 +320,13 @@ def diff_on_purpose(trace_dir: Path, extra_work: Path, stop: list[bool], report:
     report["diff"] = verdict.group(1) if verdict else f"no verdict (exit {done.returncode})"
 
 
-def explain_top_function(text: str) -> None:
-    """Say what the column shows when the leaf frame is the standard library's wait."""
-    if "_PollLikeSelector.select" in text:
-        print("demo: `top function` is the innermost Python frame of each rank's main thread. Here"
-              " _PollLikeSelector.select is the rank itself waiting for its DataLoader worker's next batch"
+def explain_top_function(text: str | None) -> None:
+    """Say what `top`'s function column shows when the leaf frame is the standard
+    library's wait (``text``: a `top --once` snapshot; None: before the live view)."""
+    if text is None or "_PollLikeSelector.select" in text:
+        print("demo: `top function` is the innermost Python frame of each rank's main thread."
+              + (" Where it is" if text is None else " Here") +
+              " _PollLikeSelector.select, that is the rank itself waiting for its DataLoader worker's next batch"
               " (DataLoader.__next__ -> multiprocessing Queue.get -> poll), the wait the demo provokes;"
               " `stacks` d = data says so. profagent's own threads are never sampled.", flush=True)
 
@@ -451,7 +453,7 @@ def run(args: argparse.Namespace, agent: subprocess.Popen, work: Path, base: str
         top_cmd = [*PROFAGENT, "top", "--url", base]
         if sys.stdout.isatty() and not out_of_time():
             print(f"\ndemo: {' '.join(['profagent', *top_cmd[3:]])}  (q or Ctrl-C stops the demo)", flush=True)
-            explain_top_function("_PollLikeSelector.select")
+            explain_top_function(None)
             time.sleep(3)
             top = subprocess.Popen(top_cmd)
             while not out_of_time() and top.poll() is None and agent.poll() is None:

@@ -137,7 +137,7 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
     assert len(snapshots) == 1, out[-3000:]
     # The top function column explained where it is the rank's own DataLoader wait
     if "_PollLikeSelector.select (selectors.py)" in snapshots[0]:
-        assert "the rank itself waiting for its DataLoader worker's next batch" in out
+        assert "that is the rank itself waiting for its DataLoader worker's next batch" in out
     # The summary at the end: each capability, what the demo saw of it
     summary_at_end = out.split("demo: summary after ", 1)
     assert len(summary_at_end) == 2, out[-3000:]

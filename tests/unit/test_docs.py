@@ -23,6 +23,16 @@ METRICS = ROOT / "docs" / "metrics.md"
 PACKAGE = ROOT / "src" / "profagent"
 
 
+def test_every_family_in_the_code_is_in_docs_metrics() -> None:
+    families = set()
+    for module in (ROOT / "src" / "profagent" / "exporters" / "families").glob("*.py"):
+        families |= set(re.findall(r'"(profagent_[a-z0-9_]+)"', module.read_text()))
+    assert len(families) > 60
+    text = METRICS.read_text()
+    missing = sorted(f for f in families if f not in text)  # a prefix: the unit and `_total` follow
+    assert not missing, f"docs/metrics.md does not document: {missing}"
+
+
 # ---- paths and modules ------------------------------------------------------------------
 
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
