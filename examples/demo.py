@@ -40,6 +40,8 @@ PROVOKED = ("dataloader_bound",)
 TRACED_STEPS = 5
 # The change the demo makes on purpose before `profagent diff` (examples/train.py --extra-work-file).
 EXTRA_WORK_MS = 40
+# The first step figures wait for this many probed steps of every rank.
+FIRST_STEPS = 10
 # Without a terminal, rich would cut lines at 80 columns (mid-word for long paths) and end
 # long findings in "…": the demo's commands get a width no line of theirs reaches.
 WIDE = "400"
@@ -207,7 +209,9 @@ def probed_ranks(base: str) -> list[dict]:
         ranks = [r for job in json.loads(scrape(f"{base}/api/ranks")).get("jobs", []) for r in job.get("ranks", [])]
     except ValueError:
         return []
-    probed = [r for r in ranks if (r.get("timeline") or {}).get("p50_seconds") is not None]
+    # a few steps of each rank, so the quantiles are not of the first step or two
+    probed = [r for r in ranks if (r.get("timeline") or {}).get("p50_seconds") is not None
+              and (r["timeline"].get("optimizer_steps") or 0) >= FIRST_STEPS]
     return probed if probed and len(probed) == len(ranks) else []
 
 
@@ -318,6 +322,11 @@ def diff_on_purpose(trace_dir: Path, extra_work: Path, stop: list[bool], report:
     print("\n".join(line.rstrip() for line in done.stdout.splitlines()), flush=True)
     verdict = re.search(r"^verdict: (.*)$", done.stdout, re.M)
     report["diff"] = verdict.group(1) if verdict else f"no verdict (exit {done.returncode})"
+    found = re.search(r"([\d.]+) ms more self CPU time in op aten::mm", done.stdout)
+    if found:
+        print(f"demo: the diff names the change: {found.group(1)} ms more in aten::mm per step, where the demo added"
+              f" {EXTRA_WORK_MS:g} ms of matrix products. The step time changes by another amount: the DataLoader's"
+              " wait hides part of the added work, and varies between two traces of 3 steps each", flush=True)
 
 
 def explain_top_function(text: str | None) -> None:

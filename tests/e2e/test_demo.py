@@ -120,6 +120,9 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
     assert re.search(r"^demo: on purpose, rank 1 now spends \d+ ms more per step in matrix products", out, re.M)
     verdict = re.search(r"^verdict: (.*)$", out, re.M)
     assert verdict and verdict.group(1).startswith("+"), out[-3000:]
+    # the diff finds the 40 ms of matrix products the demo added, by the profiler's own clock
+    named = re.search(r"^demo: the diff names the change: ([\d.]+) ms more in aten::mm per step", out, re.M)
+    assert named and 20 <= float(named.group(1)) <= 120, verdict.group(1)
     # The on-demand trace: its steps analysed, never an empty analysis
     assert "no events to analyse" not in out
     assert re.search(r"^│ iteration \d+ ", out, re.M) or "without a whole step in it" in out, out[-3000:]
