@@ -22,7 +22,8 @@ help:
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q -e '.[test,torch]'
+	@# torch pinned in the same call: the frameworks' own requirements must never move it
+	$(PY) -m pip install -q -e '.[test,torch,frameworks]' "torch==$(TORCH_VERSION)"
 	touch $@
 
 venv: $(VENV)/.installed
