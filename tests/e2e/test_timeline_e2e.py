@@ -18,10 +18,9 @@ import pytest
 
 from helpers.agent import http_get
 from helpers.processes import wait_for
-from helpers.timeline import Job, attach, metrics, value
+from helpers.timeline import Job, attach, check_rank, expected, metrics, value
 from profagent.analysis.timeline import quantile
 
-STAGES = ("data_wait", "backward", "optimizer")
 # the window of the p50 covers the whole job, even when a loaded node makes it run long
 WHOLE_JOB = {"PROFAGENT_TIMELINE_WINDOW_SECONDS": "900"}
 WINDOW = 6  # seconds: the timeline window of the regression test, 10 slow steps and more
@@ -48,39 +47,6 @@ def run(tmp_path: Path, run_agent, ranks: int, *args: str) -> tuple[Job, dict]:
     except BaseException:
         job.stop()
         raise
-
-
-def expected(truth: dict) -> tuple[list[float], dict[str, float]]:
-    """Step intervals and stage shares from the job's own log: the k-th interval holds the
-    optimizer of step k and the data wait and backward of step k+1."""
-    calls, stages = truth["calls"], truth["stages"]
-    intervals = [b - a for a, b in zip(calls, calls[1:], strict=False)]
-    total = sum(intervals)
-    shares = {
-        "data_wait": sum(s["data_wait"] for s in stages[1:]) / total,
-        "backward": sum(s["backward"] for s in stages[1:]) / total,
-        "optimizer": sum(s["optimizer"] for s in stages[:-1]) / total,
-    }
-    return intervals, shares
-
-
-def check_rank(m: dict, truth: dict, rank: int) -> None:
-    intervals, shares = expected(truth)
-    labels = {"rank": str(rank)}
-    assert value(m, "profagent_step_seconds_count", **labels) == len(intervals)
-    # the sum: a preemption between the job's clock and the probe at the first or last step
-    # shifts it by that long (tens of ms on a loaded node), so 5%; the p50 below holds to 2%
-    assert value(m, "profagent_step_seconds_sum", **labels) == pytest.approx(sum(intervals), rel=0.05)
-    # p50 from the agent's window (every step here lies within it)
-    p50 = value(m, "profagent_step_window_seconds", stat="p50", **labels)
-    assert p50 == pytest.approx(quantile(intervals, 0.5), rel=0.02)
-    total = value(m, "profagent_step_seconds_sum", **labels)
-    for stage in STAGES:
-        got = value(m, "profagent_step_stage_seconds_total", stage=stage, **labels) / total
-        assert got == pytest.approx(shares[stage], abs=0.02), stage
-    # the rest: within the three stages' tolerances together
-    other = value(m, "profagent_step_stage_seconds_total", stage="other", **labels) / total
-    assert other == pytest.approx(1 - sum(shares.values()), abs=0.06)
 
 
 def test_ddp_with_dataloader_workers_matches_the_jobs_own_log(tmp_path: Path, run_agent) -> None:
