@@ -64,7 +64,8 @@ def main() -> None:
         output_dir=tempfile.mkdtemp(prefix="hf-trainer-"), max_steps=int(os.environ.get("FW_MAX_STEPS", "100000")),
         per_device_train_batch_size=4, gradient_accumulation_steps=ACCUM, learning_rate=1e-4,
         logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo",
-        dataloader_num_workers=0, disable_tqdm=True, seed=0, remove_unused_columns=False)
+        dataloader_num_workers=0, disable_tqdm=True, seed=0, remove_unused_columns=False,
+        ddp_find_unused_parameters=False)
     trainer = Trainer(model=model, args=args, train_dataset=framework_truth.Tokens(config.vocab_size, 32),
                       callbacks=[GroundTruth()])
     trainer.train()
