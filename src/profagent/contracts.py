@@ -428,11 +428,13 @@ class RankSteps:
     stage_shares: Mapping[str, float]  # share of the window's step time by stage
     stage_now: str  # data_wait, backward, optimizer, or "" (forward, host work)
     idle_seconds: float | None  # since the rank's last probe event
-    since_step_seconds: float | None  # since its last optimizer step (None before the first)
+    since_step_seconds: float | None  # since its last step began (None before the first)
     lag_buckets: tuple[int, ...]  # per tl.LAG_BUCKETS bound
     lag_seconds_sum: float
     lag_count: int
-    step_collectives: int = 0  # collectives called since its last optimizer step
+    step_collectives: int = 0  # collectives called since its last step began
+    step_boundary: str = ""  # where its steps begin: optimizer, zero_grad, backward, none ("" not known yet)
+    boundary_note: str = ""  # why, when not at Optimizer.step, and what the user can do
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ def test_an_exit_without_its_entry_and_a_backward_that_raised_are_dropped() -> N
     assert r.steps_total == 2
     assert r.stage_seconds["backward"] == pytest.approx(0.25)
     assert r.stage_seconds["optimizer"] == pytest.approx(0.1 + 0.2)
-    assert all(kind != tl.BACKWARD for kind, _ in r._open.get(MAIN, []))
+    assert all(block[tl.KIND] != tl.BACKWARD for block in r._open.get(MAIN, []))
 
 
 def test_the_stage_now_is_the_newest_open_stage_of_any_thread() -> None:
@@ -382,3 +382,187 @@ def test_a_probed_step_time_above_the_factor_for_long_enough_is_a_regression(tmp
     assert t.evidence["baseline_seconds"] == pytest.approx(0.020)
     assert t.evidence["step_seconds"] == pytest.approx(0.050)
     assert t.evidence["measured_by"] == "kernel probes, no trace"
+
+
+def closure_loop(steps: int, closures: int = 1, seed: int = 1):
+    """Events of ``optimizer.step(closure)`` (Lightning, LBFGS): the closure's forward,
+    zero_grad and backward run inside Optimizer.step's block. Returns the events, the step
+    calls and the truth per interval between calls, by what ran: the closure's forward and
+    the time between closures are other, what follows the last backward and zero_grad are
+    the optimizer."""
+    rng = random.Random(seed)
+    t, events, calls, truth = 5.0, [], [], []
+    for _ in range(steps):
+        s = dict.fromkeys(tl.STAGES, 0.0)
+        calls.append(t)
+        events.append((tl.STEP, MAIN, t))
+        for c in range(closures):
+            if c:
+                between = rng.uniform(0.001, 0.002)  # the line search's arithmetic
+                t += between
+                s["other"] += between
+            fwd, zero, bwd = rng.uniform(0.002, 0.004), rng.uniform(0.0002, 0.0004), rng.uniform(0.004, 0.008)
+            t += fwd
+            s["other"] += fwd
+            events += [(tl.ZERO_GRAD, MAIN, t), (tl.RECORD_EXIT, MAIN, t + zero)]
+            t += zero
+            s["optimizer"] += zero
+            events += [(tl.RECORD, MAIN, t), (tl.BACKWARD, MAIN, t + 0.0001), (tl.COLLECTIVE, MAIN, t + bwd / 2),
+                       (tl.BACKWARD_END, MAIN, t + bwd), (tl.RECORD_EXIT, MAIN, t + bwd + 0.0001)]
+            # the record block around backward(): outside Engine::execute, other before it and,
+            # as what remains of the step's block after its last backward, optimizer after
+            s["other"] += 0.0001
+            s["optimizer" if c == closures - 1 else "other"] += 0.0001
+            s["backward"] += bwd - 0.0001
+            t += bwd + 0.0001
+        update = rng.uniform(0.001, 0.003)
+        events.append((tl.RECORD_EXIT, MAIN, t + update))
+        t += update
+        s["optimizer"] += update
+        host, data = rng.uniform(0.0005, 0.001), rng.uniform(0.001, 0.003)
+        events += [(tl.DATA, MAIN, t + host), (tl.RECORD_EXIT, MAIN, t + host + data)]
+        s["other"] += host
+        s["data_wait"] += data
+        t += host + data
+        truth.append(s)
+    return events, calls, truth
+
+
+@pytest.mark.parametrize("closures", [1, 3])
+def test_a_closure_inside_optimizer_step_is_counted_once_by_its_own_stage(closures: int) -> None:
+    events, calls, truth = closure_loop(40, closures)
+    r = fold(events)
+    assert r.step_boundary == tl.OPTIMIZER
+    assert r.optimizer_steps == 40 and r.steps_total == 39
+    intervals = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    assert [s.seconds for s in r.recent] == pytest.approx(intervals)
+    for step, want in zip(r.recent, truth, strict=False):  # interval k holds step k's closure and update
+        assert dict(step.stages) == pytest.approx(want, abs=1e-9)
+        assert sum(step.stages.values()) == pytest.approx(step.seconds)
+    assert r.backwards_total == 40 * closures
+
+
+def test_shares_of_a_step_never_add_above_the_step() -> None:
+    """A DataLoader's wait on a thread of its own while the main thread's backward runs:
+    the step's stages are scaled to the step, never 100% and more."""
+    r = tl.RankTimeline()
+    for i in range(4):
+        t = 1.0 + i
+        r.feed(tl.STEP, MAIN, t)
+        r.feed(tl.RECORD_EXIT, MAIN, t + 0.2)
+        r.feed(tl.BACKWARD, MAIN, t + 0.3)
+        r.feed(tl.DATA, MAIN + 1, t + 0.3)
+        r.feed(tl.RECORD_EXIT, MAIN + 1, t + 0.9)
+        r.feed(tl.BACKWARD_END, MAIN, t + 0.95)
+    r.feed(tl.STEP, MAIN, 5.0)
+    for step in r.recent:
+        assert sum(step.stages.values()) == pytest.approx(step.seconds)
+        assert step.stages["other"] == pytest.approx(0.0)
+
+
+def test_a_reentrant_backward_inside_a_backward_is_counted_once() -> None:
+    r = tl.RankTimeline()
+    r.feed(tl.STEP, MAIN, 1.0)
+    r.feed(tl.RECORD_EXIT, MAIN, 1.1)
+    r.feed(tl.BACKWARD, MAIN, 1.2)
+    r.feed(tl.BACKWARD, MAIN, 1.3)  # activation checkpointing's recomputation
+    r.feed(tl.BACKWARD_END, MAIN, 1.5)
+    r.feed(tl.BACKWARD_END, MAIN, 1.8)
+    r.feed(tl.STEP, MAIN, 2.0)
+    assert r.stage_seconds["backward"] == pytest.approx(0.6)
+    assert r.stage_seconds["optimizer"] == pytest.approx(0.1)
+    assert r.stage_seconds["other"] == pytest.approx(0.3)
+
+
+def compiled(events, keep_zero_grad: bool):
+    """The events as a compiled optimizer step leaves them: no Optimizer.step block (its
+    record_function is dropped), nor zero_grad's when it is compiled too."""
+    out, skip = [], 0
+    for kind, tid, t in events:
+        if kind == tl.STEP or (kind == tl.ZERO_GRAD and not keep_zero_grad):
+            skip += 1  # its exit goes too
+            continue
+        if kind == tl.RECORD_EXIT and skip:
+            skip -= 1
+            continue
+        out.append((kind, tid, t))
+    return out
+
+
+def test_without_optimizer_blocks_the_steps_come_from_zero_grad_calls() -> None:
+    events, calls, _ = loop(60, accum=4, jitter=0.3, seed=3)
+    r = fold(compiled(events, keep_zero_grad=True))
+    assert r.step_boundary == tl.BY_ZERO_GRAD and r.optimizer_steps == 0
+    assert r.steps_total == 59
+    zero_grads = [t for kind, _, t in events if kind == tl.ZERO_GRAD]
+    assert [s.seconds for s in r.recent] == pytest.approx([b - a for a, b in zip(zero_grads, zero_grads[1:], strict=False)])
+    assert [s.backwards for s in r.recent] == [4] * 59
+    assert "capture_profiler_record_function" in tl.boundary_note(r.step_boundary)
+
+
+def test_without_optimizer_nor_zero_grad_blocks_the_steps_come_from_backwards() -> None:
+    events, calls, stages = loop(60, jitter=0.3, seed=4)
+    r = fold(compiled(events, keep_zero_grad=False))
+    assert r.step_boundary == tl.BY_BACKWARD
+    backwards = [t for kind, _, t in events if kind == tl.BACKWARD]
+    intervals = [b - a for a, b in zip(backwards, backwards[1:], strict=False)]
+    assert r.steps_total == 59 and [s.seconds for s in r.recent] == pytest.approx(intervals)
+    assert tl.quantile([s.seconds for s in r.recent], 0.5) == pytest.approx(tl.quantile(intervals, 0.5))
+    # interval k holds backward k and the data wait of step k+1; the update is other
+    assert r.stage_seconds["backward"] == pytest.approx(sum(s["backward"] for s in stages[:-1]))
+    assert r.stage_seconds["data_wait"] == pytest.approx(sum(s["data_wait"] for s in stages[1:]))
+    assert r.stage_seconds["optimizer"] == 0.0
+
+
+def test_ddp_accumulation_without_optimizer_blocks_steps_at_the_synchronising_backward() -> None:
+    """DDP's no_sync micro-batches call no collective in their backward; the last one does."""
+    events, _, _ = loop(50, accum=4, seed=5)
+    backward_no, kept, syncs = 0, [], []
+    for kind, tid, t in compiled(events, keep_zero_grad=False):
+        if kind == tl.BACKWARD:
+            backward_no += 1
+            if backward_no % 4 == 1:
+                syncs.append(t)  # the first micro-batch of a step
+        if kind == tl.COLLECTIVE and backward_no % 4:
+            continue  # under no_sync
+        kept.append((kind, tid, t))
+    r = fold(kept)
+    assert r.step_boundary == tl.BY_BACKWARD and r.steps_total == 49
+    assert [s.seconds for s in r.recent] == pytest.approx([b - a for a, b in zip(syncs, syncs[1:], strict=False)])
+    assert [s.backwards for s in r.recent] == [4] * 49
+
+
+def test_a_late_optimizer_block_becomes_the_boundary_and_none_is_said() -> None:
+    r = tl.RankTimeline()
+    for i in range(400):  # an evaluation loop: DataLoader waits only, for 40 s
+        r.feed(tl.DATA, MAIN, i * 0.1)
+        r.feed(tl.RECORD_EXIT, MAIN, i * 0.1 + 0.05)
+    assert r.step_boundary == tl.NONE and "capture_profiler_record_function" in tl.boundary_note(tl.NONE)
+    assert r.steps_total == 0
+    events, _, _ = loop(10, start=50.0)
+    for e in events:
+        r.feed(*e)
+    assert r.step_boundary == tl.OPTIMIZER and r.optimizer_steps == 10 and r.steps_total == 9
+    assert tl.boundary_note(tl.OPTIMIZER) == ""
+
+
+def test_open_blocks_of_a_rank_are_bounded_and_exited_threads_dropped() -> None:
+    """A job churning threads that each open MAX_OPEN blocks and never close them."""
+    r = tl.RankTimeline()
+    events, calls, _ = loop(20, start=1.0)
+    for n, (kind, tid, t) in enumerate(events):
+        r.feed(kind, tid, t)
+        for k in range(64):
+            r.feed(tl.RECORD, 1000 + n, t + k * 1e-9)
+    assert r._open_count <= tl.MAX_OPEN_RANK
+    assert sum(len(s) for s in r._open.values()) == r._open_count
+    assert r.optimizer_steps == 20 and r.steps_total == 19  # the boundaries hold regardless
+    assert r.dropped_blocks > 0
+    r.forget_threads([tid for tid in r.open_threads if tid != MAIN])
+    assert r.open_threads in ([MAIN], []) and r._open_count == sum(len(s) for s in r._open.values())
+    more, _, stages = loop(10, start=100.0)
+    before = dict(r.stage_seconds)
+    for e in more:
+        r.feed(*e)
+    # the step from the last old call to the first new one holds the first new backward
+    assert r.stage_seconds["backward"] - before["backward"] == pytest.approx(sum(s["backward"] for s in stages))

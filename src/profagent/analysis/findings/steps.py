@@ -92,7 +92,7 @@ def pausing_jobs(timeline: TimelineSnapshot | None) -> frozenset[str]:
     for r in timeline.ranks:
         by_job.setdefault(r.job_id, []).append(r)
     return frozenset(job for job, rs in by_job.items()
-                     if all(r.optimizer_steps > 0 and r.idle_seconds is not None
+                     if all(r.since_step_seconds is not None and r.idle_seconds is not None
                             and r.idle_seconds >= _stall_after(r, PAUSE_SECONDS, PAUSE_FACTOR) for r in rs))
 
 
@@ -132,7 +132,7 @@ def analyze_stall(inputs: AnalysisInputs) -> list[Finding]:
         by_job.setdefault(r.job_id, []).append(r)
     out = []
     for job, ranks in sorted(by_job.items()):
-        if job in inputs.hung or not all(r.optimizer_steps > 0 and r.idle_seconds is not None for r in ranks):
+        if job in inputs.hung or not all(r.since_step_seconds is not None and r.idle_seconds is not None for r in ranks):
             continue
         if not all((r.idle_seconds or 0.0) >= _stall_after(r, cfg.stall_warning_seconds, cfg.stall_warning_factor)
                    for r in ranks):

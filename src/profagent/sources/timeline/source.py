@@ -285,6 +285,14 @@ class TimelineSource:
             for pid in [p for p in self._ranks if p not in mains]:
                 del self._ranks[pid]
                 self._looked.pop(pid, None)
+            open_threads = {pid: tids for pid, r in self._ranks.items() if len(tids := r.timeline.open_threads) > 1}
+        # threads listed after their blocks were: one missing from the list has exited
+        exited = {pid: set(tids) - alive for pid, tids in open_threads.items()
+                  if (alive := _threads(self.proc_root, pid)) is not None}
+        with self._lock:
+            for pid, tids in exited.items():
+                if tids and pid in self._ranks:
+                    self._ranks[pid].timeline.forget_threads(tids)
             self._match(now)
             ranks = tuple(self._rank_steps(pid, r, now) for pid, r in sorted(self._ranks.items()))
             stragglers = self._stragglers(now)
@@ -366,7 +374,8 @@ class TimelineSource:
             _shares(recent),
             t.stage_now, now - t.last_event if t.last_event is not None else None,
             now - t.last_step if t.last_step is not None else None,
-            tuple(r.lag_buckets), r.lag_sum, r.lag_count, len(t.arrivals_in_step))
+            tuple(r.lag_buckets), r.lag_sum, r.lag_count, len(t.arrivals_in_step),
+            t.step_boundary, tl.boundary_note(t.step_boundary))
 
 
 def _shares(steps: list[tl.Step]) -> dict[str, float]:
@@ -374,6 +383,14 @@ def _shares(steps: list[tl.Step]) -> dict[str, float]:
     if total <= 0:
         return {}
     return {stage: sum(s.stages.get(stage, 0.0) for s in steps) / total for stage in tl.STAGES}
+
+
+def _threads(proc_root: Path, pid: int) -> set[int] | None:
+    """The process's threads now (None when it cannot be read: nothing is dropped then)."""
+    try:
+        return {int(name) for name in os.listdir(f"{proc_root}/{pid}/task") if name.isdigit()}
+    except OSError:
+        return None
 
 
 def _bucket(bounds: tuple[float, ...], value: float) -> int | None:
