@@ -227,18 +227,18 @@ def test_arrival_straggler_needs_a_persistent_last_place_and_a_real_lag() -> Non
 
     def verdict(last_share: float, lag: float, collectives: int = 200, span: float = 60.0,
                 others: float = 0.001) -> list[str | None]:
-        s = ArrivalStraggler("j", "1", last_share, lag / 4, lag + others, others, 0.02, collectives, span)
+        s = ArrivalStraggler("j", "1", 0.5, lag / 4, lag + others, others, 0.02, collectives, span, last_share, 40)
         return [f.rank for f in findings.analyze_arrival_straggler(inputs(TimelineSnapshot(ranks, (s,))))]
 
     assert verdict(0.9, 0.004) == ["1"]
-    assert verdict(cfg.arrival_last_share - 0.01, 0.004) == []  # not persistently last
+    assert verdict(cfg.arrival_last_share - 0.01, 0.004) == []  # not persistently the most late over a step
     assert verdict(0.9, cfg.arrival_lag_share * 0.02 * 0.9) == []  # last by a hair, a step's lags added up
     assert verdict(0.65, 0.004, others=0.0) == ["1"]
     # last a little more often than the others, who wait about as long for it as it for them
     assert verdict(0.65, cfg.arrival_lag_share * 0.02 * 0.9, others=0.03) == []
     assert verdict(0.9, 0.004, collectives=cfg.arrival_min_collectives - 1) == []  # too few to say
     assert verdict(0.9, 0.004, span=cfg.arrival_min_seconds - 1) == []  # too short a time to say
-    s = ArrivalStraggler("j", "1", 0.9, 0.001, 0.004, 0.0, 0.02, 200, 60.0)
+    s = ArrivalStraggler("j", "1", 0.9, 0.001, 0.004, 0.0, 0.02, 200, 60.0, 0.9, 40)
     assert findings.analyze_arrival_straggler(inputs(TimelineSnapshot(ranks, (s,)), hung=frozenset({"j"}))) == []
     quiet = (steps_of("0", idle_seconds=40.0), steps_of("1", idle_seconds=40.0))
     assert findings.analyze_arrival_straggler(inputs(TimelineSnapshot(quiet, (s,)))) == []  # steps stopped

@@ -1,6 +1,7 @@
 """The one straggler rule, shared by the live ``straggler`` finding and ``profagent analyze``:
 a rank whose wait is far below the median of the other ranks' waits (see docs/diagnosis.md,
 "The straggler rule"). Each caller passes its own measure of wait and its own bounds.
+And which of the step timeline's stages explains a straggler's lag (``stage_cause``).
 """
 
 from __future__ import annotations
@@ -47,3 +48,44 @@ def low_waiters(waits: Mapping[str, float], min_gap: float, min_shortfall: float
         return []
     judged = (judge(waits, rank, min_gap, min_shortfall, gap_strict) for rank in waits)
     return [j for j in judged if j.named]
+
+
+# -- the straggler's cause, from the step timeline's stages --------------------------------
+
+CAUSE_STAGES = ("data_wait", "backward", "optimizer", "other")
+# A stage explains a straggler's lag when its share of the straggler's step is above the
+# others' median by at least this (absolute)...
+CAUSE_MIN_EXCESS = 0.03
+# ...and by at least this part of the lag it explains (the others wait for it in their own
+# stages: a rank slower all through, a slower device or a busy node, is ahead of the others
+# in every stage they do not wait in, by a slice of its lag each, and none explains it).
+CAUSE_LAG_PART = 0.5
+
+
+@dataclass(frozen=True)
+class StageCause:
+    """A straggler's stage shares against the others' medians, and the stage that explains
+    its lag ("" where none does)."""
+
+    stage: str
+    shares: Mapping[str, float]  # its share of a step, per stage
+    others: Mapping[str, float]  # the other ranks' median share, per stage
+    excess: float  # the named stage's share less the others' median (0 when none)
+
+
+def stage_cause(shares: Mapping[str, Mapping[str, float]], rank: str, lag_share: float) -> StageCause | None:
+    """Which stage of ``rank``'s steps explains its lag (``lag_share`` of the step more than
+    the others'): the one above the others' median share by the most, where that is at least
+    ``CAUSE_MIN_EXCESS`` and ``CAUSE_LAG_PART`` of the lag. In a synchronous job every rank's
+    step is as long, so shares compare as times. None without the stages of ``rank`` and of
+    another rank."""
+    mine = shares.get(rank)
+    others = [s for r, s in shares.items() if r != rank and s]
+    if not mine or not others:
+        return None
+    medians = {stage: median([s.get(stage, 0.0) for s in others]) for stage in CAUSE_STAGES}
+    ahead = {stage: mine.get(stage, 0.0) - medians[stage] for stage in CAUSE_STAGES}
+    stage = max(CAUSE_STAGES, key=lambda st: ahead[st])
+    explains = ahead[stage] >= max(CAUSE_MIN_EXCESS, CAUSE_LAG_PART * lag_share)
+    return StageCause(stage if explains else "", {st: mine.get(st, 0.0) for st in CAUSE_STAGES}, medians,
+                      ahead[stage] if explains else 0.0)
