@@ -451,6 +451,7 @@ class ArrivalStraggler:
     span_seconds: float = 0.0  # from the window's first matched collective to its last
     step_last_share: float = 0.0  # of the window's steps at which its lags added up most
     steps: int = 0  # steps of the window
+    step_max_lag: float = 0.0  # its largest lag of a step, at the median step: what the others wait at least
 
 
 @dataclass(frozen=True)

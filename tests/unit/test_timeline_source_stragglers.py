@@ -191,6 +191,7 @@ def test_a_trainer_like_straggler_is_named_though_each_bucket_is_a_coin_toss() -
     f = ticks[-1][0]
     assert f.evidence["last_share"] < FindingsConfig().arrival_last_share < f.evidence["step_last_share"], f.evidence
     assert f.evidence["lag_share"] == pytest.approx(0.02 / f.evidence["step_seconds"], abs=0.03)
+    assert f.evidence["step_max_lag_seconds"] == pytest.approx(0.02, abs=0.001)  # at the gather
     # its host work, before the gather, is its forward-and-host stage; the other waits in the
     # gather, in the same stage: no stage explains it
     assert f.evidence["cause"] is None and "No stage explains it" in f.summary, f.summary
@@ -215,6 +216,20 @@ def test_a_straggler_stays_named_while_it_lasts_and_goes_once_it_is_over() -> No
     # the window must forget it (its steps' median), then the hold runs out
     assert gone <= 60.0 + cfg.hold_seconds + STRAGGLER_EVERY, gone
     assert not any(over[int(gone / TICK):])
+
+
+def test_a_plain_ddp_rank_with_a_slow_dataloader_is_named_with_its_cause() -> None:
+    """Rank 0 waits 8 ms more a step for its DataLoader (the issue's job: its data wait about
+    25% of its step against 12%); rank 1 waits for it in backward. Named, and why."""
+    job = Job(slow="0", extra=0.008, where="data", data=0.005, seed=9)
+    ticks, _ = straggling(job, seconds=60.0)
+    f = ticks[-1][0]
+    assert f.rank == "0" and f.evidence["cause"] == "data_wait", f.summary
+    mine, others = f.evidence["stage_shares"]["data_wait"], f.evidence["others_stage_shares"]["data_wait"]
+    assert mine == pytest.approx(0.013 / f.evidence["step_seconds"], abs=0.02)
+    assert others == pytest.approx(0.005 / f.evidence["step_seconds"], abs=0.02)
+    assert f"Its data wait is {mine:.0%} of its step against {others:.0%} on the others: its DataLoader" in f.summary
+    assert "DataLoader workers" in f.advice
 
 
 @pytest.mark.parametrize(("ranks", "sync", "jitter", "seed"), [(2, False, 0.0005, 11), (2, True, 0.004, 15), (6, True, 0.003, 13)])

@@ -54,12 +54,17 @@ def low_waiters(waits: Mapping[str, float], min_gap: float, min_shortfall: float
 
 CAUSE_STAGES = ("data_wait", "backward", "optimizer", "other")
 # A stage explains a straggler's lag when its share of the straggler's step is above the
-# others' median by at least this (absolute)...
+# others' median by at least this (absolute: shares compare as times, every rank's step
+# being as long in a synchronous job)...
 CAUSE_MIN_EXCESS = 0.03
-# ...and by at least this part of the lag it explains (the others wait for it in their own
-# stages: a rank slower all through, a slower device or a busy node, is ahead of the others
-# in every stage they do not wait in, by a slice of its lag each, and none explains it).
-CAUSE_LAG_PART = 0.5
+# ...holds at least this part of what the straggler spends more than the others (the sum
+# of its stages above theirs: the others spend the rest waiting for it, in the stage their
+# collective is in)...
+CAUSE_PART = 0.5
+# ...and is more above theirs, in proportion, by at least this factor than any other stage
+# it spends more in: a rank slower all through (a slower device, a busy node) takes the
+# same factor longer in each stage, and no one stage explains it.
+CAUSE_STANDS_OUT = 2.0
 
 
 @dataclass(frozen=True)
@@ -70,22 +75,26 @@ class StageCause:
     stage: str
     shares: Mapping[str, float]  # its share of a step, per stage
     others: Mapping[str, float]  # the other ranks' median share, per stage
-    excess: float  # the named stage's share less the others' median (0 when none)
 
 
-def stage_cause(shares: Mapping[str, Mapping[str, float]], rank: str, lag_share: float) -> StageCause | None:
-    """Which stage of ``rank``'s steps explains its lag (``lag_share`` of the step more than
-    the others'): the one above the others' median share by the most, where that is at least
-    ``CAUSE_MIN_EXCESS`` and ``CAUSE_LAG_PART`` of the lag. In a synchronous job every rank's
-    step is as long, so shares compare as times. None without the stages of ``rank`` and of
-    another rank."""
+def stage_cause(shares: Mapping[str, Mapping[str, float]], rank: str) -> StageCause | None:
+    """Which stage of ``rank``'s steps explains its lag: the one it spends the most more in
+    than the others' median, where that is at least ``CAUSE_MIN_EXCESS`` of a step,
+    ``CAUSE_PART`` of all it spends more, and ``CAUSE_STANDS_OUT`` times any other such
+    stage's excess in proportion. None without the stages of ``rank`` and another rank."""
     mine = shares.get(rank)
     others = [s for r, s in shares.items() if r != rank and s]
     if not mine or not others:
         return None
     medians = {stage: median([s.get(stage, 0.0) for s in others]) for stage in CAUSE_STAGES}
-    ahead = {stage: mine.get(stage, 0.0) - medians[stage] for stage in CAUSE_STAGES}
-    stage = max(CAUSE_STAGES, key=lambda st: ahead[st])
-    explains = ahead[stage] >= max(CAUSE_MIN_EXCESS, CAUSE_LAG_PART * lag_share)
-    return StageCause(stage if explains else "", {st: mine.get(st, 0.0) for st in CAUSE_STAGES}, medians,
-                      ahead[stage] if explains else 0.0)
+    excess = {stage: mine.get(stage, 0.0) - medians[stage] for stage in CAUSE_STAGES}
+    more = {stage: e for stage, e in excess.items() if e > 0}
+    stage = max(CAUSE_STAGES, key=lambda st: excess[st])
+
+    def proportion(st: str) -> float:
+        return excess[st] / max(medians[st], 0.01)
+
+    explains = (excess[stage] >= CAUSE_MIN_EXCESS and excess[stage] >= CAUSE_PART * sum(more.values())
+                and all(proportion(stage) >= CAUSE_STANDS_OUT * proportion(st)
+                        for st in more if st != stage and more[st] >= 0.01))
+    return StageCause(stage if explains else "", {st: mine.get(st, 0.0) for st in CAUSE_STAGES}, medians)

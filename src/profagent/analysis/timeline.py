@@ -250,6 +250,7 @@ class StepArrivals(NamedTuple):
     last_counts: Mapping[str, int]  # rank -> collectives it called last (by more than the tie)
     lag: Mapping[str, float]  # rank -> its lags added up (calls back to back once)
     median_lag: Mapping[str, float]  # rank -> its median lag over the step's collectives
+    max_lag: Mapping[str, float]  # rank -> its largest lag of the step
 
 
 def fold_steps(arrivals: Iterable[Arrival], tie: float = 50e-6, back_to_back: float = 1e-3) -> list[StepArrivals]:
@@ -283,7 +284,7 @@ def fold_steps(arrivals: Iterable[Arrival], tie: float = 50e-6, back_to_back: fl
                     total[rank] = total.get(rank, 0.0) + lag
             before = a.times
         out.append(StepArrivals(start, len(by_step[start]), first, last, counts, total,
-                                {r: quantile(v, 0.5) for r, v in lags.items()}))
+                                {r: quantile(v, 0.5) for r, v in lags.items()}, {r: max(v) for r, v in lags.items()}))
     return out
 
 
@@ -298,6 +299,7 @@ class LastArrivals:
     step_lag: Mapping[str, float]  # rank -> its lags of a step added up, at the median over steps
     steps: int = 0  # steps of the window
     step_last_counts: Mapping[str, int] = field(default_factory=dict)  # rank -> steps at which its lags added up most
+    step_max_lag: Mapping[str, float] = field(default_factory=dict)  # rank -> its largest lag of a step, at the median step
 
 
 def last_arrivals(arrivals: Sequence[Arrival], step_seconds: float, tie: float = 50e-6,
@@ -318,6 +320,7 @@ def summarize(steps: Sequence[StepArrivals], step_seconds: float, tie: float = 5
     step_last: dict[str, int] = {}
     step_lag: dict[str, list[float]] = {}
     medians: dict[str, list[float]] = {}
+    largest: dict[str, list[float]] = {}
     for s in steps:
         for rank, n in s.last_counts.items():
             counts[rank] = counts.get(rank, 0) + n
@@ -325,8 +328,11 @@ def summarize(steps: Sequence[StepArrivals], step_seconds: float, tie: float = 5
             step_lag.setdefault(rank, []).append(lag)
         for rank, lag in s.median_lag.items():
             medians.setdefault(rank, []).append(lag)
+        for rank, lag in s.max_lag.items():
+            largest.setdefault(rank, []).append(lag)
         ordered = sorted(s.lag.items(), key=lambda kv: kv[1])
         if len(ordered) >= 2 and ordered[-1][1] - ordered[-2][1] > tie:
             step_last[ordered[-1][0]] = step_last.get(ordered[-1][0], 0) + 1
     return LastArrivals(sum(s.collectives for s in steps), counts, {r: quantile(v, 0.5) for r, v in medians.items()},
-                        step_seconds, {r: quantile(v, 0.5) for r, v in step_lag.items()}, len(steps), step_last)
+                        step_seconds, {r: quantile(v, 0.5) for r, v in step_lag.items()}, len(steps), step_last,
+                        {r: quantile(v, 0.5) for r, v in largest.items()})

@@ -48,15 +48,16 @@ def analyze_arrival_straggler(inputs: AnalysisInputs) -> list[Finding]:
         if s.step_last_share < cfg.arrival_last_share or lag_share < cfg.arrival_lag_share:
             continue
         shares = {r.rank: r.stage_shares for r in t.ranks if r.job_id == s.job_id and r.window_steps > 0}
-        cause = stage_cause(shares, s.rank, lag_share)
-        summary = (f"rank {s.rank} is the straggler: its lags behind the first rank add up to {s.step_lag * 1e3:.1f} ms "
-                   f"a step against {s.others_step_lag * 1e3:.1f} ms for the others ({lag_share:.0%} of a "
-                   f"{s.step_seconds * 1e3:.0f} ms step more), the most at {s.step_last_share:.0%} of the job's last "
-                   f"{s.steps} steps ({s.collectives} collectives, last at {s.last_share:.0%} of them, "
-                   f"{s.median_lag * 1e3:.1f} ms after the first rank at the median); the others wait for it")
+        cause = stage_cause(shares, s.rank)
+        summary = (f"rank {s.rank} is the straggler: it lagged the most at {s.step_last_share:.0%} of the job's last "
+                   f"{s.steps} steps, up to {s.step_max_lag * 1e3:.1f} ms behind the first rank at the median step; "
+                   f"its lags of a step add up to {s.step_lag * 1e3:.1f} ms against {s.others_step_lag * 1e3:.1f} ms "
+                   f"for the others ({lag_share:.0%} of a {s.step_seconds * 1e3:.0f} ms step more; {s.collectives} "
+                   f"collectives, last at {s.last_share:.0%} of them); the others wait for it")
         evidence: dict[str, object] = {
             "signal": "arrivals", "step_last_share": round(s.step_last_share, 3), "steps": s.steps,
             "last_share": round(s.last_share, 3), "median_lag_seconds": s.median_lag,
+            "step_max_lag_seconds": s.step_max_lag,
             "step_lag_seconds": s.step_lag, "others_step_lag_seconds": s.others_step_lag,
             "step_seconds": s.step_seconds, "lag_share": round(lag_share, 3),
             "collectives": s.collectives, "span_seconds": round(s.span_seconds, 1),

@@ -359,7 +359,8 @@ class TimelineSource:
                                 summary.median_lag.get(rank, 0.0), summary.step_lag.get(rank, 0.0),
                                 tl.quantile([v for r, v in summary.step_lag.items() if r != rank] or [0.0], 0.5),
                                 summary.step_seconds, summary.collectives, span,
-                                summary.step_last_counts.get(rank, 0) / summary.steps, summary.steps)
+                                summary.step_last_counts.get(rank, 0) / summary.steps, summary.steps,
+                                summary.step_max_lag.get(rank, 0.0))
 
     def _rank_steps(self, pid: int, r: _Rank, now: float) -> RankSteps:
         t = r.timeline
