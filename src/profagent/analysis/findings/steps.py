@@ -197,9 +197,15 @@ def analyze_stall(inputs: AnalysisInputs) -> list[Finding]:
                               for r in holding)
             summary = (f"the job has made no step for {stopped:.0f} s: {names} holds it up; "
                        "the others wait in their next collective")
+        elif len({lines.get(r.rank) for r in ranks}) == 1 and ranks[0].rank in lines:
+            # every rank stands on one line of the job's own code: a save every rank makes, say
+            summary = (f"the job has made no step for {stopped:.0f} s: every rank seen here stands at "
+                       f"{lines[ranks[0].rank]} ({', '.join(f'rank {r.rank} {_stage(r)}' for r in ranks)}): "
+                       "a save, a rank on another node, or the network")
         else:
             summary = (f"the job has made no step for {stopped:.0f} s: every rank seen here waits "
-                       f"({', '.join(f'rank {r.rank} {_stage(r)}' for r in ranks)}): a save, a rank on another node, or the network")
+                       f"({', '.join(f'rank {r.rank} {_stage(r)}' + (f' at {lines[r.rank]}' if r.rank in lines else '') for r in ranks)}): "
+                       "a save, a rank on another node, or the network")
         out.append(Finding(
             "stall", job, holding[0].rank if len(holding) == 1 else None, "warning", summary,
             {"signal": "timeline", "since_step_seconds": {r.rank: round(r.since_step_seconds or 0.0, 1) for r in ranks},
