@@ -439,7 +439,8 @@ class RankSteps:
 
 @dataclass(frozen=True)
 class ArrivalStraggler:
-    """The rank of a job that arrived last at most of its recent collectives."""
+    """The rank of a job whose lags, added up over a step, were the most at most of its
+    recent steps (see analysis/timeline.py ``summarize``)."""
 
     job_id: str
     rank: str
@@ -450,6 +451,9 @@ class ArrivalStraggler:
     step_seconds: float  # the job's median step time over the window
     collectives: int
     span_seconds: float = 0.0  # from the window's first matched collective to its last
+    step_last_share: float = 0.0  # of the window's steps at which its lags added up most
+    steps: int = 0  # steps of the window
+    step_max_lag: float = 0.0  # its largest lag of a step, at the median step: what the others wait at least
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,14 @@ WORKLOAD = ROOT / "tests" / "workloads" / "timeline_job.py"
 
 
 class Job:
-    def __init__(self, tmp: Path, ranks: int, *args: str, name: str = "job", env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp: Path, ranks: int, *args: str, name: str = "job", env: dict[str, str] | None = None,
+                 workload: Path = WORKLOAD) -> None:
         self.dir = tmp / name
         self.dir.mkdir()
         self.start_file = self.dir / "start"
         self.ranks = ranks
         self._out = (self.dir / "job.log").open("wb")
-        script = [str(WORKLOAD), "--truth-dir", str(self.dir), "--go-file", str(self.start_file), *args]
+        script = [str(workload), "--truth-dir", str(self.dir), "--go-file", str(self.start_file), *args]
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
                     "--master-port", str(free_port())] if ranks > 1 else [sys.executable]
         # one thread per process, as torchrun gives its ranks: a lone process would otherwise

@@ -13,8 +13,16 @@ import pytest
 from profagent.analysis import timeline as tl
 from profagent.analysis.findings import steps as findings
 from profagent.analysis.findings.inputs import AnalysisInputs
+from profagent.analysis.straggler import stage_cause
 from profagent.config import FindingsConfig
-from profagent.contracts import ArrivalStraggler, Frame, RankStall, RankSteps, TimelineSnapshot
+from profagent.contracts import (
+    ArrivalStraggler,
+    Finding,
+    Frame,
+    RankStall,
+    RankSteps,
+    TimelineSnapshot,
+)
 from profagent.sources.timeline.probes import PROBES, probe_offset
 
 MAIN = 100
@@ -227,21 +235,95 @@ def test_arrival_straggler_needs_a_persistent_last_place_and_a_real_lag() -> Non
 
     def verdict(last_share: float, lag: float, collectives: int = 200, span: float = 60.0,
                 others: float = 0.001) -> list[str | None]:
-        s = ArrivalStraggler("j", "1", last_share, lag / 4, lag + others, others, 0.02, collectives, span)
+        s = ArrivalStraggler("j", "1", 0.5, lag / 4, lag + others, others, 0.02, collectives, span, last_share, 40)
         return [f.rank for f in findings.analyze_arrival_straggler(inputs(TimelineSnapshot(ranks, (s,))))]
 
     assert verdict(0.9, 0.004) == ["1"]
-    assert verdict(cfg.arrival_last_share - 0.01, 0.004) == []  # not persistently last
+    assert verdict(cfg.arrival_last_share - 0.01, 0.004) == []  # not persistently the most late over a step
     assert verdict(0.9, cfg.arrival_lag_share * 0.02 * 0.9) == []  # last by a hair, a step's lags added up
     assert verdict(0.65, 0.004, others=0.0) == ["1"]
     # last a little more often than the others, who wait about as long for it as it for them
     assert verdict(0.65, cfg.arrival_lag_share * 0.02 * 0.9, others=0.03) == []
     assert verdict(0.9, 0.004, collectives=cfg.arrival_min_collectives - 1) == []  # too few to say
     assert verdict(0.9, 0.004, span=cfg.arrival_min_seconds - 1) == []  # too short a time to say
-    s = ArrivalStraggler("j", "1", 0.9, 0.001, 0.004, 0.0, 0.02, 200, 60.0)
+    s = ArrivalStraggler("j", "1", 0.9, 0.001, 0.004, 0.0, 0.02, 200, 60.0, 0.9, 40)
     assert findings.analyze_arrival_straggler(inputs(TimelineSnapshot(ranks, (s,)), hung=frozenset({"j"}))) == []
     quiet = (steps_of("0", idle_seconds=40.0), steps_of("1", idle_seconds=40.0))
     assert findings.analyze_arrival_straggler(inputs(TimelineSnapshot(quiet, (s,)))) == []  # steps stopped
+
+
+def shares(data: float, backward: float, optimizer: float) -> dict[str, float]:
+    return {"data_wait": data, "backward": backward, "optimizer": optimizer, "other": 1 - data - backward - optimizer}
+
+
+def times_to_shares(times: dict[str, float]) -> dict[str, float]:
+    total = sum(times.values())
+    return {stage: t / total for stage, t in times.items()}
+
+
+def test_the_stage_that_explains_a_stragglers_lag() -> None:
+    """The issue's job: rank 0's data wait 25% of its step against 12% on rank 1, which
+    waits for it in backward (DDP's reducer), with equal compute."""
+    cause = stage_cause({"0": shares(0.25, 0.35, 0.05), "1": shares(0.12, 0.48, 0.05)}, "0")
+    assert cause is not None and cause.stage == "data_wait"
+    assert (cause.shares["data_wait"], cause.others["data_wait"]) == (0.25, 0.12)
+    # four ranks: the others' median; one of them with a slow loader too does not hide it
+    four = {"0": shares(0.25, 0.35, 0.05), "1": shares(0.12, 0.48, 0.05), "2": shares(0.1, 0.5, 0.05),
+            "3": shares(0.2, 0.4, 0.05)}
+    assert stage_cause(four, "0").stage == "data_wait"  # type: ignore[union-attr]
+    # a forward twice as long (its step 36 ms: data 4, forward 24, backward 4+4, optimizer 4;
+    # the other's forward 12 and backward 16 of which 12 waiting)
+    slow = times_to_shares({"data_wait": 4, "other": 24, "backward": 4, "optimizer": 4})
+    other = times_to_shares({"data_wait": 4, "other": 12, "backward": 16, "optimizer": 4})
+    assert stage_cause({"0": other, "1": slow}, "1").stage == "other"  # type: ignore[union-attr]
+    # an optimizer step three times as long (more state on that rank)
+    slow = times_to_shares({"data_wait": 4, "other": 12, "backward": 8, "optimizer": 12})
+    other = times_to_shares({"data_wait": 4, "other": 12, "backward": 16, "optimizer": 4})
+    assert stage_cause({"0": other, "1": slow}, "1").stage == "optimizer"  # type: ignore[union-attr]
+
+
+def test_no_stage_explains_a_rank_slower_all_through() -> None:
+    """A slower device or a busy node: every stage of rank 1 takes 1.5 times as long (data
+    4 -> 6 ms, forward 12 -> 18, backward 16 -> 24, optimizer 3 -> 4.5); rank 0 waits the
+    difference in its backward. Rank 1 spends more in three stages, by the same proportion."""
+    slow = times_to_shares({"data_wait": 6, "other": 18, "backward": 24, "optimizer": 4.5})
+    fast = times_to_shares({"data_wait": 4, "other": 12, "backward": 52.5 - 19, "optimizer": 3})
+    cause = stage_cause({"0": fast, "1": slow}, "1")
+    assert cause is not None and cause.stage == "", cause
+    # HF Trainer-like: host work before the step's gather; the others wait in that gather,
+    # in the same stage ("other"): no stage stands above the others'
+    slow = times_to_shares({"data_wait": 4, "other": 12 + 2 + 20, "backward": 16, "optimizer": 3})
+    fast = times_to_shares({"data_wait": 4, "other": 12 + 2 + 20, "backward": 16, "optimizer": 3})
+    assert stage_cause({"0": fast, "1": slow}, "1").stage == ""  # type: ignore[union-attr]
+    assert stage_cause({"1": slow}, "1") is None and stage_cause({"0": fast, "1": {}}, "1") is None
+
+
+def test_the_straggler_finding_names_its_cause_and_the_advice_for_it() -> None:
+    s = ArrivalStraggler("j", "0", 0.95, 0.006, 0.012, 0.0005, 0.05, 2000, 60.0, 0.97, 1200, 0.0062)
+
+    def found(*stage_shares: dict[str, float]) -> Finding:
+        ranks = tuple(steps_of(str(r), stage_shares=x) for r, x in enumerate(stage_shares))
+        [f] = findings.analyze_arrival_straggler(inputs(TimelineSnapshot(ranks, (s,))))
+        return f
+
+    f = found(shares(0.25, 0.35, 0.05), shares(0.12, 0.48, 0.05))
+    assert f.rank == "0" and f.summary.startswith(
+        "rank 0 is the straggler: it lagged the most at 97% of the job's last 1200 steps, up to 6.2 ms behind the first "
+        "rank at the median step; its lags of a step add up to 12.0 ms against 0.5 ms for the others (23% of a 50 ms "
+        "step more; 2000 collectives, last at 95% of them); the others wait for it. "), f.summary
+    assert f.summary.endswith("Its data wait is 25% of its step against 12% on the others: its DataLoader"), f.summary
+    assert "DataLoader workers" in f.advice and f.evidence["cause"] == "data_wait"
+    assert f.evidence["stage_shares"]["data_wait"] == 0.25 and f.evidence["others_stage_shares"]["data_wait"] == 0.12
+    slow = times_to_shares({"data_wait": 6, "other": 18, "backward": 24, "optimizer": 4.5})
+    fast = times_to_shares({"data_wait": 4, "other": 12, "backward": 52.5 - 19, "optimizer": 3})
+    f = found(slow, fast)
+    assert "No stage explains it (data wait 11% against 8%, backward 46% against 64%" in f.summary, f.summary
+    assert f.summary.endswith("on the others): a slower device or a busy node") and "busy node" in f.advice
+    assert f.evidence["cause"] is None
+    # no stages measured for the others (a rank with no step in the window): the lag alone
+    ranks = (steps_of("0", stage_shares=slow), steps_of("1", window_steps=0, stage_shares={}))
+    [f] = findings.analyze_arrival_straggler(inputs(TimelineSnapshot(ranks, (s,))))
+    assert f.summary.endswith("the others wait for it") and "cause" not in f.evidence and f.advice == findings.STRAGGLER_ADVICE
 
 
 def test_probed_jobs_take_their_straggler_from_arrivals_only() -> None:

@@ -401,46 +401,100 @@ def _rank_order(rank: str) -> tuple[int, str]:
     return (int(rank), rank) if rank.isdigit() else (1 << 30, rank)
 
 
+class StepArrivals(NamedTuple):
+    """One step's matched collectives, folded to what the straggler summary reads of them:
+    a job's window keeps one of these a step, however many collectives the step calls."""
+
+    start: float  # the reference rank's step start
+    collectives: int
+    first: float  # the earliest call of the step, any rank
+    last: float  # the latest
+    last_counts: Mapping[str, int]  # rank -> collectives it called last (by more than the tie)
+    lag: Mapping[str, float]  # rank -> its lags added up (calls back to back once)
+    median_lag: Mapping[str, float]  # rank -> its median lag over the step's collectives
+    max_lag: Mapping[str, float]  # rank -> its largest lag of the step
+
+
+def fold_steps(arrivals: Iterable[Arrival], tie: float = 50e-6, back_to_back: float = 1e-3) -> list[StepArrivals]:
+    """The arrivals of each step folded into one ``StepArrivals``, in step order. A rank
+    is last at a collective when it called it more than ``tie`` seconds after the
+    runner-up. A step's lags are added up: FSDP calls a collective per layer, each late by
+    a slice of the step, so one collective's lag understates what the others wait. A call
+    that every rank made within ``back_to_back`` seconds of its previous one adds nothing:
+    calls with no work between (one call hitting two probed functions, FSDP's gather of a
+    layer's parameters in a few calls) are one wait."""
+    by_step: dict[float, list[Arrival]] = {}
+    for a in arrivals:
+        by_step.setdefault(a.step_start, []).append(a)
+    out = []
+    for start in sorted(by_step):
+        counts: dict[str, int] = {}
+        lags: dict[str, list[float]] = {}
+        total: dict[str, float] = {}
+        before: Mapping[str, float] | None = None
+        first, last = math.inf, -math.inf
+        for a in sorted(by_step[start], key=lambda a: a.index):
+            ordered = sorted(a.times.items(), key=lambda kv: kv[1])
+            first, last = min(first, ordered[0][1]), max(last, ordered[-1][1])
+            if len(ordered) >= 2 and ordered[-1][1] - ordered[-2][1] > tie:
+                counts[ordered[-1][0]] = counts.get(ordered[-1][0], 0) + 1
+            now = a.lags()
+            for rank, lag in now.items():
+                lags.setdefault(rank, []).append(lag)
+            if before is None or any(t - before.get(rank, -math.inf) > back_to_back for rank, t in a.times.items()):
+                for rank, lag in now.items():
+                    total[rank] = total.get(rank, 0.0) + lag
+            before = a.times
+        out.append(StepArrivals(start, len(by_step[start]), first, last, counts, total,
+                                {r: quantile(v, 0.5) for r, v in lags.items()}, {r: max(v) for r, v in lags.items()}))
+    return out
+
+
 @dataclass(frozen=True)
 class LastArrivals:
     """Who arrived last, over a window of matched collectives of one job."""
 
     collectives: int
     last_counts: Mapping[str, int]  # rank -> collectives at which it was last
-    median_lag: Mapping[str, float]  # rank -> its median lag behind the first
+    median_lag: Mapping[str, float]  # rank -> its median lag behind the first, at the median step
     step_seconds: float  # median step time of the job over the window
     step_lag: Mapping[str, float]  # rank -> its lags of a step added up, at the median over steps
+    steps: int = 0  # steps of the window
+    step_last_counts: Mapping[str, int] = field(default_factory=dict)  # rank -> steps at which its lags added up most
+    step_max_lag: Mapping[str, float] = field(default_factory=dict)  # rank -> its largest lag of a step, at the median step
 
 
 def last_arrivals(arrivals: Sequence[Arrival], step_seconds: float, tie: float = 50e-6,
                   back_to_back: float = 1e-3) -> LastArrivals:
-    """Count, per rank, the collectives it called last (by more than ``tie`` seconds
-    over the runner-up, so that ranks arriving together name no one), and add up each
-    rank's lags over each step: FSDP calls a collective per layer, each late by a slice of
-    the step, so one collective's lag understates what the others wait. A call that every
-    rank made within ``back_to_back`` seconds of its previous one adds nothing: calls with
-    no work between (one call hitting two probed functions, FSDP's gather of a layer's
-    parameters in a few calls) are one wait."""
+    """The summary of ``fold_steps(arrivals)``: see ``summarize``."""
+    return summarize(fold_steps(arrivals, tie, back_to_back), step_seconds, tie)
+
+
+def summarize(steps: Sequence[StepArrivals], step_seconds: float, tie: float = 50e-6) -> LastArrivals:
+    """Count, per rank, the collectives it called last and the steps at which its lags
+    added up most (by more than ``tie`` over the runner-up, so that ranks arriving together
+    name no one), and take each rank's lags of a step added up at the median over steps.
+    The step is what a straggler costs: where one collective a step re-aligns the ranks (HF
+    ``Trainer`` gathers the batch's item count first thing), the straggler is late there by
+    its whole lag and the collectives after it are a coin toss, so who is last at each
+    collective understates it, and who lags most over the step does not."""
     counts: dict[str, int] = {}
-    lags: dict[str, list[float]] = {}
-    per_step: dict[float, dict[str, float]] = {}
-    previous: dict[float, dict[str, float]] = {}
-    for a in sorted(arrivals, key=lambda a: (a.step_start, a.index)):
-        ordered = sorted(a.times.items(), key=lambda kv: kv[1])
-        if len(ordered) >= 2 and ordered[-1][1] - ordered[-2][1] > tie:
-            counts[ordered[-1][0]] = counts.get(ordered[-1][0], 0) + 1
-        now = a.lags()
-        for rank, lag in now.items():
-            lags.setdefault(rank, []).append(lag)
-        before = previous.get(a.step_start)
-        if before is None or any(t - before.get(rank, float("-inf")) > back_to_back for rank, t in a.times.items()):
-            total = per_step.setdefault(a.step_start, {})
-            for rank, lag in now.items():
-                total[rank] = total.get(rank, 0.0) + lag
-        previous[a.step_start] = dict(a.times)
+    step_last: dict[str, int] = {}
     step_lag: dict[str, list[float]] = {}
-    for total in per_step.values():
-        for rank, lag in total.items():
+    medians: dict[str, list[float]] = {}
+    largest: dict[str, list[float]] = {}
+    for s in steps:
+        for rank, n in s.last_counts.items():
+            counts[rank] = counts.get(rank, 0) + n
+        for rank, lag in s.lag.items():
             step_lag.setdefault(rank, []).append(lag)
-    return LastArrivals(len(arrivals), counts, {r: quantile(v, 0.5) for r, v in lags.items()}, step_seconds,
-                        {r: quantile(v, 0.5) for r, v in step_lag.items()})
+        for rank, lag in s.median_lag.items():
+            medians.setdefault(rank, []).append(lag)
+        for rank, lag in s.max_lag.items():
+            largest.setdefault(rank, []).append(lag)
+        ordered = sorted(s.lag.items(), key=lambda kv: kv[1])
+        if len(ordered) >= 2 and ordered[-1][1] - ordered[-2][1] > tie:
+            step_last[ordered[-1][0]] = step_last.get(ordered[-1][0], 0) + 1
+    return LastArrivals(sum(s.collectives for s in steps), counts, {r: quantile(v, 0.5) for r, v in medians.items()},
+                        step_seconds, {r: quantile(v, 0.5) for r, v in step_lag.items()}, len(steps), step_last,
+                        {r: quantile(v, 0.5) for r, v in largest.items()})
