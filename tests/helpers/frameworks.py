@@ -65,7 +65,8 @@ class FrameworkJob:
 def own_figures(events: list[dict]) -> tuple[list[float], dict[str, float]]:
     """Step intervals and stage shares from a rank's own log: the k-th interval runs from
     the k-th Optimizer.step call to the next; a stage block counts in the interval it ends
-    in, from the interval's start at the earliest (as a block open across a step's start)."""
+    in, from the interval's start at the earliest (as a block open across a step's start).
+    Blocks of other stages (a compiled optimizer step, which no probe sees) are left out."""
     calls = [e["call"] for e in events if e["event"] == "step"]
     intervals = [b - a for a, b in zip(calls, calls[1:], strict=False)]
     total = sum(intervals)
@@ -74,7 +75,7 @@ def own_figures(events: list[dict]) -> tuple[list[float], dict[str, float]]:
     for block in sorted((e for e in events if e["event"] == "block"), key=lambda e: e["end"]):
         while k + 1 < len(calls) and block["end"] >= calls[k + 1]:
             k += 1
-        if k + 1 < len(calls) and calls[k] <= block["end"]:
+        if block["stage"] in seconds and k + 1 < len(calls) and calls[k] <= block["end"]:
             seconds[block["stage"]] += block["end"] - max(block["start"], calls[k])
     return intervals, {stage: s / total for stage, s in seconds.items()}
 
@@ -154,9 +155,11 @@ def figures_at_the_pause(w: Watched) -> None:
         own = {r: [e for e in w.job.events(r) if e["event"] in ("step", "block")] for r in range(RANKS)}
 
         def caught_up() -> dict | None:
+            # completed steps, whatever their boundary (Optimizer.step, or the backward
+            # passes where a compiled step has no block): one less than the calls
             m = metrics(w.url)
-            counts = [value(m, "profagent_optimizer_steps_total", rank=str(r)) for r in range(RANKS)]
-            return m if counts == [float(sum(e["event"] == "step" for e in own[r])) for r in range(RANKS)] else None
+            counts = [value(m, "profagent_step_seconds_count", rank=str(r)) for r in range(RANKS)]
+            return m if counts == [float(sum(e["event"] == "step" for e in own[r]) - 1) for r in range(RANKS)] else None
 
         m = wait_for(caught_up, 20, interval=0.5, what="the agent's step count to reach the job's")
         for r in range(RANKS):
