@@ -159,7 +159,9 @@ def figures_at_the_pause(w: Watched) -> None:
             # passes where a compiled step has no block): one less than the calls
             m = metrics(w.url)
             counts = [value(m, "profagent_step_seconds_count", rank=str(r)) for r in range(RANKS)]
-            return m if counts == [float(sum(e["event"] == "step" for e in own[r]) - 1) for r in range(RANKS)] else None
+            want = [float(sum(e["event"] == "step" for e in own[r]) - 1) for r in range(RANKS)]
+            assert counts == want, f"the agent's completed steps {counts}, the job's {want}"
+            return m
 
         m = wait_for(caught_up, 20, interval=0.5, what="the agent's step count to reach the job's")
         for r in range(RANKS):
