@@ -30,7 +30,8 @@ $(VENV)/.installed-demo: pyproject.toml
 
 $(VENV)/.installed: pyproject.toml
 	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" -e '.[test,torch]'
+	@# torch pinned in the same call: the frameworks' own requirements must never move it
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" -e '.[test,torch,frameworks]'
 	touch $@ $(VENV)/.installed-demo
 
 venv: $(VENV)/.installed

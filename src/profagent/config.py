@@ -152,7 +152,7 @@ class FindingsConfig:
     hold_seconds: float = _opt(60.0, "straggler, *_bound, compile_storm: a finding stays active this long after its evidence was last seen, so one that sits on its threshold does not flap (never held through a hang, nor after its rank ended); 0 = no hold")
     straggler_confirm_seconds: float = _opt(10.0, "straggler: raised only once its evidence (arrivals, wait shares or traces) was found at every evaluation for this long, so one evaluation on the line names no one; then held for hold_seconds")
     contention_share: float = _opt(0.05, "straggler: a rank named from its stacks whose main thread waited for a CPU (run queue) this share of the window or more is said to be slowed by CPU contention on the node")
-    arrival_last_share: float = _opt(0.6, "straggler from the kernel probes: a rank that called at least this share of the job's collectives last over timeline.window_seconds...")
+    arrival_last_share: float = _opt(0.6, "straggler from the kernel probes: a rank whose lags behind the first rank, added up over a step, were the most at at least this share of the job's steps over timeline.window_seconds...")
     arrival_lag_share: float = _opt(0.1, "...by lags behind the first rank that add up, over a step, to at least this share of it more than the other ranks' lags do (the median step; FSDP's per-layer collectives are each late by a slice of it)...")
     arrival_min_collectives: int = _opt(50, "...over this many matched collectives at least...")
     arrival_min_seconds: float = _opt(30.0, "...spanning this many seconds at least (a job's first seconds are uneven); where the probes match a job's collectives, they replace the stack wait shares as its straggler signal")

@@ -428,16 +428,19 @@ class RankSteps:
     stage_shares: Mapping[str, float]  # share of the window's step time by stage
     stage_now: str  # data_wait, backward, optimizer, or "" (forward, host work)
     idle_seconds: float | None  # since the rank's last probe event
-    since_step_seconds: float | None  # since its last optimizer step (None before the first)
+    since_step_seconds: float | None  # since its last step began (None before the first)
     lag_buckets: tuple[int, ...]  # per tl.LAG_BUCKETS bound
     lag_seconds_sum: float
     lag_count: int
-    step_collectives: int = 0  # collectives called since its last optimizer step
+    step_collectives: int = 0  # collectives called since its last step began
+    step_boundary: str = ""  # where its steps begin: optimizer, zero_grad, backward, none ("" not known yet)
+    boundary_note: str = ""  # why, when not at Optimizer.step, and what the user can do
 
 
 @dataclass(frozen=True)
 class ArrivalStraggler:
-    """The rank of a job that arrived last at most of its recent collectives."""
+    """The rank of a job whose lags, added up over a step, were the most at most of its
+    recent steps (see analysis/timeline.py ``summarize``)."""
 
     job_id: str
     rank: str
@@ -448,6 +451,9 @@ class ArrivalStraggler:
     step_seconds: float  # the job's median step time over the window
     collectives: int
     span_seconds: float = 0.0  # from the window's first matched collective to its last
+    step_last_share: float = 0.0  # of the window's steps at which its lags added up most
+    steps: int = 0  # steps of the window
+    step_max_lag: float = 0.0  # its largest lag of a step, at the median step: what the others wait at least
 
 
 @dataclass(frozen=True)

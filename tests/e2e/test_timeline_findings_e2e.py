@@ -40,7 +40,7 @@ def test_a_rank_slower_by_half_is_named_the_straggler_from_its_arrivals(tmp_path
         found = wait_for(named, 60, interval=1.0, what="a straggler named from arrivals")
         assert time.monotonic() - began < 60
         assert found["rank"] == "1", found
-        assert found["evidence"]["last_share"] >= FindingsConfig().arrival_last_share
+        assert found["evidence"]["step_last_share"] >= FindingsConfig().arrival_last_share
     finally:
         job.stop()
 
@@ -66,8 +66,8 @@ def test_an_fsdp2_rank_with_twice_the_compute_is_named_the_straggler(tmp_path: P
 
         found = wait_for(named, 60, interval=1.0, what="a straggler named from arrivals")
         assert found["rank"] == "1" and found["evidence"]["signal"] == "arrivals", found
-        assert found["summary"].startswith("rank 1 is the straggler: it called "), found["summary"]
-        assert found["evidence"]["last_share"] >= FindingsConfig().arrival_last_share
+        assert found["summary"].startswith("rank 1 is the straggler: it lagged the most at "), found["summary"]
+        assert found["evidence"]["step_last_share"] >= FindingsConfig().arrival_last_share
         assert found["evidence"]["lag_share"] >= FindingsConfig().arrival_lag_share
         assert "balance the work" in found["advice"], found
         env = {**os.environ, "COLUMNS": "400"}

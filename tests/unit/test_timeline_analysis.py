@@ -13,8 +13,16 @@ import pytest
 from profagent.analysis import timeline as tl
 from profagent.analysis.findings import steps as findings
 from profagent.analysis.findings.inputs import AnalysisInputs
+from profagent.analysis.straggler import stage_cause
 from profagent.config import FindingsConfig
-from profagent.contracts import ArrivalStraggler, Frame, RankStall, RankSteps, TimelineSnapshot
+from profagent.contracts import (
+    ArrivalStraggler,
+    Finding,
+    Frame,
+    RankStall,
+    RankSteps,
+    TimelineSnapshot,
+)
 from profagent.sources.timeline.probes import PROBES, probe_offset
 
 MAIN = 100
@@ -103,7 +111,7 @@ def test_an_exit_without_its_entry_and_a_backward_that_raised_are_dropped() -> N
     assert r.steps_total == 2
     assert r.stage_seconds["backward"] == pytest.approx(0.25)
     assert r.stage_seconds["optimizer"] == pytest.approx(0.1 + 0.2)
-    assert all(kind != tl.BACKWARD for kind, _ in r._open.get(MAIN, []))
+    assert all(block[tl.KIND] != tl.BACKWARD for block in r._open.get(MAIN, []))
 
 
 def test_the_stage_now_is_the_newest_open_stage_of_any_thread() -> None:
@@ -227,21 +235,95 @@ def test_arrival_straggler_needs_a_persistent_last_place_and_a_real_lag() -> Non
 
     def verdict(last_share: float, lag: float, collectives: int = 200, span: float = 60.0,
                 others: float = 0.001) -> list[str | None]:
-        s = ArrivalStraggler("j", "1", last_share, lag / 4, lag + others, others, 0.02, collectives, span)
+        s = ArrivalStraggler("j", "1", 0.5, lag / 4, lag + others, others, 0.02, collectives, span, last_share, 40)
         return [f.rank for f in findings.analyze_arrival_straggler(inputs(TimelineSnapshot(ranks, (s,))))]
 
     assert verdict(0.9, 0.004) == ["1"]
-    assert verdict(cfg.arrival_last_share - 0.01, 0.004) == []  # not persistently last
+    assert verdict(cfg.arrival_last_share - 0.01, 0.004) == []  # not persistently the most late over a step
     assert verdict(0.9, cfg.arrival_lag_share * 0.02 * 0.9) == []  # last by a hair, a step's lags added up
     assert verdict(0.65, 0.004, others=0.0) == ["1"]
     # last a little more often than the others, who wait about as long for it as it for them
     assert verdict(0.65, cfg.arrival_lag_share * 0.02 * 0.9, others=0.03) == []
     assert verdict(0.9, 0.004, collectives=cfg.arrival_min_collectives - 1) == []  # too few to say
     assert verdict(0.9, 0.004, span=cfg.arrival_min_seconds - 1) == []  # too short a time to say
-    s = ArrivalStraggler("j", "1", 0.9, 0.001, 0.004, 0.0, 0.02, 200, 60.0)
+    s = ArrivalStraggler("j", "1", 0.9, 0.001, 0.004, 0.0, 0.02, 200, 60.0, 0.9, 40)
     assert findings.analyze_arrival_straggler(inputs(TimelineSnapshot(ranks, (s,)), hung=frozenset({"j"}))) == []
     quiet = (steps_of("0", idle_seconds=40.0), steps_of("1", idle_seconds=40.0))
     assert findings.analyze_arrival_straggler(inputs(TimelineSnapshot(quiet, (s,)))) == []  # steps stopped
+
+
+def shares(data: float, backward: float, optimizer: float) -> dict[str, float]:
+    return {"data_wait": data, "backward": backward, "optimizer": optimizer, "other": 1 - data - backward - optimizer}
+
+
+def times_to_shares(times: dict[str, float]) -> dict[str, float]:
+    total = sum(times.values())
+    return {stage: t / total for stage, t in times.items()}
+
+
+def test_the_stage_that_explains_a_stragglers_lag() -> None:
+    """The issue's job: rank 0's data wait 25% of its step against 12% on rank 1, which
+    waits for it in backward (DDP's reducer), with equal compute."""
+    cause = stage_cause({"0": shares(0.25, 0.35, 0.05), "1": shares(0.12, 0.48, 0.05)}, "0")
+    assert cause is not None and cause.stage == "data_wait"
+    assert (cause.shares["data_wait"], cause.others["data_wait"]) == (0.25, 0.12)
+    # four ranks: the others' median; one of them with a slow loader too does not hide it
+    four = {"0": shares(0.25, 0.35, 0.05), "1": shares(0.12, 0.48, 0.05), "2": shares(0.1, 0.5, 0.05),
+            "3": shares(0.2, 0.4, 0.05)}
+    assert stage_cause(four, "0").stage == "data_wait"  # type: ignore[union-attr]
+    # a forward twice as long (its step 36 ms: data 4, forward 24, backward 4+4, optimizer 4;
+    # the other's forward 12 and backward 16 of which 12 waiting)
+    slow = times_to_shares({"data_wait": 4, "other": 24, "backward": 4, "optimizer": 4})
+    other = times_to_shares({"data_wait": 4, "other": 12, "backward": 16, "optimizer": 4})
+    assert stage_cause({"0": other, "1": slow}, "1").stage == "other"  # type: ignore[union-attr]
+    # an optimizer step three times as long (more state on that rank)
+    slow = times_to_shares({"data_wait": 4, "other": 12, "backward": 8, "optimizer": 12})
+    other = times_to_shares({"data_wait": 4, "other": 12, "backward": 16, "optimizer": 4})
+    assert stage_cause({"0": other, "1": slow}, "1").stage == "optimizer"  # type: ignore[union-attr]
+
+
+def test_no_stage_explains_a_rank_slower_all_through() -> None:
+    """A slower device or a busy node: every stage of rank 1 takes 1.5 times as long (data
+    4 -> 6 ms, forward 12 -> 18, backward 16 -> 24, optimizer 3 -> 4.5); rank 0 waits the
+    difference in its backward. Rank 1 spends more in three stages, by the same proportion."""
+    slow = times_to_shares({"data_wait": 6, "other": 18, "backward": 24, "optimizer": 4.5})
+    fast = times_to_shares({"data_wait": 4, "other": 12, "backward": 52.5 - 19, "optimizer": 3})
+    cause = stage_cause({"0": fast, "1": slow}, "1")
+    assert cause is not None and cause.stage == "", cause
+    # HF Trainer-like: host work before the step's gather; the others wait in that gather,
+    # in the same stage ("other"): no stage stands above the others'
+    slow = times_to_shares({"data_wait": 4, "other": 12 + 2 + 20, "backward": 16, "optimizer": 3})
+    fast = times_to_shares({"data_wait": 4, "other": 12 + 2 + 20, "backward": 16, "optimizer": 3})
+    assert stage_cause({"0": fast, "1": slow}, "1").stage == ""  # type: ignore[union-attr]
+    assert stage_cause({"1": slow}, "1") is None and stage_cause({"0": fast, "1": {}}, "1") is None
+
+
+def test_the_straggler_finding_names_its_cause_and_the_advice_for_it() -> None:
+    s = ArrivalStraggler("j", "0", 0.95, 0.006, 0.012, 0.0005, 0.05, 2000, 60.0, 0.97, 1200, 0.0062)
+
+    def found(*stage_shares: dict[str, float]) -> Finding:
+        ranks = tuple(steps_of(str(r), stage_shares=x) for r, x in enumerate(stage_shares))
+        [f] = findings.analyze_arrival_straggler(inputs(TimelineSnapshot(ranks, (s,))))
+        return f
+
+    f = found(shares(0.25, 0.35, 0.05), shares(0.12, 0.48, 0.05))
+    assert f.rank == "0" and f.summary.startswith(
+        "rank 0 is the straggler: it lagged the most at 97% of the job's last 1200 steps, up to 6.2 ms behind the first "
+        "rank at the median step; its lags of a step add up to 12.0 ms against 0.5 ms for the others (23% of a 50 ms "
+        "step more; 2000 collectives, last at 95% of them); the others wait for it. "), f.summary
+    assert f.summary.endswith("Its data wait is 25% of its step against 12% on the others: its DataLoader"), f.summary
+    assert "DataLoader workers" in f.advice and f.evidence["cause"] == "data_wait"
+    assert f.evidence["stage_shares"]["data_wait"] == 0.25 and f.evidence["others_stage_shares"]["data_wait"] == 0.12
+    slow = times_to_shares({"data_wait": 6, "other": 18, "backward": 24, "optimizer": 4.5})
+    fast = times_to_shares({"data_wait": 4, "other": 12, "backward": 52.5 - 19, "optimizer": 3})
+    f = found(slow, fast)
+    assert "No stage explains it (data wait 11% against 8%, backward 46% against 64%" in f.summary, f.summary
+    assert f.summary.endswith("on the others): a slower device or a busy node") and "busy node" in f.advice
+    assert f.evidence["cause"] is None
+    # no stages measured for the others (a rank with no step in the window): the lag alone
+    ranks = (steps_of("0", stage_shares=slow), steps_of("1", window_steps=0, stage_shares={}))
+    [f] = findings.analyze_arrival_straggler(inputs(TimelineSnapshot(ranks, (s,))))
+    assert f.summary.endswith("the others wait for it") and "cause" not in f.evidence and f.advice == findings.STRAGGLER_ADVICE
 
 
 def test_probed_jobs_take_their_straggler_from_arrivals_only() -> None:
@@ -382,3 +464,187 @@ def test_a_probed_step_time_above_the_factor_for_long_enough_is_a_regression(tmp
     assert t.evidence["baseline_seconds"] == pytest.approx(0.020)
     assert t.evidence["step_seconds"] == pytest.approx(0.050)
     assert t.evidence["measured_by"] == "kernel probes, no trace"
+
+
+def closure_loop(steps: int, closures: int = 1, seed: int = 1):
+    """Events of ``optimizer.step(closure)`` (Lightning, LBFGS): the closure's forward,
+    zero_grad and backward run inside Optimizer.step's block. Returns the events, the step
+    calls and the truth per interval between calls, by what ran: the closure's forward and
+    the time between closures are other, what follows the last backward and zero_grad are
+    the optimizer."""
+    rng = random.Random(seed)
+    t, events, calls, truth = 5.0, [], [], []
+    for _ in range(steps):
+        s = dict.fromkeys(tl.STAGES, 0.0)
+        calls.append(t)
+        events.append((tl.STEP, MAIN, t))
+        for c in range(closures):
+            if c:
+                between = rng.uniform(0.001, 0.002)  # the line search's arithmetic
+                t += between
+                s["other"] += between
+            fwd, zero, bwd = rng.uniform(0.002, 0.004), rng.uniform(0.0002, 0.0004), rng.uniform(0.004, 0.008)
+            t += fwd
+            s["other"] += fwd
+            events += [(tl.ZERO_GRAD, MAIN, t), (tl.RECORD_EXIT, MAIN, t + zero)]
+            t += zero
+            s["optimizer"] += zero
+            events += [(tl.RECORD, MAIN, t), (tl.BACKWARD, MAIN, t + 0.0001), (tl.COLLECTIVE, MAIN, t + bwd / 2),
+                       (tl.BACKWARD_END, MAIN, t + bwd), (tl.RECORD_EXIT, MAIN, t + bwd + 0.0001)]
+            # the record block around backward(): outside Engine::execute, other before it and,
+            # as what remains of the step's block after its last backward, optimizer after
+            s["other"] += 0.0001
+            s["optimizer" if c == closures - 1 else "other"] += 0.0001
+            s["backward"] += bwd - 0.0001
+            t += bwd + 0.0001
+        update = rng.uniform(0.001, 0.003)
+        events.append((tl.RECORD_EXIT, MAIN, t + update))
+        t += update
+        s["optimizer"] += update
+        host, data = rng.uniform(0.0005, 0.001), rng.uniform(0.001, 0.003)
+        events += [(tl.DATA, MAIN, t + host), (tl.RECORD_EXIT, MAIN, t + host + data)]
+        s["other"] += host
+        s["data_wait"] += data
+        t += host + data
+        truth.append(s)
+    return events, calls, truth
+
+
+@pytest.mark.parametrize("closures", [1, 3])
+def test_a_closure_inside_optimizer_step_is_counted_once_by_its_own_stage(closures: int) -> None:
+    events, calls, truth = closure_loop(40, closures)
+    r = fold(events)
+    assert r.step_boundary == tl.OPTIMIZER
+    assert r.optimizer_steps == 40 and r.steps_total == 39
+    intervals = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    assert [s.seconds for s in r.recent] == pytest.approx(intervals)
+    for step, want in zip(r.recent, truth, strict=False):  # interval k holds step k's closure and update
+        assert dict(step.stages) == pytest.approx(want, abs=1e-9)
+        assert sum(step.stages.values()) == pytest.approx(step.seconds)
+    assert r.backwards_total == 40 * closures
+
+
+def test_shares_of_a_step_never_add_above_the_step() -> None:
+    """A DataLoader's wait on a thread of its own while the main thread's backward runs:
+    the step's stages are scaled to the step, never 100% and more."""
+    r = tl.RankTimeline()
+    for i in range(4):
+        t = 1.0 + i
+        r.feed(tl.STEP, MAIN, t)
+        r.feed(tl.RECORD_EXIT, MAIN, t + 0.2)
+        r.feed(tl.BACKWARD, MAIN, t + 0.3)
+        r.feed(tl.DATA, MAIN + 1, t + 0.3)
+        r.feed(tl.RECORD_EXIT, MAIN + 1, t + 0.9)
+        r.feed(tl.BACKWARD_END, MAIN, t + 0.95)
+    r.feed(tl.STEP, MAIN, 5.0)
+    for step in r.recent:
+        assert sum(step.stages.values()) == pytest.approx(step.seconds)
+        assert step.stages["other"] == pytest.approx(0.0)
+
+
+def test_a_reentrant_backward_inside_a_backward_is_counted_once() -> None:
+    r = tl.RankTimeline()
+    r.feed(tl.STEP, MAIN, 1.0)
+    r.feed(tl.RECORD_EXIT, MAIN, 1.1)
+    r.feed(tl.BACKWARD, MAIN, 1.2)
+    r.feed(tl.BACKWARD, MAIN, 1.3)  # activation checkpointing's recomputation
+    r.feed(tl.BACKWARD_END, MAIN, 1.5)
+    r.feed(tl.BACKWARD_END, MAIN, 1.8)
+    r.feed(tl.STEP, MAIN, 2.0)
+    assert r.stage_seconds["backward"] == pytest.approx(0.6)
+    assert r.stage_seconds["optimizer"] == pytest.approx(0.1)
+    assert r.stage_seconds["other"] == pytest.approx(0.3)
+
+
+def compiled(events, keep_zero_grad: bool):
+    """The events as a compiled optimizer step leaves them: no Optimizer.step block (its
+    record_function is dropped), nor zero_grad's when it is compiled too."""
+    out, skip = [], 0
+    for kind, tid, t in events:
+        if kind == tl.STEP or (kind == tl.ZERO_GRAD and not keep_zero_grad):
+            skip += 1  # its exit goes too
+            continue
+        if kind == tl.RECORD_EXIT and skip:
+            skip -= 1
+            continue
+        out.append((kind, tid, t))
+    return out
+
+
+def test_without_optimizer_blocks_the_steps_come_from_zero_grad_calls() -> None:
+    events, calls, _ = loop(60, accum=4, jitter=0.3, seed=3)
+    r = fold(compiled(events, keep_zero_grad=True))
+    assert r.step_boundary == tl.BY_ZERO_GRAD and r.optimizer_steps == 0
+    assert r.steps_total == 59
+    zero_grads = [t for kind, _, t in events if kind == tl.ZERO_GRAD]
+    assert [s.seconds for s in r.recent] == pytest.approx([b - a for a, b in zip(zero_grads, zero_grads[1:], strict=False)])
+    assert [s.backwards for s in r.recent] == [4] * 59
+    assert "capture_profiler_record_function" in tl.boundary_note(r.step_boundary)
+
+
+def test_without_optimizer_nor_zero_grad_blocks_the_steps_come_from_backwards() -> None:
+    events, calls, stages = loop(60, jitter=0.3, seed=4)
+    r = fold(compiled(events, keep_zero_grad=False))
+    assert r.step_boundary == tl.BY_BACKWARD
+    backwards = [t for kind, _, t in events if kind == tl.BACKWARD]
+    intervals = [b - a for a, b in zip(backwards, backwards[1:], strict=False)]
+    assert r.steps_total == 59 and [s.seconds for s in r.recent] == pytest.approx(intervals)
+    assert tl.quantile([s.seconds for s in r.recent], 0.5) == pytest.approx(tl.quantile(intervals, 0.5))
+    # interval k holds backward k and the data wait of step k+1; the update is other
+    assert r.stage_seconds["backward"] == pytest.approx(sum(s["backward"] for s in stages[:-1]))
+    assert r.stage_seconds["data_wait"] == pytest.approx(sum(s["data_wait"] for s in stages[1:]))
+    assert r.stage_seconds["optimizer"] == 0.0
+
+
+def test_ddp_accumulation_without_optimizer_blocks_steps_at_the_synchronising_backward() -> None:
+    """DDP's no_sync micro-batches call no collective in their backward; the last one does."""
+    events, _, _ = loop(50, accum=4, seed=5)
+    backward_no, kept, syncs = 0, [], []
+    for kind, tid, t in compiled(events, keep_zero_grad=False):
+        if kind == tl.BACKWARD:
+            backward_no += 1
+            if backward_no % 4 == 1:
+                syncs.append(t)  # the first micro-batch of a step
+        if kind == tl.COLLECTIVE and backward_no % 4:
+            continue  # under no_sync
+        kept.append((kind, tid, t))
+    r = fold(kept)
+    assert r.step_boundary == tl.BY_BACKWARD and r.steps_total == 49
+    assert [s.seconds for s in r.recent] == pytest.approx([b - a for a, b in zip(syncs, syncs[1:], strict=False)])
+    assert [s.backwards for s in r.recent] == [4] * 49
+
+
+def test_a_late_optimizer_block_becomes_the_boundary_and_none_is_said() -> None:
+    r = tl.RankTimeline()
+    for i in range(400):  # an evaluation loop: DataLoader waits only, for 40 s
+        r.feed(tl.DATA, MAIN, i * 0.1)
+        r.feed(tl.RECORD_EXIT, MAIN, i * 0.1 + 0.05)
+    assert r.step_boundary == tl.NONE and "capture_profiler_record_function" in tl.boundary_note(tl.NONE)
+    assert r.steps_total == 0
+    events, _, _ = loop(10, start=50.0)
+    for e in events:
+        r.feed(*e)
+    assert r.step_boundary == tl.OPTIMIZER and r.optimizer_steps == 10 and r.steps_total == 9
+    assert tl.boundary_note(tl.OPTIMIZER) == ""
+
+
+def test_open_blocks_of_a_rank_are_bounded_and_exited_threads_dropped() -> None:
+    """A job churning threads that each open MAX_OPEN blocks and never close them."""
+    r = tl.RankTimeline()
+    events, calls, _ = loop(20, start=1.0)
+    for n, (kind, tid, t) in enumerate(events):
+        r.feed(kind, tid, t)
+        for k in range(64):
+            r.feed(tl.RECORD, 1000 + n, t + k * 1e-9)
+    assert r._open_count <= tl.MAX_OPEN_RANK
+    assert sum(len(s) for s in r._open.values()) == r._open_count
+    assert r.optimizer_steps == 20 and r.steps_total == 19  # the boundaries hold regardless
+    assert r.dropped_blocks > 0
+    r.forget_threads([tid for tid in r.open_threads if tid != MAIN])
+    assert r.open_threads in ([MAIN], []) and r._open_count == sum(len(s) for s in r._open.values())
+    more, _, stages = loop(10, start=100.0)
+    before = dict(r.stage_seconds)
+    for e in more:
+        r.feed(*e)
+    # the step from the last old call to the first new one holds the first new backward
+    assert r.stage_seconds["backward"] - before["backward"] == pytest.approx(sum(s["backward"] for s in stages))

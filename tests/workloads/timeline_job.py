@@ -5,7 +5,7 @@ usage: [torchrun --nproc-per-node N] timeline_job.py --truth-dir DIR --go-file F
        [--steps N] [--accum K] [--workers W] [--slow-loader-rank R] [--slow-rank R]
        [--slow-factor F] [--raise-in-backward] [--seconds S] [--fsdp2] [--device-seconds S]
        [--slow-layers] [--batch B] [--profile-dir D] [--linger S]
-       [--slow-file FILE --slow-device-seconds S [--slow-steps K]]
+       [--slow-file FILE --slow-device-seconds S [--slow-steps K]] [--closure | --compile]
 
 It waits for FILE before its first step, so an agent can place its probes first. Then it
 writes DIR/rankR.json: the monotonic time of every optimizer.step() call (from a step
@@ -23,6 +23,14 @@ rank's compute take --slow-factor times as long: its host compute (a busy loop),
 --device-seconds its device alone (a slower GPU: no CPU spent on it). --slow-layers
 instead makes each of its layers compute twice, forward and backward, so it arrives last
 at nearly every collective.
+
+--closure steps as Lightning does, ``optimizer.step(closure)``: the closure's forward,
+zero_grad and backward run inside Optimizer.step's block; it logs the closure's own
+times. --compile compiles the model and a function calling ``opt.step()``
+(torch.compile), whose record_function dynamo drops, and zeroes the gradients with the
+model's ``zero_grad()`` (as HF's Trainer does; ``Optimizer.zero_grad`` runs uncompiled
+and would leave its block): it logs the start of each backward, the steps' only
+boundary left, as its step calls.
 """
 
 import argparse
@@ -58,6 +66,8 @@ parser.add_argument("--slow-layers", action="store_true")
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--profile-dir", default="", help="also profile every step, a trace of --profile-steps written here each cycle")
 parser.add_argument("--profile-steps", type=int, default=40)
+parser.add_argument("--closure", action="store_true", help="optimizer.step(closure), as Lightning calls it")
+parser.add_argument("--compile", action="store_true", help="torch.compile the model and opt.step(); the model's zero_grad()")
 parser.add_argument("--linger", type=float, default=0.0, help="seconds to stay after logging the truth (an agent attached to it exits with it)")
 args = parser.parse_args()
 RANK = int(os.environ.get("RANK", "0"))
@@ -97,6 +107,8 @@ class Layer(torch.nn.Module):
         self.twice = twice
 
     def forward(self, x):
+        if args.compile:  # a clock read in a compiled forward breaks its graph: not timed
+            return self.inner(x)
         t0 = time.monotonic()
         y = self.inner(x)
         if self.twice:
@@ -182,7 +194,11 @@ def main() -> None:
     net = model()
     if distributed:
         net = shard(net) if args.fsdp2 else torch.nn.parallel.DistributedDataParallel(net)
+    if args.compile:
+        net = torch.compile(net)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+    compiled_step = torch.compile(opt.step) if args.compile else opt.step
     loader = torch.utils.data.DataLoader(Images(), batch_size=args.batch, num_workers=args.workers)
     batches = iter(loader)
     start = Path(args.go_file)
@@ -195,7 +211,8 @@ def main() -> None:
     # Each step call's time from a step pre-hook: torch runs it first thing inside
     # Optimizer.step's record_function, microseconds after the probe there. A time taken
     # before the call would put the node's preemptions between the two clocks.
-    opt.register_step_pre_hook(lambda *_: calls.append(time.monotonic()))
+    if not args.compile:  # a compiled step would trace the hook; there, each backward's start
+        opt.register_step_pre_hook(lambda *_: calls.append(time.monotonic()))
     stages: list[dict[str, float]] = []
     raised = 0
     until = time.monotonic() + args.seconds
@@ -217,20 +234,25 @@ def main() -> None:
             Path(args.truth_dir, "hanging").write_text(str(time.monotonic()))
             stuck_in_forward()
         data = backward = 0.0
+        closure_times: dict[str, float] = {}
         for _ in range(args.accum):
             t0 = time.monotonic()
             x, y = next(batches)
             t1 = time.monotonic()
+            data += t1 - t0
+            if args.closure:
+                break  # the closure's forward and backward run inside the step below
             loss = torch.nn.functional.cross_entropy(net(x), y) / args.accum
             inside = engine_clock(loss)
             loss.backward()
             t2, t3 = inside
+            if args.compile:
+                calls.append(t2)
             if slow_compute and not args.device_seconds:
                 # a straggler: its compute takes slow_factor times as long
                 extra = time.monotonic() + (args.slow_factor - 1.0) * (t3 - t1)
                 while time.monotonic() < extra:
                     pass
-            data += t1 - t0
             backward += t3 - t2
         if args.raise_in_backward:
             try:
@@ -246,11 +268,34 @@ def main() -> None:
         if device:
             time.sleep(device)  # the device computes; the host waits for it
         t4 = time.monotonic()
-        opt.step()
-        opt.zero_grad()
+        if args.closure:
+            def closure(x=x, y=y, times=closure_times) -> torch.Tensor:
+                begin = time.monotonic()
+                loss = torch.nn.functional.cross_entropy(net(x), y)
+                zero = time.monotonic()
+                opt.zero_grad()
+                times["zero_grad"] = time.monotonic() - zero
+                inside = engine_clock(loss)
+                loss.backward()
+                times["backward"] = inside[1] - inside[0]
+                times["closure"] = time.monotonic() - begin
+                return loss
+
+            opt.step(closure)
+        elif args.compile:
+            compiled_step()
+            net.zero_grad()
+        else:
+            opt.step()
+            opt.zero_grad()
         if profiler is not None:
             profiler.step()
-        stages.append({"data_wait": data, "backward": backward, "optimizer": time.monotonic() - t4,
+        if args.closure:  # the step's call less its closure, and the closure's zero_grad
+            backward = closure_times["backward"]
+            optimizer = time.monotonic() - t4 - closure_times["closure"] + closure_times["zero_grad"]
+        else:
+            optimizer = time.monotonic() - t4
+        stages.append({"data_wait": data, "backward": backward, "optimizer": optimizer,
                        "forward_compute": Layer.forward_seconds})
         Layer.forward_seconds = 0.0
     Path(args.truth_dir, f"rank{RANK}.json").write_text(json.dumps(

@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from profagent.analysis.stacks import Sample, is_native, parse_frame, standing_key
+from profagent.analysis.stacks import Sample, is_native, is_user, parse_frame, standing_key
 from profagent.contracts import Frame
 
 PYTHON_FILES = ("torch/distributed/",)  # collectives, c10d_logger, FSDP/FSDP2 hooks, DTensor
@@ -82,10 +82,6 @@ def _python_collective(f: Frame) -> bool:
     return any(p in f.file for p in PYTHON_FILES)
 
 
-def _in_torch(f: Frame) -> bool:
-    return f.file.startswith("torch/") or "/torch/" in f.file or "site-packages/" in f.file
-
-
 def _in_backward(frames: Sequence[Frame]) -> bool:
     return any(f.file.endswith(("torch/autograd/graph.py", "torch/autograd/__init__.py", "torch/_tensor.py"))
                and f.name.rsplit(".", 1)[-1] in ("backward", "_engine_run_backward") for f in frames)
@@ -94,13 +90,13 @@ def _in_backward(frames: Sequence[Frame]) -> bool:
 def collective_wait(frames: Sequence[Frame]) -> CollectiveWait | None:
     """The collective a stack (root first, Python and native frames) waits in, or None."""
     python_hits = [i for i, f in enumerate(frames) if is_python(f) and _python_collective(f)]
-    user = [f for f in frames if is_python(f) and not _in_torch(f)]
+    user = [f for f in frames if is_user(f)]  # not torch's, nor accelerate's or Lightning's gather
     if python_hits:
         inner = frames[python_hits[-1]]
         # the torch.distributed function the user's code (or FSDP) called: the innermost
         # one named like a collective (all_reduce, broadcast, all_gather_single...)
         name = inner.name.rsplit(".", 1)[-1]
-        caller = next((f for f in reversed(frames[: python_hits[0]]) if not _in_torch(f) and is_python(f)), None)
+        caller = next((f for f in reversed(frames[: python_hits[0]]) if is_user(f)), None)
         called_at = caller or (user[-1] if user else None)
         if _in_backward(frames[: python_hits[0]]):
             name = f"{name} from backward"

@@ -226,13 +226,20 @@ def classify(frames: tuple[Frame, ...]) -> str:
 
 # Top-level packages that are not the user's code: the standard library and the frameworks a
 # training job runs on. py-spy names files relative to sys.path ("selectors.py",
-# "torch/nn/modules/module.py"), the same way as the user's own ("train.py"), so the package
-# decides.
+# "torch/nn/modules/module.py", "transformers/trainer.py", "accelerate/accelerator.py"),
+# the same way as the user's own ("train.py"), so the package decides; a path py-spy left
+# whole is a library's under site-packages/, dist-packages/ or a Python's lib/pythonX.Y/.
 LIBRARY_PACKAGES = frozenset(sys.stdlib_module_names) | frozenset({
     "torch", "torchvision", "torchaudio", "torchtext", "torchdata", "functorch", "triton", "numpy",
     "PIL", "transformers", "accelerate", "lightning", "pytorch_lightning", "lightning_fabric",
-    "deepspeed", "apex", "fairscale", "timm", "datasets", "tqdm", "site-packages", "dist-packages",
+    "lightning_utilities", "torchmetrics", "deepspeed", "apex", "fairscale", "timm", "datasets", "tqdm",
+    "peft", "trl", "optimum", "huggingface_hub", "safetensors", "tokenizers", "evaluate", "bitsandbytes",
+    "xformers", "flash_attn", "megatron", "colossalai", "composer", "torch_xla", "torchrec", "torchtune",
+    "torchao", "einops", "ray", "hydra", "omegaconf", "wandb", "mlflow", "tensorboard", "tensorboardX",
+    "scipy", "pandas", "sklearn", "filelock", "fsspec", "packaging", "typing_extensions",
+    "site-packages", "dist-packages",
 })
+_LIBRARY_DIRS = re.compile(r"(^|/)(site-packages|dist-packages)/|/lib/python\d[\d.]*/")
 _NATIVE_SOURCES = (".c", ".h", ".cc", ".cpp", ".cxx", ".hpp", ".rs", ".S")
 # Where a thread waits, from the user's line inward: everything deeper is the machinery of
 # one wait (a poll loop that wakes every few seconds, a retry), not a change of place.
@@ -251,7 +258,7 @@ def is_user(f: Frame) -> bool:
     if is_native(f) or f.file.startswith("<"):
         return False
     top = f.file.lstrip("./").split("/", 1)[0]
-    return top.removesuffix(".py") not in LIBRARY_PACKAGES and "site-packages/" not in f.file
+    return top.removesuffix(".py") not in LIBRARY_PACKAGES and _LIBRARY_DIRS.search(f.file) is None
 
 
 def own_frame(frames: Iterable[Frame]) -> Frame | None:

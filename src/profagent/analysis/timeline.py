@@ -22,13 +22,22 @@ STAGES = ("data_wait", "backward", "optimizer", "other")
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 MAX_OPEN = 64  # open blocks per thread: a job that never closes what it opens cannot grow us
+MAX_OPEN_RANK = 1024  # open blocks per rank, all its threads together (thread churn)
 MAX_ARRIVALS = 4096  # collective calls kept per step
 RECENT_STEPS = 2048  # steps kept per rank for the window figures and the cross-rank match
+HELD_EVENTS = 8192  # events held while a rank's step boundary is not known yet
+DECIDE_BACKWARDS = 32  # backwards with no Optimizer.step block: the steps come from elsewhere
+DECIDE_SECONDS = 60.0  # or this long with a few backwards and no Optimizer.step block
+NONE_AFTER = 30.0  # seconds of events with no boundary before a rank is said to have none
 
 # What a probe saw; ``detail`` is the collective's name for COLLECTIVE.
 STEP, ZERO_GRAD, DATA, RECORD, RECORD_EXIT, BACKWARD, BACKWARD_END, COLLECTIVE = (
     "step", "zero_grad", "data", "record", "record_exit", "backward", "backward_end", "collective")
-
+# Where a rank's steps begin: each Optimizer.step call; else each Optimizer.zero_grad call
+# (a compiled optimizer step drops its record_function, an uncompiled zero_grad keeps its
+# own); else each backward pass (the one after DDP's synchronising backward with gradient
+# accumulation); NONE where no boundary can be had.
+OPTIMIZER, BY_ZERO_GRAD, BY_BACKWARD, NONE = "optimizer", "zero_grad", "backward", "none"
 
 def record_kind(head: bytes) -> str:
     """The kind of a ``record_function`` from the first 16 bytes of its name (torch names
@@ -45,6 +54,10 @@ def record_kind(head: bytes) -> str:
 _STAGE_OF = {DATA: "data_wait", BACKWARD: "backward", STEP: "optimizer", ZERO_GRAD: "optimizer"}
 _EXITS = frozenset((RECORD_EXIT, BACKWARD_END))
 _RESETS = frozenset((STEP, DATA))  # blocks never opened inside a backward
+# An open block: [kind, start, inner seconds, the step its inner seconds belong to, a
+# backward ended inside it]. An Optimizer.step block's start moves to the end of each
+# backward inside it: what ran before (the closure's forward) is not the optimizer's.
+KIND, BEGAN, INNER, INNER_STEP, HAD_BACKWARD = range(5)
 
 
 class Step(NamedTuple):  # one per step of every rank: a NamedTuple is built ten times faster than a frozen dataclass
@@ -57,12 +70,31 @@ class Step(NamedTuple):  # one per step of every rank: a NamedTuple is built ten
     arrivals: tuple[float, ...]  # the step's collective calls, in order
 
 
+def boundary_note(boundary: str) -> str:
+    """One line on where a rank's steps come from when not from Optimizer.step ("" then)."""
+    fix = "set torch._dynamo.config.capture_profiler_record_function = True in the job for exact steps and stages"
+    if boundary == BY_ZERO_GRAD:
+        return ("steps from Optimizer.zero_grad calls: no Optimizer.step block arrives (a compiled optimizer step "
+                f"drops it), so the optimizer's update counts as other; {fix}")
+    if boundary == BY_BACKWARD:
+        return ("steps from backward passes: no Optimizer.step block arrives (a compiled optimizer step drops it); "
+                f"gradient accumulation without DDP counts each micro-batch as a step; {fix}")
+    if boundary == NONE:
+        return ("no step boundary: neither an Optimizer.step block nor a backward pass arrives (a compiled "
+                f"optimizer step drops its block); {fix}")
+    return ""
+
+
 @dataclass
 class RankTimeline:
-    """The running figures of one rank process, fed its events in time order."""
+    """The running figures of one rank process, fed its events in time order.
+
+    Until its first Optimizer.step block, a rank's events are held (HELD_EVENTS): if no
+    such block comes within DECIDE_BACKWARDS backwards, the steps are taken from
+    Optimizer.zero_grad calls or backward passes and the held events are read again."""
 
     optimizer_steps: int = 0  # Optimizer.step calls seen
-    steps_total: int = 0  # completed steps: from one call to the next
+    steps_total: int = 0  # completed steps: from one boundary to the next
     step_seconds_sum: float = 0.0
     step_buckets: list[int] = field(default_factory=lambda: [0] * len(STEP_BUCKETS))
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
@@ -70,81 +102,210 @@ class RankTimeline:
     collectives_total: int = 0
     recent: deque[Step] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     last_event: float | None = None
-    last_step: float | None = None  # when Optimizer.step was last called
-    _open: dict[int, list[tuple[str, float]]] = field(default_factory=dict)  # tid -> open blocks
+    last_step: float | None = None  # when the last step began
+    boundary: str = ""  # OPTIMIZER, BY_ZERO_GRAD, BY_BACKWARD, NONE; "" while held
+    dropped_blocks: int = 0  # blocks not kept: a thread or the rank had too many open
+    _open: dict[int, list[list]] = field(default_factory=dict)  # tid -> its open blocks, none empty
+    _open_count: int = 0
     _step_start: float | None = None
+    _step_no: int = 0
     _current: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     _backwards: int = 0
     _arrivals: list[float] = field(default_factory=list)
+    _held: list[tuple[str, int, float]] | None = field(default_factory=list)
+    _first_event: float | None = None
+    _undecided_backwards: int = 0  # backwards ended while no boundary is known
+    _zero_grads: int = 0
+    _backward_mark: int = 0  # collectives_total when the outermost backward began
+    _last_synced: bool = True  # the last backward called collectives (the first begins a step)
+    _synced_seen: bool = False  # a backward of this rank called collectives
+    _closure: bool = False  # the last Optimizer.step block ran a backward (a closure)
 
     @property
     def arrivals_in_step(self) -> list[float]:
-        """The collectives called since the last optimizer step."""
+        """The collectives called since the last step began."""
         return self._arrivals
+
+    @property
+    def step_boundary(self) -> str:
+        """Where the rank's steps come from; NONE once events have arrived for NONE_AFTER
+        seconds with no boundary; "" before that."""
+        if self.boundary:
+            return self.boundary
+        if self._first_event is not None and self.last_event is not None \
+                and self.last_event - self._first_event >= NONE_AFTER:
+            return NONE
+        return ""
 
     @property
     def stage_now(self) -> str:
         """The stage of the innermost open block of any thread ("" outside any): asked
-        once a collect, so worked out here rather than at each of thousands of events."""
-        newest: tuple[str, float] | None = None
+        once a collect, so worked out here rather than at each of thousands of events;
+        it reads at most MAX_OPEN_RANK blocks."""
+        newest: list | None = None
         for stack in self._open.values():
-            for kind, began in stack:
-                if kind != RECORD and (newest is None or began > newest[1]):
-                    newest = (kind, began)
-        return "" if newest is None else _STAGE_OF[newest[0]]
+            for block in stack:
+                if block[KIND] != RECORD and (newest is None or block[BEGAN] > newest[BEGAN]):
+                    newest = block
+        if newest is None:
+            return ""
+        if newest[KIND] == STEP and self._closure and not newest[HAD_BACKWARD]:
+            return ""  # a closure's forward, before its backward
+        return _STAGE_OF[newest[KIND]]
+
+    @property
+    def open_threads(self) -> list[int]:
+        """The threads with blocks open."""
+        return list(self._open)
+
+    def forget_threads(self, exited: Iterable[int]) -> None:
+        """Drop the open blocks of threads that exited: a job churning threads that never
+        close what they open would otherwise hold MAX_OPEN_RANK blocks for good."""
+        for tid in exited:
+            stack = self._open.pop(tid, None)
+            if stack is not None:
+                self._open_count -= len(stack)
 
     def feed(self, kind: str, tid: int, t: float) -> None:
+        held = self._held
+        if held is not None:
+            self._hold(held, kind, tid, t)
+        self._apply(kind, tid, t)
+
+    def _hold(self, held: list[tuple[str, int, float]], kind: str, tid: int, t: float) -> None:
+        """Keep the event for a second reading; decide the boundary when it can be."""
+        if self._first_event is None:
+            self._first_event = t
+        held.append((kind, tid, t))
+        backwards = self._undecided_backwards
+        if kind == STEP:
+            self._decide(OPTIMIZER)
+        elif backwards >= DECIDE_BACKWARDS or (backwards >= 4 and t - self._first_event >= DECIDE_SECONDS):
+            self._decide(BY_ZERO_GRAD if self._zero_grads >= 2 else BY_BACKWARD)
+        elif len(held) >= HELD_EVENTS:
+            self._decide(NONE)
+
+    def _decide(self, boundary: str) -> None:
+        """Read the held events again (all but the one being fed) with the boundary known."""
+        held = self._held or []
+        first, synced = self._first_event, self._synced_seen
+        self.__init__()  # type: ignore[misc]
+        self._held = None
+        self.boundary = boundary
+        self._first_event = first
+        self._synced_seen = synced  # DDP's: the backwards under no_sync before it begin no step
+        for kind, tid, t in held[:-1]:
+            self._apply(kind, tid, t)
+
+    def _apply(self, kind: str, tid: int, t: float) -> None:
         # Called for every probe hit of every rank (thousands a second at 8 ranks): the
-        # common paths are a few dict and list operations, with no further call.
+        # common paths are a few dict and list operations.
         self.last_event = t
         if kind in _EXITS:
-            stack = self._open.get(tid)
-            if not stack:
-                return
-            backward = kind == BACKWARD_END
-            top = stack[-1]
-            if (top[0] == BACKWARD) is backward:
-                stack.pop()
-            else:  # an inner block still open: a backward's end inside its record blocks, say
-                at = next((i for i in range(len(stack) - 2, -1, -1) if (stack[i][0] == BACKWARD) is backward), None)
-                if at is None:  # an exit whose entry came before the probes
-                    return
-                top = stack.pop(at)
-            opened, began = top
-            if opened == BACKWARD:
-                self._backwards += 1
-                self.backwards_total += 1
-            stage = _STAGE_OF.get(opened)
-            start = self._step_start
-            if stage is not None and start is not None:
-                since = began if began > start else start  # a block is counted in the step it ends in
-                if t > since:
-                    self._current[stage] += t - since
+            self._exit(kind, tid, t)
             return
         if kind == COLLECTIVE:
             self.collectives_total += 1
             if len(self._arrivals) < MAX_ARRIVALS:
                 self._arrivals.append(t)
             return
-        stack = self._open.get(tid)
-        if stack is None:
-            stack = self._open[tid] = []
-        if kind in _RESETS:
-            if kind == STEP:
+        stack = self._open.get(tid) or []
+        boundary = self.boundary
+        if kind == STEP:
+            if any(block[KIND] == STEP for block in stack):
+                pass  # an optimizer's step inside another's (a wrapping optimizer): one step
+            else:
                 self.optimizer_steps += 1
-                self.last_step = t
-                self._boundary(t)
-            if any(block[0] == BACKWARD for block in stack):  # never inside a backward: it raised
-                stack[:] = [block for block in stack if block[0] != BACKWARD]
-        if len(stack) < MAX_OPEN:
-            stack.append((kind, t))
+                if boundary != OPTIMIZER:  # the block came after all: it is the boundary from now on
+                    self.boundary = boundary = OPTIMIZER
+                    self._step_start = None
+                self._begin(t)
+        elif kind == BACKWARD:
+            if not any(block[KIND] == BACKWARD for block in stack):  # the outermost: not a reentrant one
+                if boundary == NONE and self._undecided_backwards >= DECIDE_BACKWARDS:
+                    self.boundary = boundary = BY_ZERO_GRAD if self._zero_grads >= 2 else BY_BACKWARD
+                if boundary == BY_BACKWARD and (self._last_synced or not self._synced_seen):
+                    self._begin(t)
+                self._backward_mark = self.collectives_total
+        elif kind == ZERO_GRAD:
+            self._zero_grads += 1
+            if boundary == BY_ZERO_GRAD:
+                self._begin(t)
+        if kind in _RESETS and any(block[KIND] == BACKWARD for block in stack):  # never inside a backward: it raised
+            kept = [block for block in stack if block[KIND] != BACKWARD]
+            self._open_count -= len(stack) - len(kept)
+            stack[:] = kept
+        if len(stack) < MAX_OPEN and self._open_count < MAX_OPEN_RANK:
+            stack.append([kind, t, 0.0, 0, False])
+            self._open_count += 1
+            self._open[tid] = stack
+        else:
+            self.dropped_blocks += 1
+            if not stack:
+                self._open.pop(tid, None)
 
-    def _boundary(self, t: float) -> None:
+    def _exit(self, kind: str, tid: int, t: float) -> None:
+        stack = self._open.get(tid)
+        if not stack:
+            return
+        backward = kind == BACKWARD_END
+        at = len(stack) - 1
+        if (stack[at][KIND] == BACKWARD) is not backward:  # an inner block still open: a backward's end inside its record blocks, say
+            at = next((i for i in range(at - 1, -1, -1) if (stack[i][KIND] == BACKWARD) is backward), -1)
+            if at < 0:  # an exit whose entry came before the probes
+                return
+        block = stack.pop(at)
+        self._open_count -= 1
+        if not stack:
+            del self._open[tid]
+        opened, began = block[KIND], block[BEGAN]
+        if opened == BACKWARD:
+            self._backwards += 1
+            self.backwards_total += 1
+            if self.boundary in ("", NONE):
+                self._undecided_backwards += 1
+        stage = _STAGE_OF.get(opened)
+        start = self._step_start
+        if stage is None:
+            return
+        outermost_backward = opened == BACKWARD and not any(b[KIND] == BACKWARD for b in stack[:at])
+        if outermost_backward:
+            self._last_synced = self.collectives_total > self._backward_mark
+            self._synced_seen = self._synced_seen or self._last_synced
+        if opened == STEP:
+            self._closure = block[HAD_BACKWARD]
+        if start is None:
+            return
+        since = began if began > start else start  # a block is counted in the step it ends in
+        if t <= since:
+            return
+        seconds = t - since
+        inner = block[INNER] if block[INNER_STEP] == self._step_no else 0.0
+        self._current[stage] += max(0.0, seconds - inner)
+        # the enclosing block of a stage gives this time up: it is counted once, here
+        parent = next((stack[i] for i in range(at - 1, -1, -1) if stack[i][KIND] != RECORD), None)
+        if parent is None:
+            return
+        if parent[KIND] == STEP and opened == BACKWARD:
+            parent[BEGAN], parent[INNER], parent[HAD_BACKWARD] = t, 0.0, True
+        elif parent[INNER_STEP] == self._step_no:
+            parent[INNER] += seconds
+        else:
+            parent[INNER], parent[INNER_STEP] = seconds, self._step_no
+
+    def _begin(self, t: float) -> None:
+        """A step begins at ``t``: the one before ends there."""
+        self.last_step = t
         start = self._step_start
         if start is not None and t > start:
             seconds = t - start
             stages = self._current
-            stages["other"] = max(0.0, seconds - stages["data_wait"] - stages["backward"] - stages["optimizer"])
+            counted = stages["data_wait"] + stages["backward"] + stages["optimizer"]
+            if counted > seconds:  # blocks of several threads overlapped: shares of the step still
+                for stage in ("data_wait", "backward", "optimizer"):
+                    stages[stage] *= seconds / counted
+                counted = seconds
+            stages["other"] = seconds - counted
             self.steps_total += 1
             self.step_seconds_sum += seconds
             index = bisect.bisect_left(STEP_BUCKETS, seconds)
@@ -155,6 +316,7 @@ class RankTimeline:
                 totals[stage] += value
             self.recent.append(Step(start, seconds, stages, self._backwards, tuple(self._arrivals)))
         self._step_start = t
+        self._step_no += 1
         self._current = dict.fromkeys(STAGES, 0.0)
         self._backwards = 0
         self._arrivals = []
@@ -239,46 +401,100 @@ def _rank_order(rank: str) -> tuple[int, str]:
     return (int(rank), rank) if rank.isdigit() else (1 << 30, rank)
 
 
+class StepArrivals(NamedTuple):
+    """One step's matched collectives, folded to what the straggler summary reads of them:
+    a job's window keeps one of these a step, however many collectives the step calls."""
+
+    start: float  # the reference rank's step start
+    collectives: int
+    first: float  # the earliest call of the step, any rank
+    last: float  # the latest
+    last_counts: Mapping[str, int]  # rank -> collectives it called last (by more than the tie)
+    lag: Mapping[str, float]  # rank -> its lags added up (calls back to back once)
+    median_lag: Mapping[str, float]  # rank -> its median lag over the step's collectives
+    max_lag: Mapping[str, float]  # rank -> its largest lag of the step
+
+
+def fold_steps(arrivals: Iterable[Arrival], tie: float = 50e-6, back_to_back: float = 1e-3) -> list[StepArrivals]:
+    """The arrivals of each step folded into one ``StepArrivals``, in step order. A rank
+    is last at a collective when it called it more than ``tie`` seconds after the
+    runner-up. A step's lags are added up: FSDP calls a collective per layer, each late by
+    a slice of the step, so one collective's lag understates what the others wait. A call
+    that every rank made within ``back_to_back`` seconds of its previous one adds nothing:
+    calls with no work between (one call hitting two probed functions, FSDP's gather of a
+    layer's parameters in a few calls) are one wait."""
+    by_step: dict[float, list[Arrival]] = {}
+    for a in arrivals:
+        by_step.setdefault(a.step_start, []).append(a)
+    out = []
+    for start in sorted(by_step):
+        counts: dict[str, int] = {}
+        lags: dict[str, list[float]] = {}
+        total: dict[str, float] = {}
+        before: Mapping[str, float] | None = None
+        first, last = math.inf, -math.inf
+        for a in sorted(by_step[start], key=lambda a: a.index):
+            ordered = sorted(a.times.items(), key=lambda kv: kv[1])
+            first, last = min(first, ordered[0][1]), max(last, ordered[-1][1])
+            if len(ordered) >= 2 and ordered[-1][1] - ordered[-2][1] > tie:
+                counts[ordered[-1][0]] = counts.get(ordered[-1][0], 0) + 1
+            now = a.lags()
+            for rank, lag in now.items():
+                lags.setdefault(rank, []).append(lag)
+            if before is None or any(t - before.get(rank, -math.inf) > back_to_back for rank, t in a.times.items()):
+                for rank, lag in now.items():
+                    total[rank] = total.get(rank, 0.0) + lag
+            before = a.times
+        out.append(StepArrivals(start, len(by_step[start]), first, last, counts, total,
+                                {r: quantile(v, 0.5) for r, v in lags.items()}, {r: max(v) for r, v in lags.items()}))
+    return out
+
+
 @dataclass(frozen=True)
 class LastArrivals:
     """Who arrived last, over a window of matched collectives of one job."""
 
     collectives: int
     last_counts: Mapping[str, int]  # rank -> collectives at which it was last
-    median_lag: Mapping[str, float]  # rank -> its median lag behind the first
+    median_lag: Mapping[str, float]  # rank -> its median lag behind the first, at the median step
     step_seconds: float  # median step time of the job over the window
     step_lag: Mapping[str, float]  # rank -> its lags of a step added up, at the median over steps
+    steps: int = 0  # steps of the window
+    step_last_counts: Mapping[str, int] = field(default_factory=dict)  # rank -> steps at which its lags added up most
+    step_max_lag: Mapping[str, float] = field(default_factory=dict)  # rank -> its largest lag of a step, at the median step
 
 
 def last_arrivals(arrivals: Sequence[Arrival], step_seconds: float, tie: float = 50e-6,
                   back_to_back: float = 1e-3) -> LastArrivals:
-    """Count, per rank, the collectives it called last (by more than ``tie`` seconds
-    over the runner-up, so that ranks arriving together name no one), and add up each
-    rank's lags over each step: FSDP calls a collective per layer, each late by a slice of
-    the step, so one collective's lag understates what the others wait. A call that every
-    rank made within ``back_to_back`` seconds of its previous one adds nothing: calls with
-    no work between (one call hitting two probed functions, FSDP's gather of a layer's
-    parameters in a few calls) are one wait."""
+    """The summary of ``fold_steps(arrivals)``: see ``summarize``."""
+    return summarize(fold_steps(arrivals, tie, back_to_back), step_seconds, tie)
+
+
+def summarize(steps: Sequence[StepArrivals], step_seconds: float, tie: float = 50e-6) -> LastArrivals:
+    """Count, per rank, the collectives it called last and the steps at which its lags
+    added up most (by more than ``tie`` over the runner-up, so that ranks arriving together
+    name no one), and take each rank's lags of a step added up at the median over steps.
+    The step is what a straggler costs: where one collective a step re-aligns the ranks (HF
+    ``Trainer`` gathers the batch's item count first thing), the straggler is late there by
+    its whole lag and the collectives after it are a coin toss, so who is last at each
+    collective understates it, and who lags most over the step does not."""
     counts: dict[str, int] = {}
-    lags: dict[str, list[float]] = {}
-    per_step: dict[float, dict[str, float]] = {}
-    previous: dict[float, dict[str, float]] = {}
-    for a in sorted(arrivals, key=lambda a: (a.step_start, a.index)):
-        ordered = sorted(a.times.items(), key=lambda kv: kv[1])
-        if len(ordered) >= 2 and ordered[-1][1] - ordered[-2][1] > tie:
-            counts[ordered[-1][0]] = counts.get(ordered[-1][0], 0) + 1
-        now = a.lags()
-        for rank, lag in now.items():
-            lags.setdefault(rank, []).append(lag)
-        before = previous.get(a.step_start)
-        if before is None or any(t - before.get(rank, float("-inf")) > back_to_back for rank, t in a.times.items()):
-            total = per_step.setdefault(a.step_start, {})
-            for rank, lag in now.items():
-                total[rank] = total.get(rank, 0.0) + lag
-        previous[a.step_start] = dict(a.times)
+    step_last: dict[str, int] = {}
     step_lag: dict[str, list[float]] = {}
-    for total in per_step.values():
-        for rank, lag in total.items():
+    medians: dict[str, list[float]] = {}
+    largest: dict[str, list[float]] = {}
+    for s in steps:
+        for rank, n in s.last_counts.items():
+            counts[rank] = counts.get(rank, 0) + n
+        for rank, lag in s.lag.items():
             step_lag.setdefault(rank, []).append(lag)
-    return LastArrivals(len(arrivals), counts, {r: quantile(v, 0.5) for r, v in lags.items()}, step_seconds,
-                        {r: quantile(v, 0.5) for r, v in step_lag.items()})
+        for rank, lag in s.median_lag.items():
+            medians.setdefault(rank, []).append(lag)
+        for rank, lag in s.max_lag.items():
+            largest.setdefault(rank, []).append(lag)
+        ordered = sorted(s.lag.items(), key=lambda kv: kv[1])
+        if len(ordered) >= 2 and ordered[-1][1] - ordered[-2][1] > tie:
+            step_last[ordered[-1][0]] = step_last.get(ordered[-1][0], 0) + 1
+    return LastArrivals(sum(s.collectives for s in steps), counts, {r: quantile(v, 0.5) for r, v in medians.items()},
+                        step_seconds, {r: quantile(v, 0.5) for r, v in step_lag.items()}, len(steps), step_last,
+                        {r: quantile(v, 0.5) for r, v in largest.items()})

@@ -104,20 +104,29 @@ def _without_advice(summary: str, advice: str) -> str:
 
 
 def _render_steps(steps: list[dict[str, Any]], console: Console) -> None:
-    """Each rank's step time and where it goes, from the kernel probes (no trace needed)."""
-    shown = [s for s in steps if isinstance(s, dict) and s.get("p50_seconds") is not None]
+    """Each rank's step time and where it goes, from the kernel probes (no trace needed),
+    and, where its steps do not begin at Optimizer.step, where they begin and why."""
+    shown = [s for s in steps if isinstance(s, dict) and (s.get("p50_seconds") is not None or s.get("boundary_note"))]
     if not shown:
         return
     console.print("[bold]steps[/bold] (kernel probes, docs/timeline.md):", highlight=False)
     for s in shown:
+        who = f"  job {escape(str(s.get('job_id')))} rank {escape(str(s.get('rank')))}: "
+        note = s.get("boundary_note")
+        if s.get("p50_seconds") is None:
+            console.print(who + escape(str(note)), highlight=False, soft_wrap=True)
+            continue
         shares = s.get("stage_shares") or {}
         stages = ", ".join(f"{escape(str(k))} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])
                            if isinstance(v, (int, float)))
         rate = s.get("steps_per_second")
-        console.print(f"  job {escape(str(s.get('job_id')))} rank {escape(str(s.get('rank')))}: "
-                      f"p50 {s['p50_seconds'] * 1e3:.1f} ms, p90 {(s.get('p90_seconds') or 0) * 1e3:.1f} ms"
+        console.print(who + f"p50 {s['p50_seconds'] * 1e3:.1f} ms, p90 {(s.get('p90_seconds') or 0) * 1e3:.1f} ms"
                       + (f", {rate:.1f} steps/s" if isinstance(rate, (int, float)) else "")
-                      + (f"; {stages}" if stages else ""), highlight=False, soft_wrap=True)
+                      + (f"; {stages}" if stages else "")
+                      + (f"; step boundary: {escape(str(s.get('step_boundary')))}" if note else ""),
+                      highlight=False, soft_wrap=True)
+        if note:
+            console.print(f"    {escape(str(note))}", highlight=False, soft_wrap=True, style="dim")
 
 
 def render(body: dict[str, Any], console: Console, now: float | None = None) -> None:

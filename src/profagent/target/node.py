@@ -31,7 +31,7 @@ from profagent.logs import LogOnce
 from profagent.system.cgroup import slurm_identity, slurm_job_of_cgroup
 from profagent.system.procfs import PROC, children_map, process_table, read_environ
 from profagent.target.pid import PidTarget
-from profagent.target.tree import JOB_VARS, RANK_VARS
+from profagent.target.tree import JOB_VARS, rank_from_env
 
 log = logging.getLogger(__name__)
 
@@ -367,7 +367,7 @@ class NodeTarget:
             loose = self._loose_rank.get(key)
             if loose is None:  # the environment of a process never changes as /proc shows it
                 env = self._environ(pid)
-                loose = self._loose_rank[key] = (any(rank in env for rank, _, _ in RANK_VARS)
+                loose = self._loose_rank[key] = (rank_from_env(env) is not None
                                                  and not any(env.get(v) for v in JOB_VARS))
             if loose:
                 by_parent.setdefault(ppid, []).append(pid)

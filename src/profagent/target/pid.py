@@ -1,20 +1,24 @@
 """The target: a PID resolved, on every refresh, to the training job's process tree.
 
 The tree is found again each time because torchrun restarts workers and DataLoader
-workers come and go. Each process gets a role and a rank from its environment:
+workers come and go. Each process gets a role and a rank (target/ranks.py):
 
-- ``main``: a process with its own rank (RANK, else SLURM_PROCID), or the root of a
-  tree that has no rank anywhere (a single-process job: rank "0");
-- ``dataloader``: any descendant of a main process, attributed to that rank (in a
-  PyTorch job these are DataLoader workers; they inherit the rank's environment);
-- ``launcher``: a process above the ranks (torchrun, srun's task launcher...), rank "".
+- ``main``: a rank: its own identity (RANK, OMPI_COMM_WORLD_RANK, PMI_RANK,
+  SLURM_PROCID, LOCAL_RANK with WORLD_SIZE), or one its launcher's structure gives
+  (Lightning's rank 0, mp.spawn's children); or the root of a tree that has no rank
+  anywhere (a single-process job: rank "0");
+- ``dataloader``: a descendant of a rank without an identity of its own, attributed to
+  that rank (DataLoader workers inherit the rank's environment);
+- ``launcher``: a process above the ranks (torchrun, mp.spawn's parent...), rank "".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -22,14 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from profagent.contracts import (
-    ROLE_DATALOADER,
-    ROLE_LAUNCHER,
-    ROLE_MAIN,
-    Placement,
-    ProcessInfo,
-    ProcessTree,
-)
+from profagent.contracts import ROLE_LAUNCHER, Placement, ProcessInfo, ProcessTree
 from profagent.errors import UserError
 from profagent.labels import shorten
 from profagent.logs import LogOnce
@@ -45,6 +42,7 @@ from profagent.system.procfs import (
 from profagent.target.cmdline import label_cmdline
 from profagent.target.jobid import JobId, resolve_job_id, torchrun_args
 from profagent.target.placement import placement_of
+from profagent.target.ranks import Seen, classify, started_by
 from profagent.target.tree import CMDLINE_MAX, rank_from_env
 
 log = logging.getLogger(__name__)
@@ -153,6 +151,8 @@ class PidTarget:
         self._log_once = LogOnce(log)
         self._placements: dict[tuple[int, float], Placement] = {}  # (pid, create_time) -> placement
         self._booted: float | None = None  # boot time, read once
+        self._starts: dict[tuple[int, float], str] = {}  # (pid, create_time) -> ranks.started_by
+        self._reaping: set[tuple[int, float]] = set()  # processes seen catching SIGCHLD (for good)
 
     # -- discovery ---------------------------------------------------------------
     # One /proc/PID/stat read per process and tick tells whether it lives, its parent and
@@ -263,37 +263,17 @@ class PidTarget:
 
         envs = {pid: self._environ(pid, ct, cmd) or {} for pid, (_, ct, cmd) in info.items()}
         self._env_cache = {k: v for k, v in self._env_cache.items() if info.get(k[0], (0, 0.0, None))[1:] == k[1:]}
-        children: dict[int, list[int]] = {}
-        for pid, (ppid, _, _) in info.items():
-            children.setdefault(ppid, []).append(pid)
-        tops = sorted(pid for pid, (ppid, _, _) in info.items() if ppid not in info)
-        ranked_below = _ranked_subtrees(tops, children, envs)
-        any_rank = any(ranked_below.get(t, False) for t in tops)
-
-        out: list[ProcessInfo] = []
-
-        def visit(pid: int, main: ProcessInfo | None) -> None:
-            ppid, ct, cmd = info[pid]
-            own = rank_from_env(envs[pid])
-            if main is not None:
-                me = ProcessInfo(pid, ppid, ct, ROLE_DATALOADER, main.rank, main.local_rank, main.world_size, cmd)
-            elif own is not None:
-                me = ProcessInfo(pid, ppid, ct, ROLE_MAIN, own[0], own[1], own[2], cmd)
-            elif not any_rank and pid in tops and not self._torchrun(pid, ct):
-                me = ProcessInfo(pid, ppid, ct, ROLE_MAIN, "0", "0", "1", cmd)
-            else:
-                me = ProcessInfo(pid, ppid, ct, ROLE_LAUNCHER, "", "", "", cmd)
-            out.append(me)
-            next_main = me if me.role == ROLE_MAIN else main
-            for child in sorted(children.get(pid, [])):
-                visit(child, next_main)
-
-        for top in tops:
-            visit(top, None)
+        seen = {pid: Seen(ppid, ct, envs[pid], self._started_by(pid, ct)) for pid, (ppid, ct, _) in info.items()}
+        roles = classify(seen, lambda pid: self._handles_sigchld(pid, info[pid][1]),
+                         lambda pid: self._torchrun(pid, info[pid][1]))
+        out = [ProcessInfo(pid, info[pid][0], info[pid][1], r.role, r.rank, r.local_rank, r.world_size, info[pid][2])
+               for pid, r in roles.items()]
         self._known = {p.pid: p.create_time for p in out}
         self._cmdlines = {k: v for k, v in self._cmdlines.items() if k[0] in self._known}
         self._placements = {k: v for k, v in self._placements.items() if k[0] in self._known}
         self._argvs = {k: v for k, v in self._argvs.items() if k[0] in self._known}
+        self._starts = {k: v for k, v in self._starts.items() if k[0] in self._known}
+        self._reaping = {k for k in self._reaping if k[0] in self._known}
         job_id = self._resolve_job_id(out, envs).value
         processes = tuple(
             dataclasses.replace(p, job_id=job_id, placement=self._placement(p, envs.get(p.pid, {}))) for p in out
@@ -352,23 +332,43 @@ class PidTarget:
         stub = ProcessInfo(pid, 0, create_time, ROLE_LAUNCHER, "", "", "", "")
         return torchrun_args(self._argv(stub)) is not None
 
+    def _started_by(self, pid: int, create_time: float) -> str:
+        """How multiprocessing started a process (``ranks.started_by``), read once it has
+        settled (before exec it shows its parent's command line)."""
+        key = (pid, create_time)
+        found = self._starts.get(key)
+        if found is None:
+            try:
+                found = started_by(read_argv(self.proc_root, pid))
+            except OSError:
+                found = ""
+            if self._settled(create_time):
+                self._starts[key] = found
+        return found
 
-def _ranked_subtrees(
-    tops: list[int], children: dict[int, list[int]], envs: dict[int, dict[str, str]]
-) -> dict[int, bool]:
-    """For each pid, whether it or a descendant carries a rank (iterative post-order)."""
-    result: dict[int, bool] = {}
-    stack: list[tuple[int, bool]] = [(t, False) for t in tops]
-    while stack:
-        pid, expanded = stack.pop()
-        if expanded:
-            result[pid] = rank_from_env(envs[pid]) is not None or any(
-                result.get(c, False) for c in children.get(pid, [])
-            )
-        else:
-            stack.append((pid, True))
-            stack.extend((c, False) for c in children.get(pid, []))
-    return result
+    def _handles_sigchld(self, pid: int, create_time: float) -> bool:
+        """Whether the process catches SIGCHLD (/proc/PID/status SigCgt): torch's DataLoader
+        sets a handler when it starts its workers; once seen, remembered."""
+        key = (pid, create_time)
+        if key in self._reaping:
+            return True
+        if catches_signal(self.proc_root, pid, signal.SIGCHLD):
+            self._reaping.add(key)
+            return True
+        return False
+
+
+def catches_signal(proc_root: Path, pid: int, signum: int) -> bool:
+    """Whether the process has a handler for ``signum`` (SigCgt of /proc/PID/status);
+    False where it cannot be read."""
+    try:
+        with open(proc_root / str(pid) / "status", encoding="ascii", errors="replace") as fh:
+            for line in itertools.islice(fh, 80):  # SigCgt is about the 35th line
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1][-16:], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def _short_cmdline(pid: int, with_args: bool = False) -> str:

@@ -178,7 +178,12 @@ class Evaluator:
         # unchanged stack, common for a rank waiting for a straggler) pauses the analyzers, not the hold
         frozen = {s.job_id for s in inputs.stalls if s.stalled or s.unchanged_seconds >= FROZEN_SECONDS}
         stopped = {f.job_id for f in found if f.finding == "stall"}
-        found = self._steady(found, now, {(s.job_id, s.rank) for s in inputs.shares}, hung | frozen | stopped)
+        # a rank is still measured while its stacks or its probes are (an agent with no stacks
+        # holds its arrival straggler too)
+        measured = {(s.job_id, s.rank) for s in inputs.shares}
+        if view.timeline is not None:
+            measured |= {(r.job_id, r.rank) for r in view.timeline.ranks}
+        found = self._steady(found, now, measured, hung | frozen | stopped)
         found = [f for f in found if f.finding not in HELD] + self._hold(
             [f for f in found if f.finding in HELD], now)
         self._evaluations += 1

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from profagent.analysis.findings.hang import held_up_ranks
 from profagent.analysis.findings.inputs import AnalysisInputs
+from profagent.analysis.stacks import innermost_python, own_frame
+from profagent.analysis.straggler import CAUSE_STAGES, StageCause, stage_cause
 from profagent.contracts import Finding, Frame, RankSteps, TimelineSnapshot
 
 DATALOADER_FIX = "more DataLoader workers, pin_memory, lighter __getitem__ or prefetching"
@@ -27,8 +29,9 @@ def probed_jobs(inputs: AnalysisInputs) -> frozenset[str]:
 
 
 def analyze_arrival_straggler(inputs: AnalysisInputs) -> list[Finding]:
-    """The rank that arrives last at most of the job's collectives, by a real share of the
-    step. Never in a job that hangs or may be hanging (a hung rank arrives at nothing)."""
+    """The rank whose lags, added up over a step, are the most at most of the job's steps,
+    by a real share of the step; and which of its stages explains it. Never in a job that
+    hangs or may be hanging (a hung rank arrives at nothing)."""
     t, cfg = inputs.timeline, inputs.config
     if t is None:
         return []
@@ -42,20 +45,60 @@ def analyze_arrival_straggler(inputs: AnalysisInputs) -> list[Finding]:
         # take turns arriving last: on a loaded node, a small bias times FSDP's many
         # collectives a step adds up), a share of each step
         lag_share = (s.step_lag - s.others_step_lag) / s.step_seconds
-        if s.last_share >= cfg.arrival_last_share and lag_share >= cfg.arrival_lag_share:
-            out.append(Finding(
-                "straggler", s.job_id, s.rank, "warning",
-                f"rank {s.rank} is the straggler: it called {s.last_share:.0%} of the job's last {s.collectives} "
-                f"collectives last, {s.median_lag * 1e3:.1f} ms after the first rank at the median and "
-                f"{s.step_lag * 1e3:.1f} ms a step in all against {s.others_step_lag * 1e3:.1f} ms for the others "
-                f"({lag_share:.0%} of a {s.step_seconds * 1e3:.0f} ms step more); the others wait for it",
-                {"signal": "arrivals", "last_share": round(s.last_share, 3), "median_lag_seconds": s.median_lag,
-                 "step_lag_seconds": s.step_lag, "others_step_lag_seconds": s.others_step_lag,
-                 "step_seconds": s.step_seconds, "lag_share": round(lag_share, 3),
-                 "collectives": s.collectives, "span_seconds": round(s.span_seconds, 1),
-                 "threshold_last_share": cfg.arrival_last_share, "threshold_lag_share": cfg.arrival_lag_share},
-                advice=STRAGGLER_ADVICE))
+        if s.step_last_share < cfg.arrival_last_share or lag_share < cfg.arrival_lag_share:
+            continue
+        shares = {r.rank: r.stage_shares for r in t.ranks if r.job_id == s.job_id and r.window_steps > 0}
+        cause = stage_cause(shares, s.rank)
+        summary = (f"rank {s.rank} is the straggler: it lagged the most at {s.step_last_share:.0%} of the job's last "
+                   f"{s.steps} steps, up to {s.step_max_lag * 1e3:.1f} ms behind the first rank at the median step; "
+                   f"its lags of a step add up to {s.step_lag * 1e3:.1f} ms against {s.others_step_lag * 1e3:.1f} ms "
+                   f"for the others ({lag_share:.0%} of a {s.step_seconds * 1e3:.0f} ms step more; {s.collectives} "
+                   f"collectives, last at {s.last_share:.0%} of them); the others wait for it")
+        evidence: dict[str, object] = {
+            "signal": "arrivals", "step_last_share": round(s.step_last_share, 3), "steps": s.steps,
+            "last_share": round(s.last_share, 3), "median_lag_seconds": s.median_lag,
+            "step_max_lag_seconds": s.step_max_lag,
+            "step_lag_seconds": s.step_lag, "others_step_lag_seconds": s.others_step_lag,
+            "step_seconds": s.step_seconds, "lag_share": round(lag_share, 3),
+            "collectives": s.collectives, "span_seconds": round(s.span_seconds, 1),
+            "threshold_last_share": cfg.arrival_last_share, "threshold_lag_share": cfg.arrival_lag_share}
+        advice = STRAGGLER_ADVICE
+        if cause is not None:
+            summary += ". " + _cause_text(cause)
+            advice = CAUSE_ADVICE[cause.stage]
+            evidence.update({"cause": cause.stage or None,
+                             "stage_shares": {st: round(v, 3) for st, v in cause.shares.items()},
+                             "others_stage_shares": {st: round(v, 3) for st, v in cause.others.items()}})
+        out.append(Finding("straggler", s.job_id, s.rank, "warning", summary, evidence, advice=advice))
     return out
+
+
+# What a straggler's stage says of its cause, and what to do about it.
+_CAUSE_NAMES = {"data_wait": ("data wait", "its DataLoader"), "backward": ("backward", "its backward"),
+                "optimizer": ("optimizer step", "its optimizer step"),
+                "other": ("forward and host work", "its forward, host code or device")}
+CAUSE_ADVICE = {
+    "data_wait": f"that rank's DataLoader is slower than the others': {DATALOADER_FIX} (or that node's disk, "
+                 "network or CPUs, if it reads from its own)",
+    "backward": "that rank's backward takes longer: more work in its batches (longer sequences, uneven batch sizes), "
+                "or a slower device; balance the batches (a length-grouped sampler) or move the rank",
+    "optimizer": "that rank's optimizer step takes longer: more parameters or optimizer state on it (uneven "
+                 "sharding, CPU offload on that rank only), or a slower device",
+    "other": "that rank's forward or host code takes longer: more work in its batches, host work on that rank "
+             "only (logging, evaluation, .item() syncs), or a slower device the host waits for",
+    "": "no stage explains it: the rank is slower all through, a slower device or a busy node (its CPUs, "
+        "`profagent top`, the node's other processes); move the rank or free its node",
+}
+
+
+def _cause_text(cause: StageCause) -> str:
+    if not cause.stage:
+        spread = ", ".join(f"{_CAUSE_NAMES[st][0]} {cause.shares[st]:.0%} against {cause.others[st]:.0%}"
+                           for st in CAUSE_STAGES)
+        return f"No stage explains it ({spread} on the others): a slower device or a busy node"
+    name, what = _CAUSE_NAMES[cause.stage]
+    return (f"Its {name} is {cause.shares[cause.stage]:.0%} of its step against {cause.others[cause.stage]:.0%} "
+            f"on the others: {what}")
 
 
 def analyze_data_wait(inputs: AnalysisInputs) -> list[Finding]:
@@ -92,7 +135,7 @@ def pausing_jobs(timeline: TimelineSnapshot | None) -> frozenset[str]:
     for r in timeline.ranks:
         by_job.setdefault(r.job_id, []).append(r)
     return frozenset(job for job, rs in by_job.items()
-                     if all(r.optimizer_steps > 0 and r.idle_seconds is not None
+                     if all(r.since_step_seconds is not None and r.idle_seconds is not None
                             and r.idle_seconds >= _stall_after(r, PAUSE_SECONDS, PAUSE_FACTOR) for r in rs))
 
 
@@ -132,7 +175,7 @@ def analyze_stall(inputs: AnalysisInputs) -> list[Finding]:
         by_job.setdefault(r.job_id, []).append(r)
     out = []
     for job, ranks in sorted(by_job.items()):
-        if job in inputs.hung or not all(r.optimizer_steps > 0 and r.idle_seconds is not None for r in ranks):
+        if job in inputs.hung or not all(r.since_step_seconds is not None and r.idle_seconds is not None for r in ranks):
             continue
         if not all((r.idle_seconds or 0.0) >= _stall_after(r, cfg.stall_warning_seconds, cfg.stall_warning_factor)
                    for r in ranks):
@@ -154,9 +197,15 @@ def analyze_stall(inputs: AnalysisInputs) -> list[Finding]:
                               for r in holding)
             summary = (f"the job has made no step for {stopped:.0f} s: {names} holds it up; "
                        "the others wait in their next collective")
+        elif len({lines.get(r.rank) for r in ranks}) == 1 and ranks[0].rank in lines:
+            # every rank stands on one line of the job's own code: a save every rank makes, say
+            summary = (f"the job has made no step for {stopped:.0f} s: every rank seen here stands at "
+                       f"{lines[ranks[0].rank]} ({', '.join(f'rank {r.rank} {_stage(r)}' for r in ranks)}): "
+                       "a save, a rank on another node, or the network")
         else:
             summary = (f"the job has made no step for {stopped:.0f} s: every rank seen here waits "
-                       f"({', '.join(f'rank {r.rank} {_stage(r)}' for r in ranks)}): a save, a rank on another node, or the network")
+                       f"({', '.join(f'rank {r.rank} {_stage(r)}' + (f' at {lines[r.rank]}' if r.rank in lines else '') for r in ranks)}): "
+                       "a save, a rank on another node, or the network")
         out.append(Finding(
             "stall", job, holding[0].rank if len(holding) == 1 else None, "warning", summary,
             {"signal": "timeline", "since_step_seconds": {r.rank: round(r.since_step_seconds or 0.0, 1) for r in ranks},
@@ -171,17 +220,12 @@ def analyze_stall(inputs: AnalysisInputs) -> list[Finding]:
     return out
 
 
-_LIBRARY = ("torch/", "site-packages/", "dist-packages/", "/lib/python", "threading.py", "selectors.py",
-            "multiprocessing/", "queue.py", "<frozen")
-
-
 def user_line(frames: tuple[Frame, ...]) -> str:
-    """The innermost frame of the job's own code (not torch's, a library's or Python's),
-    else the innermost frame; "" without frames."""
-    for f in reversed(frames):
-        if f.file and not any(part in f.file for part in _LIBRARY):
-            return str(f)
-    return str(frames[-1]) if frames else ""
+    """The innermost frame of the job's own code (not a framework's, torch's or Python's:
+    ``analysis/stacks.py`` ``is_user``), else the innermost Python frame, else the
+    innermost frame; "" without frames."""
+    f = own_frame(frames) or innermost_python(frames) or (frames[-1] if frames else None)
+    return str(f) if f is not None else ""
 
 
 def _stage(r: RankSteps) -> str:

@@ -42,7 +42,10 @@ CAP_SYS_ADMIN, CAP_PERFMON, CAP_CHECKPOINT_RESTORE = 21, 38, 40
 MAPS_MAX = 4 << 20  # bytes of /proc/PID/maps read (a process with 100k mappings is cut)
 RECHECK_AFTER = 5.0  # seconds before a rank without libtorch is looked at again
 SWEEP_EVERY = 60.0  # seconds between two looks for definitions a dead agent left
-ARRIVALS_KEPT = 4096  # matched collectives kept per job for the straggler window
+# A job's matched collectives are kept folded a step each (tl.StepArrivals: a few numbers a
+# rank), for timeline.window_seconds, so the window holds whatever the collectives a step;
+# at most this many steps a job (60 s of 4 ms steps; about 10 MB at 8 ranks).
+STEPS_KEPT = 16384
 STRAGGLER_EVERY = 2.0  # seconds between two summaries of a job's arrivals
 RECORD_NAMES_KEPT = 1024  # record_function name heads whose kind is remembered
 
@@ -101,7 +104,7 @@ class TimelineSource:
         self._libraries: dict[tuple[int, int], ProbedLibrary | None] = {}  # (dev, inode) -> placed
         self._ranks: dict[int, _Rank] = {}  # pid -> its running figures
         self._looked: dict[int, float] = {}  # pid -> when its maps were last read without libtorch
-        self._arrivals: dict[str, deque[tl.Arrival]] = {}
+        self._arrivals: dict[str, deque[tl.StepArrivals]] = {}  # job -> its matched steps of the window
         self._matched_until: dict[str, float] = {}
         self._straggler_at: dict[str, tuple[float, ArrivalStraggler | None]] = {}  # job -> (when, summary)
         self._counts = [0, 0]  # events, foreign events
@@ -285,6 +288,14 @@ class TimelineSource:
             for pid in [p for p in self._ranks if p not in mains]:
                 del self._ranks[pid]
                 self._looked.pop(pid, None)
+            open_threads = {pid: tids for pid, r in self._ranks.items() if len(tids := r.timeline.open_threads) > 1}
+        # threads listed after their blocks were: one missing from the list has exited
+        exited = {pid: set(tids) - alive for pid, tids in open_threads.items()
+                  if (alive := _threads(self.proc_root, pid)) is not None}
+        with self._lock:
+            for pid, tids in exited.items():
+                if tids and pid in self._ranks:
+                    self._ranks[pid].timeline.forget_threads(tids)
             self._match(now)
             ranks = tuple(self._rank_steps(pid, r, now) for pid, r in sorted(self._ranks.items()))
             stragglers = self._stragglers(now)
@@ -306,9 +317,12 @@ class TimelineSource:
             steps = {rank: list(t.recent) for rank, t in timelines.items()}
             arrivals, until = tl.match_arrivals(steps, self._matched_until.get(job, float("-inf")))
             self._matched_until[job] = until
-            kept = self._arrivals.setdefault(job, deque(maxlen=ARRIVALS_KEPT))
+            kept = self._arrivals.setdefault(job, deque(maxlen=STEPS_KEPT))
+            kept.extend(tl.fold_steps(arrivals))
+            since = now - self.config.window_seconds
+            while kept and kept[0].start < since:
+                kept.popleft()
             for arrival in arrivals:
-                kept.append(arrival)
                 for rank, lag in arrival.lags().items():
                     owner = owners[(job, rank)]
                     owner.lag_sum += lag
@@ -335,22 +349,26 @@ class TimelineSource:
             del self._straggler_at[job]
         return tuple(out)
 
-    def _job_straggler(self, job: str, arrivals: deque[tl.Arrival], now: float) -> ArrivalStraggler | None:
+    def _job_straggler(self, job: str, arrivals: deque[tl.StepArrivals], now: float) -> ArrivalStraggler | None:
         since = now - self.config.window_seconds
-        recent = [a for a in arrivals if a.step_start >= since]
+        recent = [s for s in arrivals if s.start >= since]
         if not recent:
             return None
         steps = [s.seconds for r in self._ranks.values() if r.job_id == job
                  for s in tl.window(r.timeline.recent, since)]
-        summary = tl.last_arrivals(recent, tl.quantile(steps, 0.5) if steps else 0.0)
-        if not summary.last_counts:
+        summary = tl.summarize(recent, tl.quantile(steps, 0.5) if steps else 0.0)
+        if not summary.step_last_counts and not summary.last_counts:
             return None
-        rank, count = max(summary.last_counts.items(), key=lambda kv: (kv[1], kv[0]))
-        span = max(max(a.times.values()) for a in recent) - min(min(a.times.values()) for a in recent)
-        return ArrivalStraggler(job, rank, count / summary.collectives, summary.median_lag.get(rank, 0.0),
-                                summary.step_lag.get(rank, 0.0),
+        # the rank that lagged most at the most steps (a synchronising collective a step
+        # leaves the others a coin toss: see tl.summarize), then the one last most often
+        rank = max(summary.step_lag, key=lambda r: (summary.step_last_counts.get(r, 0), summary.last_counts.get(r, 0), r))
+        span = max(s.last for s in recent) - min(s.first for s in recent)
+        return ArrivalStraggler(job, rank, summary.last_counts.get(rank, 0) / summary.collectives,
+                                summary.median_lag.get(rank, 0.0), summary.step_lag.get(rank, 0.0),
                                 tl.quantile([v for r, v in summary.step_lag.items() if r != rank] or [0.0], 0.5),
-                                summary.step_seconds, summary.collectives, span)
+                                summary.step_seconds, summary.collectives, span,
+                                summary.step_last_counts.get(rank, 0) / summary.steps, summary.steps,
+                                summary.step_max_lag.get(rank, 0.0))
 
     def _rank_steps(self, pid: int, r: _Rank, now: float) -> RankSteps:
         t = r.timeline
@@ -366,7 +384,8 @@ class TimelineSource:
             _shares(recent),
             t.stage_now, now - t.last_event if t.last_event is not None else None,
             now - t.last_step if t.last_step is not None else None,
-            tuple(r.lag_buckets), r.lag_sum, r.lag_count, len(t.arrivals_in_step))
+            tuple(r.lag_buckets), r.lag_sum, r.lag_count, len(t.arrivals_in_step),
+            t.step_boundary, tl.boundary_note(t.step_boundary))
 
 
 def _shares(steps: list[tl.Step]) -> dict[str, float]:
@@ -374,6 +393,14 @@ def _shares(steps: list[tl.Step]) -> dict[str, float]:
     if total <= 0:
         return {}
     return {stage: sum(s.stages.get(stage, 0.0) for s in steps) / total for stage in tl.STAGES}
+
+
+def _threads(proc_root: Path, pid: int) -> set[int] | None:
+    """The process's threads now (None when it cannot be read: nothing is dropped then)."""
+    try:
+        return {int(name) for name in os.listdir(f"{proc_root}/{pid}/task") if name.isdigit()}
+    except OSError:
+        return None
 
 
 def _bucket(bounds: tuple[float, ...], value: float) -> int | None:

@@ -1,0 +1,247 @@
+"""The framework jobs (tests/workloads/{hf_trainer,lightning,accelerate,compile}_job.py,
+issue #50) as one job per test file, watched by one agent through phases: healthy, its
+figures against the job's own log at a checkpoint pause, the pause itself, a straggler,
+a hang. Each phase is a function here; the test files name the job and call them in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from helpers.agent import AgentProcess, free_port
+from helpers.paths import WORKLOADS
+from helpers.plain_ddp import rank_events, trigger_event
+from helpers.processes import kill_tree, wait_for
+from helpers.timeline import STAGES, attach, check_figures, findings, metrics, value
+from profagent.config import FindingsConfig, StacksConfig
+
+RANKS = 2
+HEALTHY_SECONDS = 35.0  # watched with no finding; go to the pause stays within the p50's 60 s window
+NAMED_WITHIN = 60.0  # a straggler, from its first slow step
+HELD_SECONDS = 20.0
+LINE_WITHIN = 35.0  # a hang's warning with the user's line, from the rank's last step
+
+
+class FrameworkJob:
+    """One framework job of two ranks: under torchrun, or started as its docs say
+    (``launcher="self"``: Lightning's own launcher starts rank 1)."""
+
+    def __init__(self, tmp: Path, script: str, launcher: str = "torchrun", env: dict[str, str] | None = None) -> None:
+        self.dir = tmp
+        self.start_file = tmp / "go"
+        self.trigger = tmp / "trigger"
+        self.ranks = RANKS
+        self.script = script
+        self._out = (tmp / "job.log").open("wb")
+        port = str(free_port())
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--master-port", port] \
+            if launcher == "torchrun" else [sys.executable]
+        self.proc = subprocess.Popen(
+            [*cmd, str(WORKLOADS / script)], stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=WORKLOADS, env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": port, "FW_LOG": str(tmp),
+                                "FW_GO": str(self.start_file), "FW_TRIGGER": str(self.trigger), **(env or {})})
+
+    def events(self, rank: int, kind: str | None = None) -> list[dict]:
+        return [e for e in rank_events(self.dir, rank) if kind is None or e["event"] == kind]
+
+    def trigger_event(self, kind: str) -> int:
+        return trigger_event(self.trigger, [self.events(r, "step") for r in range(self.ranks)], kind)
+
+    def log_tail(self) -> str:
+        return (self.dir / "job.log").read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        kill_tree(self.proc)
+        self._out.close()
+
+
+def own_figures(events: list[dict]) -> tuple[list[float], dict[str, float]]:
+    """Step intervals and stage shares from a rank's own log: the k-th interval runs from
+    the k-th Optimizer.step call to the next; a stage block counts in the interval it ends
+    in, from the interval's start at the earliest (as a block open across a step's start).
+    Blocks of other stages (a compiled optimizer step, which no probe sees) are left out."""
+    calls = [e["call"] for e in events if e["event"] == "step"]
+    intervals = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    total = sum(intervals)
+    seconds = dict.fromkeys(STAGES, 0.0)
+    k = 0
+    for block in sorted((e for e in events if e["event"] == "block"), key=lambda e: e["end"]):
+        while k + 1 < len(calls) and block["end"] >= calls[k + 1]:
+            k += 1
+        if block["stage"] in seconds and k + 1 < len(calls) and calls[k] <= block["end"]:
+            seconds[block["stage"]] += block["end"] - max(block["start"], calls[k])
+    return intervals, {stage: s / total for stage, s in seconds.items()}
+
+
+@dataclass
+class Watched:
+    """A framework job and the agent on it, shared by a file's phases (tests, in order)."""
+
+    job: FrameworkJob
+    url: str
+    agent: AgentProcess
+    go: float = 0.0  # monotonic, when the go file was written
+    notes: list[str] = field(default_factory=list)  # what each phase measured, printed at the end
+
+    @contextlib.contextmanager
+    def on_failure(self) -> Iterator[None]:
+        """The job's and the agent's last lines when a phase fails (the job outlives a test)."""
+        try:
+            yield
+        except BaseException:
+            print("--- job log ---", self.job.log_tail(), "--- agent log ---",
+                  "\n".join(self.agent.output.splitlines()[-60:]), sep="\n")
+            raise
+
+
+def watch(tmp: Path, script: str, launcher: str = "torchrun", env: dict[str, str] | None = None) -> Iterator[Watched]:
+    """Start the job and an agent (stacks on: the user's lines come from them), start the
+    steps once every rank is probed; stop both at the end."""
+    job = FrameworkJob(tmp, script, launcher, env)
+    agents: list[AgentProcess] = []
+
+    def run_agent(args: list[str], env: dict[str, str] | None = None) -> AgentProcess:
+        agents.append(AgentProcess(args, tmp, env))
+        return agents[-1]
+
+    try:
+        try:
+            url = attach(run_agent, job, extra=[])
+        except BaseException:
+            print("--- job log ---", job.log_tail(), *(a.output[-4000:] for a in agents), sep="\n")
+            raise
+        watched = Watched(job, url, agents[0])
+        job.start_file.write_text("go")
+        watched.go = time.monotonic()
+        yield watched
+        print(f"{script}:", *watched.notes, sep="\n  ")
+    finally:
+        for agent in agents:
+            agent.stop()
+        job.stop()
+
+
+def healthy(w: Watched) -> None:
+    """HEALTHY_SECONDS from the first step with no finding at any evaluation (read every
+    half second; the evaluation counter proves the agent looked)."""
+    with w.on_failure():
+        wait_for(lambda: all(w.job.events(r, "step") for r in range(RANKS)), 120, interval=0.5, what="first steps")
+        seen: set[int] = set()
+        began = time.monotonic()
+        while time.monotonic() - began < HEALTHY_SECONDS:
+            answer = findings(w.url)
+            seen.add(answer["evaluations"])
+            assert answer["findings"] == [], [(f["summary"], f["evidence"]) for f in answer["findings"]]
+            time.sleep(0.5)
+        assert len(seen) >= HEALTHY_SECONDS * 0.75, len(seen)
+        steps = [len(w.job.events(r, "step")) for r in range(RANKS)]
+        w.notes.append(f"healthy: {HEALTHY_SECONDS:.0f} s, no finding over {len(seen)} evaluations, steps {steps}")
+
+
+def figures_at_the_pause(w: Watched) -> None:
+    """Every rank pauses in its save (60 s): the agent's figures, read then, against the
+    job's own log up to its last step: count exact, p50 within 2%, shares within 2 points
+    and summing to the whole."""
+    with w.on_failure():
+        w.job.trigger_event("pause")
+        wait_for(lambda: all(w.job.events(r, "pause") for r in range(RANKS)), 60, interval=0.2, what="the pause")
+        own = {r: [e for e in w.job.events(r) if e["event"] in ("step", "block")] for r in range(RANKS)}
+
+        def caught_up() -> dict | None:
+            # completed steps, whatever their boundary (Optimizer.step, or the backward
+            # passes where a compiled step has no block): one less than the calls
+            m = metrics(w.url)
+            counts = [value(m, "profagent_step_seconds_count", rank=str(r)) for r in range(RANKS)]
+            want = [float(sum(e["event"] == "step" for e in own[r]) - 1) for r in range(RANKS)]
+            assert counts == want, f"the agent's completed steps {counts}, the job's {want}"
+            return m
+
+        m = wait_for(caught_up, 20, interval=0.5, what="the agent's step count to reach the job's")
+        for r in range(RANKS):
+            intervals, shares = own_figures(own[r])
+            total = value(m, "profagent_step_seconds_sum", rank=str(r)) or 1.0
+            got = {s: round(value(m, "profagent_step_stage_seconds_total", stage=s, rank=str(r)) / total, 3)
+                   for s in (*STAGES, "other")}
+            w.notes.append(f"rank {r}: {len(intervals)} steps, own p50 {sorted(intervals)[len(intervals) // 2]:.4f} s, "
+                           f"agent p50 {value(m, 'profagent_step_window_seconds', stat='p50', rank=str(r))}; own shares "
+                           f"{ {s: round(v, 3) for s, v in shares.items()} }, agent's {got}")
+            check_figures(m, intervals, shares, r)
+
+
+def pause(w: Watched) -> None:
+    """The 60 s save on every rank: at most a stall warning naming the save's line, gone
+    soon after the steps resume, never a hang."""
+    with w.on_failure():
+        begun = max(e["time"] for r in range(RANKS) for e in w.job.events(r, "pause"))
+        save = w.job.events(0, "pause")[0]
+        line = f"{save['function']} ({save['file']}:{save['line']})"
+        warned: list[dict] = []
+        while not all(w.job.events(r, "resumed") for r in range(RANKS)):
+            found = findings(w.url)["findings"]
+            assert not [f for f in found if f["finding"] == "hang"], found
+            warned += [f for f in found if f["finding"] == "stall"]
+            time.sleep(0.5)
+        resumed = time.monotonic()
+        wait_for(lambda: not findings(w.url)["findings"], 10, interval=0.5, what="the warning to clear")
+        cleared = time.monotonic() - resumed
+        w.notes.append(f"pause: {time.time() - begun:.0f} s, stall warnings {len(warned)}, cleared {cleared:.1f} s "
+                       f"after the steps resumed; summary: {warned[-1]['summary'] if warned else '-'}")
+        # the warning (30 s in) names the line every rank stands on
+        assert warned and line in warned[-1]["summary"], (line, warned[-1:] and warned[-1]["summary"])
+
+
+def straggler(w: Watched) -> None:
+    """Rank 1's device then takes 1.5 times as long: named from its arrivals within a
+    minute, and held (sampled every second), with no other finding."""
+    with w.on_failure():
+        w.job.trigger_event("straggle")
+        wait_for(lambda: all(w.job.events(r, "straggle") for r in range(RANKS)), 60, interval=0.2,
+                 what="every rank at the straggler's step")
+        began = time.monotonic()
+
+        def named() -> dict | None:
+            return next((f for f in findings(w.url)["findings"] if f["finding"] == "straggler"), None)
+
+        found = wait_for(named, NAMED_WITHIN, interval=1.0, what="the straggler named")
+        named_after = time.monotonic() - began
+        assert found["rank"] == "1" and found["evidence"].get("signal") == "arrivals", found
+        assert found["evidence"]["last_share"] >= FindingsConfig().arrival_last_share, found
+        gaps = []
+        held_from = time.monotonic()
+        while time.monotonic() - held_from < HELD_SECONDS:
+            got = [(f["finding"], f["rank"]) for f in findings(w.url)["findings"]]
+            if got != [("straggler", "1")]:
+                gaps.append((round(time.monotonic() - began), got))
+            time.sleep(1)
+        w.notes.append(f"straggler: named after {named_after:.0f} s ({found['summary']}), gaps while held {gaps}")
+        assert not gaps, gaps
+
+
+def hang(w: Watched) -> None:
+    """Rank 1 then stops for good in the user's own function: a stall warning naming rank 1
+    and that line within LINE_WITHIN s of its last step, before any hang."""
+    with w.on_failure():
+        w.job.trigger_event("hang")
+        truth = wait_for(lambda: next(iter(w.job.events(1, "hang")), None), 60, interval=0.2, what="rank 1 to stop")
+        last_step = max(e["call"] for e in w.job.events(1, "step"))
+        line = f"{truth['function']} ({truth['file']}:{truth['line']})"
+
+        def warned() -> dict | None:
+            found = findings(w.url)["findings"]
+            assert not [f for f in found if f["finding"] == "hang"], found  # a hang only at stacks.stall_seconds
+            return next((f for f in found if f["finding"] == "stall" and line in f["summary"]), None)
+
+        found = wait_for(warned, LINE_WITHIN + 15, interval=0.5, what=f"a stall warning naming {line}")
+        after = time.monotonic() - last_step
+        w.notes.append(f"hang: warned {after:.0f} s after rank 1's last step: {found['summary']}")
+        assert found["rank"] == "1", found
+        assert after <= LINE_WITHIN, after
+        assert after < StacksConfig().stall_seconds
+
