@@ -1,4 +1,5 @@
-"""Ranks from real launchers: PyTorch Lightning's own and torch.multiprocessing.spawn.
+"""Ranks from real launchers: PyTorch Lightning's own, torch.multiprocessing.spawn and
+``accelerate launch``.
 
 Each job (tests/workloads/launchers.py) writes every rank's own account: its rank and
 world from the framework, its PID and its DataLoader workers' PIDs. The agent attached
@@ -25,9 +26,9 @@ from profagent.target.node import Limits, NodeTarget, Rules
 JOB = WORKLOADS / "launchers.py"
 
 
-def start(children, mode: str, out: Path, *args: str) -> subprocess.Popen:
+def start(children, mode: str, out: Path, *args: str, launcher: tuple[str, ...] = (sys.executable,)) -> subprocess.Popen:
     out.mkdir()
-    proc = subprocess.Popen([sys.executable, str(JOB), mode, str(out), *args], start_new_session=True,
+    proc = subprocess.Popen([*launcher, str(JOB), mode, str(out), *args], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=(out.parent / f"{mode}.log").open("w"))
     children.procs.append(proc)  # killed with its tree after the test
     return proc
@@ -65,7 +66,7 @@ def agent_view(run_agent, pid: int, want: dict[int, tuple[str, str, str]]) -> di
     base = f"http://127.0.0.1:{port}"
     agent = run_agent(["attach", "--pid", str(pid), "--listen", f"127.0.0.1:{port}", "--interval", "0.5",
                        "--no-stacks", "--no-timeline"])
-    agent.wait_healthy(base)
+    agent.wait_healthy(base, timeout=60)  # beside two ranks and their workers starting on 2 cores
 
     def as_wanted() -> dict | None:
         info = parse_metrics(http_get(base + "/metrics")).get("profagent_target_info", [])
@@ -116,6 +117,24 @@ def test_mp_spawn_with_dataloader_workers(children, run_agent, tmp_path: Path) -
     want[proc.pid] = ("launcher", "", "")
     seen = agent_view(run_agent, proc.pid, want)
     assert sorted(r for role, r, _ in seen.values() if role == "main") == ["0", "1"]
+    watched = watch_view(out)
+    assert all(watched.get(p) == w for p, w in want.items()), watched
+    finish(proc, out)
+
+
+@pytest.mark.timeout(420)
+def test_accelerate_launch(children, run_agent, tmp_path: Path) -> None:
+    """``accelerate launch --multi_gpu`` runs torch's elastic agent in its own process (on
+    CPU, Accelerator(cpu=True) makes it gloo): the ranks carry RANK, their workers too."""
+    out = tmp_path / "accelerate"
+    launch = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(free_port()))
+    proc = start(children, "accelerate", out, launcher=launch)
+    own = accounts(proc, out)
+    want = expected(own)
+    want[proc.pid] = ("launcher", "", "")
+    agent_view(run_agent, proc.pid, want)
     watched = watch_view(out)
     assert all(watched.get(p) == w for p, w in want.items()), watched
     finish(proc, out)
