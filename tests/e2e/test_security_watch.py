@@ -97,6 +97,38 @@ def test_whoever_comes_first_processes_of_two_users_never_share_a_job(children, 
     wait_for(lambda: _pids_by_job(target.refresh()) == {"realjob42": {mine.pid}}, what="root's job alone")
 
 
+@pytest.mark.parametrize("var", ["TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"])
+def test_a_label_cannot_be_forged_by_choosing_an_id(children, as_nobody, var: str) -> None:
+    """Issue 51 high 3: nobody claims ``victim-job`` first, so root's job is labelled
+    ``victim-job@root``; then nobody starts processes whose id is that label (with RANK 0
+    and 1 of root's job, and SLURM_JOB_USER=root for the Slurm variant). Bound: root's
+    job holds root's processes only, on every tick; nobody's forged id is a label of its
+    own, suffixed with its user. In the Slurm variant root's job, vouched for by its
+    SLURM_JOB_USER, takes the plain id back and nobody's claim becomes ``victim-job@nobody``."""
+    tok = token()
+    extra = {"SLURM_JOB_USER": "root"} if var == "SLURM_JOB_ID" else {}
+    claimer = as_nobody(job_env(tok, **{var: "victim-job"}, RANK="0", **extra))
+    target = _target(tok, grace_seconds=0.0)
+    wait_for(lambda: _pids_by_job(target.refresh()) == {"victim-job": {claimer.pid}}, what="nobody's claim")
+    mine = [children.python(SLEEPER, env=job_env(tok, **{var: "victim-job"}, RANK=str(r), **extra)) for r in (0, 1)]
+    forged = [as_nobody(job_env(tok, **{var: "victim-job@root"}, RANK=str(r), **extra)) for r in (0, 1)]
+
+    def all_seen():
+        tree = target.refresh()
+        return tree if len(tree.processes) == 5 else None
+
+    tree = wait_for(all_seen, what="every process watched")
+    expected = {"victim-job": {claimer.pid}, "victim-job@root": {p.pid for p in mine},
+                "victim-job@root@nobody": {p.pid for p in forged}}
+    if extra:  # root's SLURM_JOB_USER is its own: vouched, its job takes the plain id back
+        expected.update({"victim-job": {p.pid for p in mine}, "victim-job@nobody": {claimer.pid}})
+        del expected["victim-job@root"]
+    assert _pids_by_job(tree) == expected
+    for _ in range(3):
+        target._last_scan = None
+        assert _pids_by_job(target.refresh()) == expected
+
+
 def test_three_nobody_jobs_cannot_hide_roots_job(children, as_nobody, caplog) -> None:
     tok = token()
     target = _target(tok, max_jobs=3)  # per user: half of it, at least 1

@@ -188,6 +188,7 @@ class NodeTarget:
         by_job: dict[str, list[ProcessTree]] = {}
         self._claim_trusted()
         relabelled: dict[str, str] = {}  # old job id -> new one, this tick
+        owners: dict[str, int] = {}  # label -> uid: a job is one user's processes only
         for key, root in list(self._roots.items()):
             tree = root.target.refresh(children)
             if not tree.alive:
@@ -195,6 +196,8 @@ class NodeTarget:
                 continue
             root.tree = tree
             tree = self._own(tree, root.uid, root.trusted)
+            if owners.setdefault(tree.job_id, root.uid) != root.uid:
+                tree = _relabel(tree, f"{tree.job_id}@uid{root.uid}")  # two uids of one user name
             before = self._labels.get(key)
             if before is not None and before != tree.job_id:
                 relabelled[before] = tree.job_id
@@ -271,13 +274,13 @@ class NodeTarget:
     def _own(self, tree: ProcessTree, uid: int, trusted: bool = False) -> ProcessTree:
         """The tree under its job's label: the job id, suffixed with the user when another
         user already owns that id (roots are visited in admission order, vouched ones first:
-        see _claim_trusted)."""
+        see _claim_trusted), or when the id holds an "@" itself. So a label names its user:
+        a plain one has no "@" and one user's claim; ``ID@USER`` is USER's alone, whatever
+        id another user chooses (``victim@root`` set by nobody is ``victim@root@nobody``)."""
         owner = self._claims.setdefault(tree.job_id, (uid, trusted))[0]
-        if owner == uid:
+        if owner == uid and "@" not in tree.job_id:
             return tree
-        label = f"{tree.job_id}@{_user(uid)}"
-        procs = tuple(dataclasses.replace(p, job_id=label) for p in tree.processes)
-        return dataclasses.replace(tree, job_id=label, processes=procs)
+        return _relabel(tree, f"{tree.job_id}@{_user(uid)}")
 
     def _cap(self, job_id: str, procs: list[ProcessInfo], limit: int) -> list[ProcessInfo]:
         if len(procs) <= limit:
@@ -520,6 +523,11 @@ def _topmost(pid: int, candidates: set[int], table: dict[int, tuple[int, float, 
             top = cur
         cur = table[cur][0]
     return top
+
+
+def _relabel(tree: ProcessTree, label: str) -> ProcessTree:
+    procs = tuple(dataclasses.replace(p, job_id=label) for p in tree.processes)
+    return dataclasses.replace(tree, job_id=label, processes=procs)
 
 
 def _merge(trees: list[ProcessTree]) -> list[ProcessInfo]:
