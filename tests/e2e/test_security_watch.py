@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -162,3 +163,76 @@ def test_max_jobs_per_user_is_validated_and_defaults_to_half() -> None:
     assert Limits.from_config(cfg.watch).per_user == 4
     with pytest.raises(UserError, match="max_jobs_per_user"):
         load_config(overrides={"watch.max_jobs_per_user": -1})
+
+
+# nobody's launcher starts a rank (sleep 0.4 with a RANK of its own) every 20 ms: 50 a second
+CHURN = """
+import itertools, subprocess, time
+live = []
+for i in itertools.count():
+    live.append(subprocess.Popen(["/bin/sleep", "0.4"], env={"RANK": str(i), "WORLD_SIZE": "100000"}))
+    live = [p for p in live if p.poll() is None]
+    time.sleep(0.02)
+"""
+VICTIM_RANKS = """
+import subprocess, time
+ranks = [subprocess.Popen(["/bin/sleep", "3600"], env={"RANK": str(r), "WORLD_SIZE": "2"}) for r in (0, 1)]
+time.sleep(3600)
+"""
+
+
+def test_a_user_churning_fifty_ranks_a_second_costs_discovery_a_bounded_amount(children) -> None:
+    """Issue 51 low 6 (the attack: 50 short-lived ranks a second kept the agent at 32% of
+    a core). nobody's job starts them for 10 s of 0.5 s ticks beside root's job of two
+    ranks. Work counted: the /proc/PID/environ reads of nobody's processes (each new
+    process of a job costs one, plus its stat, cmdline and placement: 14 a tick without a
+    budget). Bound: at most watch.max_new_processes_per_user (4 here) new processes of one
+    user a tick, so nobody's reads stay under twice that a tick (a process younger than 2 s
+    has its environ read again at each tick it lives, as any job's); root's two
+    ranks are in the tree at every tick; nobody's job is still seen, with ranks."""
+    from collections import Counter
+
+    from helpers.nobody import nobody_python
+    from profagent.system.procfs import read_environ
+
+    reads: Counter[int] = Counter()
+
+    def counting(proc_root: Path, pid: int) -> dict[str, str]:
+        try:
+            reads[os.stat(f"/proc/{pid}").st_uid] += 1
+        except OSError:
+            pass
+        return read_environ(proc_root, pid)
+
+    tok = token()
+    folder = Path(tempfile.mkdtemp(prefix="paw-churn-"))  # nobody reads its script there
+    folder.chmod(0o755)
+    limits = Limits(scan_interval=0.5, max_new_processes_per_user=4)  # under the flood's 25 a tick
+    target = NodeTarget(Rules(None, (("PAW_TOKEN", tok),), False), limits, settle_seconds=0.0,
+                        self_pid=-1, environ_reader=counting)
+    victim = children.python(VICTIM_RANKS, env=job_env(tok, SLURM_JOB_ID="victim-51"))
+    wait_for(lambda: len([p for p in target.refresh().processes if p.role == "main"]) == 2, what="root's two ranks")
+    churn = nobody_python(CHURN, {"PAW_TOKEN": tok, "SLURM_JOB_ID": "churn"}, folder)
+    try:
+        wait_for(lambda: "churn" in target.refresh().job_status(), what="nobody's job")
+        reads.clear()
+        ticks, churn_ranks, cpu = 0, set(), 0.0
+        began = time.monotonic()
+        while time.monotonic() - began < 10:
+            t0 = time.thread_time()
+            tree = target.refresh()
+            cpu += time.thread_time() - t0
+            ticks += 1
+            mains = {(p.job_id, p.rank) for p in tree.processes if p.role == "main"}
+            assert {("victim-51", "0"), ("victim-51", "1")} <= mains, mains
+            churn_ranks |= {r for j, r in mains if j == "churn"}
+            time.sleep(0.5)
+    finally:
+        kill_tree(churn)
+        kill_tree(victim)
+        shutil.rmtree(folder, ignore_errors=True)
+    per_tick = reads[NOBODY] / ticks
+    print(f"{ticks} ticks: nobody's environ reads {per_tick:.1f} a tick, {len(churn_ranks)} of its ranks seen; "
+          f"refresh CPU {cpu / ticks * 1000:.1f} ms a tick")
+    assert len(churn_ranks) >= 10
+    assert per_tick <= 2 * limits.max_new_processes_per_user, per_tick
