@@ -202,6 +202,7 @@ class WatchConfig:
     max_jobs: int = _opt(16, "jobs watched at once; further jobs are ignored (one log line) until one ends")
     max_jobs_per_user: int = _opt(0, "jobs of one user (the job's launcher's owner) watched at once, so one user cannot fill max_jobs; 0 = half of max_jobs, at least 1")
     max_new_per_scan: int = _opt(32, "new candidate processes examined per scan, round-robin across users (so thousands of look-alike processes cannot stall discovery); the rest wait for the next scans")
+    max_new_processes_per_user: int = _opt(16, "new processes of one user's watched jobs taken in per agent tick (a rank, a DataLoader worker: each costs /proc reads and a py-spy); the rest are taken in over the next ticks, so a user starting short-lived ranks by the dozen a second costs the agent a bounded amount")
     max_processes_per_job: int = _opt(256, "processes exported per job (launcher and ranks first); the rest are ignored (one log line)")
     scan_interval: float = _opt(2.0, "seconds between scans of /proc for new jobs (known jobs refresh every agent interval)")
 
@@ -492,7 +493,7 @@ def _validate_watch(w: WatchConfig) -> None:
         raise UserError("'watch.grace_seconds' is negative", "use 0 or more seconds")
     if w.rank_expiry_seconds < 0:
         raise UserError("'watch.rank_expiry_seconds' is negative", "use 0 or more seconds")
-    for name in ("max_jobs", "max_processes_per_job", "max_new_per_scan"):
+    for name in ("max_jobs", "max_processes_per_job", "max_new_per_scan", "max_new_processes_per_user"):
         if getattr(w, name) < 1:
             raise UserError(f"'watch.{name}' must be at least 1", f"set watch.{name} to 1 or more")
     if w.max_jobs_per_user < 0:

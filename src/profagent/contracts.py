@@ -537,6 +537,7 @@ class SourceHealth:
     up: bool = True
     detail: str = ""
     not_applicable: str = ""  # why an off source has nothing to do here (no_gpu...); "" = a fault
+    retrying: str = ""  # why an off source waits and retries by itself (endpoint_held); "" = it does not
     errors: Mapping[str, int] = field(default_factory=dict)
     last_duration: float | None = None
     last_success: float | None = None

@@ -11,6 +11,8 @@ from __future__ import annotations
 #   profagent_collector_errors_total. Its kinds:
 #   - ``SourceUnavailable(problem, fix, reason)``: the source
 #     cannot run here (no driver, ptrace denied...); it is turned off, the others go on.
+#   - ``SourceWaiting``: the source cannot run now and retries by itself (an endpoint
+#     another process holds): off with its reason while it waits, its loop goes on.
 #   - ``TargetGone``: the observed process exited during the tick; not worth logging.
 #
 # Errors of one part map onto these: TraceError and MalformedDatagram are SourceErrors
@@ -54,6 +56,18 @@ class NotApplicable(SourceUnavailable):
     off, but no fault. ``why`` is a short closed code exported as the reason label."""
 
     reason = "not_applicable"
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
+class SourceWaiting(SourceError):
+    """The source cannot run now and retries by itself (its endpoint is held by another
+    process): off, with this line and ``why`` (a short closed code, the reason label), until
+    it can; its loop goes on."""
+
+    reason = "waiting"
 
     def __init__(self, message: str, why: str) -> None:
         super().__init__(message)

@@ -41,7 +41,7 @@ class State:
             self._snapshots[name] = snapshot
             old = self._health.get(name, SourceHealth())
             self._health[name] = replace(
-                old, up=True, detail="", last_duration=duration, last_success=self._clock()
+                old, up=True, detail="", retrying="", last_duration=duration, last_success=self._clock()
             )
             listeners = list(self._listeners)
         for listener in listeners:  # outside the lock: e.g. the exporter encoding the snapshot
@@ -67,6 +67,14 @@ class State:
         with self._lock:
             old = self._health.get(name, SourceHealth())
             self._health[name] = replace(old, up=False, detail=detail, not_applicable=not_applicable)
+            self._snapshots.pop(name, None)
+
+    def set_waiting(self, name: str, detail: str, why: str) -> None:
+        """The source is off for now and retries by itself (``why``: a closed code); its next
+        published snapshot turns it on again."""
+        with self._lock:
+            old = self._health.get(name, SourceHealth())
+            self._health[name] = replace(old, up=False, detail=detail, not_applicable="", retrying=why)
             self._snapshots.pop(name, None)
 
     def view(self) -> StateView:

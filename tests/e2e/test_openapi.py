@@ -89,6 +89,8 @@ def test_the_live_agent_answers_as_docs_openapi_yaml_says(children, tmp_path: Pa
     ranks = wait_for(sampled, 60, interval=0.5, what="the rank sampled by py-spy and placed on a GPU")
     job_id = ranks["jobs"][0]["job_id"]
     check(base, "/healthz")
+    check(base, "/healthz", "verbose=1")
+    assert "stacks: on" in get(base + "/healthz?verbose=1")[2].decode()
     assert check(base, "/api/findings")["findings"] is not None
     check(base, "/api/findings", "job=nope")
     # /api/ranks has a first look (a thread-state dump) before the first py-spy window; the

@@ -20,7 +20,8 @@ step time for a trace without steps (#14), worker USS and collectors not applica
 every GPU value family, findings and incidents, so that the golden exposition names every
 family the README documents (#23, ``tests/unit/test_docs.py`` holds the two together), the
 per-rank collective-wait share (#24), CPU per collector (#26), the step timeline from kernel probes (#38),
-each hung rank's part in the hang (``profagent_hang_rank_info``, #39).
+each hung rank's part in the hang (``profagent_hang_rank_info``, #39), a collector off and retrying
+(``profagent_collector_retrying``, #51).
 """
 
 from __future__ import annotations
@@ -237,6 +238,11 @@ def _publish_findings_and_incidents(state) -> None:  # noqa: ANN001 (State, poss
     # An off source with nothing to do here (profagent_collector_not_applicable).
     state.register("nvml_events")
     state.set_down("nvml_events", "no GPU on this node", not_applicable="no_gpu")
+    # An off source that retries by itself (profagent_collector_retrying, #51): the name is
+    # the fixture's own, so that ondemand above keeps its series.
+    if hasattr(state, "set_waiting"):
+        state.register("kineto_endpoint")
+        state.set_waiting("kineto_endpoint", "the Kineto endpoint @dynolog is held by PID 7 of uid 65534", "endpoint_held")
 
 
 def render(content_type: str) -> str:

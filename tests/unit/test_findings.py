@@ -568,3 +568,16 @@ def test_straggler_from_trace_communication_share_when_step_times_are_equal() ->
     assert f.evidence["others_median_communication_share"] == 0.61
     quiet = {"traces": traces, "stacks": stacks(RankStall("2", False, 6.0, "job", frames(*AT_LINE_68), suspected=True))}
     assert Evaluator(cfg()).evaluate(quiet, now=10.0).findings == ()
+
+
+def test_two_processes_claiming_one_rank_are_a_duplicate_rank_finding() -> None:
+    """Issue 51 high 3: two processes never claim one rank of a job without a finding
+    saying so; a rank with one process (and the DataLoader workers' group) is no finding."""
+    host = HostSnapshot(
+        (GroupUsage("job", "0", "main", 2, Usage(rss=1)), GroupUsage("job", "1", "main", 1, Usage(rss=1)),
+         GroupUsage("job", "1", "dataloader", 4, Usage(rss=1)), GroupUsage("job", "", "launcher", 1, Usage(rss=1))),
+        NodeUsage(0.5, 16 * GIB, 8 * GIB, 8))
+    snap = Evaluator(FindingsConfig()).evaluate({"host": host}, 1000.0)
+    found = [f for f in snap.findings if f.finding == "duplicate_rank"]
+    assert [(f.job_id, f.rank, f.severity, f.evidence["processes"]) for f in found] == [("job", "0", "warning", 2)]
+    assert "2 processes claim rank 0 of job job" in found[0].summary

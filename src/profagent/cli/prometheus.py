@@ -7,6 +7,7 @@ so the job's verdict is assembled here from three instant queries (``queries``).
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -99,7 +100,8 @@ def _number(text: str | None) -> float | None:
 # A job's ``hang`` findings of every node become one: its culprits are the ranks any node
 # named, each with its ``instance`` and ``location``; when no node saw one, it says so (a
 # collective mismatch, or the network). Other findings are listed per node and rank, with
-# the ``profagent diagnose --url`` that shows their evidence.
+# the ``profagent diagnose --url`` that shows their evidence, each value shell-quoted (a
+# job id or an instance is any string: ``x $(curl ...|sh) #`` must stay one argument).
 def verdict(findings: Iterable[Mapping[str, str]], roles: Iterable[Mapping[str, str]],
             since: Iterable[Mapping[str, str]], now: float) -> dict[str, Any]:
     """The findings of every job (pure): a job's hang findings on all nodes become one."""
@@ -125,7 +127,7 @@ def verdict(findings: Iterable[Mapping[str, str]], roles: Iterable[Mapping[str, 
             "finding": name, "job_id": job_id, "rank": rank or None, "severity": f.get("severity", ""),
             "instance": instance, "culprit_ranks": [rank] if rank else [], "culprits": [], "since": start,
             "summary": f"{name} on {'rank ' + rank if rank else 'the job'} at {instance}",
-            "evidence": {"details": f"profagent diagnose --url http://{instance} --job {job_id}"},
+            "evidence": {"details": shlex.join(["profagent", "diagnose", "--url", f"http://{instance}", "--job", job_id])},
             **({"cluster": cluster} if cluster else {}),
         })
 

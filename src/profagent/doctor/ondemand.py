@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 from profagent.config import Config
 from profagent.doctor.check import OK, WARN, Check
-from profagent.errors import SourceUnavailable, UserError
+from profagent.errors import SourceUnavailable
 from profagent.sources.ondemand import kineto
-from profagent.sources.ondemand.endpoint import Endpoint
+from profagent.sources.ondemand.endpoint import Endpoint, EndpointHeld
 from profagent.system.unixsock import call, default_control_socket
 
 
@@ -48,8 +48,8 @@ def check_ondemand(config: Config) -> Iterator[Check]:
         endpoint.bind()
     except SourceUnavailable:
         pass
-    except UserError as exc:  # held by a user other than root: a root agent would refuse to start
-        yield Check("ondemand", "Kineto endpoint", WARN, exc.problem, exc.fix or "")
+    except EndpointHeld as exc:  # held by a user other than root: a root agent serves no job there
+        yield Check("ondemand", "Kineto endpoint", WARN, exc.problem, exc.fix)
         return
     else:
         endpoint.close()

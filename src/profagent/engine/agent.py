@@ -23,6 +23,7 @@ from rich.text import Text
 
 from profagent.analysis.findings.steps import pausing_jobs, stepped_within
 from profagent.config import Config, parse_listen
+from profagent.contracts import StateView
 from profagent.engine.control import ControlledOndemand, ControlServer
 from profagent.engine.findings import FindingsEngine
 from profagent.engine.incidents.store import IncidentStore, incidents_dir, rate_limits_path
@@ -232,6 +233,7 @@ class Agent:
         )
         for path, build in ROUTES.items():
             self.server.add_route(path, build(providers))
+        self.server.health_detail = lambda: health_lines(job.state.view())
 
     def start(self) -> None:
         """Bind first (a taken port fails before anything runs), then start the job;
@@ -280,6 +282,20 @@ def banner_line(console: Console, markup: str) -> None:
     lines = text.wrap(console, max(20, console.width - BANNER_INDENT))
     for i, line in enumerate(lines):
         console.print(Text(" " * BANNER_INDENT) + line if i else line, highlight=False, soft_wrap=True)
+
+
+def health_lines(view: StateView) -> list[str]:
+    """/healthz?verbose=1: each collector on, or off and why (retrying: it takes its
+    resource once free; not_applicable: nothing to do here)."""
+    lines = []
+    for name, health in sorted(view.health.items()):
+        if health.up:
+            lines.append(f"{name}: on")
+        else:
+            why = f" (retrying: {health.retrying})" if health.retrying else \
+                f" (not_applicable: {health.not_applicable})" if health.not_applicable else ""
+            lines.append(f"{name}: off{why}: {health.detail}")
+    return lines
 
 
 def print_banner(agent: Agent, job: Job, console: Console) -> None:

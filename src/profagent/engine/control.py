@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from profagent.contracts import ROLE_LAUNCHER, ROLE_MAIN
-from profagent.errors import NotApplicable, SourceUnavailable
+from profagent.errors import NotApplicable, SourceUnavailable, SourceWaiting
 from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.endpoint import NoPollers, Poller, match_pid
 from profagent.system.safefs import UnsafePath, own_directory
@@ -211,12 +211,18 @@ class ControlledOndemand:
         self.control = ControlServer(control_socket, source)
 
     def start(self) -> None:
-        self.source.start()
+        waiting = None
+        try:
+            self.source.start()
+        except SourceWaiting as exc:  # the endpoint is retried; `profagent trace` is told why meanwhile
+            waiting = exc
         try:
             self.control.start()
         except SourceUnavailable:
             self.source.stop()
             raise
+        if waiting is not None:
+            raise waiting
 
     def collect(self, tree: ProcessTree) -> OndemandSnapshot:
         return self.source.collect(tree)

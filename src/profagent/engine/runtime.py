@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from profagent.contracts import ProcessTree
-from profagent.errors import SourceError, SourceUnavailable, TargetGone, UserError
+from profagent.errors import SourceError, SourceUnavailable, SourceWaiting, TargetGone, UserError
 from profagent.logs import LogOnce
 from profagent.sources import Source
 from profagent.state import State
@@ -61,11 +61,16 @@ class Runtime:
             # sources start, and must not show one up that is about to be turned off.
             try:
                 source.start()
+            except SourceWaiting as exc:  # started, but off until what it waits for is free
+                self.state.register(source.name)
+                self.state.set_waiting(source.name, str(exc), exc.why)
+                self._spawn(source.name, lambda s=source: self._source_loop(s))
+                continue
             except SourceUnavailable as exc:
                 self._off(source, str(exc), at_start=True, not_applicable=getattr(exc, "why", ""))
                 continue
             except UserError:
-                raise  # a source that refuses the agent's start (a squatted endpoint): one line, exit 2
+                raise  # a source that refuses the agent's start: one line, exit 2
             except Exception as exc:
                 self._off(source, f"{source.name} source failed to start: {exc}", at_start=True)
                 continue
@@ -152,6 +157,8 @@ class Runtime:
                         self.state.publish(name, snapshot, self._clock() - began)
             except TargetGone:
                 self.state.record_error(name, TargetGone.reason, self._clock() - began)
+            except SourceWaiting as exc:  # the source said why in its own one line
+                self.state.set_waiting(name, str(exc), exc.why)
             except SourceUnavailable as exc:
                 self._off(source, str(exc), not_applicable=getattr(exc, "why", ""))
                 return

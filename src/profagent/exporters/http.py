@@ -34,6 +34,7 @@ import bcrypt
 from profagent.errors import UserError
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.webconfig import WebConfig, load_web_config, peer_check, ssl_context
+from profagent.labels import printable
 from profagent.system.cputime import CPU
 
 log = logging.getLogger(__name__)
@@ -583,9 +584,16 @@ class AgentHTTPServer:
         self.ready.set()
         self.routes: dict[str, Route] = {"/healthz": self._healthz}
         self._server: _EventServer | None = None
+        # one line per collector ("ondemand: off (retrying: endpoint_held): ..."), for ?verbose=1
+        self.health_detail: Callable[[], list[str]] | None = None
 
     def _healthz(self, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
-        return (200, "text/plain", b"ok\n") if self.ready.is_set() else (503, "text/plain", b"starting\n")
+        """"ok" once started ("starting", 503, before); ``?verbose=1`` adds a line per collector:
+        the agent serves while a collector is off, and this says which and why."""
+        head = "ok\n" if self.ready.is_set() else "starting\n"
+        lines = self.health_detail() if "verbose" in query and self.health_detail is not None else []
+        body = (head + "".join(printable(line) + "\n" for line in lines)).encode()
+        return (200 if self.ready.is_set() else 503), "text/plain", body
 
     def add_route(self, path: str, route: Route) -> None:
         self.routes[path] = route

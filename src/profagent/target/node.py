@@ -7,8 +7,9 @@ grace, limits and users are described in docs/service.md (Watch mode).
 Its work stays bounded whatever the node's users start (thousands of look-alike
 processes): a root examined and not admitted is remembered by (PID, start time) and
 looked at again only once it could pass; at most ``max_new_per_scan`` roots a scan,
-round-robin across users; one read of /proc's process list per tick; at most 4 KiB of
-each command line. A reload (SIGHUP) changes discovery only: watched jobs stay.
+round-robin across users; at most ``max_new_processes_per_user`` new processes of one
+user's jobs taken in per tick; one read of /proc's process list per tick; at most 4 KiB
+of each command line. A reload (SIGHUP) changes discovery only: watched jobs stay.
 """
 
 from __future__ import annotations
@@ -79,11 +80,12 @@ class Limits:
     max_jobs_per_user: int = 0  # 0: half of max_jobs, at least 1
     max_new_per_scan: int = 32  # roots examined (their trees built) per scan
     rank_expiry_seconds: float = 60.0
+    max_new_processes_per_user: int = 16  # new processes of one user's jobs taken in per tick
 
     @classmethod
     def from_config(cls, w: WatchConfig) -> Limits:
         return cls(w.max_jobs, w.max_processes_per_job, w.grace_seconds, w.scan_interval, w.max_jobs_per_user,
-                   w.max_new_per_scan, w.rank_expiry_seconds)
+                   w.max_new_per_scan, w.rank_expiry_seconds, w.max_new_processes_per_user)
 
     @property
     def per_user(self) -> int:
@@ -143,6 +145,7 @@ class NodeTarget:
         self._alive_jobs: set[str] = set()
         self._labels: dict[Key, str] = {}  # each root's job label last tick (to tell a relabel from an end)
         self._capped = LogOnce(log)  # one max_processes_per_job line per job
+        self._deferred = LogOnce(log)  # one max_new_processes_per_user line per user
         self._rank_seen: dict[str, dict[str, float]] = {}  # job id -> rank -> when a process of it was last seen
         self._expired: dict[str, dict[str, None]] = {}  # job id -> ranks expired (oldest first, bounded)
         self._last_scan: float | None = None
@@ -188,13 +191,24 @@ class NodeTarget:
         by_job: dict[str, list[ProcessTree]] = {}
         self._claim_trusted()
         relabelled: dict[str, str] = {}  # old job id -> new one, this tick
+        owners: dict[str, int] = {}  # label -> uid: a job is one user's processes only
+        budgets: dict[int, int] = {}  # uid -> new processes its jobs may still take in this tick
         for key, root in list(self._roots.items()):
-            tree = root.target.refresh(children)
+            known = {p.pid for p in root.tree.processes} if root.tree is not None else set()
+            view = None if children is None else _Admitting(children, known, budgets, root.uid,
+                                                            limits.max_new_processes_per_user)
+            tree = root.target.refresh(view)  # type: ignore[arg-type]  # a read-only mapping of children
+            if view is not None and view.deferred:
+                self._deferred(logging.INFO, root.uid, "user %s's jobs started more than watch.max_new_processes_per_user "
+                               "= %d new processes in one tick: the rest are taken in over the next ticks",
+                               _user(root.uid), limits.max_new_processes_per_user)
             if not tree.alive:
                 del self._roots[key]
                 continue
             root.tree = tree
             tree = self._own(tree, root.uid, root.trusted)
+            if owners.setdefault(tree.job_id, root.uid) != root.uid:
+                tree = _relabel(tree, f"{tree.job_id}@uid{root.uid}")  # two uids of one user name
             before = self._labels.get(key)
             if before is not None and before != tree.job_id:
                 relabelled[before] = tree.job_id
@@ -271,13 +285,13 @@ class NodeTarget:
     def _own(self, tree: ProcessTree, uid: int, trusted: bool = False) -> ProcessTree:
         """The tree under its job's label: the job id, suffixed with the user when another
         user already owns that id (roots are visited in admission order, vouched ones first:
-        see _claim_trusted)."""
+        see _claim_trusted), or when the id holds an "@" itself. So a label names its user:
+        a plain one has no "@" and one user's claim; ``ID@USER`` is USER's alone, whatever
+        id another user chooses (``victim@root`` set by nobody is ``victim@root@nobody``)."""
         owner = self._claims.setdefault(tree.job_id, (uid, trusted))[0]
-        if owner == uid:
+        if owner == uid and "@" not in tree.job_id:
             return tree
-        label = f"{tree.job_id}@{_user(uid)}"
-        procs = tuple(dataclasses.replace(p, job_id=label) for p in tree.processes)
-        return dataclasses.replace(tree, job_id=label, processes=procs)
+        return _relabel(tree, f"{tree.job_id}@{_user(uid)}")
 
     def _cap(self, job_id: str, procs: list[ProcessInfo], limit: int) -> list[ProcessInfo]:
         if len(procs) <= limit:
@@ -520,6 +534,42 @@ def _topmost(pid: int, candidates: set[int], table: dict[int, tuple[int, float, 
             top = cur
         cur = table[cur][0]
     return top
+
+
+class _Admitting:
+    """The tick's children map as one root's tree walk sees it: a process its tree held
+    last tick is there; a new one only while its user's budget for this tick lasts
+    (``budgets``, shared by that user's roots). Each new process costs the tick its stat,
+    cmdline, environ and placement reads, and the sources' work on it (a py-spy each for a
+    rank): a user starting 50 short-lived ranks a second bought that 50 times a second.
+    One left out (and its descendants) is looked at again next tick if it still lives."""
+
+    def __init__(self, children: dict[int, list[int]], known: set[int], budgets: dict[int, int], uid: int,
+                 budget: int) -> None:
+        self._children, self._known, self._budgets, self._uid = children, known, budgets, uid
+        budgets.setdefault(uid, budget)
+        self.deferred = 0
+
+    def get(self, pid: int, default: Iterable[int] = ()) -> Iterable[int]:
+        kids = self._children.get(pid)
+        if not kids:
+            return default
+        out = []
+        for kid in kids:
+            if kid in self._known:
+                out.append(kid)
+            elif self._budgets[self._uid] > 0:
+                self._budgets[self._uid] -= 1
+                self._known.add(kid)
+                out.append(kid)
+            else:
+                self.deferred += 1
+        return out
+
+
+def _relabel(tree: ProcessTree, label: str) -> ProcessTree:
+    procs = tuple(dataclasses.replace(p, job_id=label) for p in tree.processes)
+    return dataclasses.replace(tree, job_id=label, processes=procs)
 
 
 def _merge(trees: list[ProcessTree]) -> list[ProcessInfo]:

@@ -19,4 +19,5 @@ KINDS = (
     "memory_leak",
     "gpu_throttled",
     "gpu_errors",
+    "duplicate_rank",
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from profagent.analysis.findings import bound, gpu, hang, leak, steps
+from profagent.analysis.findings import bound, gpu, hang, leak, ranks, steps
 from profagent.analysis.findings.bound import warmed_up
 from profagent.analysis.findings.history import CountsWindow, MemorySeries
 from profagent.analysis.findings.inputs import AnalysisInputs, MemoryInput, RankShares
@@ -42,6 +42,7 @@ ANALYZERS: tuple[Analyzer, ...] = (
     gpu.analyze_idle,
     gpu.analyze_throttled,
     gpu.analyze_errors,
+    ranks.analyze,
 )
 # A rank whose stack has not changed this long may be hanging: no finding is held for its job
 # (recording.yml gates the job-level straggler on the same 30 s).

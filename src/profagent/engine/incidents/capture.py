@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gzip
+import itertools
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from profagent.engine.incidents.bundle import (
 )
 from profagent.engine.incidents.summary import summary_text
 from profagent.exporters.exposition import Exposition
+from profagent.labels import printable
 from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.endpoint import NoPollers, TraceTarget
 from profagent.sources.stacks import pyspy
@@ -53,6 +55,8 @@ log = logging.getLogger(__name__)
 DUMP_TIMEOUT = 20.0  # seconds per py-spy dump attempt (and never past the capture's deadline)
 ONDEMAND_TRACE_MS = 1000
 COPY_CHUNK = 1024 * 1024
+# room kept in a bundle for what is written after the stacks (findings, metrics, summary)
+SUMMARY_RESERVE = 4 << 20
 
 
 def _over_room(size: int, room: int, config: IncidentsConfig, copied: bool = False) -> str:
@@ -119,9 +123,17 @@ class Capture:
                 name = worker_stacks_file(info.rank, info.pid)
                 what = f"rank {info.rank}'s DataLoader worker (PID {info.pid})"
             else:
-                self.stacks[info.rank] = text
+                self.stacks.setdefault(info.rank, text)  # a duplicate_rank's second process: its own file only
                 name, what = stacks_file(info.rank), f"rank {info.rank} (PID {info.pid})"
-            self._write(name, (text or f"(no stacks: {note})\n").encode())
+            # escaped as `incidents show` prints (a frame or a job id may hold ESC), within the bundle's room
+            data = printable(text or f"(no stacks: {note})\n", keep_newlines=True).encode()
+            room = self._room() - SUMMARY_RESERVE
+            if len(data) > room:
+                cut = data.rfind(b"\n", 0, max(0, room - 512)) + 1
+                data = data[:cut] + (f"(truncated: {len(data) - cut} more bytes, over the room left to this bundle "
+                                     f"under incidents.max_bytes_per_user and incidents.max_bytes)\n").encode()
+                note = "; ".join(x for x in (note, "stacks truncated at the bundle's size cap") if x)
+            self._write(self._free(name, info.pid), data)
             if note:
                 self.notes.append(f"{what}: {note}")
         findings = view.findings or FindingsSnapshot((), self.now)
@@ -138,13 +150,13 @@ class Capture:
             if rt.job_id in ("", self.trigger.job_id):
                 # The rank the agent knows (from the process), not the trace's distributedInfo,
                 # which a job without torch.distributed lacks.
-                self._write(trace_analysis_file(rt.rank),
+                self._write(self._free(trace_analysis_file(rt.rank), None),
                             to_json({"ingested_at": rt.ingested_at, **rt.report.to_dict(),
                                    "rank": rt.rank or rt.report.rank}))
         if request is not None:
             self._collect_traces(request)
         with self._lock:
-            self._write(SUMMARY, summary_text(self).encode())
+            self._write(SUMMARY, printable(summary_text(self), keep_newlines=True).encode())
             if self.updated is not None:  # the trigger changed while the capture ran
                 self._rewrite_trigger()
             self.meta.status = "complete"
@@ -186,7 +198,7 @@ class Capture:
             if self.meta.status != "complete":
                 return  # run() writes the summary from the new trigger
             try:
-                self._write(SUMMARY, summary_text(self).encode(), replace=True)
+                self._write(SUMMARY, printable(summary_text(self), keep_newlines=True).encode(), replace=True)
                 self._write(META, self.meta.to_bytes(), replace=True)
                 self._rewrite_trigger()
             except (OSError, ValueError) as exc:  # the bundle was removed meanwhile (retention)
@@ -208,6 +220,16 @@ class Capture:
 
     def _remaining(self) -> float:
         return self.deadline - time.monotonic()
+
+    def _free(self, name: str, pid: int | None, taken: set[str] | frozenset[str] = frozenset()) -> str:
+        """``name``, or ``name`` with ``-pidN`` when a file of that name is in the bundle
+        already: two processes of a job may claim one rank (``duplicate_rank``), and two
+        ranks may have one safe_name ("a b", "a_b"); a capture never fails on it."""
+        stem, dot, ext = name.partition(".")
+        tag = f"{stem}-pid{pid}" if pid is not None else stem
+        candidates = itertools.chain((name, f"{tag}{dot}{ext}"), (f"{tag}-{n}{dot}{ext}" for n in itertools.count(2)))
+        return next(c for c in candidates
+                    if c not in self.files and c not in taken and not os.path.lexists(self.folder / c))
 
     def _write(self, name: str, data: bytes, replace: bool = False) -> None:
         path = self.folder / name
@@ -300,9 +322,11 @@ class Capture:
         waiting = dict(request.targets)
         seen: dict[int, tuple[int, int, int]] = {}  # pid -> (inode, size, mtime) of the last look
         refused: dict[int, str] = {}
+        names: dict[int, str] = {}  # pid -> its trace's file (two processes may claim one rank)
         while waiting and self._remaining() > 0 and not self.source.stopping.is_set():
             for pid, target in list(waiting.items()):
-                name = trace_file(rank_of.get(pid, str(pid)))
+                name = names.get(pid) or names.setdefault(pid, self._free(trace_file(rank_of.get(pid, str(pid))), pid,
+                                                                          set(names.values())))
                 try:
                     done = self._copy_trace(Path(target.file), name, uid_of.get(pid, -1), seen, pid)
                 except TraceError as exc:  # refused for good: counted, said, not waited for

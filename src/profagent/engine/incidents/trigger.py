@@ -169,7 +169,7 @@ class IncidentsSource:
         if timeout <= 0:
             return "", "no time left before incidents.capture_timeout"
         try:
-            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=pyspy.die_with_parent(), env={**os.environ, "RUST_BACKTRACE": "0"})
         except OSError as exc:
@@ -177,18 +177,24 @@ class IncidentsSource:
         with self._dumps_lock:
             self._dumps.add(proc)
         try:
-            out, err = proc.communicate(timeout=timeout)
+            got = pyspy.communicate_capped(proc, timeout)
         except subprocess.TimeoutExpired:
             pyspy.stop_all([proc], grace=0.2)
             return "", f"timed out after {timeout:.3g} s"
         finally:
             with self._dumps_lock:
                 self._dumps.discard(proc)
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
         if self.stopping.is_set():
             return "", "the agent is stopping"
-        if proc.returncode == 0 and "Thread " in out:
-            return out, ""
-        return "", pyspy.first_line(err or out)
+        if proc.returncode == 0 and "Thread " in got.out:
+            if got.truncated:
+                return got.out + (f"\n(truncated: py-spy printed {got.truncated} more bytes, over the "
+                                  f"{pyspy.MAX_DUMP_TEXT >> 20} MiB kept of one dump)\n"), ""
+            return got.out, ""
+        return "", pyspy.first_line(got.err or got.out)
 
     def collect(self, tree: ProcessTree) -> IncidentsSnapshot:
         view = self.state.view()

@@ -53,8 +53,16 @@ def render_health(view: StateView, out: Families) -> None:
         "1 for a collector that is off because it has nothing to do here (reason: no_gpu, held_by_another_agent)",
         ("collector", "reason"),
     )
+    retrying = out.gauge(
+        "profagent_collector_retrying",
+        "1 for a collector that is off for now and retries by itself (reason: endpoint_held, the Kineto "
+        "endpoint bound by another user's process)",
+        ("collector", "reason"),
+    )
     for name, health in sorted(view.health.items()):
         up.add_metric([name], 1 if health.up else 0)
+        if not health.up and health.retrying:
+            retrying.add_metric([name, health.retrying], 1)
         if not health.up and health.not_applicable:
             not_applicable.add_metric([name, health.not_applicable], 1)
         for reason, count in sorted(health.errors.items()):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from profagent.errors import NotApplicable, SourceUnavailable, UserError
+from profagent.errors import NotApplicable, SourceUnavailable, SourceWaiting, UserError
 from profagent.sources.ondemand import kineto
 from profagent.system.cputime import CPU
 from profagent.system.safefs import UnsafePath, own_directory
@@ -78,9 +78,13 @@ MAX_ANCESTORS = 32  # pids kept per poll (the process and its ancestors)
 #   Sent again every RESEND_AFTER until the request's deadline: a second copy is refused
 #   while one waits for its iteration, and a running trace polls busy.
 RESEND_AFTER = 3.0
+RETRY_BIND_SECONDS = 5.0  # a held endpoint is tried again this often (taken once its holder lets go)
 TIMED_START = 7.0  # warm-up (5 s) and libkineto's start delay (2 s)
 MAX_RESENDS = 3
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+SQUAT_FIX = ("stop that process (profagent takes the endpoint once it is free); or set ondemand.socket_dir = \"/run/profagent\" and "
+             "KINETO_IPC_SOCKET_DIR=/run/profagent in the jobs (a root folder no user can take first); "
+             "or ondemand.enabled = false")
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,15 @@ class TraceRequest:
     periodic: bool = False
 
 
+class EndpointHeld(SourceWaiting):
+    """A root agent found the abstract endpoint bound by a process that is not root's
+    (or, retrying, by anyone): ``problem`` and ``fix`` make its one line."""
+
+    def __init__(self, problem: str, fix: str = SQUAT_FIX) -> None:
+        super().__init__(f"{problem}: {fix}", "endpoint_held")
+        self.problem, self.fix = problem, fix
+
+
 class NoPollers(UserError):
     """No registered process matches the request."""
 
@@ -167,7 +180,9 @@ class Endpoint:
         return describe_address(self.address)
 
     def bind(self) -> None:
-        """Raises SourceUnavailable when another daemon holds the name."""
+        """Raises NotApplicable when another root daemon (dynolog) holds the name, EndpointHeld
+        when a root agent finds it held by anyone else (retried: see OndemandSource),
+        SourceUnavailable when it cannot bind for another reason."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # each datagram carries its sender
         address = self.address
@@ -194,7 +209,7 @@ class Endpoint:
             if exc.errno == errno.EADDRINUSE and isinstance(address, bytes) and os.geteuid() == 0:
                 holders = abstract_holders(address)
                 if not holders or not any(h.uid == 0 for h in holders):
-                    raise UserError(_squatted(self.describe(), holders), SQUAT_FIX) from None
+                    raise EndpointHeld(_squatted(self.describe(), holders)) from None
             if exc.errno == errno.EADDRINUSE:
                 raise NotApplicable(
                     f"the Kineto daemon endpoint {self.describe()} is held by another daemon (dynolog?): "
@@ -413,10 +428,6 @@ class TokenBuckets:
         return ok
 
 
-SQUAT_FIX = ("stop that process and start profagent again; or set ondemand.socket_dir = \"/run/profagent\" and "
-             "KINETO_IPC_SOCKET_DIR=/run/profagent in the jobs (a root folder no user can take first); "
-             "or ondemand.enabled = false")
-
 
 def _squatted(endpoint: str, holders: list[Holder] | None) -> str:
     """Why a root agent refuses an abstract endpoint held by someone else: the holder
@@ -426,7 +437,8 @@ def _squatted(endpoint: str, holders: list[Holder] | None) -> str:
     else:
         who = "a process profagent cannot name (another PID namespace?)"
     return (f"the Kineto endpoint {endpoint} is held by {who}, not by root: whoever holds it tells every job "
-            f"that polls it where to write its on-demand traces, so profagent refuses to start beside it")
+            f"that polls it where to write its on-demand traces, so on-demand tracing is off until it is free "
+            f"(profagent tries it again every {RETRY_BIND_SECONDS:g} s)")
 
 
 def _sender(ancdata: list[tuple[int, int, bytes]]) -> Sender:

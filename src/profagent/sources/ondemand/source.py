@@ -18,12 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from profagent.contracts import OndemandSnapshot, ProcessTree
-from profagent.errors import SourceUnavailable
+from profagent.errors import SourceUnavailable, SourceWaiting, UserError
 from profagent.sources.ondemand import kineto
 from profagent.sources.ondemand.endpoint import (
     MAX_POLLERS,
     MAX_POLLERS_PER_USER,
+    RETRY_BIND_SECONDS,
     Endpoint,
+    EndpointHeld,
     NoPollers,
     Poller,
     TraceRequest,
@@ -62,6 +64,7 @@ class OndemandSource:
         self._last_periodic = clock()
         self._rotation = 0
         self._own_files: list[str] = []  # files the agent itself requested (periodic mode)
+        self._held: EndpointHeld | None = None  # why the endpoint is not ours yet (retried)
 
     # -- lifecycle ----------------------------------------------------------------
     def start(self) -> None:
@@ -78,10 +81,41 @@ class OndemandSource:
             log.warning("on-demand trace folder %s exists with mode %04o, used as it is (never changed): jobs of "
                         "other users can write traces there only if it is 1777; set ondemand.trace_dir to a folder "
                         "the agent creates", self.trace_dir, mode)
-        self.endpoint.bind()
+        try:
+            self.endpoint.bind()
+        except EndpointHeld as exc:
+            # Refusing to serve a hostile endpoint is right; refusing to run is not: a
+            # process of any user could keep the node unmonitored by binding it first.
+            log.warning("%s", exc)
+            self._held = exc
+            self._spawn(self._retry_bind, "bind")
+            raise
+        self._serve()
+
+    def _serve(self) -> None:
         if problem := kineto.socket_dir_problem(self.endpoint.socket_dir):
             log.warning("%s; %s", problem, kineto.SOCKET_DIR_FIX)  # the agent's own socket fits; the jobs' would not
         self._spawn(lambda: self.endpoint.serve(self._stop), "kineto")
+
+    def _retry_bind(self) -> None:
+        """Try the held endpoint every RETRY_BIND_SECONDS until it is ours or the agent stops."""
+        while not self._stop.wait(RETRY_BIND_SECONDS):
+            try:
+                self.endpoint.bind()
+            except EndpointHeld as exc:
+                self._held = exc  # its holder may have changed: the health line says the latest
+                continue
+            except SourceUnavailable as exc:  # a root daemon took it meanwhile, or a bind failure
+                self._held = EndpointHeld(str(exc), "profagent tries it again until it can bind it")
+                continue
+            if self._stop.is_set():
+                self.endpoint.close()
+                return
+            log.warning("the Kineto endpoint %s is free now and profagent's: on-demand tracing on",
+                        self.endpoint.describe())
+            self._serve()
+            self._held = None
+            return
 
     def _spawn(self, fn: Callable[[], None], name: str) -> None:
         t = threading.Thread(target=fn, name=f"profagent-ondemand-{name}", daemon=True)
@@ -100,11 +134,17 @@ class OndemandSource:
         return self._tree
 
     def request(self, match: Callable[[Poller], bool], options: kineto.TraceOptions, timeout: float) -> TraceRequest:
+        held = self._held
+        if held is not None:
+            raise UserError(held.problem, held.fix)
         return self.endpoint.request(match, options, self.trace_dir, timeout)
 
     # -- tick --------------------------------------------------------------------------
     def collect(self, tree: ProcessTree) -> OndemandSnapshot:
         self._tree = tree
+        held = self._held
+        if held is not None:
+            raise SourceWaiting(str(held), held.why)
         if self.periodic_seconds > 0 and self._clock() - self._last_periodic >= self.periodic_seconds:
             self._last_periodic = self._clock()
             self._periodic(tree)

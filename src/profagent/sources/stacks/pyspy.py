@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.metadata
+import io
 import logging
 import os
 import re
@@ -17,6 +18,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -262,6 +264,56 @@ def dump_text_args(binary: str, pid: int, mode: str) -> list[str]:
     blocking dump (py-spy pauses the target only while it reads the stacks)."""
     extra = {"native": ["--native"], "nonblocking": ["--nonblocking"], "blocking": []}[mode]
     return [binary, "dump", "--pid", str(pid), *extra]
+
+
+MAX_DUMP_TEXT = 2 << 20  # bytes of one text dump kept (a bundle's stacks file); the rest is read and dropped
+MAX_DUMP_STDERR = 64 << 10
+
+
+@dataclass(frozen=True)
+class DumpOutput:
+    out: str
+    err: str
+    truncated: int  # bytes of stdout past MAX_DUMP_TEXT, read and dropped (0: whole)
+
+
+def communicate_capped(proc: subprocess.Popen, timeout: float, max_out: int = MAX_DUMP_TEXT,
+                       max_err: int = MAX_DUMP_STDERR) -> DumpOutput:
+    """``proc.communicate`` with a cap on what is kept: a job's 1,000-deep stacks of
+    4,000-character names made 7 MiB a dump, and 32 of them held the agent at 620 MB.
+    Past the cap the pipe is still read (py-spy never blocks on it) and dropped; the text
+    kept ends at a line's end. ``proc``: binary pipes. Raises subprocess.TimeoutExpired."""
+    kept: dict[int, tuple[bytes, int]] = {}
+
+    def drain(pipe: io.BufferedReader, cap: int) -> None:
+        chunks, size, dropped = [], 0, 0
+        try:
+            while block := pipe.read1(1 << 16):
+                room = max(0, cap - size)
+                chunks.append(block[:room])
+                size += min(room, len(block))
+                dropped += len(block) - min(room, len(block))
+        except (OSError, ValueError):
+            pass  # closed under it: the dump was given up
+        kept[id(pipe)] = (b"".join(chunks), dropped)
+
+    readers = [threading.Thread(target=drain, args=(pipe, cap), daemon=True, name="profagent-dump-read")
+               for pipe, cap in ((proc.stdout, max_out), (proc.stderr, max_err)) if pipe is not None]
+    for t in readers:
+        t.start()
+    deadline = time.monotonic() + timeout
+    try:
+        proc.wait(timeout=max(0.0, timeout))
+    finally:
+        for t in readers:  # the pipes close once the child (and any it left) exits or is killed
+            t.join(max(0.1, deadline - time.monotonic()))
+    out, dropped = kept.get(id(proc.stdout), (b"", 0))
+    err, _ = kept.get(id(proc.stderr), (b"", 0))
+    if dropped:
+        cut = out.rfind(b"\n")
+        dropped += len(out) - (cut + 1)
+        out = out[:cut + 1]
+    return DumpOutput(out.decode(errors="replace"), err.decode(errors="replace"), dropped)
 
 
 def failure_reason(stderr: str, pid: int, born: int | None = None, proc_root: Path = PROC) -> str:
