@@ -111,3 +111,83 @@ def test_strings_and_notes_that_point_anywhere_read_as_nothing(tmp_path: Path) -
             struct.pack_into("<II", out, at, 0xFFFFFFF0, 0xFFFFFFF0)
     lib = _read(tmp_path, bytes(out))
     assert lib.build_id == "" and lib.functions == {"f": ()}  # no section found by name: nothing read
+
+
+# torch's record_function entry, as libtorch_cpu.so names it: the name the timeline probes
+RF_ENTER = (b"_ZN5torch8autograd8profiler25record_function_enter_newERKNSt7__cxx1112basic_stringIcSt11char_"
+            b"traitsIcESaIcEEERKSt8optionalIN3c106IValueEE")
+
+
+def _crafted(strtab_bytes: int, nul: bool) -> bytes:
+    """A small ELF file whose .dynstr repeats RF_ENTER to ``strtab_bytes``, each copy ended
+    by a NUL (an honest table: the linear baseline) or none (the attack: every copy's name
+    runs to the table's end), with 1,000 function symbols naming copies, and one
+    executable PT_LOAD covering the file."""
+    unit = RF_ENTER + (b"\x00" if nul else b"")
+    strtab = b"\x00" + unit * (strtab_bytes // len(unit))
+    syms = b"".join(struct.pack("<IBBHQQ", 1 + i * len(unit), 0x12, 0, 1, 0x100 + i, 16) for i in range(1000))
+    shstr = b"\x00.dynsym\x00.dynstr\x00.shstrtab\x00"
+    sym_at = 64 + 56
+    str_at = sym_at + len(syms)
+    shstr_at = str_at + len(strtab)
+    sh_at = (shstr_at + len(shstr) + 7) // 8 * 8
+    end = sh_at + 4 * 64
+
+    def section(name: int, kind: int, offset: int, size: int, link: int = 0, entsize: int = 0) -> bytes:
+        return struct.pack("<IIQQQQIIQQ", name, kind, 0, 0, offset, size, link, 0, 8, entsize)
+
+    ehdr = b"\x7fELF\x02\x01\x01" + bytes(9) + struct.pack("<HHIQQQIHHHHHH", 3, 62, 1, 0, 64, sh_at, 0, 64, 56, 1,
+                                                           64, 4, 3)
+    phdr = struct.pack("<IIQQQQQQ", 1, 5, 0, 0, 0, end, end, 4096)  # PT_LOAD, R+X, the whole file
+    data = ehdr + phdr + syms + strtab + shstr
+    headers = (section(0, 0, 0, 0) + section(1, 11, sym_at, len(syms), 2, 24) + section(9, 3, str_at, len(strtab))
+               + section(17, 3, shstr_at, len(shstr)))
+    return data + bytes(sh_at - len(data)) + headers
+
+
+def _cost(tmp_path: Path, data: bytes) -> tuple[float, int, elfsyms.Library]:
+    """(CPU seconds, tracemalloc peak bytes, the library) of reading ``data``, best of 3."""
+    import tracemalloc
+
+    from profagent.sources.timeline.probes import PROBES
+
+    patterns = {spec.key: spec.pattern for spec in PROBES}
+    path = tmp_path / "libtorch_cpu.so"
+    path.write_bytes(data)
+    best, peak = float("inf"), 0
+    for _ in range(3):
+        tracemalloc.start()
+        began = time.process_time()
+        with path.open("rb") as fh:
+            lib = elfsyms.read_functions(fh, patterns)
+        best = min(best, time.process_time() - began)
+        peak = max(peak, tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    return best, peak, lib
+
+
+@pytest.mark.parametrize("size", [512 << 10, 1 << 20])
+def test_a_name_repeated_without_nul_costs_what_an_honest_table_of_its_size_does(tmp_path: Path, size: int) -> None:
+    """Issue 51 High 2: a string table repeating a probed name with no NUL made every copy
+    a scan to the table's end, each name kept (0.5 MiB: 25 s and 3.2 GB). Now time and
+    memory are linear in the file: side by side with the same table NUL-terminated (the
+    linear baseline), and doubling the table about doubles the time, not quadruples it."""
+    honest_s, honest_peak, honest = _cost(tmp_path, _crafted(size, nul=True))
+    attack_s, attack_peak, attack = _cost(tmp_path, _crafted(size, nul=False))
+    half_s, _, _ = _cost(tmp_path, _crafted(size // 2, nul=False))
+    print(f"{size >> 10} KiB: honest {honest_s * 1e3:.1f} ms, {honest_peak >> 10} KiB; attack {attack_s * 1e3:.1f} ms, "
+          f"{attack_peak >> 10} KiB; half the attack {half_s * 1e3:.1f} ms")
+    data_bytes = len(_crafted(size, nul=False))
+    assert attack_s <= 3 * honest_s + 0.05
+    assert attack_s <= 3 * half_s + 0.05  # quadratic would be 4x
+    assert attack_peak <= 4 * data_bytes and honest_peak <= 4 * data_bytes
+    # the honest table's 1,000 symbols name one function; the attack's names run past MAX_NAME
+    assert [f.name for f in honest.functions["rf_enter"]] == [RF_ENTER.decode()]
+    assert attack.functions["rf_enter"] == ()
+
+
+def test_a_parse_past_its_deadline_is_one_elf_error(tmp_path: Path) -> None:
+    path = tmp_path / "libtorch_cpu.so"
+    path.write_bytes(_crafted(64 << 10, nul=True))
+    with path.open("rb") as fh, pytest.raises(elfsyms.ElfError, match="took too long"):
+        elfsyms.read_functions(fh, {"f": re.compile(re.escape(RF_ENTER))}, deadline=time.monotonic() - 1)
