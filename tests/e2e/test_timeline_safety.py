@@ -252,3 +252,33 @@ def test_nobodys_hostile_files_mapped_as_libtorch_are_one_line_each_and_the_agen
             kill_tree(job)
     finally:
         subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+@pytest.mark.parametrize("load", ["idle", "busy"])
+def test_a_clean_stop_removes_every_definition_it_made(tmp_path: Path, run_agent, load: str) -> None:
+    """Issue 54 / 51 Low 1: SIGTERM, with the job waiting (idle) or stepping (busy): once
+    the agent has exited, none of its definitions is left in uprobe_events (1-5 of 14 were
+    while the stop gave the kernel 1 s to disarm them). Its last timeline line says how
+    long the removal took."""
+    victim = Victim(tmp_path, "--steps", "100000")
+    try:
+        before = groups()
+        agent, url = agent_on(run_agent, victim.proc.pid)
+        wait_for(lambda: probes_placed(url), 120, interval=0.5, what="probes")
+        mine = groups() - before
+        assert mine
+        placed = sum(1 for g, _ in uprobes.definitions(TRACEFS) if g in mine)
+        if load == "busy":
+            victim.go.write_text("go")
+            wait_for(lambda: (steps_seen(url) or 0) > 20, 60, interval=0.5, what="the job stepping")
+        agent.proc.send_signal(signal.SIGTERM)
+        assert agent.proc.wait(30) == 0
+        left = [(g, n) for g, n in uprobes.definitions(TRACEFS) if g in mine]
+        assert left == [], (left, agent.output[-3000:])
+        line = next(ln for ln in agent.output.splitlines() if "probe definitions in" in ln)
+        m = re.search(r"removed our (\d+) probe definitions in ([0-9.]+) s", line)
+        assert m and int(m.group(1)) == placed, line
+        print(f"{load}: {placed} definitions removed in {m.group(2)} s")
+        assert victim.proc.poll() is None  # the job runs on
+    finally:
+        kill_tree(victim.proc)
