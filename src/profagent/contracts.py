@@ -433,6 +433,9 @@ class RankSteps:
     lag_seconds_sum: float
     lag_count: int
     step_collectives: int = 0  # collectives called since its last optimizer step
+    # probe events lost (a ring was full) where this rank ran: its counts then miss steps
+    # and are a floor, not exact
+    lost_events: int = 0
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ _TIME = operator.itemgetter(0)
 _PAD = bytes(_SAMPLE.size)  # after the last record, so that a short one unpacks too
 _HEADER = struct.Struct("<IHH")  # perf_event_header: type, misc, size
 _dtypes: dict[int, numpy.dtype] = {}  # sample size -> the array type of a ring of such samples
+LOSSES_KEPT = 4096  # losses waiting for the caller to attribute them (it takes them every read)
 _META = struct.Struct("<QQ")  # data_head, data_tail at offset 1024 of the first page
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -182,6 +183,9 @@ class TracepointReader:
         self.rings: dict[int, _Ring] = {}  # cpu -> its ring, on a dummy event's fd
         self.fds: dict[int, list[int]] = {}  # tracepoint id -> its fds, one per CPU
         self.lost = [0]
+        # (events lost, pids whose samples that ring held in the same read): a lost record
+        # says neither whose events it dropped nor when, so who ran there is the best clue
+        self.losses: list[tuple[int, frozenset[int]]] = []
 
     def add(self, tracepoint_id: int) -> None:
         """Open ``tracepoint_id`` on every CPU. Raises OSError; on failure nothing of it stays open."""
@@ -229,7 +233,10 @@ class TracepointReader:
         out: list[Sample] = []
         with guard:
             for ring in list(self.rings.values()):
+                lost, start = self.lost[0], len(out)
                 ring.drain(self.lost, out)
+                if self.lost[0] > lost and len(self.losses) < LOSSES_KEPT:
+                    self.losses.append((self.lost[0] - lost, frozenset(sample[1] for sample in out[start:])))
         out.sort(key=_TIME)  # rings are per CPU, and a thread may move between them
         return out
 

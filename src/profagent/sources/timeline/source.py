@@ -78,6 +78,8 @@ class _Rank:
     lag_buckets: list[int] = field(default_factory=lambda: [0] * len(tl.LAG_BUCKETS))
     lag_sum: float = 0.0
     lag_count: int = 0
+    lost_events: int = 0  # events lost on a CPU where it ran (see _attribute_losses)
+    lost_said: bool = False
 
 
 def capability_problem() -> str:
@@ -224,9 +226,10 @@ class TimelineSource:
                     log.warning("timeline: reading probe events failed: %s", exc)
                 self._stop.wait(0.1)
                 continue
-            if samples:
+            if samples or reader.losses:
                 with CPU.charge(self.name), self._lock:
                     self._fold(samples)
+                    self._attribute_losses(reader)
 
     def _fold(self, samples: list[perfevents.Sample]) -> None:
         # Every probe hit of every rank passes here (thousands a second at 8 ranks): the
@@ -250,6 +253,16 @@ class TimelineSource:
             rank.timeline.feed(kind, tid, time_ns / 1e9)
         self._counts[0] += events
         self._counts[1] += foreign
+
+    def _attribute_losses(self, reader: perfevents.TracepointReader) -> None:
+        """Charge each ring's lost events to the observed ranks whose samples that ring
+        held in the same read (they ran there as the events were dropped); to every rank
+        when it held none of theirs: the figures of a rank that may miss events say so."""
+        losses, reader.losses = reader.losses, []
+        for count, pids in losses:
+            ranks = [r for pid, r in self._ranks.items() if pid in pids] or list(self._ranks.values())
+            for rank in ranks:
+                rank.lost_events += count
 
     # -- probing ---------------------------------------------------------------------
     # Each user has timeline.max_libraries slots: a library placed costs one slot of the
@@ -451,8 +464,15 @@ class TimelineSource:
             self._match(now)
             ranks = tuple(self._rank_steps(pid, r, now) for pid, r in sorted(self._ranks.items()))
             stragglers = self._stragglers(now)
+            newly_lossy = [r for r in self._ranks.values() if r.lost_events and not r.lost_said]
+            for r in newly_lossy:
+                r.lost_said = True
             counts = tuple(self._counts)
             lost = self._reader.lost[0] if self._reader is not None else 0
+        for r in newly_lossy:
+            log.warning("timeline: job %s rank %s: %d probe events lost where it ran (ring buffers full; "
+                        "timeline.ring_pages): its step figures miss events, its counts are a floor",
+                        r.job_id, r.rank, r.lost_events)
         self._release_unmapped(mains)
         mapped = set().union(*self._mapped_by.values()) if self._mapped_by else set()
         unprobed = [lib for (dev, inode, _, _), lib in self._failed.items() if lib is not None and (dev, inode) in mapped]
@@ -532,7 +552,7 @@ class TimelineSource:
             _shares(recent),
             t.stage_now, now - t.last_event if t.last_event is not None else None,
             now - t.last_step if t.last_step is not None else None,
-            tuple(r.lag_buckets), r.lag_sum, r.lag_count, len(t.arrivals_in_step))
+            tuple(r.lag_buckets), r.lag_sum, r.lag_count, len(t.arrivals_in_step), r.lost_events)
 
 
 def _shares(steps: list[tl.Step]) -> dict[str, float]:
