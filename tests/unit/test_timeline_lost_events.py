@@ -1,6 +1,7 @@
 """Probe events lost per rank (issue 51, Medium): a ring's lost record says neither whose
 events it dropped nor when, so its count goes to the observed ranks whose samples that
-ring held in the same read, or to every rank when it held none of theirs; the rank's
+ring held in the same read, or when it held none of theirs to every rank with a recent
+event (never an idle one: another process's flood says nothing of it); the rank's
 figures then say they miss events (/metrics, /api, ``diagnose``, ``top``)."""
 
 from __future__ import annotations
@@ -16,8 +17,15 @@ import profagent.cli.diagnose as diagnose
 import profagent.cli.top as top
 from profagent.config import TimelineConfig
 from profagent.exporters.api.findings import step_row
-from profagent.sources.timeline.source import TimelineSource, _Rank
+from profagent.sources.timeline.source import LOSS_ACTIVE, TimelineSource, _Rank
 from profagent.system import perfevents
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
 
 
 def _reader(records: list[bytes]) -> perfevents.TracepointReader:
@@ -30,7 +38,8 @@ def _reader(records: list[bytes]) -> perfevents.TracepointReader:
 
 
 def test_a_rings_loss_goes_to_the_ranks_that_ran_there_else_to_every_rank() -> None:
-    source = TimelineSource(TimelineConfig(), interval=0.5)
+    clock = Clock()
+    source = TimelineSource(TimelineConfig(), interval=0.5, clock=clock)
     source._ranks = {40: _Rank("a", "0"), 41: _Rank("a", "1"), 99: _Rank("b", "0")}
     body = struct.pack("<Q", 0) + b"x" * 16
     reader = _reader([sample(1, 40, 40, 7, body), lost(12), sample(2, 41, 41, 7, body), sample(3, 5, 5, 7, body)])
@@ -40,12 +49,17 @@ def test_a_rings_loss_goes_to_the_ranks_that_ran_there_else_to_every_rank() -> N
     assert [source._ranks[p].lost_events for p in (40, 41, 99)] == [12, 12, 0]  # job b never ran there
     assert reader.losses == []
 
-    reader = _reader([lost(3)])  # a ring that held nothing but the loss: anyone's
+    # a ring that held nothing but the loss: the ranks with an event in the last seconds
+    # (one whose events were all lost), never an idle one
+    clock.t = 100.0
+    source._ranks[99].timeline.last_event = 99.0
+    source._ranks[41].timeline.last_event = 100.0 - LOSS_ACTIVE - 0.1
+    reader = _reader([lost(3)])
     reader.read(0)
     source._attribute_losses(reader)
-    assert [source._ranks[p].lost_events for p in (40, 41, 99)] == [15, 15, 3]
+    assert [source._ranks[p].lost_events for p in (40, 41, 99)] == [12, 12, 3]
     steps = source._rank_steps(40, source._ranks[40], now=0.0)
-    assert steps.lost_events == 15 and step_row(steps)["lost_events"] == 15
+    assert steps.lost_events == 12 and step_row(steps)["lost_events"] == 12
 
 
 def test_diagnose_and_top_say_the_figures_miss_events() -> None:

@@ -45,6 +45,7 @@ SWEEP_EVERY = 60.0  # seconds between two looks for definitions a dead agent lef
 ARRIVALS_KEPT = 4096  # matched collectives kept per job for the straggler window
 STRAGGLER_EVERY = 2.0  # seconds between two summaries of a job's arrivals
 RECORD_NAMES_KEPT = 1024  # record_function name heads whose kind is remembered
+LOSS_ACTIVE = 2.0  # seconds since a rank's last event within which a loss nobody claims may be its
 PARSE_SECONDS = 20.0  # for one library's symbols (libtorch_cpu.so: 0.4 s), then it is refused
 FAILED_KEPT = 1024  # files that gave no probe, remembered so as not to read them again
 QUEUED_PER_USER = 16  # files of one user waiting to be read
@@ -256,11 +257,18 @@ class TimelineSource:
 
     def _attribute_losses(self, reader: perfevents.TracepointReader) -> None:
         """Charge each ring's lost events to the observed ranks whose samples that ring
-        held in the same read (they ran there as the events were dropped); to every rank
-        when it held none of theirs: the figures of a rank that may miss events say so."""
+        held in the same read (they ran there as the events were dropped); when it held
+        none of theirs, to every rank with an event in the last LOSS_ACTIVE seconds (one
+        whose events were all lost), never to an idle one: another process's flood says
+        nothing of a rank that was not running."""
         losses, reader.losses = reader.losses, []
+        if not losses:
+            return
+        now = self.clock()
+        active = [r for r in self._ranks.values()
+                  if r.timeline.last_event is not None and now - r.timeline.last_event < LOSS_ACTIVE]
         for count, pids in losses:
-            ranks = [r for pid, r in self._ranks.items() if pid in pids] or list(self._ranks.values())
+            ranks = [r for pid, r in self._ranks.items() if pid in pids] or active
             for rank in ranks:
                 rank.lost_events += count
 
