@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from elftools.elf.elffile import ELFFile
 
+from helpers.fake_libtorch import RF_ENTER, repeated_name
 from profagent.system import elfsyms
 
 LIBC = Path("/usr/lib/x86_64-linux-gnu/libc.so.6")
@@ -113,36 +114,8 @@ def test_strings_and_notes_that_point_anywhere_read_as_nothing(tmp_path: Path) -
     assert lib.build_id == "" and lib.functions == {"f": ()}  # no section found by name: nothing read
 
 
-# torch's record_function entry, as libtorch_cpu.so names it: the name the timeline probes
-RF_ENTER = (b"_ZN5torch8autograd8profiler25record_function_enter_newERKNSt7__cxx1112basic_stringIcSt11char_"
-            b"traitsIcESaIcEEERKSt8optionalIN3c106IValueEE")
-
-
 def _crafted(strtab_bytes: int, nul: bool) -> bytes:
-    """A small ELF file whose .dynstr repeats RF_ENTER to ``strtab_bytes``, each copy ended
-    by a NUL (an honest table: the linear baseline) or none (the attack: every copy's name
-    runs to the table's end), with 1,000 function symbols naming copies, and one
-    executable PT_LOAD covering the file."""
-    unit = RF_ENTER + (b"\x00" if nul else b"")
-    strtab = b"\x00" + unit * (strtab_bytes // len(unit))
-    syms = b"".join(struct.pack("<IBBHQQ", 1 + i * len(unit), 0x12, 0, 1, 0x100 + i, 16) for i in range(1000))
-    shstr = b"\x00.dynsym\x00.dynstr\x00.shstrtab\x00"
-    sym_at = 64 + 56
-    str_at = sym_at + len(syms)
-    shstr_at = str_at + len(strtab)
-    sh_at = (shstr_at + len(shstr) + 7) // 8 * 8
-    end = sh_at + 4 * 64
-
-    def section(name: int, kind: int, offset: int, size: int, link: int = 0, entsize: int = 0) -> bytes:
-        return struct.pack("<IIQQQQIIQQ", name, kind, 0, 0, offset, size, link, 0, 8, entsize)
-
-    ehdr = b"\x7fELF\x02\x01\x01" + bytes(9) + struct.pack("<HHIQQQIHHHHHH", 3, 62, 1, 0, 64, sh_at, 0, 64, 56, 1,
-                                                           64, 4, 3)
-    phdr = struct.pack("<IIQQQQQQ", 1, 5, 0, 0, 0, end, end, 4096)  # PT_LOAD, R+X, the whole file
-    data = ehdr + phdr + syms + strtab + shstr
-    headers = (section(0, 0, 0, 0) + section(1, 11, sym_at, len(syms), 2, 24) + section(9, 3, str_at, len(strtab))
-               + section(17, 3, shstr_at, len(shstr)))
-    return data + bytes(sh_at - len(data)) + headers
+    return repeated_name(strtab_bytes, nul)
 
 
 def _cost(tmp_path: Path, data: bytes) -> tuple[float, int, elfsyms.Library]:

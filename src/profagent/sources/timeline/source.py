@@ -381,8 +381,11 @@ class TimelineSource:
             placed = self._place(file, result)
             if placed is not None and placed.events:
                 self._placed[file.key] = placed
-            else:  # not x86-64, no torch function, or every definition refused: no slot
-                self._fail(file, "", placed.library if placed is not None else None)
+            elif placed is None:  # a library without torch's functions (libtorch.so's shim, say): no slot
+                log.info("timeline: %s of PID %d has none of the probed functions", file.path, file.pid)
+                self._fail(file, "")
+            else:  # not x86-64, or every definition refused: no slot
+                self._fail(file, "", placed.library)
 
     def _release_unmapped(self, mains: Collection[int]) -> None:
         """Hand the worker the probes of every library that no observed process maps."""
