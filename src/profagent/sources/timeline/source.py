@@ -132,6 +132,7 @@ class TimelineSource:
         self._mapped_by: dict[int, frozenset[tuple[int, int]]] = {}  # pid -> the libraries it maps
         self._full_said: set[int] = set()  # users told their slots are full
         self._serial = 0  # appended to event names: each placement's own
+        self._turn = 0  # whose file the worker reads next
         self._files_lock = threading.Lock()  # guards _per_user and _read (the worker's side)
         self._work = threading.Event()
         self._worker: threading.Thread | None = None
@@ -330,25 +331,29 @@ class TimelineSource:
 
     def _file_loop(self) -> None:
         """The worker: releases first (they free probes), then one file at a time, each user's in turn."""
-        turn = 0
         while not self._stop.is_set():
             self._work.wait(1.0)
             self._work.clear()
-            while not self._stop.is_set():
-                if self._releases:
-                    self._release(self._releases.popleft())
-                    continue
-                with self._files_lock:
-                    users = sorted(uid for uid, files in self._per_user.items() if files)
-                    if not users:
-                        break
-                    uid = users[turn % len(users)]
-                    turn += 1
-                    file = self._per_user[uid].popleft()
-                with CPU.charge(self.name):
-                    result = self._read_file(file)
-                with self._files_lock:
-                    self._read.append((file, result))
+            while not self._stop.is_set() and self._work_once():
+                pass
+
+    def _work_once(self) -> bool:
+        """One release, else one file read (the next user's in turn); False when idle."""
+        if self._releases:
+            self._release(self._releases.popleft())
+            return True
+        with self._files_lock:
+            users = sorted(uid for uid, files in self._per_user.items() if files)
+            if not users:
+                return False
+            uid = users[self._turn % len(users)]
+            self._turn += 1
+            file = self._per_user[uid].popleft()
+        with CPU.charge(self.name):
+            result = self._read_file(file)
+        with self._files_lock:
+            self._read.append((file, result))
+        return True
 
     def _read_file(self, file: _File) -> elfsyms.Library | str:
         """The file's probed functions, or why it gives none."""
