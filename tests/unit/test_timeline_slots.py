@@ -108,8 +108,8 @@ def test_slots_are_per_user_freed_when_unmapped_and_junk_costs_none(tmp_path: Pa
     users = sorted(p.uid for p in source._placed.values())
     assert users == [0] + [NOBODY] * 8  # root's library placed whatever nobody maps
     assert len(kernel["names"]) == 9 * 2 and len(source._reader.fds) == 18  # rf_enter and rf_exit each
-    junk = [f"/venv100-{i}/lib/libtorch_cpu.so" for i in range(3)]
-    assert sorted(p for p in reads if p in junk) == junk  # read, each once, and remembered
+    junk_paths = [f"/venv100-{i}/lib/libtorch_cpu.so" for i in range(3)]
+    assert sorted(p for p in reads if p in junk_paths) == junk_paths  # read, each once, and remembered
     assert len(reads) == len(set(reads))  # no file read twice
 
     # nobody's process leaves: its eight libraries' probes come off, root's stay
