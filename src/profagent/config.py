@@ -134,7 +134,7 @@ class OndemandConfig:
 class TimelineConfig:
     enabled: bool = _opt(True, "each rank's step time, stages (data wait, backward, optimizer) and collective arrivals from kernel uprobes on its libtorch: no trace, no code change; needs root with CAP_PERFMON and CAP_CHECKPOINT_RESTORE, see docs/timeline.md")
     window_seconds: float = _opt(60.0, "steps of the last N seconds give the step-time quantiles, steps per second and the arrival straggler")
-    max_libraries: int = _opt(8, "distinct libtorch files probed at once on the node (each venv or container image is one); more are skipped with one log line")
+    max_libraries: int = _opt(8, "distinct libtorch files probed at once for each user (each venv or container image is one), counted by the user whose process maps it; a file no observed process maps any more frees its slot, one that gives no probe takes none; more are skipped with one log line")
     ring_pages: int = _opt(64, "pages of each CPU's ring buffer of probe events (a power of 2); events that do not fit are counted as lost")
     interval: float = _opt(0.0, "seconds between publishing the figures; 0 = the agent interval")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from elftools.elf.elffile import ELFFile
 
+from helpers.fake_libtorch import RF_ENTER, repeated_name
 from profagent.system import elfsyms
 
 LIBC = Path("/usr/lib/x86_64-linux-gnu/libc.so.6")
@@ -111,3 +112,55 @@ def test_strings_and_notes_that_point_anywhere_read_as_nothing(tmp_path: Path) -
             struct.pack_into("<II", out, at, 0xFFFFFFF0, 0xFFFFFFF0)
     lib = _read(tmp_path, bytes(out))
     assert lib.build_id == "" and lib.functions == {"f": ()}  # no section found by name: nothing read
+
+
+def _crafted(strtab_bytes: int, nul: bool) -> bytes:
+    return repeated_name(strtab_bytes, nul)
+
+
+def _cost(tmp_path: Path, data: bytes) -> tuple[float, int, elfsyms.Library]:
+    """(CPU seconds, tracemalloc peak bytes, the library) of reading ``data``, best of 3."""
+    import tracemalloc
+
+    from profagent.sources.timeline.probes import PROBES
+
+    patterns = {spec.key: spec.pattern for spec in PROBES}
+    path = tmp_path / "libtorch_cpu.so"
+    path.write_bytes(data)
+    best, peak = float("inf"), 0
+    for _ in range(3):
+        tracemalloc.start()
+        began = time.process_time()
+        with path.open("rb") as fh:
+            lib = elfsyms.read_functions(fh, patterns)
+        best = min(best, time.process_time() - began)
+        peak = max(peak, tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    return best, peak, lib
+
+
+@pytest.mark.parametrize("size", [512 << 10, 1 << 20])
+def test_a_name_repeated_without_nul_costs_what_an_honest_table_of_its_size_does(tmp_path: Path, size: int) -> None:
+    """Issue 51 High 2: a string table repeating a probed name with no NUL made every copy
+    a scan to the table's end, each name kept (0.5 MiB: 25 s and 3.2 GB). Now time and
+    memory are linear in the file: side by side with the same table NUL-terminated (the
+    linear baseline), and doubling the table about doubles the time, not quadruples it."""
+    honest_s, honest_peak, honest = _cost(tmp_path, _crafted(size, nul=True))
+    attack_s, attack_peak, attack = _cost(tmp_path, _crafted(size, nul=False))
+    half_s, _, _ = _cost(tmp_path, _crafted(size // 2, nul=False))
+    print(f"{size >> 10} KiB: honest {honest_s * 1e3:.1f} ms, {honest_peak >> 10} KiB; attack {attack_s * 1e3:.1f} ms, "
+          f"{attack_peak >> 10} KiB; half the attack {half_s * 1e3:.1f} ms")
+    data_bytes = len(_crafted(size, nul=False))
+    assert attack_s <= 3 * honest_s + 0.05
+    assert attack_s <= 3 * half_s + 0.05  # quadratic would be 4x
+    assert attack_peak <= 4 * data_bytes and honest_peak <= 4 * data_bytes
+    # the honest table's 1,000 symbols name one function; the attack's names run past MAX_NAME
+    assert [f.name for f in honest.functions["rf_enter"]] == [RF_ENTER.decode()]
+    assert attack.functions["rf_enter"] == ()
+
+
+def test_a_parse_past_its_deadline_is_one_elf_error(tmp_path: Path) -> None:
+    path = tmp_path / "libtorch_cpu.so"
+    path.write_bytes(_crafted(64 << 10, nul=True))
+    with path.open("rb") as fh, pytest.raises(elfsyms.ElfError, match="took too long"):
+        elfsyms.read_functions(fh, {"f": re.compile(re.escape(RF_ENTER))}, deadline=time.monotonic() - 1)

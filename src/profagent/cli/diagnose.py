@@ -120,10 +120,13 @@ def _render_steps(steps: list[dict[str, Any]], console: Console) -> None:
         stages = ", ".join(f"{escape(str(k))} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])
                            if isinstance(v, (int, float)))
         rate = s.get("steps_per_second")
+        lost = s.get("lost_events")
         console.print(who + f"p50 {s['p50_seconds'] * 1e3:.1f} ms, p90 {(s.get('p90_seconds') or 0) * 1e3:.1f} ms"
                       + (f", {rate:.1f} steps/s" if isinstance(rate, (int, float)) else "")
                       + (f"; {stages}" if stages else "")
-                      + (f"; step boundary: {escape(str(s.get('step_boundary')))}" if note else ""),
+                      + (f"; step boundary: {escape(str(s.get('step_boundary')))}" if note else "")
+                      + (f"; [yellow]misses events[/yellow] ({lost} lost: figures approximate, counts a floor)"
+                         if isinstance(lost, int) and lost > 0 else ""),
                       highlight=False, soft_wrap=True)
         if note:
             console.print(f"    {escape(str(note))}", highlight=False, soft_wrap=True, style="dim")

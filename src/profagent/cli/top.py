@@ -117,6 +117,12 @@ def step_seconds(row: dict[str, Any]) -> float | None:
     return probed if probed is not None else (row.get("step") or {}).get("mean_seconds")
 
 
+def lost_events(row: dict[str, Any]) -> int:
+    """Probe events lost where the rank ran: its step figures miss events (shown ``~``)."""
+    lost = (row.get("timeline") or {}).get("lost_events")
+    return lost if isinstance(lost, int) else 0
+
+
 def sort_ranks(ranks: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
     """Rows in display order: by rank number, or the worst first for the other keys."""
     def rank_no(r: dict[str, Any]) -> tuple[int, str]:
@@ -226,7 +232,8 @@ def rank_table(job: dict[str, Any], view: ViewState, interactive: bool = True) -
             top = f"{r['top_function_share'] * 100:.0f}% {top}"
         table.add_row(
             ("›" if interactive and i == view.selected else "") + str(r["rank"]), _state_cell(r, slow), category_bar(r.get("categories") or {}),
-            "-" if cpu is None else f"{cpu:.0f}", _mem_cell(r), _gpu_cell(r), human_seconds(step), top,
+            "-" if cpu is None else f"{cpu:.0f}", _mem_cell(r), _gpu_cell(r),
+            ("~" if lost_events(r) else "") + human_seconds(step), top,
             style="reverse" if interactive and i == view.selected else None,
         )
     return table
@@ -260,6 +267,9 @@ def detail(row: dict[str, Any], folded: str | None, height: int = 12) -> Rendera
     title = Text(f"rank {row['rank']}", style="bold")
     title.append(f"  pid {row.get('pid')}  threads {row.get('threads') or '-'}  dataloader workers {row.get('workers', 0)}")
     parts: list[RenderableType] = [title]
+    if lost_events(row):
+        parts.append(Text(f"step timeline misses events: {lost_events(row)} probe events lost where this rank ran "
+                          "(ring buffers full): its step figures are approximate, its counts a floor", style="yellow"))
     funcs = Table(box=None, pad_edge=False, padding=(0, 1), show_header=True, header_style="bold")
     funcs.add_column("share", justify="right", no_wrap=True, min_width=5)
     funcs.add_column("function (recent main-thread samples)", no_wrap=True, overflow="ellipsis")

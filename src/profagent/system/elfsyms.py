@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -21,6 +22,8 @@ from elftools.elf.elffile import ELFFile
 
 MAX_SECTION = 256 << 20  # bytes of one symbol or string table we read
 CODE_BYTES = 16  # bytes read at each function's start, to check its first instructions
+MAX_FUNCTIONS = 64  # functions kept per pattern (the probes take the first)
+MAX_NAME = 1024  # bytes of a name we match: the probed ones are under 200
 HEAD_BYTES = 24  # of a pattern's literal head, searched for once for all patterns sharing them
 _SYM64 = struct.Struct("<IBBHQQ")  # st_name, st_info, st_other, st_shndx, st_value, st_size
 # sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size, sh_link, sh_info, sh_addralign, sh_entsize
@@ -51,9 +54,11 @@ class Library:
     functions: Mapping[str, tuple[Function, ...]]  # pattern -> the functions matching it
 
 
-def read_functions(fh: BinaryIO, patterns: Mapping[str, re.Pattern[bytes]]) -> Library:
+def read_functions(fh: BinaryIO, patterns: Mapping[str, re.Pattern[bytes]],
+                   deadline: float | None = None) -> Library:
     """Every function of the file whose mangled name matches one of ``patterns`` (full
-    match), in the dynamic and the full symbol table. Raises ElfError."""
+    match), in the dynamic and the full symbol table. Raises ElfError, also once
+    ``deadline`` (time.monotonic) has passed."""
     try:
         elf = ELFFile(fh)
         if elf.elfclass != 64 or not elf.little_endian:
@@ -67,16 +72,20 @@ def read_functions(fh: BinaryIO, patterns: Mapping[str, re.Pattern[bytes]]) -> L
             if symtab is None or strtab is None:
                 continue
             names = _section_bytes(fh, strtab)
-            wanted = _names(names, patterns)
+            wanted = _names(names, patterns, deadline)
+            del names
             if not wanted:
                 continue
-            for st_name, st_info, _, shndx, value, _ in _SYM64.iter_unpack(_section_bytes(fh, symtab, whole=True)):
+            for index, (st_name, st_info, _, shndx, value, _) in enumerate(
+                    _SYM64.iter_unpack(_section_bytes(fh, symtab, whole=True))):
+                if deadline is not None and not index & 0xFFFF and time.monotonic() > deadline:
+                    raise ElfError("its symbol table took too long to read")
                 key_name = wanted.get(st_name)
                 if key_name is None or st_info & 0xF != STT_FUNC or shndx == 0 or value == 0:
                     continue
                 key, name = key_name
                 offset = _file_offset(segments, value)
-                if offset is not None and name not in found[key]:
+                if offset is not None and name not in found[key] and len(found[key]) < MAX_FUNCTIONS:
                     found[key][name] = Function(name, offset, _read_at(fh, offset, CODE_BYTES))
         return Library(elf.header["e_machine"], _build_id(fh, sections),
                        {k: tuple(v.values()) for k, v in found.items()})
@@ -133,24 +142,44 @@ def _read_at(fh: BinaryIO, offset: int, size: int) -> bytes:
     return os.pread(fh.fileno(), size, offset)
 
 
-def _names(strtab: bytes, patterns: Mapping[str, re.Pattern[bytes]]) -> dict[int, tuple[str, str]]:
+def _names(strtab: bytes, patterns: Mapping[str, re.Pattern[bytes]],
+           deadline: float | None = None) -> dict[int, tuple[str, str]]:
     """String-table offset -> (pattern key, name) for every name matching a pattern. Names
     are found by their literal head with bytes.find (tables run to 100 MB), one pass per
     head shared by several patterns (a process group's methods): not one per pattern. A
     name may start inside another (linkers store ``fork`` as the tail of ``vfork``), so a
-    head counts wherever it is."""
+    head counts wherever it is. Linear in the table: each byte is searched for its NUL at
+    most once (every head inside one string shares that NUL), and a name over MAX_NAME
+    bytes is none of ours, so no match costs more than MAX_NAME bytes."""
     by_head: dict[bytes, list[tuple[str, re.Pattern[bytes]]]] = {}
     for key, pattern in patterns.items():
         by_head.setdefault(_literal_head(pattern.pattern)[:HEAD_BYTES], []).append((key, pattern))
     out: dict[int, tuple[str, str]] = {}
+    found: dict[tuple[str, bytes], tuple[str, str]] = {}  # one value per distinct name
+    size = len(strtab)
     for head, group in by_head.items():
-        i = strtab.find(head)
+        nul = -1  # the NUL that ends the string holding the last head seen
+        scanned = 0  # no NUL lies in [searched from, scanned)
+        i = strtab.find(head) if head else -1
         while i >= 0:
-            end = strtab.find(b"\x00", i)
-            name = strtab[i:end if end >= 0 else len(strtab)]
-            key = next((key for key, pattern in group if pattern.fullmatch(name)), None)
-            if key is not None:
-                out[i] = (key, name.decode("ascii", "replace"))
+            if deadline is not None and time.monotonic() > deadline:
+                raise ElfError("its string table took too long to read")
+            if i > nul:  # a new string: find its end, never searching a byte twice
+                limit = min(i + MAX_NAME + 1, size)
+                at = strtab.find(b"\x00", max(i, scanned), limit)
+                if at >= 0:
+                    nul = at
+                else:
+                    scanned = limit
+                    nul = size if limit == size else -1
+            if nul >= 0 and nul - i <= MAX_NAME:
+                name = strtab[i:nul]
+                key = next((key for key, pattern in group if pattern.fullmatch(name)), None)
+                if key is not None:
+                    value = found.get((key, name))
+                    if value is None:
+                        value = found[(key, name)] = (key, name.decode("ascii", "replace"))
+                    out[i] = value
             i = strtab.find(head, i + 1)
     return out
 

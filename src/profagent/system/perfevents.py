@@ -3,9 +3,9 @@
 No library exposes perf_event_open to Python, so this module is the one place that
 calls it (ctypes). It opens a tracefs event (a uprobe, say) once per CPU, system-wide
 (``pid=-1``), never with ``inherit``: a uprobe-PMU event with inherit makes the target's
-``fork()`` fail, and a per-CPU event needs no per-thread fd. Each CPU gets one ring
-buffer; further events on that CPU write into it (PERF_EVENT_IOC_SET_OUTPUT), so the fds
-are CPUs x events and the mappings CPUs. The kernel arms a probe only while such an fd
+``fork()`` fail, and a per-CPU event needs no per-thread fd. Each CPU gets one ring,
+owned by a dummy software event; every tracepoint there writes into it
+(PERF_EVENT_IOC_SET_OUTPUT), so one event can be closed alone. The kernel arms a probe only while such an fd
 is open, so an agent that dies (SIGKILL included) leaves nothing armed in the targets.
 
 Samples carry the pid and tid as seen from the opener's PID namespace (0 when not
@@ -29,7 +29,9 @@ import numpy
 
 _NR_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}.get(platform.machine())
 
+PERF_TYPE_SOFTWARE = 1
 PERF_TYPE_TRACEPOINT = 2
+PERF_COUNT_SW_DUMMY = 9
 PERF_SAMPLE_TID = 1 << 1
 PERF_SAMPLE_TIME = 1 << 2
 PERF_SAMPLE_RAW = 1 << 10
@@ -51,6 +53,7 @@ _TIME = operator.itemgetter(0)
 _PAD = bytes(_SAMPLE.size)  # after the last record, so that a short one unpacks too
 _HEADER = struct.Struct("<IHH")  # perf_event_header: type, misc, size
 _dtypes: dict[int, numpy.dtype] = {}  # sample size -> the array type of a ring of such samples
+LOSSES_KEPT = 4096  # losses waiting for the caller to attribute them (it takes them every read)
 _META = struct.Struct("<QQ")  # data_head, data_tail at offset 1024 of the first page
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -65,9 +68,9 @@ def available() -> str:
     return ""
 
 
-def _attr(tracepoint_id: int, wakeup_bytes: int) -> ctypes.Array[ctypes.c_char]:
+def _attr(kind: int, config: int, wakeup_bytes: int) -> ctypes.Array[ctypes.c_char]:
     buf = ctypes.create_string_buffer(_ATTR_SIZE)
-    struct.pack_into("<IIQQQQQI", buf, 0, PERF_TYPE_TRACEPOINT, _ATTR_SIZE, tracepoint_id,
+    struct.pack_into("<IIQQQQQI", buf, 0, kind, _ATTR_SIZE, config,
                      1,  # sample_period: every hit
                      PERF_SAMPLE_TID | PERF_SAMPLE_TIME | PERF_SAMPLE_RAW, 0,
                      _FLAG_WATERMARK | _FLAG_USE_CLOCKID,  # enabled at open, inherit off
@@ -76,8 +79,10 @@ def _attr(tracepoint_id: int, wakeup_bytes: int) -> ctypes.Array[ctypes.c_char]:
     return buf
 
 
-def _open(tracepoint_id: int, cpu: int, wakeup_bytes: int) -> int:
-    attr = _attr(tracepoint_id, wakeup_bytes)
+def _open(tracepoint_id: int, cpu: int, wakeup_bytes: int, kind: int = PERF_TYPE_TRACEPOINT) -> int:
+    """An event on ``cpu`` for every process: a tracepoint, or with ``kind``
+    PERF_TYPE_SOFTWARE the dummy event that owns the CPU's ring (it never fires)."""
+    attr = _attr(kind, tracepoint_id if kind == PERF_TYPE_TRACEPOINT else PERF_COUNT_SW_DUMMY, wakeup_bytes)
     fd = _libc.syscall(_NR_PERF_EVENT_OPEN, attr, -1, cpu, -1, PERF_FLAG_FD_CLOEXEC)
     if fd < 0:
         err = ctypes.get_errno()
@@ -167,43 +172,50 @@ def _wrapped(data: mmap.mmap, base: int, size: int, start: int, length: int) -> 
 class TracepointReader:
     """Tracepoint events opened on every online CPU, read from one ring per CPU.
 
-    ``add`` may be called at any time (a new library to probe); ``read`` drains what
-    arrived within ``timeout`` seconds. ``close`` releases every fd: the kernel then
-    disarms the probes (slow, about 0.1 s a uprobe, so callers close off their loop).
+    ``add`` and ``remove`` may be called at any time (a library to probe, one no longer
+    mapped); ``read`` drains what arrived within ``timeout`` seconds. Closing a uprobe's
+    last fd disarms it, which the kernel makes slow (``remove``, ``close``).
     """
 
     def __init__(self, pages: int = 64, cpus: list[int] | None = None) -> None:
         self.cpus = cpus if cpus is not None else sorted(_online_cpus() or range(os.cpu_count() or 1))
         self.pages = pages
-        self.rings: dict[int, _Ring] = {}
+        self.rings: dict[int, _Ring] = {}  # cpu -> its ring, on a dummy event's fd
         self.fds: dict[int, list[int]] = {}  # tracepoint id -> its fds, one per CPU
         self.lost = [0]
+        # (events lost, pids whose samples that ring held in the same read): a lost record
+        # says neither whose events it dropped nor when, so who ran there is the best clue
+        self.losses: list[tuple[int, frozenset[int]]] = []
 
     def add(self, tracepoint_id: int) -> None:
         """Open ``tracepoint_id`` on every CPU. Raises OSError; on failure nothing of it stays open."""
+        wakeup = self.pages * mmap.PAGESIZE // 4
+        for cpu in self.cpus:
+            if cpu not in self.rings:
+                fd = _open(0, cpu, wakeup, kind=PERF_TYPE_SOFTWARE)
+                try:
+                    self.rings[cpu] = _Ring(fd, self.pages)
+                except BaseException:
+                    os.close(fd)
+                    raise
         opened: list[int] = []
         try:
             for cpu in self.cpus:
-                fd = _open(tracepoint_id, cpu, wakeup_bytes=self.pages * mmap.PAGESIZE // 4)
+                fd = _open(tracepoint_id, cpu, wakeup_bytes=wakeup)
                 opened.append(fd)
-                ring = self.rings.get(cpu)
-                if ring is None:
-                    self.rings[cpu] = _Ring(fd, self.pages)
-                elif _libc.ioctl(fd, PERF_EVENT_IOC_SET_OUTPUT, ring.fd) != 0:
+                if _libc.ioctl(fd, PERF_EVENT_IOC_SET_OUTPUT, self.rings[cpu].fd) != 0:
                     err = ctypes.get_errno()
                     raise OSError(err, f"PERF_EVENT_IOC_SET_OUTPUT: {os.strerror(err)}")
         except BaseException:
             for fd in opened:
-                self._forget_ring(fd)
                 os.close(fd)
             raise
         self.fds[tracepoint_id] = opened
 
-    def _forget_ring(self, fd: int) -> None:
-        for cpu, ring in list(self.rings.items()):
-            if ring.fd == fd:
-                ring.close()
-                del self.rings[cpu]
+    def remove(self, tracepoint_id: int) -> None:
+        """Close one event's fds (its probe is disarmed once they are closed)."""
+        for fd in self.fds.pop(tracepoint_id, ()):
+            os.close(fd)
 
     def read(self, timeout: float, lock: threading.Lock | None = None) -> list[Sample]:
         """Every sample that arrived, waiting up to ``timeout`` seconds for the first.
@@ -221,21 +233,26 @@ class TracepointReader:
         out: list[Sample] = []
         with guard:
             for ring in list(self.rings.values()):
+                lost, start = self.lost[0], len(out)
                 ring.drain(self.lost, out)
+                if self.lost[0] > lost and len(self.losses) < LOSSES_KEPT:
+                    self.losses.append((self.lost[0] - lost, frozenset(sample[1] for sample in out[start:])))
         out.sort(key=_TIME)  # rings are per CPU, and a thread may move between them
         return out
 
     def close(self, each: Callable[[int], None] | None = None) -> None:
-        """Close everything; ``each(tracepoint_id)`` is called once an event's fds are
-        closed (its probe is disarmed then, and its definition can go)."""
-        for ring in self.rings.values():
-            ring.close()
-        self.rings = {}
+        """Close everything: every event's fds first, then the rings; ``each(tracepoint_id)``
+        is called for every event once all are closed (its definition can go then)."""
         fds, self.fds = self.fds, {}
-        for tracepoint_id, group in fds.items():
+        for group in fds.values():
             for fd in group:
                 os.close(fd)
-            if each is not None:
+        for ring in self.rings.values():
+            ring.close()
+            os.close(ring.fd)
+        self.rings = {}
+        if each is not None:
+            for tracepoint_id in fds:
                 each(tracepoint_id)
 
 

@@ -3,7 +3,8 @@
 A definition alone costs a target nothing: the kernel places the breakpoint only while
 an event is open (``perfevents.TracepointReader``), so an agent killed with SIGKILL
 leaves inert definitions, which the next agent removes at its start. Every group is
-``profagent_<token>``: one agent's own, never another tool's.
+``profagent_<pid namespace>_<pid>_<start time>_<serial>`` (hex): one agent's own, named so
+that a later agent can prove it dead (``remove_stale``), never by a name's prefix alone.
 
 tracefs rejects seeks, so it is written with os.write, one command per call.
 """
@@ -11,15 +12,20 @@ tracefs rejects seeks, so it is written with os.write, one command per call.
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import re
-import secrets
 import subprocess
 from pathlib import Path
 
 TRACEFS_PATHS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 GROUP_PREFIX = "profagent_"
-_DEFINITION = re.compile(r"^[pr]:(profagent_[0-9a-f]{1,32})/([A-Za-z0-9_]{1,64}) ")
+_DEFINITION = re.compile(r"^[pr]:(profagent_[A-Za-z0-9_]{1,54})/([A-Za-z0-9_]{1,64}) ")
+# an agent's group: its PID namespace's inode, its pid there, its start time (clock ticks
+# after boot, /proc/PID/stat field 22) and a serial within the process, all hex
+_AGENT_GROUP = re.compile(r"^profagent_([0-9a-f]{1,16})_([0-9a-f]{1,8})_([0-9a-f]{1,16})_([0-9a-f]{1,4})$")
+PROC_PID_INIT_INO = 0xEFFFFFFC  # the initial PID namespace's inode: every process is visible from it
+_serial = itertools.count()
 MOUNT_TIMEOUT = 5.0
 
 
@@ -40,8 +46,47 @@ def find_tracefs(mount_if_missing: bool = False) -> Path | None:
     return None
 
 
-def new_group() -> str:
-    return GROUP_PREFIX + secrets.token_hex(6)
+def new_group(proc_root: Path = Path("/proc")) -> str:
+    """A group name of our own: it says which process made it, so that a later agent
+    can tell whether that process still runs."""
+    pid = os.getpid()
+    start = _start_time(proc_root, pid)
+    namespace = _pid_namespace(proc_root / "self")
+    if start is None or namespace is None:
+        raise OSError(errno.ENOENT, f"cannot read {proc_root}/self: needed to name our probe group")
+    return group_name(namespace, pid, start, next(_serial) & 0xFFFF)
+
+
+def group_name(namespace: int, pid: int, start: int, serial: int = 0) -> str:
+    return f"{GROUP_PREFIX}{namespace:x}_{pid:x}_{start:x}_{serial:x}"
+
+
+def _start_time(proc_root: Path, pid: int) -> int | None:
+    try:
+        text = (proc_root / str(pid) / "stat").read_bytes()
+        return int(text[text.rindex(b")") + 2:].split()[19])  # field 22; the name may hold anything
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _pid_namespace(process: Path) -> int | None:
+    try:
+        return os.stat(process / "ns" / "pid").st_ino
+    except OSError:
+        return None
+
+
+def _namespaces_in_use(proc_root: Path) -> set[int] | None:
+    """The PID namespaces of every visible process; None when /proc cannot be listed."""
+    out: set[int] = set()
+    try:
+        with os.scandir(proc_root) as entries:
+            for entry in entries:
+                if entry.name.isdigit() and (namespace := _pid_namespace(Path(entry.path))) is not None:
+                    out.add(namespace)
+    except OSError:
+        return None
+    return out
 
 
 def _write(tracefs: Path, line: str) -> None:
@@ -80,11 +125,34 @@ def definitions(tracefs: Path) -> list[tuple[str, str]]:
     return [(m.group(1), m.group(2)) for m in map(_DEFINITION.match, text.splitlines()) if m]
 
 
-def remove_stale(tracefs: Path, keep: str = "") -> int:
-    """Remove every profagent definition no agent has open (the kernel refuses to remove
-    one in use, so a live agent's stay); ``keep`` is our own group. Returns how many."""
-    removed = 0
-    for group, name in definitions(tracefs):
-        if group != keep and remove(tracefs, group, name):
-            removed += 1
-    return removed
+def dead_groups(groups: set[str], proc_root: Path = Path("/proc"), initial: int = PROC_PID_INIT_INO) -> set[str]:
+    """The groups of ``groups`` that an agent made (their name parses) and whose agent is
+    provably gone: its pid is free or holds a process started at another time, in our own
+    PID namespace; or, seen from the initial namespace, no process is left in its
+    namespace. Any other group (another tool's, a live agent's, one we cannot check) stays."""
+    own = _pid_namespace(proc_root / "self")
+    in_use: set[int] | None = None
+    listed = False
+    dead: set[str] = set()
+    for group in groups:
+        m = _AGENT_GROUP.match(group)
+        if m is None or own is None:
+            continue
+        namespace, pid, start = (int(v, 16) for v in m.groups()[:3])
+        if namespace == own:
+            if _start_time(proc_root, pid) != start:
+                dead.add(group)
+        elif own == initial:
+            if not listed:
+                in_use, listed = _namespaces_in_use(proc_root), True
+            if in_use is not None and namespace not in in_use:
+                dead.add(group)
+    return dead
+
+
+def remove_stale(tracefs: Path, keep: str = "", proc_root: Path = Path("/proc")) -> int:
+    """Remove the definitions of agents that are gone (``dead_groups``); ``keep`` is our
+    own group. Returns how many."""
+    found = definitions(tracefs)
+    dead = dead_groups({group for group, _ in found} - {keep}, proc_root)
+    return sum(1 for group, name in found if group in dead and remove(tracefs, group, name))

@@ -195,7 +195,7 @@ def _timeline_of(steps: RankSteps | None) -> dict[str, Any] | None:
         "optimizer_steps": steps.optimizer_steps, "p50_seconds": steps.p50, "p90_seconds": steps.p90,
         "max_seconds": steps.max, "steps_per_second": steps.steps_per_second, "micro_batches": steps.micro_batches,
         "stage_shares": dict(steps.stage_shares), "stage_now": steps.stage_now or None,
-        "idle_seconds": steps.idle_seconds,
+        "idle_seconds": steps.idle_seconds, "lost_events": steps.lost_events,
         "step_boundary": steps.step_boundary or None, "boundary_note": steps.boundary_note or None,
     }
 

@@ -30,6 +30,7 @@ def render(snap: TimelineSnapshot, out: Families) -> None:
     quantile = out.gauge("profagent_step_window_seconds", "step time over the timeline window (timeline.window_seconds): p50, p90 and max", (*RANK, "stat"))
     rate = out.gauge("profagent_steps_per_second", "optimizer steps per second over the timeline window", RANK)
     micro = out.gauge("profagent_step_micro_batches", "backward passes per optimizer step over the timeline window", RANK)
+    lost = out.counter("profagent_timeline_lost_events", "probe events lost (a ring buffer was full) on a CPU where this rank ran: above 0, its step counts and times miss events and its optimizer_steps_total is a floor", RANK)
     lag = out.histogram("profagent_collective_arrival_lag_seconds", "how long after the job's first rank this rank called each collective (kernel uprobes)", RANK)
     for r in snap.ranks:
         labels = [r.job_id, r.rank]
@@ -45,6 +46,7 @@ def render(snap: TimelineSnapshot, out: Families) -> None:
             rate.add_metric(labels, r.steps_per_second)
         if r.micro_batches is not None:
             micro.add_metric(labels, r.micro_batches)
+        lost.add_metric(labels, r.lost_events)
         if r.lag_count:
             lag.add_metric(labels, _cumulative(LAG_BUCKETS, r.lag_buckets, r.lag_count), r.lag_seconds_sum)
     events = out.counter("profagent_timeline_events", "probe events read: ranked (from an observed rank), foreign (another process mapping the same libtorch), lost (the ring buffer was full)", ("kind",))

@@ -17,8 +17,8 @@ import re
 import stat
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +48,30 @@ SWEEP_EVERY = 60.0  # seconds between two looks for definitions a dead agent lef
 STEPS_KEPT = 16384
 STRAGGLER_EVERY = 2.0  # seconds between two summaries of a job's arrivals
 RECORD_NAMES_KEPT = 1024  # record_function name heads whose kind is remembered
+LOSS_ACTIVE = 2.0  # seconds since a rank's last event within which a loss nobody claims may be its
+PARSE_SECONDS = 20.0  # for one library's symbols (libtorch_cpu.so: 0.4 s), then it is refused
+FAILED_KEPT = 1024  # files that gave no probe, remembered so as not to read them again
+QUEUED_PER_USER = 16  # files of one user waiting to be read
+RELEASE_SECONDS = 6.0  # a clean stop's time for removing our probes: under systemd's TimeoutStopSec=10
+
+
+@dataclass(frozen=True)
+class _File:
+    """A mapped library file to read: found through ``pid``'s map_files entry."""
+
+    key: tuple[int, int]  # (dev, inode)
+    identity: tuple[int, int, int, int]  # (dev, inode, mtime ns, size): a failure is remembered by it
+    uid: int  # whose process mapped it: the user charged for its slot
+    pid: int
+    path: str
+    target: str  # /proc/PID/map_files/RANGE
+
+
+@dataclass
+class _Placed:
+    uid: int
+    library: ProbedLibrary
+    events: dict[int, str]  # tracepoint id -> its event name in our group
 
 
 @dataclass
@@ -58,6 +82,8 @@ class _Rank:
     lag_buckets: list[int] = field(default_factory=lambda: [0] * len(tl.LAG_BUCKETS))
     lag_sum: float = 0.0
     lag_count: int = 0
+    lost_events: int = 0  # events lost on a CPU where it ran (see _attribute_losses)
+    lost_said: bool = False
 
 
 def capability_problem() -> str:
@@ -101,7 +127,19 @@ class TimelineSource:
         self._kinds: dict[int, str] = {}  # tracepoint id -> what its hits are (tl.RECORD: read the name)
         self._record_kinds: dict[bytes, str] = {}  # a record_function name's head -> its kind
         self._defined: dict[int, str] = {}  # tracepoint id -> its event name in our group
-        self._libraries: dict[tuple[int, int], ProbedLibrary | None] = {}  # (dev, inode) -> placed
+        self._placed: dict[tuple[int, int], _Placed] = {}  # (dev, inode) -> its probes
+        self._queued: dict[tuple[int, int], _File] = {}  # waiting to be read, or being read
+        self._per_user: dict[int, deque[_File]] = {}  # uid -> its files waiting, read in turn across users
+        self._read: deque[tuple[_File, elfsyms.Library | str]] = deque()  # what the worker read, or why not
+        self._failed: OrderedDict[tuple[int, int, int, int], ProbedLibrary | None] = OrderedDict()
+        self._mapped_by: dict[int, frozenset[tuple[int, int]]] = {}  # pid -> the libraries it maps
+        self._full_said: set[int] = set()  # users told their slots are full
+        self._serial = 0  # appended to event names: each placement's own
+        self._turn = 0  # whose file the worker reads next
+        self._files_lock = threading.Lock()  # guards _per_user and _read (the worker's side)
+        self._work = threading.Event()
+        self._worker: threading.Thread | None = None
+        self._releases: deque[dict[int, str]] = deque()  # events of libraries no longer mapped
         self._ranks: dict[int, _Rank] = {}  # pid -> its running figures
         self._looked: dict[int, float] = {}  # pid -> when its maps were last read without libtorch
         self._arrivals: dict[str, deque[tl.StepArrivals]] = {}  # job -> its matched steps of the window
@@ -129,27 +167,51 @@ class TimelineSource:
         self._reader = perfevents.TracepointReader(pages=self.config.ring_pages)
         self._thread = threading.Thread(target=self._read_loop, name="profagent-timeline", daemon=True)
         self._thread.start()
+        self._worker = threading.Thread(target=self._file_loop, name="profagent-timeline-files", daemon=True)
+        self._worker.start()
 
     def stop(self, budget: float = 1.0) -> None:
-        """Stop reading now, then close the fds and remove our definitions, for at most
-        ``budget`` seconds (the kernel takes 0.1 s or more to disarm each probe); what is
-        left is finished by a daemon thread, or by the kernel at our exit, and a
-        definition left over is removed by the next agent."""
+        """Stop reading, close every event and remove our definitions. The kernel takes
+        about 0.08 s to disarm each probe (more on a busy node), so this goes on in a
+        thread, begun at once, that the interpreter waits for at exit, for at most
+        RELEASE_SECONDS; ``budget`` is how long this call waits for it. A definition left
+        over is removed by the next agent (``uprobes.remove_stale``)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(1.0)
+        self._work.set()
         with self._lock:
             reader, self._reader = self._reader, None
-        tracefs, group, names = self._tracefs, self._group, dict(self._defined)
+        tracefs, group, reading = self._tracefs, self._group, self._thread
         if reader is None or tracefs is None:
             return
+        names = dict(self._defined)
+        while self._releases:  # a release the worker had not begun
+            names.update(self._releases.popleft())
 
         def release() -> None:
-            reader.close(each=lambda tp: uprobes.remove(tracefs, group, names[tp]) if tp in names else None)
+            began = time.monotonic()
+            deadline = began + RELEASE_SECONDS
+            for tp in list(reader.fds):  # the slow part: each event's last close disarms its probe
+                if time.monotonic() > deadline:
+                    break
+                reader.remove(tp)
+            if reading is not None:
+                reading.join(1.0)  # its rings go next
+            reader.close()  # what the deadline left is disarmed by the kernel at our exit
+            removed = sum(1 for name in names.values() if uprobes.remove(tracefs, group, name))
+            taken = time.monotonic() - began
+            if removed < len(names):
+                log.warning("timeline: removed %d of %d probe definitions in %.1f s; the next agent removes "
+                            "the rest", removed, len(names), taken)
+            else:
+                log.info("timeline: removed our %d probe definitions in %.1f s", removed, taken)
 
-        releaser = threading.Thread(target=release, name="profagent-timeline-release", daemon=True)
+        # not a daemon (not inherited from the stopping thread, which is one): the
+        # process's exit waits for it, and its deadline bounds the wait
+        releaser = threading.Thread(target=release, name="profagent-timeline-release", daemon=False)
         releaser.start()
         releaser.join(budget)
+        if self._worker is not None:
+            self._worker.join(max(0.0, budget - 0.1))
 
     # -- reading ----------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -169,9 +231,10 @@ class TimelineSource:
                     log.warning("timeline: reading probe events failed: %s", exc)
                 self._stop.wait(0.1)
                 continue
-            if samples:
+            if samples or reader.losses:
                 with CPU.charge(self.name), self._lock:
                     self._fold(samples)
+                    self._attribute_losses(reader)
 
     def _fold(self, samples: list[perfevents.Sample]) -> None:
         # Every probe hit of every rank passes here (thousands a second at 8 ranks): the
@@ -196,46 +259,171 @@ class TimelineSource:
         self._counts[0] += events
         self._counts[1] += foreign
 
-    # -- probing ----------------------------------------------------------------------
+    def _attribute_losses(self, reader: perfevents.TracepointReader) -> None:
+        """Charge each ring's lost events to the observed ranks whose samples that ring
+        held in the same read (they ran there as the events were dropped); when it held
+        none of theirs, to every rank with an event in the last LOSS_ACTIVE seconds (one
+        whose events were all lost), never to an idle one: another process's flood says
+        nothing of a rank that was not running."""
+        losses, reader.losses = reader.losses, []
+        if not losses:
+            return
+        now = self.clock()
+        active = [r for r in self._ranks.values()
+                  if r.timeline.last_event is not None and now - r.timeline.last_event < LOSS_ACTIVE]
+        for count, pids in losses:
+            ranks = [r for pid, r in self._ranks.items() if pid in pids] or active
+            for rank in ranks:
+                rank.lost_events += count
+
+    # -- probing ---------------------------------------------------------------------
+    # Each user has timeline.max_libraries slots: a library placed costs one slot of the
+    # user whose process it was found through, until no observed process maps it; a file
+    # that gives no probe costs none, and is remembered (bounded) so as not to be read
+    # again. Files are read by a worker, round robin across users, with a deadline: a
+    # hostile file never holds up the figures of the jobs already probed.
     def _probe_process(self, pid: int, now: float) -> None:
-        """Probe the libtorch the process has mapped, once per library file."""
+        """Queue the libtorch files the process maps that are not probed yet."""
         if now - self._looked.get(pid, -RECHECK_AFTER) < RECHECK_AFTER:
             return
         self._looked[pid] = now
-        for key, path, mapping in _libraries(self.proc_root, pid):
-            if key in self._libraries:
-                continue
-            if len(self._libraries) >= self.config.max_libraries:
-                log.warning("timeline: %d libraries probed already (timeline.max_libraries): %s skipped",
-                            len(self._libraries), path)
-                self._libraries[key] = None
-                continue
-            self._libraries[key] = self._probe_library(pid, key, path, mapping)
-
-    def _probe_library(self, pid: int, key: tuple[int, int], path: str, mapping: str) -> ProbedLibrary | None:
-        target = f"{self.proc_root}/{pid}/map_files/{mapping}"
+        found = _libraries(self.proc_root, pid)
+        self._mapped_by[pid] = frozenset(key for key, _, _ in found)
         try:
-            fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            uid = os.stat(f"{self.proc_root}/{pid}").st_uid
+        except OSError:
+            return
+        for key, path, mapping in found:
+            if key in self._placed or key in self._queued:
+                continue
+            target = f"{self.proc_root}/{pid}/map_files/{mapping}"
+            try:
+                st = os.stat(target)
+            except OSError as exc:
+                log.info("timeline: cannot open %s of PID %d: %s", path, pid, exc.strerror)
+                continue
+            identity = (key[0], key[1], st.st_mtime_ns, st.st_size)
+            if identity in self._failed:
+                continue
+            file = _File(key, identity, uid, pid, path, target)
+            if not stat.S_ISREG(st.st_mode) or st.st_ino != key[1]:
+                self._fail(file, f"{path} of PID {pid} is not the regular file it mapped: not probed")
+                continue
+            used = sum(1 for p in self._placed.values() if p.uid == uid) + \
+                sum(1 for f in self._queued.values() if f.uid == uid)
+            if used >= self.config.max_libraries:
+                if uid not in self._full_said:
+                    self._full_said.add(uid)
+                    log.warning("timeline: uid %d has %d libraries probed or waiting (timeline.max_libraries): "
+                                "%s skipped until one is no longer mapped", uid, used, path)
+                continue
+            with self._files_lock:
+                waiting = self._per_user.setdefault(uid, deque())
+                if len(waiting) >= QUEUED_PER_USER:
+                    continue
+                waiting.append(file)
+            self._queued[key] = file
+            self._work.set()
+
+    def _fail(self, file: _File, why: str, library: ProbedLibrary | None = None) -> None:
+        if why:
+            log.warning("timeline: %s", why)
+        self._failed[file.identity] = library
+        while len(self._failed) > FAILED_KEPT:
+            self._failed.popitem(last=False)
+
+    def _file_loop(self) -> None:
+        """The worker: releases first (they free probes), then one file at a time, each user's in turn."""
+        while not self._stop.is_set():
+            self._work.wait(1.0)
+            self._work.clear()
+            while not self._stop.is_set() and self._work_once():
+                pass
+
+    def _work_once(self) -> bool:
+        """One release, else one file read (the next user's in turn); False when idle."""
+        if self._releases:
+            self._release(self._releases.popleft())
+            return True
+        with self._files_lock:
+            users = sorted(uid for uid, files in self._per_user.items() if files)
+            if not users:
+                return False
+            uid = users[self._turn % len(users)]
+            self._turn += 1
+            file = self._per_user[uid].popleft()
+        with CPU.charge(self.name):
+            result = self._read_file(file)
+        with self._files_lock:
+            self._read.append((file, result))
+        return True
+
+    def _read_file(self, file: _File) -> elfsyms.Library | str:
+        """The file's probed functions, or why it gives none."""
+        try:
+            fd = os.open(file.target, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
-            log.info("timeline: cannot open %s of PID %d: %s", path, pid, exc.strerror)
-            return None
+            return f"cannot open {file.path} of PID {file.pid}: {exc.strerror}"
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_ino != key[1]:
-                log.warning("timeline: %s of PID %d is not the regular file it mapped: not probed", path, pid)
-                return None
+            if not stat.S_ISREG(st.st_mode) or st.st_ino != file.key[1]:
+                return f"{file.path} of PID {file.pid} is not the regular file it mapped: not probed"
             with os.fdopen(os.dup(fd), "rb") as fh:
-                library = elfsyms.read_functions(fh, {spec.key: spec.pattern for spec in PROBES})
+                return elfsyms.read_functions(fh, {spec.key: spec.pattern for spec in PROBES},
+                                              deadline=time.monotonic() + PARSE_SECONDS)
         except elfsyms.ElfError as exc:
-            log.warning("timeline: %s of PID %d: %s: not probed", path, pid, exc)
-            return None
+            return f"{file.path} of PID {file.pid}: {exc}: not probed"
         finally:
             os.close(fd)
-        return self._place(len(self._libraries), target, path, library)
 
-    def _place(self, index: int, target: str, path: str, library: elfsyms.Library) -> ProbedLibrary | None:
+    def _place_read(self) -> None:
+        """Place the probes of the files the worker read since the last collect."""
+        with self._files_lock:
+            done = list(self._read)
+            self._read.clear()
+        for file, result in done:
+            self._queued.pop(file.key, None)
+            if isinstance(result, str):
+                self._fail(file, result)
+                continue
+            placed = self._place(file, result)
+            if placed is not None and placed.events:
+                self._placed[file.key] = placed
+            elif placed is None:  # a library without torch's functions (libtorch.so's shim, say): no slot
+                log.info("timeline: %s of PID %d has none of the probed functions", file.path, file.pid)
+                self._fail(file, "")
+            else:  # not x86-64, or every definition refused: no slot
+                self._fail(file, "", placed.library)
+
+    def _release_unmapped(self, mains: Collection[int]) -> None:
+        """Hand the worker the probes of every library that no observed process maps."""
+        for pid in [p for p in self._mapped_by if p not in mains]:
+            del self._mapped_by[pid]
+        mapped = set().union(*self._mapped_by.values()) if self._mapped_by else set()
+        for key in [k for k in self._placed if k not in mapped]:
+            placed = self._placed.pop(key)
+            self._full_said.discard(placed.uid)
+            with self._lock:
+                for tp in placed.events:
+                    self._kinds.pop(tp, None)
+                    self._defined.pop(tp, None)
+            log.info("timeline: %s is no longer mapped by an observed process: its %d probes removed",
+                     placed.library.path, len(placed.events))
+            self._releases.append(placed.events)
+            self._work.set()
+
+    def _release(self, events: dict[int, str]) -> None:
+        reader, tracefs = self._reader, self._tracefs
+        for tp, name in events.items():
+            if reader is not None:
+                reader.remove(tp)
+            if tracefs is not None:
+                uprobes.remove(tracefs, self._group, name)
+
+    def _place(self, file: _File, library: elfsyms.Library) -> _Placed | None:
+        path = file.path
         if library.machine != "EM_X86_64":
-            return ProbedLibrary(path, library.build_id, (), (f"all: machine {library.machine}",))
+            return _Placed(file.uid, ProbedLibrary(path, library.build_id, (), (f"all: machine {library.machine}",)), {})
         placed: list[tuple[ProbeSpec, int]] = []
         refused: list[str] = []
         for spec in PROBES:
@@ -249,13 +437,14 @@ class TimelineSource:
                     continue
                 placed.append((spec, function.file_offset + offset))
         if not placed and not refused:
-            return ProbedLibrary(path, library.build_id, (), ())  # a library without torch's functions
-        names: list[str] = []
+            return None  # a library without torch's functions
+        self._serial += 1
+        events: dict[int, str] = {}
         assert self._tracefs is not None and self._reader is not None
         for spec, offset in placed:
-            name = f"{spec.key}_{index}"
+            name = f"{spec.key}_{self._serial}"
             try:
-                tp = uprobes.define(self._tracefs, self._group, name, target, offset, spec.fetchargs)
+                tp = uprobes.define(self._tracefs, self._group, name, file.target, offset, spec.fetchargs)
                 with self._lock:
                     self._reader.add(tp)
                     self._kinds[tp] = spec.kind
@@ -264,10 +453,12 @@ class TimelineSource:
                 refused.append(f"{spec.key}: {exc.strerror or exc}")
                 continue
             self._defined[tp] = name
-            names.append(spec.key)
-        log.info("timeline: probing %s (%d probes%s)", path, len(names),
+            events[tp] = spec.key
+        log.info("timeline: probing %s (%d probes%s)", path, len(events),
                  f"; not placed: {'; '.join(refused)}" if refused else "")
-        return ProbedLibrary(path, library.build_id, tuple(names), tuple(refused))
+        names = tuple(events.values())
+        return _Placed(file.uid, ProbedLibrary(path, library.build_id, names, tuple(refused)),
+                       {tp: self._defined[tp] for tp in events})
 
     # -- collecting -------------------------------------------------------------------
     def collect(self, tree: ProcessTree) -> TimelineSnapshot:
@@ -277,6 +468,7 @@ class TimelineSource:
             self._swept = now
             uprobes.remove_stale(self._tracefs, keep=self._group)
         mains = {p.pid: p for p in tree.mains()}
+        self._place_read()
         for pid, info in mains.items():
             job = info.job_id or tree.job_id
             with self._lock:
@@ -299,9 +491,19 @@ class TimelineSource:
             self._match(now)
             ranks = tuple(self._rank_steps(pid, r, now) for pid, r in sorted(self._ranks.items()))
             stragglers = self._stragglers(now)
+            newly_lossy = [r for r in self._ranks.values() if r.lost_events and not r.lost_said]
+            for r in newly_lossy:
+                r.lost_said = True
             counts = tuple(self._counts)
             lost = self._reader.lost[0] if self._reader is not None else 0
-        libraries = tuple(lib for lib in self._libraries.values() if lib is not None and (lib.probes or lib.refused))
+        for r in newly_lossy:
+            log.warning("timeline: job %s rank %s: %d probe events lost where it ran (ring buffers full; "
+                        "timeline.ring_pages): its step figures miss events, its counts are a floor",
+                        r.job_id, r.rank, r.lost_events)
+        self._release_unmapped(mains)
+        mapped = set().union(*self._mapped_by.values()) if self._mapped_by else set()
+        unprobed = [lib for (dev, inode, _, _), lib in self._failed.items() if lib is not None and (dev, inode) in mapped]
+        libraries = (*(p.library for p in self._placed.values()), *unprobed)
         return TimelineSnapshot(ranks, stragglers, libraries, counts[0], lost, counts[1], self.config.window_seconds)
 
     def _match(self, now: float) -> None:
@@ -385,7 +587,7 @@ class TimelineSource:
             t.stage_now, now - t.last_event if t.last_event is not None else None,
             now - t.last_step if t.last_step is not None else None,
             tuple(r.lag_buckets), r.lag_sum, r.lag_count, len(t.arrivals_in_step),
-            t.step_boundary, tl.boundary_note(t.step_boundary))
+            t.step_boundary, tl.boundary_note(t.step_boundary), r.lost_events)
 
 
 def _shares(steps: list[tl.Step]) -> dict[str, float]:
