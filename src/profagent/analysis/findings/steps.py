@@ -1,6 +1,7 @@
 """Findings from the step timeline (kernel probes): ``straggler`` from collective
-arrivals, ``dataloader_bound`` from the exact data-wait share, and ``stall``, a warning
-that the job's steps have stopped, long before the stack-based ``hang``.
+arrivals, with the stage that explains it, ``dataloader_bound`` from the exact data-wait
+share, and ``stall``, a warning that the job's steps have stopped, long before the
+stack-based ``hang``.
 
 Input: the timeline source's snapshot (``RankSteps`` per rank, ``ArrivalStraggler`` per
 job) and, for the stall's location, the stacks source's stalls.
