@@ -290,3 +290,20 @@ def test_started_by_reads_multiprocessing_command_lines() -> None:
 
 def test_role_defaults() -> None:
     assert Role("launcher") == Role("launcher", "", "", "")
+
+
+def test_catches_signal_reads_sigcgt(tmp_path) -> None:
+    import signal
+
+    from profagent.target.pid import catches_signal
+
+    (tmp_path / "7").mkdir()
+    status = tmp_path / "7" / "status"
+    status.write_text("Name:\tpython\nSigBlk:\t0000000000000000\nSigIgn:\t0000000001001000\n"
+                      "SigCgt:\t0000000100014002\n")  # SIGINT, SIGCHLD (17), 33: a DataLoader's main process
+    assert catches_signal(tmp_path, 7, signal.SIGCHLD) and catches_signal(tmp_path, 7, signal.SIGINT)
+    status.write_text("SigCgt:\t0000000100000002\n")  # mp.spawn's launcher: SIGINT only
+    assert not catches_signal(tmp_path, 7, signal.SIGCHLD)
+    status.write_text("SigCgt:\tnot hex\n")
+    assert not catches_signal(tmp_path, 7, signal.SIGCHLD)
+    assert not catches_signal(tmp_path, 8, signal.SIGCHLD)  # gone
