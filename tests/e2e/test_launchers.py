@@ -80,11 +80,16 @@ def agent_view(run_agent, pid: int, want: dict[int, tuple[str, str, str]]) -> di
     return seen
 
 
-def watch_view(out: Path) -> dict[int, tuple[str, str, str]]:
+def watch_view(out: Path, gpu_pids: list[int] | None = None) -> dict[int, tuple[str, str, str]]:
     """The job as watch mode finds it: a root discovered by its command line (the job's
-    private folder), its tree built by the node target."""
-    rules = Rules(cmdline=re.compile(re.escape(str(out))), env_markers=(), gpu_processes=False)
-    node = NodeTarget(rules, Limits(scan_interval=0.0), self_pid=-1, settle_seconds=0.0)  # the job is ours: not left out
+    private folder), or by the GPU rule from ``gpu_pids`` (the processes NVML would list),
+    its tree built by the node target."""
+    if gpu_pids is None:
+        rules = Rules(cmdline=re.compile(re.escape(str(out))), env_markers=(), gpu_processes=False)
+    else:
+        rules = Rules(cmdline=None, env_markers=(), gpu_processes=True)
+    node = NodeTarget(rules, Limits(scan_interval=0.0), self_pid=-1, settle_seconds=0.0,  # the job is ours: not left out
+                      gpu_pids=(lambda: gpu_pids) if gpu_pids else None)
     tree = node.refresh()
     assert len(tree.jobs) == 1, tree.jobs
     return {p.pid: (p.role, p.rank, p.world_size) for p in tree.processes}
@@ -118,6 +123,10 @@ def test_mp_spawn_with_dataloader_workers(children, run_agent, tmp_path: Path) -
     seen = agent_view(run_agent, proc.pid, want)
     assert sorted(r for role, r, _ in seen.values() if role == "main") == ["0", "1"]
     watched = watch_view(out)
+    assert all(watched.get(p) == w for p, w in want.items()), watched
+    # the GPU rule finds the ranks alone (their command lines name no training script):
+    # siblings started by multiprocessing are one job, rooted at their launcher
+    watched = watch_view(out, gpu_pids=[own[0]["pid"], own[1]["pid"]])
     assert all(watched.get(p) == w for p, w in want.items()), watched
     finish(proc, out)
 
