@@ -11,6 +11,7 @@ framework's PID, the workers as ``dataloader`` of their rank (profagent_target_i
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -26,9 +27,11 @@ from profagent.target.node import Limits, NodeTarget, Rules
 JOB = WORKLOADS / "launchers.py"
 
 
-def start(children, mode: str, out: Path, *args: str, launcher: tuple[str, ...] = (sys.executable,)) -> subprocess.Popen:
+def start(children, mode: str, out: Path, *args: str, launcher: tuple[str, ...] = (sys.executable,),
+          env: dict[str, str] | None = None) -> subprocess.Popen:
     out.mkdir()
     proc = subprocess.Popen([*launcher, str(JOB), mode, str(out), *args], start_new_session=True,
+                            env={**os.environ, **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=(out.parent / f"{mode}.log").open("w"))
     children.procs.append(proc)  # killed with its tree after the test
     return proc
@@ -98,12 +101,16 @@ def watch_view(out: Path, gpu_pids: list[int] | None = None) -> dict[int, tuple[
 @pytest.mark.timeout(420)
 def test_lightning_own_launcher(children, run_agent, tmp_path: Path) -> None:
     """``python train.py`` with Trainer(accelerator="cpu", devices=2, strategy="ddp"):
-    rank 0 starts rank 1 as its child; neither is the other's DataLoader worker."""
+    rank 0 starts rank 1 as its child; neither is the other's DataLoader worker. Rank 0's
+    workers are spawned: they carry LOCAL_RANK=0 and WORLD_SIZE=2, which rank 0 set
+    in-process, and are its workers still; rank 1's are forked (its environment verbatim)."""
     out = tmp_path / "lightning"
-    proc = start(children, "lightning", out)
+    proc = start(children, "lightning", out, env={"LAUNCHERS_RANK0_WORKERS": "spawn"})
     own = accounts(proc, out)
     assert own[0]["pid"] == proc.pid and own[1]["pid"] in own[0]["workers"]  # rank 1 is rank 0's child
     want = expected(own)
+    spawned = [p for p in own[0]["workers"] if p != own[1]["pid"]]
+    assert all("LOCAL_RANK=0" in Path(f"/proc/{p}/environ").read_text() for p in spawned)
     seen = agent_view(run_agent, proc.pid, want)
     assert {p for p, (role, _, _) in seen.items() if role == "main"} == {own[0]["pid"], own[1]["pid"]}
     watched = watch_view(out)
