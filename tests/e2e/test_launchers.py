@@ -10,6 +10,7 @@ framework's PID, the workers as ``dataloader`` of their rank (profagent_target_i
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -25,10 +26,14 @@ from helpers.processes import wait_for
 from profagent.target.node import Limits, NodeTarget, Rules
 
 JOB = WORKLOADS / "launchers.py"
+NEEDS = {"lightning": "pytorch_lightning", "accelerate": "accelerate"}  # from the `frameworks` extra
 
 
 def start(children, mode: str, out: Path, *args: str, launcher: tuple[str, ...] = (sys.executable,),
           env: dict[str, str] | None = None) -> subprocess.Popen:
+    module = NEEDS.get(mode)
+    if module and importlib.util.find_spec(module) is None:
+        pytest.fail(f"{module} is not installed: pip install -e '.[frameworks]' (the pinned framework versions)")
     out.mkdir()
     proc = subprocess.Popen([*launcher, str(JOB), mode, str(out), *args], start_new_session=True,
                             env={**os.environ, **(env or {})},
