@@ -25,6 +25,9 @@ from helpers.paths import WORKLOADS
 from helpers.processes import wait_for
 from profagent.target.node import Limits, NodeTarget, Rules
 
+# three jobs of about a minute each on 2 shared cores (torch imported by every rank and spawned worker)
+pytestmark = [pytest.mark.slow, pytest.mark.slow_first]
+
 JOB = WORKLOADS / "launchers.py"
 NEEDS = {"lightning": "pytorch_lightning", "accelerate": "accelerate"}  # from the `frameworks` extra
 
