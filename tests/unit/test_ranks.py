@@ -156,8 +156,11 @@ def test_lightning_under_srun_one_task_a_node() -> None:
     t.add(601, 600, {**slurm, "LOCAL_RANK": "1", "NODE_RANK": "1", "WORLD_SIZE": "4"})
     t.add(602, 601, {**slurm, "LOCAL_RANK": "1", "NODE_RANK": "1", "WORLD_SIZE": "4"})
     t.add(603, 600, slurm)
+    # rank 3's spawned worker, after the rank set a variable of its own in-process
+    t.add(604, 601, {**slurm, "LOCAL_RANK": "1", "NODE_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"},
+          started=MP_SPAWN)
     assert t.roles() == {600: main("2", "0", "4"), 601: main("3", "1", "4"), 602: worker("3", "1", "4"),
-                         603: worker("2", "0", "4")}
+                         604: worker("3", "1", "4"), 603: worker("2", "0", "4")}
 
 
 def test_mp_spawn_children_are_ranks_in_start_order() -> None:
