@@ -321,12 +321,14 @@ def test_an_incident_capture_runs_at_most_max_pyspy_dumps_at_once(tmp_path, monk
                 live[0] += 1
                 most[0] = max(most[0], live[0])
 
-        def communicate(self, *args, **kwargs):
+        def wait(self, *args, **kwargs):  # the dump's output is read while it waits (pyspy.communicate_capped)
             try:
-                return super().communicate(*args, **kwargs)
+                return super().wait(*args, **kwargs)
             finally:
                 with lock:
-                    live[0] -= 1
+                    if not getattr(self, "counted_out", False):
+                        self.counted_out = True
+                        live[0] -= 1
 
     monkeypatch.setattr(incidents.subprocess, "Popen", Counted)
     threads = [threading.Thread(target=source.run_dump, args=(["/bin/sh", "-c", "sleep 1; echo Thread 1"],))

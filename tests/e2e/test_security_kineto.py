@@ -305,3 +305,61 @@ def test_a_poll_flood_is_dropped_by_rate_before_it_costs_and_another_user_is_ans
     assert nobody_polls <= USER_POLL_BURST + USER_POLLS_PER_SECOND * max(elapsed, 6.0)
     assert counts["rate_limited"] > 10 * nobody_polls
     assert per_datagram < 40e-6 and slowest < 5.0
+
+
+def test_deaf_pollers_of_nobody_never_starve_another_users_replies(endpoint: Endpoint, shared: Path) -> None:
+    """Issue 51 medium (the attack: alice's `profagent trace` failed while nobody's job
+    flooded the endpoint). nobody runs 60 processes that poll within the rate limits and
+    never read a reply: each holds up to 11 replies in its queue, charged to the socket that
+    sent them, and together they once held the endpoint's whole send buffer (alice's polls:
+    3 of 10 answered, reply_dropped 375). Here root polls as libkineto does (a non-blocking
+    send, 10 tries 10 ms apart, then a reply within 1 s) once a second for 10 s meanwhile.
+    Bound: every one of root's polls is answered; nobody's replies are the ones dropped."""
+    flood = as_nobody(shared, """
+        kids, parent = [], os.getpid()
+        for _ in range(60):
+            pid = os.fork()
+            if pid == 0:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                s.bind("")  # a name to be answered at; its replies are never read
+                msg = poll([os.getpid()])
+                end = time.monotonic() + 25
+                while time.monotonic() < end and os.getppid() == parent:  # gone with the test's kill
+                    try:
+                        s.sendto(msg, sys.argv[1])
+                    except OSError:
+                        pass
+                    time.sleep(0.3)
+                os._exit(0)
+            kids.append(pid)
+        for _ in kids:
+            os.wait()
+    """, str(endpoint.address), wait=False)
+    me = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    me.bind(str(shared / "alice"))
+    me.settimeout(1.0)
+    answered = 0
+    try:
+        wait_for(lambda: endpoint.counts().get("reply_dropped", 0) > 50, 30, what="nobody's replies piling up")
+        message = kineto.encode_poll(kineto.Poll(3, 0, (os.getpid(), os.getppid())))
+        for _ in range(10):
+            began = time.monotonic()
+            for _ in range(10):
+                try:
+                    me.sendto(message, socket.MSG_DONTWAIT, endpoint.address)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.01)
+            try:
+                answered += len(me.recv(4096)) == kineto.HEADER.size
+            except TimeoutError:
+                pass
+            time.sleep(max(0.0, 1.0 - (time.monotonic() - began)))
+    finally:
+        me.close()
+        flood.kill()
+        flood.wait()
+    counts = endpoint.counts()
+    print(f"root's polls answered {answered} of 10; {counts}")
+    assert answered == 10
+    assert counts["reply_dropped"] > 50

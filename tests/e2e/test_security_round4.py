@@ -3,16 +3,24 @@ discovery, against a root agent. Real processes, real py-spy, real sockets."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers.processes import wait_for
+from helpers.agent import free_port, http_get, parse_metrics
+from helpers.nobody import nobody_python
+from helpers.processes import kill_tree, wait_for
+from helpers.watch import job_env, token, watch_config
 from profagent.analysis.incidents import Trigger
 from profagent.config import IncidentsConfig
 from profagent.contracts import ProcessTree
@@ -102,3 +110,63 @@ def test_communicate_capped_reads_past_the_cap_and_keeps_whole_lines() -> None:
     assert proc.returncode == 0
     assert got.out.endswith("\n") and set(got.out) == {"x", "\n"} and len(got.out) <= 1 << 20
     assert len(got.out) + got.truncated == 200000 * 100 and got.err == "err\n"
+
+
+SLEEPING_RANK = "import time\nwhile True:\n    sum(range(3000))\n    time.sleep(0.02)\n"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="plays a root agent against nobody")
+def test_nobody_cannot_join_roots_job_through_a_root_agent_by_naming_its_label(run_agent, children, tmp_path: Path) -> None:
+    """Issue 51 high 3, end to end: nobody sets TORCHELASTIC_RUN_ID=victim-job first, so
+    root's torchrun-like job with that id is labelled victim-job@root; then nobody starts
+    processes with TORCHELASTIC_RUN_ID=victim-job@root and RANK 0 and 1 (one of them stopped,
+    as the frozen fake rank was). Bound, on every scrape over 5 s: the series of job
+    victim-job@root carry root's two PIDs and user root only (no duplicated series); nobody's
+    processes are victim-job@root@nobody; and no finding of root's job exists, nor a
+    duplicate_rank."""
+    tok = token()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    agent = run_agent(["watch", "--config", str(watch_config(tmp_path, tok)), "--listen", f"127.0.0.1:{port}"])
+    agent.wait_healthy(url, timeout=30)
+    folder = Path(tempfile.mkdtemp(prefix="paw-round4-"))
+    folder.chmod(0o755)
+    attackers = []
+    try:
+        attackers.append(nobody_python(SLEEPING_RANK, job_env(tok, TORCHELASTIC_RUN_ID="victim-job", RANK="0"), folder))
+
+        def info() -> list[dict[str, str]]:
+            return [lab for lab, _ in parse_metrics(http_get(url + "/metrics")).get("profagent_target_info", [])]
+
+        wait_for(lambda: any(lab.get("job_id") == "victim-job" for lab in info()), 30, what="nobody's claim")
+        mine = [children.python(SLEEPING_RANK, env=job_env(tok, TORCHELASTIC_RUN_ID="victim-job", RANK=str(r),
+                                                         WORLD_SIZE="2")) for r in (0, 1)]
+        for r in (0, 1):
+            attackers.append(nobody_python(SLEEPING_RANK, job_env(tok, TORCHELASTIC_RUN_ID="victim-job@root",
+                                                                  RANK=str(r), WORLD_SIZE="2"), folder))
+        os.kill(attackers[-1].pid, signal.SIGSTOP)  # a frozen "rank"
+        wait_for(lambda: len({lab["pid"] for lab in info() if lab.get("job_id", "").startswith("victim-job@root")}) == 4,
+                 30, what="every process watched")
+        began = time.monotonic()
+        while time.monotonic() - began < 5:
+            parsed = parse_metrics(http_get(url + "/metrics"))
+            rows = [lab for lab, _ in parsed.get("profagent_target_info", [])]
+            victim = [lab for lab in rows if lab.get("job_id") == "victim-job@root"]
+            assert sorted(int(lab["pid"]) for lab in victim) == sorted(p.pid for p in mine), victim
+            assert {lab["user"] for lab in victim} == {"root"}
+            forged = [lab for lab in rows if lab.get("job_id") == "victim-job@root@nobody"]
+            assert sorted(int(lab["pid"]) for lab in forged) == sorted(p.pid for p in attackers[1:])
+            assert {lab["user"] for lab in forged} == {"nobody"}
+            cpu = [lab for lab, _ in parsed.get("profagent_process_cpu_seconds_total", [])
+                   if lab.get("job_id") == "victim-job@root"]
+            assert len(cpu) == len({tuple(sorted(lab.items())) for lab in cpu})  # no duplicated series
+            findings = json.loads(http_get(url + "/api/findings"))["findings"]
+            assert not [f for f in findings if f["job_id"] == "victim-job@root"], findings
+            time.sleep(0.5)
+    finally:
+        for proc in attackers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+            kill_tree(proc)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -8,7 +8,7 @@ import threading
 
 from helpers.processes import wait_for
 from profagent.engine.runtime import Runtime
-from profagent.errors import SourceError, SourceUnavailable
+from profagent.errors import SourceError, SourceUnavailable, SourceWaiting
 from profagent.exporters.exposition import Exposition
 from profagent.state import State
 from profagent.target import PidTarget
@@ -120,3 +120,45 @@ def test_scrape_never_waits_on_a_source_and_stop_is_prompt() -> None:
     stopper.join(timeout=60)  # the tick stays blocked until released below: only a hang fails
     assert not stopper.is_alive() and slow.stopped and slow.in_tick
     slow.release.set()
+
+
+class Waiting(Counting):
+    """Starts without what it needs (an endpoint another process holds), retries, gets it."""
+
+    name = "waiting"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.free = threading.Event()
+
+    def start(self) -> None:
+        raise SourceWaiting("the endpoint is held by PID 7 of uid 65534", "endpoint_held")
+
+    def collect(self, tree):
+        self.ticks += 1
+        if not self.free.is_set():
+            raise SourceWaiting("the endpoint is held by PID 7 of uid 65534", "endpoint_held")
+        return self.ticks
+
+
+def test_a_waiting_source_is_off_with_its_reason_keeps_ticking_and_comes_on() -> None:
+    """Issue 51 high 5: a source that waits for its endpoint is registered and off
+    (collector_up 0, profagent_collector_retrying 1) while its loop runs, with no error
+    counted per tick; its first snapshot turns it on."""
+    waiting = Waiting()
+    rt, state = _runtime(waiting)
+    try:
+        wait_for(lambda: waiting.ticks >= 3, what="the waiting source's ticks")
+        health = state.view().health["waiting"]
+        assert not health.up and health.retrying == "endpoint_held" and "PID 7" in health.detail
+        assert not health.errors
+        text = Exposition(state.view).render("")[0].decode()
+        assert 'profagent_collector_up{collector="waiting"} 0.0' in text
+        assert 'profagent_collector_retrying{collector="waiting",reason="endpoint_held"} 1.0' in text
+        waiting.free.set()
+        wait_for(lambda: state.view().health["waiting"].up, what="the source on")
+    finally:
+        rt.stop()
+    health = state.view().health["waiting"]
+    assert health.retrying == "" and health.detail == ""
+    assert 'profagent_collector_retrying{' not in Exposition(state.view).render("")[0].decode()

@@ -44,6 +44,8 @@ NOT_ON_A_DASHBOARD: dict[str, str] = {
     "profagent_incidents_traces_rejected_total": "trace files a capture refused (attacks or broken files): for ad-hoc queries",
     "profagent_traces_dir_configured": "keys the ProfagentNoTraces alert; always 1 while present",
     "profagent_collector_not_applicable": "keys the ProfagentCollectorDown alert (an off source with nothing to do here)",
+    "profagent_collector_retrying": "an off source that retries by itself (the Kineto endpoint held by another user): "
+                                    "its collector_up 0 fires ProfagentCollectorDown; the reason for ad-hoc queries",
     "profagent_process_threads": "threads of a rank's processes: for ad-hoc queries",
     "profagent_process_open_fds": "fd leaks are rare in training jobs: for ad-hoc queries",
     "profagent_processes": "processes per rank and role: the Ranks and roles table counts them from target_info",

@@ -7,6 +7,7 @@ and the registry and the datagrams are bounded per user (the comment above ``POL
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -54,7 +55,8 @@ log = logging.getLogger(__name__)
 # once a second), a user USER_POLLS_PER_SECOND (bursts of USER_POLL_BURST). What is over is
 # dropped unread and unanswered, counted as ``rate_limited``; the process polls again. 100
 # processes polling flat out (44k polls) once cost ~23% of a core and made another user's
-# `profagent trace` fail.
+# `profagent trace` fail. Replies go out through one socket per user (ReplySockets), so
+# unread replies to one user's processes never fill the send buffer another user's need.
 POLLER_TTL = 60.0  # libkineto polls every ~5 s; silent this long means gone
 MALFORMED_LOG_EVERY = 100
 MAX_POLLERS = 4096  # far more processes than a node traces; a flood cannot grow the registry past it
@@ -64,6 +66,7 @@ USER_POLLS_PER_SECOND, USER_POLL_BURST = 50.0, 100  # per user (uid): 50 process
 DRAIN_BATCH = 256  # datagrams read per wake-up, before the stop flag is looked at again
 MAX_BUCKETS = 8192  # senders remembered by the rate limit (the least recently seen go first)
 MAX_ANCESTORS = 32  # pids kept per poll (the process and its ancestors)
+MAX_REPLY_SOCKETS = 256  # users with a reply socket of their own (ReplySockets)
 # libkineto drops a config without a word in two cases, and the process then polls free
 # to trace with no trace file; the config is sent again:
 # - a timed config it receives too late to warm up (it starts within 2 s of receiving it,
@@ -169,6 +172,7 @@ class Endpoint:
         self._limited = 0  # datagrams over the rate, not yet counted
         self._per_process = TokenBuckets(*poll_rate)
         self._per_user = TokenBuckets(*user_poll_rate)
+        self._replies = ReplySockets(socket_dir)
 
     @property
     def address(self) -> str | bytes:
@@ -223,6 +227,7 @@ class Endpoint:
     def close(self) -> None:
         close_unix_socket(self._sock, self.address if isinstance(self.address, str) else None)
         self._sock = None
+        self._replies.close()
 
     def serve(self, stop: threading.Event) -> None:
         """Answer datagrams until ``stop`` is set (run in a thread)."""
@@ -259,7 +264,7 @@ class Endpoint:
                 reply = self.handle(data, sender)
             if reply is not None and addr:
                 try:
-                    sock.sendto(reply, socket.MSG_DONTWAIT, addr)
+                    (self._replies.sender(sender.uid) or sock).sendto(reply, socket.MSG_DONTWAIT, addr)
                 except BlockingIOError:
                     self._count("reply_dropped")  # the sender does not read its replies
                 except OSError:
@@ -406,6 +411,60 @@ class Endpoint:
     def counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+
+class ReplySockets:
+    """One sending socket per uid for the replies. A reply waits in its receiver's queue,
+    charged to the socket that sent it, until read: 60 processes of nobody that poll and
+    never read once held the endpoint's whole send buffer, and every reply to alice's job
+    was dropped (3 of 10 polls answered). Each user's unread replies now fill that user's
+    own socket only. libkineto ends its process on a reply from a name it does not expect:
+    with KINETO_IPC_SOCKET_DIR it must be a path in that folder (``dynolog.r<uid>`` in the
+    agent's own), else an abstract name (the kernel's choice). At most MAX_REPLY_SOCKETS,
+    the least recently used closed first (its replies stay queued where they were)."""
+
+    def __init__(self, socket_dir: str, most: int = MAX_REPLY_SOCKETS) -> None:
+        self.socket_dir, self.most = socket_dir, most
+        self._by_uid: dict[int, tuple[socket.socket, str | None]] = {}  # least recently used first
+
+    def sender(self, uid: int) -> socket.socket | None:
+        """The reply socket of ``uid``; None if none can be made (the caller uses its own)."""
+        found = self._by_uid.pop(uid, None)
+        if found is None:
+            found = self._open(uid)
+            if found is None:
+                return None
+        self._by_uid[uid] = found
+        while len(self._by_uid) > self.most:
+            _close(*self._by_uid.pop(next(iter(self._by_uid))))
+        return found[0]
+
+    def _open(self, uid: int) -> tuple[socket.socket, str | None] | None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        path = os.path.join(self.socket_dir, f"dynolog.r{uid if uid >= 0 else 'x'}") if self.socket_dir else None
+        try:
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # a stale one of ours: the folder is the agent's own (Endpoint.bind)
+            sock.bind(path if path is not None else "")  # "": an abstract name of the kernel's choosing
+        except OSError as exc:
+            sock.close()
+            log.debug("no reply socket for uid %d: %s", uid, exc)
+            return None
+        return sock, path
+
+    def close(self) -> None:
+        for sock, path in self._by_uid.values():
+            _close(sock, path)
+        self._by_uid.clear()
+
+
+def _close(sock: socket.socket, path: str | None) -> None:
+    sock.close()
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 class TokenBuckets:
