@@ -133,6 +133,7 @@ class TimelineSource:
         self._full_said: set[int] = set()  # users told their slots are full
         self._serial = 0  # appended to event names: each placement's own
         self._turn = 0  # whose file the worker reads next
+        self._releasing: dict[int, str] = {}  # the release the worker is doing
         self._files_lock = threading.Lock()  # guards _per_user and _read (the worker's side)
         self._work = threading.Event()
         self._worker: threading.Thread | None = None
@@ -180,7 +181,7 @@ class TimelineSource:
         tracefs, group, reading = self._tracefs, self._group, self._thread
         if reader is None or tracefs is None:
             return
-        names = dict(self._defined)
+        names = {**self._defined, **self._releasing}
         while self._releases:  # a release the worker had not begun
             names.update(self._releases.popleft())
 
@@ -340,7 +341,9 @@ class TimelineSource:
     def _work_once(self) -> bool:
         """One release, else one file read (the next user's in turn); False when idle."""
         if self._releases:
-            self._release(self._releases.popleft())
+            self._releasing = self._releases.popleft()  # stop() removes these too if it comes first
+            self._release(self._releasing)
+            self._releasing = {}
             return True
         with self._files_lock:
             users = sorted(uid for uid, files in self._per_user.items() if files)
@@ -375,6 +378,8 @@ class TimelineSource:
 
     def _place_read(self) -> None:
         """Place the probes of the files the worker read since the last collect."""
+        if self._stop.is_set():
+            return
         with self._files_lock:
             done = list(self._read)
             self._read.clear()
@@ -418,6 +423,8 @@ class TimelineSource:
                 uprobes.remove(tracefs, self._group, name)
 
     def _place(self, file: _File, library: elfsyms.Library) -> _Placed | None:
+        if self._stop.is_set() or self._reader is None:  # stopping: define nothing more
+            return None
         path = file.path
         if library.machine != "EM_X86_64":
             return _Placed(file.uid, ProbedLibrary(path, library.build_id, (), (f"all: machine {library.machine}",)), {})
