@@ -1,9 +1,10 @@
 """The timeline source: every rank's steps, stages and collective arrivals, from uprobes
 on the libtorch each rank has mapped (no trace, no code change, any CPython).
 
-Flow: ``collect`` finds each rank's libtorch (``/proc/PID/maps``), resolves the probed
-functions once per library file (``system.elfsyms``), defines the events in tracefs
-(``system.uprobes``) and opens them on every CPU (``system.perfevents``). A reader
+Flow: ``collect`` finds each rank's libtorch (``/proc/PID/maps``); a worker thread
+resolves the probed functions once per library file (``system.elfsyms``), users in turn;
+``collect`` then defines the events in tracefs (``system.uprobes``), opens them on every
+CPU (``system.perfevents``), and removes those of a file no rank maps any more. A reader
 thread drains the rings into one ``RankTimeline`` per rank process; ``collect``
 publishes their figures and matches the job's collectives across ranks.
 """
@@ -209,7 +210,7 @@ class TimelineSource:
         releaser.start()
         releaser.join(budget)
         if self._worker is not None:
-            self._worker.join(max(0.0, budget - 0.1))
+            self._worker.join(0.1)  # a daemon: a read it is in has its own deadline
 
     # -- reading ----------------------------------------------------------------------
     def _read_loop(self) -> None:
