@@ -185,8 +185,19 @@ def test_nobodys_crafted_string_table_neither_bloats_the_agent_nor_stalls_roots_
         assert grown < 64, grown
         wait_for(job.done, 180, interval=0.5, what="root's job's steps")
         truth = [float(len(job.truth(r)["calls"])) for r in range(2)]
-        wait_for(lambda: roots_steps() == truth, 30, interval=0.5,
-                 what=f"the agent's counts of root's steps to reach its log's {truth}")
+        last: list[object] = []
+
+        def exact() -> bool:
+            m = parse_metrics(http_get(url + "/metrics"))
+            last[:] = [roots_steps(), samples(m, "profagent_timeline_lost_events_total"),
+                       samples(m, "profagent_timeline_events_total")]
+            return last[0] == truth
+
+        try:
+            wait_for(exact, 30, interval=0.5, what=f"the agent's counts of root's steps to reach its log's {truth}")
+        except BaseException:
+            print("counted, lost, events:", last)
+            raise
         mine = {g for g in _groups() - before if f"_{agent.proc.pid:x}_" in g}
         assert mine
         agent.proc.send_signal(signal.SIGTERM)
