@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import pytest
 
 from helpers.agent import free_port, http_get, parse_metrics
 from helpers.fake_libtorch import junk, probeable, repeated_name
-from helpers.nobody import nobody_python
+from helpers.nobody import as_nobody, nobody_python
 from helpers.processes import kill_tree, wait_for
 from helpers.timeline import Job
 from helpers.watch import job_env, samples, token, watch_config
@@ -184,8 +185,19 @@ def test_nobodys_crafted_string_table_neither_bloats_the_agent_nor_stalls_roots_
         assert grown < 64, grown
         wait_for(job.done, 180, interval=0.5, what="root's job's steps")
         truth = [float(len(job.truth(r)["calls"])) for r in range(2)]
-        wait_for(lambda: roots_steps() == truth, 30, interval=0.5,
-                 what=f"the agent's counts of root's steps to reach its log's {truth}")
+        last: list[object] = []
+
+        def exact() -> bool:
+            m = parse_metrics(http_get(url + "/metrics"))
+            last[:] = [roots_steps(), samples(m, "profagent_timeline_lost_events_total"),
+                       samples(m, "profagent_timeline_events_total")]
+            return last[0] == truth
+
+        try:
+            wait_for(exact, 30, interval=0.5, what=f"the agent's counts of root's steps to reach its log's {truth}")
+        except BaseException:
+            print("counted, lost, events:", last)
+            raise
         mine = {g for g in _groups() - before if f"_{agent.proc.pid:x}_" in g}
         assert mine
         agent.proc.send_signal(signal.SIGTERM)
@@ -197,3 +209,62 @@ def test_nobodys_crafted_string_table_neither_bloats_the_agent_nor_stalls_roots_
         if job is not None:
             job.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+FLOOD = """
+import torch
+while True:
+    with torch.autograd.profiler.record_function("flood"):
+        pass
+"""
+
+
+def test_events_lost_to_nobodys_flood_are_said_for_roots_rank(tmp_path: Path, run_agent) -> None:
+    """Issue 51, Medium: two processes of nobody, not watched, run `record_function` flat
+    out on the same libtorch file as root's job, into rings of one page: events are lost.
+    Root's rank says so (its series, `diagnose`, one log line) and its step count is a
+    floor of its log's, never above it."""
+    tok = token()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    folder = Path(tempfile.mkdtemp(prefix="paw-flood-"))
+    floods: list[subprocess.Popen] = []
+    job: Job | None = None
+    try:
+        folder.chmod(0o755)
+        agent = run_agent(["watch", "--config", str(watch_config(tmp_path, tok)), "--listen", f"127.0.0.1:{port}"],
+                          env={"PROFAGENT_TIMELINE_RING_PAGES": "1"})
+        agent.wait_healthy(url, timeout=30)
+        job = Job(tmp_path, 1, "--seconds", "15", "--linger", "120", env=job_env(tok))
+        wait_for(lambda: "site-packages/torch/lib/libtorch_cpu.so (" in agent.output, 120, interval=0.5,
+                 what="root's libtorch probed")
+        script = folder / "flood.py"
+        script.write_text(FLOOD)
+        script.chmod(0o644)
+        for _ in range(2):
+            floods.append(subprocess.Popen(as_nobody(sys.executable, str(script)), cwd="/", start_new_session=True,
+                                           env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}))
+        job.start_file.write_text("go")
+        wait_for(job.done, 180, interval=0.5, what="root's job's steps")
+        calls = len(job.truth(0)["calls"])
+
+        def lost() -> float:
+            m = parse_metrics(http_get(url + "/metrics"))
+            return sum(v for lab, v in samples(m, "profagent_timeline_lost_events_total") if lab.get("rank") == "0")
+
+        wait_for(lambda: lost() > 0, 30, interval=0.5, what="root's rank's lost events")
+        m = parse_metrics(http_get(url + "/metrics"))
+        counted = next(v for _, v in samples(m, "profagent_optimizer_steps_total", rank="0"))
+        assert counted <= calls, (counted, calls)  # a floor
+        assert re.search(r"timeline: job \S+ rank 0: \d+ probe events lost where it ran", agent.output)
+        out = subprocess.run([sys.executable, "-m", "profagent", "diagnose", "--url", url], capture_output=True,
+                             text=True, timeout=60, env={**os.environ, "COLUMNS": "250"})
+        assert re.search(r"rank 0: p50 .*misses events \(\d+ lost: figures approximate, counts a floor\)",
+                         out.stdout), out.stdout
+        print(f"root's rank: {calls} steps in its log, {counted:.0f} counted, {lost():.0f} events lost where it ran")
+    finally:
+        for proc in floods:
+            kill_tree(proc)
+        if job is not None:
+            job.stop()
+        shutil.rmtree(folder, ignore_errors=True)

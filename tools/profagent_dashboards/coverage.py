@@ -66,6 +66,7 @@ NOT_ON_A_DASHBOARD: dict[str, str] = {
     "profagent_trace_steps_incomplete": "incomplete last steps excluded from the step time: said by `profagent analyze`; for ad-hoc queries",
     "profagent_timeline_events_total": "probe events read, foreign and lost: the timeline's own health, for ad-hoc queries",
     "profagent_timeline_probes": "probes placed per libtorch build: said by the agent's log and `profagent doctor`",
+    "profagent_timeline_lost_events_total": "probe events lost where a rank ran: said by `diagnose`, `top` and the agent's log",
     "profagent_steps_per_second": "the agent's own window rate, for `top` and `diagnose`; panels use rate() of the steps counter",
     "profagent_step_micro_batches": "backward passes per step over the window, for `diagnose`; panels use rate() of both counters",
     "profagent_step_window_seconds": "the agent's own window quantiles, for `top` and `diagnose`; panels compute theirs from the histogram",

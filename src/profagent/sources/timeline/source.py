@@ -1,9 +1,10 @@
 """The timeline source: every rank's steps, stages and collective arrivals, from uprobes
 on the libtorch each rank has mapped (no trace, no code change, any CPython).
 
-Flow: ``collect`` finds each rank's libtorch (``/proc/PID/maps``), resolves the probed
-functions once per library file (``system.elfsyms``), defines the events in tracefs
-(``system.uprobes``) and opens them on every CPU (``system.perfevents``). A reader
+Flow: ``collect`` finds each rank's libtorch (``/proc/PID/maps``); a worker thread
+resolves the probed functions once per library file (``system.elfsyms``), users in turn;
+``collect`` then defines the events in tracefs (``system.uprobes``), opens them on every
+CPU (``system.perfevents``), and removes those of a file no rank maps any more. A reader
 thread drains the rings into one ``RankTimeline`` per rank process; ``collect``
 publishes their figures and matches the job's collectives across ranks.
 """
@@ -52,6 +53,7 @@ LOSS_ACTIVE = 2.0  # seconds since a rank's last event within which a loss nobod
 PARSE_SECONDS = 20.0  # for one library's symbols (libtorch_cpu.so: 0.4 s), then it is refused
 FAILED_KEPT = 1024  # files that gave no probe, remembered so as not to read them again
 QUEUED_PER_USER = 16  # files of one user waiting to be read
+UNMAPPED_GRACE = 10.0  # seconds a placed library is mapped by no observed process before its probes go
 RELEASE_SECONDS = 6.0  # a clean stop's time for removing our probes: under systemd's TimeoutStopSec=10
 
 
@@ -133,9 +135,11 @@ class TimelineSource:
         self._read: deque[tuple[_File, elfsyms.Library | str]] = deque()  # what the worker read, or why not
         self._failed: OrderedDict[tuple[int, int, int, int], ProbedLibrary | None] = OrderedDict()
         self._mapped_by: dict[int, frozenset[tuple[int, int]]] = {}  # pid -> the libraries it maps
+        self._unmapped_since: dict[tuple[int, int], float] = {}  # placed, mapped by no observed process since
         self._full_said: set[int] = set()  # users told their slots are full
         self._serial = 0  # appended to event names: each placement's own
         self._turn = 0  # whose file the worker reads next
+        self._releasing: dict[int, str] = {}  # the release the worker is doing
         self._files_lock = threading.Lock()  # guards _per_user and _read (the worker's side)
         self._work = threading.Event()
         self._worker: threading.Thread | None = None
@@ -183,7 +187,7 @@ class TimelineSource:
         tracefs, group, reading = self._tracefs, self._group, self._thread
         if reader is None or tracefs is None:
             return
-        names = dict(self._defined)
+        names = {**self._defined, **self._releasing}
         while self._releases:  # a release the worker had not begun
             names.update(self._releases.popleft())
 
@@ -211,7 +215,7 @@ class TimelineSource:
         releaser.start()
         releaser.join(budget)
         if self._worker is not None:
-            self._worker.join(max(0.0, budget - 0.1))
+            self._worker.join(0.1)  # a daemon: a read it is in has its own deadline
 
     # -- reading ----------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -288,6 +292,8 @@ class TimelineSource:
             return
         self._looked[pid] = now
         found = _libraries(self.proc_root, pid)
+        if found is None:  # gone, or unreadable for now: what it mapped stands
+            return
         self._mapped_by[pid] = frozenset(key for key, _, _ in found)
         try:
             uid = os.stat(f"{self.proc_root}/{pid}").st_uid
@@ -343,7 +349,9 @@ class TimelineSource:
     def _work_once(self) -> bool:
         """One release, else one file read (the next user's in turn); False when idle."""
         if self._releases:
-            self._release(self._releases.popleft())
+            self._releasing = self._releases.popleft()  # stop() removes these too if it comes first
+            self._release(self._releasing)
+            self._releasing = {}
             return True
         with self._files_lock:
             users = sorted(uid for uid, files in self._per_user.items() if files)
@@ -378,6 +386,8 @@ class TimelineSource:
 
     def _place_read(self) -> None:
         """Place the probes of the files the worker read since the last collect."""
+        if self._stop.is_set():
+            return
         with self._files_lock:
             done = list(self._read)
             self._read.clear()
@@ -400,7 +410,13 @@ class TimelineSource:
         for pid in [p for p in self._mapped_by if p not in mains]:
             del self._mapped_by[pid]
         mapped = set().union(*self._mapped_by.values()) if self._mapped_by else set()
+        now = self.clock()
+        for key in [k for k in self._unmapped_since if k in mapped or k not in self._placed]:
+            del self._unmapped_since[key]
         for key in [k for k in self._placed if k not in mapped]:
+            if now - self._unmapped_since.setdefault(key, now) < UNMAPPED_GRACE:
+                continue  # a rank between two of its looks, or a job about to restart its ranks
+            del self._unmapped_since[key]
             placed = self._placed.pop(key)
             self._full_said.discard(placed.uid)
             with self._lock:
@@ -421,6 +437,8 @@ class TimelineSource:
                 uprobes.remove(tracefs, self._group, name)
 
     def _place(self, file: _File, library: elfsyms.Library) -> _Placed | None:
+        if self._stop.is_set() or self._reader is None:  # stopping: define nothing more
+            return None
         path = file.path
         if library.machine != "EM_X86_64":
             return _Placed(file.uid, ProbedLibrary(path, library.build_id, (), (f"all: machine {library.machine}",)), {})
@@ -615,13 +633,14 @@ def _bucket(bounds: tuple[float, ...], value: float) -> int | None:
 _MAPS_LINE = re.compile(rb"^([0-9a-f]+-[0-9a-f]+) (\S{4}) [0-9a-f]+ ([0-9a-f]+):([0-9a-f]+) (\d+) +(/.*)$", re.M)
 
 
-def _libraries(proc_root: Path, pid: int) -> list[tuple[tuple[int, int], str, str]]:
-    """((dev, inode), path, map_files name) of each executable mapping of a libtorch."""
+def _libraries(proc_root: Path, pid: int) -> list[tuple[tuple[int, int], str, str]] | None:
+    """((dev, inode), path, map_files name) of each executable mapping of a libtorch; None
+    when the maps cannot be read."""
     try:
         with open(f"{proc_root}/{pid}/maps", "rb") as fh:
             text = fh.read(MAPS_MAX)
     except OSError:
-        return []
+        return None
     out = []
     seen: set[tuple[int, int]] = set()
     for m in _MAPS_LINE.finditer(text):
