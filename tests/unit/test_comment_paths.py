@@ -34,7 +34,8 @@ BASES = (
 FOREIGN = ("torch", "site-packages", "dist-packages", "multiprocessing", "concurrent", "asyncio", "importlib",
            "json", "logging", "email", "http", "urllib", "ctypes", "lib", "usr", "proc", "sys", "dev", "run", "etc",
            "var", "tmp", "home", "root", "opt", "bin", "sbin", "kineto", "libkineto", "c10", "aten", "hta", "py-spy",
-           "nvidia", "cuda", "grafana", "prometheus", "node_modules", "__pycache__", "build", "dist")
+           "nvidia", "cuda", "grafana", "prometheus", "node_modules", "__pycache__", "build", "dist",
+           "transformers", "accelerate", "pytorch_lightning", "lightning", "lightning_fabric", "deepspeed")
 _SPLIT = re.compile(r"[\s\"'`=(),:;<>|{}\[\]!]+")
 _PATHLIKE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_./-]*$")
 _PLACEHOLDER = re.compile(r"[*$?~]|//|\.\.|\b[A-Z][A-Z0-9_]+\b|<|>")
