@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers.agent import AgentProcess, free_port
+from helpers.agent import AgentProcess, free_port, http_get
 from helpers.paths import WORKLOADS
 from helpers.plain_ddp import rank_events, trigger_event
 from helpers.processes import kill_tree, wait_for
@@ -98,6 +98,9 @@ class Watched:
         except BaseException:
             print("--- job log ---", self.job.log_tail(), "--- agent log ---",
                   "\n".join(self.agent.output.splitlines()[-60:]), sep="\n")
+            with contextlib.suppress(Exception):  # what the agent held then: a help, never the failure
+                print("--- findings ---", *((f["summary"], f["evidence"]) for f in findings(self.url)["findings"]),
+                      "--- ranks ---", http_get(self.url + "/api/ranks")[:4000], sep="\n")
             raise
 
 
