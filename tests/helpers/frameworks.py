@@ -7,6 +7,7 @@ a hang. Each phase is a function here; the test files name the job and call them
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers.agent import AgentProcess, free_port
+from helpers.agent import AgentProcess, free_port, http_get
 from helpers.paths import WORKLOADS
 from helpers.plain_ddp import rank_events, trigger_event
 from helpers.processes import kill_tree, wait_for
@@ -62,12 +63,21 @@ class FrameworkJob:
         self._out.close()
 
 
-def own_figures(events: list[dict]) -> tuple[list[float], dict[str, float]]:
+def boundaries(events: list[dict], boundary: str = "optimizer") -> list[float]:
+    """Where a rank's steps begin by its own log, at the boundary the agent says it uses:
+    each Optimizer.step call, each zero_grad call, or each backward's start."""
+    if boundary == "backward":
+        return sorted(e["start"] for e in events if e["event"] == "block" and e["stage"] == "backward")
+    return [e["call"] for e in events if e["event"] == ("zero_grad" if boundary == "zero_grad" else "step")]
+
+
+def own_figures(events: list[dict], boundary: str = "optimizer") -> tuple[list[float], dict[str, float]]:
     """Step intervals and stage shares from a rank's own log: the k-th interval runs from
-    the k-th Optimizer.step call to the next; a stage block counts in the interval it ends
-    in, from the interval's start at the earliest (as a block open across a step's start).
-    Blocks of other stages (a compiled optimizer step, which no probe sees) are left out."""
-    calls = [e["call"] for e in events if e["event"] == "step"]
+    the k-th boundary (an Optimizer.step call) to the next; a stage block counts in the
+    interval it ends in, from the interval's start at the earliest (as a block open across
+    a step's start). Blocks of other stages (a compiled update, which no probe sees) are
+    left out."""
+    calls = boundaries(events, boundary)
     intervals = [b - a for a, b in zip(calls, calls[1:], strict=False)]
     total = sum(intervals)
     seconds = dict.fromkeys(STAGES, 0.0)
@@ -98,6 +108,9 @@ class Watched:
         except BaseException:
             print("--- job log ---", self.job.log_tail(), "--- agent log ---",
                   "\n".join(self.agent.output.splitlines()[-60:]), sep="\n")
+            with contextlib.suppress(Exception):  # what the agent held then: a help, never the failure
+                print("--- findings ---", *((f["summary"], f["evidence"]) for f in findings(self.url)["findings"]),
+                      "--- ranks ---", http_get(self.url + "/api/ranks")[:4000], sep="\n")
             raise
 
 
@@ -152,27 +165,38 @@ def figures_at_the_pause(w: Watched) -> None:
     with w.on_failure():
         w.job.trigger_event("pause")
         wait_for(lambda: all(w.job.events(r, "pause") for r in range(RANKS)), 60, interval=0.2, what="the pause")
-        own = {r: [e for e in w.job.events(r) if e["event"] in ("step", "block")] for r in range(RANKS)}
+        own = {r: w.job.events(r) for r in range(RANKS)}
+        bound = step_boundaries(w.url)
 
         def caught_up() -> dict | None:
-            # completed steps, whatever their boundary (Optimizer.step, or the backward
-            # passes where a compiled step has no block): one less than the calls
+            # completed steps from the boundary the agent uses (Optimizer.step, or zero_grad
+            # or the backward passes where a compiled step has no block): one less than them
             m = metrics(w.url)
             counts = [value(m, "profagent_step_seconds_count", rank=str(r)) for r in range(RANKS)]
-            want = [float(sum(e["event"] == "step" for e in own[r]) - 1) for r in range(RANKS)]
-            assert counts == want, f"the agent's completed steps {counts}, the job's {want}"
+            want = [float(len(boundaries(own[r], bound.get(str(r), "optimizer"))) - 1) for r in range(RANKS)]
+            # events lost from the ring buffer (kernel probes are machine-wide: other jobs' hits share it) say why
+            lost = value(m, "profagent_timeline_events_total", kind="lost")
+            assert counts == want, f"the agent's completed steps {counts}, the job's {want} (boundaries {bound}, " \
+                                   f"probe events lost {lost})"
             return m
 
         m = wait_for(caught_up, 20, interval=0.5, what="the agent's step count to reach the job's")
         for r in range(RANKS):
-            intervals, shares = own_figures(own[r])
+            intervals, shares = own_figures(own[r], bound.get(str(r), "optimizer"))
             total = value(m, "profagent_step_seconds_sum", rank=str(r)) or 1.0
             got = {s: round(value(m, "profagent_step_stage_seconds_total", stage=s, rank=str(r)) / total, 3)
                    for s in (*STAGES, "other")}
-            w.notes.append(f"rank {r}: {len(intervals)} steps, own p50 {sorted(intervals)[len(intervals) // 2]:.4f} s, "
+            w.notes.append(f"rank {r}: {len(intervals)} steps from {bound.get(str(r), 'optimizer')}, own p50 {sorted(intervals)[len(intervals) // 2]:.4f} s, "
                            f"agent p50 {value(m, 'profagent_step_window_seconds', stat='p50', rank=str(r))}; own shares "
                            f"{ {s: round(v, 3) for s, v in shares.items()} }, agent's {got}")
             check_figures(m, intervals, shares, r)
+
+
+def step_boundaries(url: str) -> dict[str, str]:
+    """Each rank's step boundary as /api/ranks says (ranks without one left out)."""
+    rows = [r for j in json.loads(http_get(url + "/api/ranks"))["jobs"] for r in j["ranks"]]
+    return {str(r["rank"]): r["timeline"]["step_boundary"] for r in rows
+            if r.get("timeline") and r["timeline"].get("step_boundary")}
 
 
 def pause(w: Watched) -> None:

@@ -8,7 +8,7 @@ usage: FW_LOG=DIR FW_GO=FILE [FW_TRIGGER=FILE] [FW_MAX_STEPS=N] FW_COMPILE=model
 The ground truth (framework_truth.py): with the model compiled, each step call and block
 from hooks on the optimizer; with its step compiled (a hook would be traced into the
 graph), the times around the compiled call (a "compiled_step" block: its update is no
-stage the probes can see). Each backward and DataLoader wait too; the
+stage the probes can see) and each zero_grad call. Each backward and DataLoader wait too; the
 test's events are taken at each step's start.
 """
 
@@ -81,6 +81,7 @@ def main() -> None:
         else:
             step()
         t0 = time.monotonic()
+        truth.note(event="zero_grad", call=t0)  # a step boundary where no Optimizer.step block arrives
         opt.zero_grad()
         truth.block("optimizer", t0, time.monotonic())
     truth.note(event="end")
