@@ -14,7 +14,7 @@ from helpers.fake_libtorch import junk, probeable
 from profagent.config import TimelineConfig
 from profagent.contracts import ProcessInfo, ProcessTree
 from profagent.sources.timeline import source as timeline
-from profagent.sources.timeline.source import RECHECK_AFTER, TimelineSource
+from profagent.sources.timeline.source import RECHECK_AFTER, UNMAPPED_GRACE, TimelineSource
 
 NOBODY = 65534
 
@@ -112,8 +112,12 @@ def test_slots_are_per_user_freed_when_unmapped_and_junk_costs_none(tmp_path: Pa
     assert sorted(p for p in reads if p in junk_paths) == junk_paths  # read, each once, and remembered
     assert len(reads) == len(set(reads))  # no file read twice
 
-    # nobody's process leaves: its eight libraries' probes come off, root's stay
+    # nobody's process leaves: once UNMAPPED_GRACE has passed, its eight libraries' probes
+    # come off; root's stay
     only_root = _tree(200)
+    _tick(source, clock, only_root)
+    assert len(source._placed) == 9  # not at once: a rank between two of its looks
+    clock.t += UNMAPPED_GRACE
     _tick(source, clock, only_root)
     while source._work_once():
         pass

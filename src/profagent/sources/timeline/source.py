@@ -50,6 +50,7 @@ LOSS_ACTIVE = 2.0  # seconds since a rank's last event within which a loss nobod
 PARSE_SECONDS = 20.0  # for one library's symbols (libtorch_cpu.so: 0.4 s), then it is refused
 FAILED_KEPT = 1024  # files that gave no probe, remembered so as not to read them again
 QUEUED_PER_USER = 16  # files of one user waiting to be read
+UNMAPPED_GRACE = 10.0  # seconds a placed library is mapped by no observed process before its probes go
 RELEASE_SECONDS = 6.0  # a clean stop's time for removing our probes: under systemd's TimeoutStopSec=10
 
 
@@ -131,6 +132,7 @@ class TimelineSource:
         self._read: deque[tuple[_File, elfsyms.Library | str]] = deque()  # what the worker read, or why not
         self._failed: OrderedDict[tuple[int, int, int, int], ProbedLibrary | None] = OrderedDict()
         self._mapped_by: dict[int, frozenset[tuple[int, int]]] = {}  # pid -> the libraries it maps
+        self._unmapped_since: dict[tuple[int, int], float] = {}  # placed, mapped by no observed process since
         self._full_said: set[int] = set()  # users told their slots are full
         self._serial = 0  # appended to event names: each placement's own
         self._turn = 0  # whose file the worker reads next
@@ -287,6 +289,8 @@ class TimelineSource:
             return
         self._looked[pid] = now
         found = _libraries(self.proc_root, pid)
+        if found is None:  # gone, or unreadable for now: what it mapped stands
+            return
         self._mapped_by[pid] = frozenset(key for key, _, _ in found)
         try:
             uid = os.stat(f"{self.proc_root}/{pid}").st_uid
@@ -403,7 +407,13 @@ class TimelineSource:
         for pid in [p for p in self._mapped_by if p not in mains]:
             del self._mapped_by[pid]
         mapped = set().union(*self._mapped_by.values()) if self._mapped_by else set()
+        now = self.clock()
+        for key in [k for k in self._unmapped_since if k in mapped or k not in self._placed]:
+            del self._unmapped_since[key]
         for key in [k for k in self._placed if k not in mapped]:
+            if now - self._unmapped_since.setdefault(key, now) < UNMAPPED_GRACE:
+                continue  # a rank between two of its looks, or a job about to restart its ranks
+            del self._unmapped_since[key]
             placed = self._placed.pop(key)
             self._full_said.discard(placed.uid)
             with self._lock:
@@ -596,13 +606,14 @@ def _bucket(bounds: tuple[float, ...], value: float) -> int | None:
 _MAPS_LINE = re.compile(rb"^([0-9a-f]+-[0-9a-f]+) (\S{4}) [0-9a-f]+ ([0-9a-f]+):([0-9a-f]+) (\d+) +(/.*)$", re.M)
 
 
-def _libraries(proc_root: Path, pid: int) -> list[tuple[tuple[int, int], str, str]]:
-    """((dev, inode), path, map_files name) of each executable mapping of a libtorch."""
+def _libraries(proc_root: Path, pid: int) -> list[tuple[tuple[int, int], str, str]] | None:
+    """((dev, inode), path, map_files name) of each executable mapping of a libtorch; None
+    when the maps cannot be read."""
     try:
         with open(f"{proc_root}/{pid}/maps", "rb") as fh:
             text = fh.read(MAPS_MAX)
     except OSError:
-        return []
+        return None
     out = []
     seen: set[tuple[int, int]] = set()
     for m in _MAPS_LINE.finditer(text):
