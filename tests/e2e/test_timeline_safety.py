@@ -63,6 +63,11 @@ def groups() -> set[str]:
     return {g for g, _ in uprobes.definitions(TRACEFS)}
 
 
+def agents_groups(agent: AgentProcess, before: set[str]) -> set[str]:
+    """The groups ``agent`` made: its pid is in their names (other agents probe too)."""
+    return {g for g in groups() - before if f"_{agent.proc.pid:x}_" in g}
+
+
 def test_fork_threads_workers_and_exit_work_while_probed(tmp_path: Path, run_agent) -> None:
     victim = Victim(tmp_path, "--steps", "40")
     try:
@@ -104,7 +109,7 @@ def test_an_agent_killed_with_sigkill_leaves_nothing_armed(tmp_path: Path, run_a
         before = groups()
         first, url = agent_on(run_agent, victim.proc.pid)
         wait_for(lambda: probes_placed(url), 120, interval=0.5, what="probes")
-        mine = groups() - before
+        mine = agents_groups(first, before)
         assert len(mine) >= 1
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait(30)
@@ -265,7 +270,7 @@ def test_a_clean_stop_removes_every_definition_it_made(tmp_path: Path, run_agent
         before = groups()
         agent, url = agent_on(run_agent, victim.proc.pid)
         wait_for(lambda: probes_placed(url), 120, interval=0.5, what="probes")
-        mine = groups() - before
+        mine = agents_groups(agent, before)
         assert mine
         placed = sum(1 for g, _ in uprobes.definitions(TRACEFS) if g in mine)
         if load == "busy":
