@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
-from profagent.analysis.findings import KINDS
+from profagent.analysis.findings import FINDING_KINDS
 from profagent.analysis.findings.evaluate import Evaluator
 from profagent.analysis.findings.hang import hang
 from profagent.analysis.findings.history import CountsWindow, MemorySeries
@@ -534,7 +534,7 @@ def test_every_kind_is_documented_and_results_are_ranked() -> None:
     from helpers.paths import ROOT
 
     doc = (ROOT / "docs" / "diagnosis.md").read_text()
-    for kind in KINDS:
+    for kind in FINDING_KINDS:
         assert f"`{kind}`" in doc, kind
 
 

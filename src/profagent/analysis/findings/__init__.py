@@ -7,7 +7,7 @@ documented in docs/diagnosis.md; each analyzer is one module here, run by ``eval
 
 from __future__ import annotations
 
-KINDS = (
+FINDING_KINDS = (
     "hang",
     "stall",
     "straggler",
