@@ -29,6 +29,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from profagent.exporters.api.ranks_doc import RankRow, read_ranks
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_PORT = 19400
 PROFAGENT = [sys.executable, "-m", "profagent"]
@@ -204,14 +206,16 @@ def on_demand_trace(launcher: int, config: Path, report: dict[str, str]) -> None
         f"failed (exit {done.returncode})"
 
 
-def probed_ranks(base: str) -> list[dict]:
+def probed_ranks(base: str) -> list[RankRow]:
     try:
-        ranks = [r for job in json.loads(scrape(f"{base}/api/ranks")).get("jobs", []) for r in job.get("ranks", [])]
+        doc = read_ranks(json.loads(scrape(f"{base}/api/ranks")))  # the records `profagent top` reads
     except ValueError:
         return []
+    ranks = [r for job in doc.jobs for r in job.ranks]
     # a few steps of each rank, so the quantiles are not of the first step or two
-    probed = [r for r in ranks if (r.get("timeline") or {}).get("p50_seconds") is not None
-              and (r["timeline"].get("optimizer_steps") or 0) >= FIRST_STEPS]
+    probed = [r for r in ranks if r.timeline is not None and r.timeline.p50_seconds is not None
+              and r.timeline.p90_seconds is not None and r.timeline.steps_per_second is not None
+              and r.timeline.optimizer_steps >= FIRST_STEPS]
     return probed if probed and len(probed) == len(ranks) else []
 
 
@@ -233,10 +237,11 @@ def print_probed_steps(base: str, stop: list[bool], began: float, report: dict[s
           f" since the probes were placed ({first:.0f} s after the demo started; later figures cover the last"
           " 60 s, timeline.window_seconds):", flush=True)
     for r in probed:
-        t = r["timeline"]
-        stages = ", ".join(f"{k} {v:.0%}" for k, v in sorted(t["stage_shares"].items(), key=lambda kv: -kv[1]))
-        print(f"  rank {r['rank']}: p50 {t['p50_seconds'] * 1e3:.1f} ms, p90 {t['p90_seconds'] * 1e3:.1f} ms, "
-              f"{t['steps_per_second']:.1f} steps/s over {t['optimizer_steps']} steps; {stages}", flush=True)
+        t = r.timeline
+        assert t is not None and t.p50_seconds is not None and t.p90_seconds is not None  # probed_ranks keeps these
+        stages = ", ".join(f"{k} {v:.0%}" for k, v in sorted(t.stage_shares.items(), key=lambda kv: -kv[1]))
+        print(f"  rank {r.rank}: p50 {t.p50_seconds * 1e3:.1f} ms, p90 {t.p90_seconds * 1e3:.1f} ms, "
+              f"{t.steps_per_second:.1f} steps/s over {t.optimizer_steps} steps; {stages}", flush=True)
     report["steps from kernel probes"] = f"first shown {first:.0f} s after the demo started"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 from profagent.labels import shorten
 
@@ -480,6 +480,22 @@ class TimelineSnapshot:
 
 # -- findings (published by engine/findings.py) --------------------------------------------
 SEVERITIES = ("info", "warning", "critical")  # in increasing order
+# Every finding kind: the set is closed, each documented in docs/diagnosis.md (a test holds
+# them together). A new kind is one line here and its module in analysis/findings/.
+FindingKind = Literal[
+    "hang",
+    "stall",
+    "straggler",
+    "dataloader_bound",
+    "host_sync_bound",
+    "optimizer_bound",
+    "compile_storm",
+    "gpu_idle",
+    "memory_leak",
+    "gpu_throttled",
+    "gpu_errors",
+    "duplicate_rank",
+]
 
 
 @dataclass(frozen=True)
@@ -491,7 +507,7 @@ class Finding:
     ``advice`` is what to do about it, in a sentence.
     """
 
-    finding: str
+    finding: FindingKind
     job_id: str
     rank: str | None
     severity: str

@@ -22,9 +22,10 @@ import pytest
 from helpers.agent import AgentProcess, free_port, http_get
 from helpers.processes import threads, wait_for
 from profagent.errors import UserError
-from profagent.exporters import http as http_module
 from profagent.exporters.exposition import Exposition
 from profagent.exporters.http import AgentHTTPServer, HttpLimits, WebConfig, load_web_config
+from profagent.exporters.http import auth as http_auth
+from profagent.exporters.http import serving as http_serving
 from profagent.state import State
 
 HASH = bcrypt.hashpw(b"right", bcrypt.gensalt(rounds=10))
@@ -168,7 +169,7 @@ def test_connection_cap_closes_the_slowest_to_make_room() -> None:
 def test_answers_not_taken_by_their_clients_are_bounded(monkeypatch) -> None:
     """Clients that ask for a big answer and never read it cannot make the agent hold
     more than MAX_PENDING_OUTPUT (plus the newest answer): the slowest are closed."""
-    monkeypatch.setattr(http_module, "MAX_PENDING_OUTPUT", 16 * 1024**2)
+    monkeypatch.setattr(http_serving, "MAX_PENDING_OUTPUT", 16 * 1024**2)
     server = _server(max_connections_per_client=100)
     big = b"x" * (16 * 1024**2)  # well over what the kernel buffers per socket
     server.add_route("/big", lambda query: (200, "text/plain", big))
@@ -182,7 +183,7 @@ def test_answers_not_taken_by_their_clients_are_bounded(monkeypatch) -> None:
             readers.append(s)
         wait_for(lambda: server.refused["output"] >= 4, 60, what="non-reading clients closed over the output budget")
         pending = sum(sum(len(m) for m in c.out) for c in list(server._server._conns.values()))
-        assert pending <= http_module.MAX_PENDING_OUTPUT + len(big)
+        assert pending <= http_serving.MAX_PENDING_OUTPUT + len(big)
         assert _get(server) == 200
     finally:
         for s in readers:
@@ -354,14 +355,14 @@ def test_failed_logins_from_nobody_never_lock_out_the_right_password() -> None:
 
 def test_failure_backoff_doubles_per_client_and_is_forgotten() -> None:
     now = [0.0]
-    auth = http_module._Authenticator({"u": HASH}, backoff_max=1.0, clock=lambda: now[0])
+    auth = http_auth.Authenticator({"u": HASH}, backoff_max=1.0, clock=lambda: now[0])
     assert [auth.failed("10.0.0.1") for _ in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
     assert auth.failed("10.0.0.2") == 0.1  # another client starts at the bottom
-    now[0] += http_module.AUTH_WINDOW
+    now[0] += http_auth.AUTH_WINDOW
     assert auth.failed("10.0.0.1") == 0.1  # a quiet window forgets the failures
-    for i in range(http_module.AUTH_CLIENTS_TRACKED * 3):
+    for i in range(http_auth.AUTH_CLIENTS_TRACKED * 3):
         auth.failed(f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}")
-    assert len(auth._failures) == http_module.AUTH_CLIENTS_TRACKED  # memory bounded under a spray
+    assert len(auth._failures) == http_auth.AUTH_CLIENTS_TRACKED  # memory bounded under a spray
     good = "Basic " + base64.b64encode(b"u:right").decode()
     assert auth.check(good) and auth.cached(good)  # failures never refuse the right password
 
@@ -374,8 +375,8 @@ def test_unknown_user_costs_a_bcrypt_check_of_the_same_cost(monkeypatch) -> None
         costs.append(hashed.split(b"$")[2])
         return real(password, hashed)
 
-    auth = http_module._Authenticator({"u": HASH})
-    monkeypatch.setattr(http_module.bcrypt, "checkpw", recording)
+    auth = http_auth.Authenticator({"u": HASH})
+    monkeypatch.setattr(http_auth.bcrypt, "checkpw", recording)
     assert not auth.check("Basic " + base64.b64encode(b"nosuchuser:x").decode())
     assert not auth.check("Basic " + base64.b64encode(b"u:wrong").decode())
     assert costs == [b"10", b"10"]

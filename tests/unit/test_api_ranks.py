@@ -22,6 +22,7 @@ from profagent.contracts import (
     Usage,
 )
 from profagent.exporters.api.ranks import CounterHistory, Counters, RanksApi, ranks_payload
+from profagent.exporters.api.ranks_doc import as_json, read_ranks
 from profagent.state import State
 
 JOB = "job-7"
@@ -77,7 +78,7 @@ def test_rates_and_shares_describe_the_change_since_the_baseline() -> None:
     state.publish("stacks", stacks(100, 0, False), 0.01)
     state.publish("gpu", gpu(), 0.01)
     api = RanksApi(lambda: [state.view()], "node-a", wall=clock)
-    first = api.payload()
+    first = as_json(api.document())
     assert [r["cpu_percent"] for r in first["jobs"][0]["ranks"]] == [None, None]  # no baseline yet
 
     clock.now += 4.0
@@ -106,6 +107,11 @@ def test_rates_and_shares_describe_the_change_since_the_baseline() -> None:
     assert job["gpu"]["memory_total_bytes"] == 160 << 30
     assert job["findings"] == []  # no findings engine: no findings, no error
     assert r0["step"] is None
+    # What the client reads back is the document the route built: one shape at both ends.
+    read = read_ranks(doc)
+    assert as_json(read) == doc
+    row = read.jobs[0].ranks[1]
+    assert (row.state, row.stalled_seconds, row.gpu.gpus, row.step_seconds) == ("stalled", 42.0, (1,), None)
 
 
 def test_findings_snapshot_shows_in_its_job() -> None:
@@ -116,7 +122,7 @@ def test_findings_snapshot_shows_in_its_job() -> None:
     state = State()
     state.set_tree(tree())
     state.publish("findings", FindingsSnapshot(), 0.0)
-    job = ranks_payload([state.view()], {}, "n", 0.0)["jobs"][0]
+    job = as_json(ranks_payload([state.view()], {}, "n", 0.0))["jobs"][0]
     assert [f["finding"] for f in job["findings"]] == ["hang"]
     assert job["findings"][0]["rank"] == "1" and job["findings"][0]["severity"] == "critical"
 
@@ -131,3 +137,29 @@ def test_history_keeps_a_baseline_within_the_horizon() -> None:
     assert base.time == 5.0  # the oldest reading not older than the horizon
     history.forget_except(set())
     assert history.baseline(key, Counters(20.0, 1.0)) is None
+
+
+def test_a_hostile_document_reads_as_defaults_field_by_field() -> None:
+    """The client reads /api/ranks from the network: a value of the wrong type reads as its
+    field's default, a finding without its kind or of an unknown kind is left out."""
+    doc = read_ranks({"node": 7, "time": float("nan"), "jobs": [
+        "not a job",
+        {"job_id": "j", "alive": "yes", "world_size": True, "gpu": {"count": "8", "names": ["a", 3]},
+         "sources": {"host": True, "gpu": "up"},
+         "findings": [{"finding": "hang", "job_id": "j", "rank": "1", "severity": "critical", "summary": "s"},
+                      {"finding": "no_such_kind", "job_id": "j", "rank": None, "severity": "info", "summary": "s"},
+                      {"job_id": "j"}],
+         "ranks": [{"rank": "0", "pid": "100", "state": "gone", "cpu_percent": 1e400, "threads": 1.5,
+                    "functions": [{"function": "f", "share": 0.5}, {"function": 1, "share": 0.5}],
+                    "timeline": {"p50_seconds": 0.25, "lost_events": "many"}, "step": {"mean_seconds": 0.5}}]},
+    ]})
+    assert (doc.node, doc.time) == ("?", 0.0)
+    [job] = doc.jobs
+    assert (job.alive, job.world_size, job.gpu.count, job.gpu.names, dict(job.sources)) == (True, None, 0, ("a",),
+                                                                                             {"host": True})
+    assert [f.finding for f in job.findings] == ["hang"]
+    [row] = job.ranks
+    assert (row.pid, row.state, row.cpu_percent, row.threads) == (None, "running", None, None)
+    assert [f.function for f in row.functions] == ["f"]
+    assert (row.step_seconds, row.lost_events) == (0.25, 0)  # the probes' p50 before the trace's mean
+    assert read_ranks([1, 2]) == read_ranks({})

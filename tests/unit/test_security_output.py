@@ -15,7 +15,7 @@ from test_top_render import (  # the same fixture rows as top's own tests (rootd
 )
 
 from profagent.cli.diagnose import render as render_diagnosis
-from profagent.cli.top import ViewState, screen
+from profagent.cli.top import ViewState, read, screen
 from profagent.labels import printable, printable_data
 from profagent.logs import PrintableFormatter
 
@@ -52,7 +52,7 @@ def test_top_escapes_ranks_job_ids_and_function_names_even_in_the_stack_pane() -
                          functions=[{"function": HOSTILE_FUNCTION, "share": 0.9}])])
     doc["jobs"][0]["job_id"] = HOSTILE_JOB
     folded = f"process 100:\"python\";thread (0x1): \"MainThread\";<module> (x.py:1);{HOSTILE_FUNCTION} 50\n"
-    text = _render(screen(doc, ViewState(detail=True), folded, interactive=True))
+    text = _render(screen(read(doc), ViewState(detail=True), folded, interactive=True))
     visible = text.replace("\x1b[", "")  # rich's own styling (force_terminal) starts with ESC [
     assert "\x1b]" not in text and "\x9b" not in text and "\u202e" not in text
     assert "\\x1b[2Jspin" in visible and "0\\x1b]2;X\\x1b\\" in visible

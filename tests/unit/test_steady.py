@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from profagent.analysis.findings.evaluate import Evaluator
+from profagent.analysis.findings.evaluate import WINDOW_HELD, Evaluator
 from profagent.analysis.findings.steady import Steady
 from profagent.config import FindingsConfig
 from profagent.contracts import Finding
@@ -12,7 +12,7 @@ LIVE = {("j", "0"), ("j", "1")}
 
 
 def test_a_flapping_finding_stays_until_its_evidence_is_gone_for_the_hold() -> None:
-    steady = Steady(hold_seconds=30.0)
+    steady = Steady(hold_seconds=30.0, kinds=WINDOW_HELD)
     # the straggler's share on its line: seen in one evaluation of three (the issue saw 21-49 %)
     seen = [i % 3 == 0 for i in range(30)]  # t = 0, 5, ... 145
     active = [bool(steady([STRAGGLER] if s else [], 5.0 * i, LIVE)) for i, s in enumerate(seen)]
@@ -22,7 +22,7 @@ def test_a_flapping_finding_stays_until_its_evidence_is_gone_for_the_hold() -> N
 
 
 def test_never_held_through_a_hang_nor_after_its_rank_ended() -> None:
-    steady = Steady(hold_seconds=60.0)
+    steady = Steady(hold_seconds=60.0, kinds=WINDOW_HELD)
     assert steady([STRAGGLER], 0.0, LIVE) == [STRAGGLER]
     assert steady([], 5.0, LIVE, quiet_jobs={"j"}) == []  # the job hangs: its straggler is the hang
     assert steady([], 10.0, LIVE) == []  # and it does not come back when the hang ends
@@ -35,12 +35,12 @@ def test_never_held_through_a_hang_nor_after_its_rank_ended() -> None:
 
 
 def test_a_hang_or_leak_is_not_held_and_no_finding_is_doubled() -> None:
-    steady = Steady(hold_seconds=60.0)
+    steady = Steady(hold_seconds=60.0, kinds=WINDOW_HELD)
     hang = Finding("hang", "j", "1", "critical", "rank 1 holds the job up")
     steady([hang, STRAGGLER], 0.0, LIVE)
     assert steady([], 5.0, LIVE) == [STRAGGLER]
     assert steady([STRAGGLER], 10.0, LIVE) == [STRAGGLER]  # once, not held and found
-    assert Steady(0.0)([], 0.0, LIVE) == []
+    assert Steady(0.0, WINDOW_HELD)([], 0.0, LIVE) == []
 
 
 def test_the_evaluator_holds_with_the_configured_hold() -> None:
@@ -49,7 +49,7 @@ def test_the_evaluator_holds_with_the_configured_hold() -> None:
 
 
 def test_a_straggler_is_raised_only_once_its_evidence_lasted_the_confirm_time() -> None:
-    steady = Steady(hold_seconds=60.0, confirm_seconds=15.0)
+    steady = Steady(hold_seconds=60.0, kinds=WINDOW_HELD, confirm_seconds=15.0)
     # one evaluation on the line (a healthy rank on a loaded node), then none: never raised
     assert steady([STRAGGLER], 0.0, LIVE) == []
     assert steady([], 1.0, LIVE) == []

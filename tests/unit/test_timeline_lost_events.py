@@ -70,5 +70,5 @@ def test_diagnose_and_top_say_the_figures_miss_events() -> None:
     lines = out.getvalue().splitlines()
     assert "rank 0: p50 100.0 ms" in lines[1] and "misses events (15 lost: figures approximate, counts a floor)" in lines[1]
     assert "rank 1" in lines[2] and "misses" not in lines[2]
-    assert top.lost_events({"timeline": {"lost_events": 15}}) == 15
-    assert top.lost_events({"timeline": None}) == 0
+    [job] = top.read({"jobs": [{"ranks": [{"rank": "0", "timeline": {"lost_events": 15}}, {"rank": "1", "timeline": None}]}]}).jobs
+    assert [r.lost_events for r in job.ranks] == [15, 0]

@@ -1,4 +1,5 @@
-"""`profagent top`'s rendering: pure functions over the /api/ranks JSON, at 80 columns."""
+"""`profagent top`'s rendering: pure functions over the /api/ranks records (read from
+the JSON as a feed reads it), at 80 columns."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from profagent.cli.top import (
     main_stack,
     on_key,
     parse_keys,
+    read,
     screen,
     sort_ranks,
 )
+from profagent.exporters.api.ranks_doc import RanksDoc
 
 LONG = "DistributedDataParallel._sync_buffers_and_run_a_very_long_function_name (torch/nn/parallel/distributed.py)"
 
@@ -50,7 +53,7 @@ def render(doc: dict, view: ViewState | None = None, interactive: bool = False, 
            width: int = 80) -> list[str]:
     out = io.StringIO()
     console = Console(file=out, width=width, color_system=None, force_terminal=False)
-    console.print(screen(doc, view or ViewState(), folded, interactive=interactive))
+    console.print(screen(read(doc), view or ViewState(), folded, interactive=interactive))
     return [line.rstrip() for line in out.getvalue().splitlines()]
 
 
@@ -107,7 +110,8 @@ def test_sort_keys_put_the_worst_rank_first() -> None:
     ranks = [rank(0, cpu_percent=10.0), rank(1, state="stalled", stalled_seconds=5.0),
              rank(2, cpu_percent=300.0, gpu={"gpus": [2], "utilization_ratio": 0.0, "memory_bytes": 1}),
              rank(10, state="stalled", stalled_seconds=50.0)]
-    order = lambda key: [r["rank"] for r in sort_ranks(ranks, key)]  # noqa: E731
+    rows = read(payload(ranks)).jobs[0].ranks
+    order = lambda key: [r.rank for r in sort_ranks(rows, key)]  # noqa: E731
     assert order("rank") == ["0", "1", "2", "10"]  # numerically
     assert order("state") == ["10", "1", "0", "2"]
     assert order("cpu")[0] == "2" and order("gpu")[0] == "2"
@@ -161,9 +165,9 @@ class ScriptedFeed:
     def __init__(self, payloads: list[dict]) -> None:
         self.payloads, self.calls = payloads, 0
 
-    def ranks(self) -> dict:
+    def ranks(self) -> RanksDoc:
         self.calls += 1
-        return self.payloads[min(self.calls, len(self.payloads)) - 1]
+        return read(self.payloads[min(self.calls, len(self.payloads)) - 1])
 
     def stacks(self, rank: str, job_id: str, seconds: float) -> None:
         return None
@@ -177,7 +181,7 @@ def test_first_payload_waits_at_most_its_budget_then_prints_what_it_has() -> Non
     incomplete = {"jobs": [{"ranks": [rank(0, cpu_percent=None, categories={})]}]}
     feed = ScriptedFeed([incomplete])
     got = _first_payload(feed, 1.0, sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0])
-    assert got is incomplete and now[0] <= 1.1 and feed.calls >= 5  # asks often, gives up at the budget
+    assert got == read(incomplete) and now[0] <= 1.1 and feed.calls >= 5  # asks often, gives up at the budget
 
 
 def test_first_payload_returns_as_soon_as_rates_and_categories_arrive() -> None:
@@ -186,4 +190,4 @@ def test_first_payload_returns_as_soon_as_rates_and_categories_arrive() -> None:
     complete = {"jobs": [{"ranks": [rank(0)]}]}
     feed = ScriptedFeed([incomplete, incomplete, complete])
     got = _first_payload(feed, 1.0, sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0])
-    assert got is complete and feed.calls == 3 and now[0] < 0.5
+    assert got == read(complete) and feed.calls == 3 and now[0] < 0.5

@@ -30,7 +30,7 @@ from profagent.labels import shorten
 # - ``to_remove``: which stored incidents go so that count and bytes stay bounded, per job,
 #   per user and in all (``Retention``), one user's evicting only its own.
 # - ``self_profiling``: the ranks that profile themselves, whose on-demand traces never come.
-KINDS = ("hang", "regression", "manual")
+TRIGGER_KINDS = ("hang", "regression", "manual")
 BASELINE_TRACES = 8  # normal traces a rank's baseline is the median of
 MIN_BASELINE = 3  # traces needed before a rank can regress
 CONTRIBUTORS = 5  # top contributors of the diff named in a regression's evidence

@@ -2,8 +2,9 @@
 
 Data comes from GET /api/ranks (and /api/stacks for the selected rank): over HTTP from a
 running agent (``--url``), or from an agent run in this process (``--pid``), built by the
-same function (exporters/api/ranks.py). The rendering functions below are pure over that JSON,
-so they are tested without a terminal.
+same function (exporters/api/ranks.py). Each feed reads the document once (``read``: every
+string escaped, every value typed, exporters/api/ranks_doc.py); the rendering functions below
+are pure over those records, so they are tested without a terminal.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import threading
 import time
 import tty
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -28,6 +29,7 @@ from rich.text import Text
 
 from profagent.analysis.stacks import CATEGORIES, parse_folded
 from profagent.cli.client import ClientAuth, JsonClient
+from profagent.exporters.api.ranks_doc import JobRanks, RankRow, RanksDoc, as_json, read_ranks
 from profagent.labels import printable, printable_data
 
 # One letter per stack category, so the bar reads without colour too (plain output).
@@ -109,73 +111,67 @@ def legend() -> Text:
     return text
 
 
-# -- pure rendering over the /api/ranks JSON --------------------------------------------
-def step_seconds(row: dict[str, Any]) -> float | None:
-    """The rank's step time: the kernel probes' p50 over their window, else the mean of
-    its last profiler trace."""
-    probed = (row.get("timeline") or {}).get("p50_seconds")
-    return probed if probed is not None else (row.get("step") or {}).get("mean_seconds")
+# -- pure rendering over the /api/ranks records -----------------------------------------
+def read(raw: object) -> RanksDoc:
+    """The one place a /api/ranks document is read. Every string in it (ranks, job ids,
+    function names...) comes from the watched jobs: control characters are escaped here,
+    before anything is drawn; then each value is checked against its record's type."""
+    return read_ranks(printable_data(raw))
 
 
-def lost_events(row: dict[str, Any]) -> int:
-    """Probe events lost where the rank ran: its step figures miss events (shown ``~``)."""
-    lost = (row.get("timeline") or {}).get("lost_events")
-    return lost if isinstance(lost, int) else 0
-
-
-def sort_ranks(ranks: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+def sort_ranks(ranks: Sequence[RankRow], key: str) -> list[RankRow]:
     """Rows in display order: by rank number, or the worst first for the other keys."""
-    def rank_no(r: dict[str, Any]) -> tuple[int, str]:
-        return (int(r["rank"]), "") if str(r["rank"]).isdigit() else (1 << 30, str(r["rank"]))
+    def rank_no(r: RankRow) -> tuple[int, str]:
+        return (int(r.rank), "") if r.rank.isdigit() else (1 << 30, r.rank)
 
-    def gpu(r: dict[str, Any]) -> float:
-        return (r.get("gpu") or {}).get("utilization_ratio") or 0.0
+    def gpu(r: RankRow) -> float:
+        return (r.gpu.utilization_ratio if r.gpu is not None else None) or 0.0
 
-    keys: dict[str, Callable[[dict[str, Any]], Any]] = {
+    keys: dict[str, Callable[[RankRow], Any]] = {
         "rank": rank_no,
-        "state": lambda r: (r["state"] != "stalled", -(r.get("stalled_seconds") or 0), rank_no(r)),
-        "cpu": lambda r: (-(r.get("cpu_percent") or 0.0), rank_no(r)),
-        "mem": lambda r: (-(r.get("uss_bytes") or r.get("rss_bytes") or 0), rank_no(r)),
+        "state": lambda r: (r.state != "stalled", -(r.stalled_seconds or 0), rank_no(r)),
+        "cpu": lambda r: (-(r.cpu_percent or 0.0), rank_no(r)),
+        "mem": lambda r: (-(r.uss_bytes or r.rss_bytes or 0), rank_no(r)),
         "gpu": lambda r: (gpu(r), rank_no(r)),  # idle GPUs first: that is the problem
-        "step": lambda r: (-(step_seconds(r) or 0.0), rank_no(r)),
+        "step": lambda r: (-(r.step_seconds or 0.0), rank_no(r)),
     }
     return sorted(ranks, key=keys.get(key, rank_no))
 
 
-def header(payload: dict[str, Any], job: dict[str, Any]) -> RenderableType:
+def header(doc: RanksDoc, job: JobRanks) -> RenderableType:
     """Job id, world size, node, GPU summary, and the active findings."""
     line = Text()
     line.append("profagent top", style="bold")
-    line.append(f"  job {job['job_id']}", style="bold cyan")
-    if not job.get("alive", True):
+    line.append(f"  job {job.job_id}", style="bold cyan")
+    if not job.alive:
         line.append(" (ended)", style="red")
-    world = job.get("world_size")
-    line.append(f"  world {world if world is not None else '?'}  ranks {len(job['ranks'])}  node {payload.get('node', '?')}")
-    gpu = job.get("gpu")
+    world = job.world_size
+    line.append(f"  world {world if world is not None else '?'}  ranks {len(job.ranks)}  node {doc.node}")
+    gpu = job.gpu
     gpu_line = Text("GPU: ", style="dim")
     if gpu is None:
         gpu_line.append("none (gpu source off)", style="dim")
     else:
-        names = ", ".join(n.replace("NVIDIA ", "") for n in gpu["names"]) or "?"
-        gpu_line.append(f"{gpu['up']}/{gpu['count']} × {names}")
-        if gpu.get("simulated"):
+        names = ", ".join(n.replace("NVIDIA ", "") for n in gpu.names) or "?"
+        gpu_line.append(f"{gpu.up}/{gpu.count} × {names}")
+        if gpu.simulated:
             gpu_line.append(" SIMULATED", style="yellow")
-        if gpu.get("utilization_ratio") is not None:
-            gpu_line.append(f"  util {gpu['utilization_ratio'] * 100:.0f}%")
-        if gpu.get("memory_used_bytes") is not None and gpu.get("memory_total_bytes"):
-            gpu_line.append(f"  mem {human_bytes(gpu['memory_used_bytes'])}/{human_bytes(gpu['memory_total_bytes'])}")
-    off = [name for name, up in (job.get("sources") or {}).items() if not up]
+        if gpu.utilization_ratio is not None:
+            gpu_line.append(f"  util {gpu.utilization_ratio * 100:.0f}%")
+        if gpu.memory_used_bytes is not None and gpu.memory_total_bytes:
+            gpu_line.append(f"  mem {human_bytes(gpu.memory_used_bytes)}/{human_bytes(gpu.memory_total_bytes)}")
+    off = [name for name, up in job.sources.items() if not up]
     if off:
         gpu_line.append(f"  sources off: {', '.join(off)}", style="yellow")
     lines: list[RenderableType] = [line, gpu_line]
-    findings = job.get("findings") or []
+    findings = job.findings
     if not findings:
         lines.append(Text("findings: none active", style="dim"))
     for f in findings[:4]:
-        t = Text("! ", style=SEVERITY_STYLE.get(f["severity"], ""))
-        where = f"rank {f['rank']}" if f.get("rank") is not None else "job"
-        t.append(f"{f['finding']} ({where}): ", style=SEVERITY_STYLE.get(f["severity"], ""))
-        t.append(str(f.get("summary", "")))
+        t = Text("! ", style=SEVERITY_STYLE.get(f.severity, ""))
+        where = f"rank {f.rank}" if f.rank is not None else "job"
+        t.append(f"{f.finding} ({where}): ", style=SEVERITY_STYLE.get(f.severity, ""))
+        t.append(f.summary)
         t.no_wrap, t.overflow = True, "ellipsis"
         lines.append(t)
     if len(findings) > 4:
@@ -183,36 +179,35 @@ def header(payload: dict[str, Any], job: dict[str, Any]) -> RenderableType:
     return Group(*lines)
 
 
-def _state_cell(row: dict[str, Any], slow: frozenset[str] = frozenset()) -> Text:
-    if row["state"] == "stalled":
-        return Text(f"STALLED {human_seconds(row.get('stalled_seconds'))}", style="bold red")
-    if str(row["rank"]) in slow:  # running, but the others wait for it
+def _state_cell(row: RankRow, slow: frozenset[str] = frozenset()) -> Text:
+    if row.state == "stalled":
+        return Text(f"STALLED {human_seconds(row.stalled_seconds)}", style="bold red")
+    if row.rank in slow:  # running, but the others wait for it
         return Text("SLOW", style="bold yellow")
     return Text("running", style="green")
 
 
-def straggler_ranks(job: dict[str, Any]) -> frozenset[str]:
+def straggler_ranks(job: JobRanks) -> frozenset[str]:
     """Ranks an active ``straggler`` finding of the job names."""
-    return frozenset(str(f["rank"]) for f in job.get("findings") or []
-                     if f.get("finding") == "straggler" and f.get("rank") is not None)
+    return frozenset(f.rank for f in job.findings if f.finding == "straggler" and f.rank is not None)
 
 
-def _gpu_cell(row: dict[str, Any]) -> str:
-    gpu = row.get("gpu")
-    if not gpu:
+def _gpu_cell(row: RankRow) -> str:
+    gpu = row.gpu
+    if gpu is None:
         return "-"
-    util = gpu.get("utilization_ratio")
-    return f"{'-' if util is None else f'{util * 100:.0f}%'} {human_bytes(gpu.get('memory_bytes'))}"
+    util = gpu.utilization_ratio
+    return f"{'-' if util is None else f'{util * 100:.0f}%'} {human_bytes(gpu.memory_bytes)}"
 
 
-def _mem_cell(row: dict[str, Any]) -> str:
-    rss, uss = row.get("rss_bytes"), row.get("uss_bytes")
+def _mem_cell(row: RankRow) -> str:
+    rss, uss = row.rss_bytes, row.uss_bytes
     return human_bytes(rss) if uss is None else f"{human_bytes(rss)}/{human_bytes(uss)}"
 
 
-def rank_table(job: dict[str, Any], view: ViewState, interactive: bool = True) -> Table:
+def rank_table(job: JobRanks, view: ViewState, interactive: bool = True) -> Table:
     """One row per rank, the rank number first. Fits 80 columns: the function column shrinks."""
-    rows = sort_ranks(job["ranks"], view.sort)
+    rows = sort_ranks(job.ranks, view.sort)
     mark = {view.sort: " ▼"} if interactive else {}
     table = Table(box=None, pad_edge=False, padding=(0, 1), expand=True, header_style="bold")
     table.add_column("rank" + mark.get("rank", ""), justify="right", no_wrap=True, min_width=4)
@@ -225,28 +220,27 @@ def rank_table(job: dict[str, Any], view: ViewState, interactive: bool = True) -
     table.add_column("top function", no_wrap=True, overflow="ellipsis", ratio=1, min_width=8)
     slow = straggler_ranks(job)
     for i, r in enumerate(rows):
-        cpu = r.get("cpu_percent")
-        step = step_seconds(r)
-        top = r.get("top_function") or "-"
-        if r.get("top_function_share") is not None:
-            top = f"{r['top_function_share'] * 100:.0f}% {top}"
+        cpu = r.cpu_percent
+        top = r.top_function or "-"
+        if r.top_function_share is not None:
+            top = f"{r.top_function_share * 100:.0f}% {top}"
         table.add_row(
-            ("›" if interactive and i == view.selected else "") + str(r["rank"]), _state_cell(r, slow), category_bar(r.get("categories") or {}),
+            ("›" if interactive and i == view.selected else "") + r.rank, _state_cell(r, slow), category_bar(r.categories),
             "-" if cpu is None else f"{cpu:.0f}", _mem_cell(r), _gpu_cell(r),
-            ("~" if lost_events(r) else "") + human_seconds(step), top,
+            ("~" if r.lost_events else "") + human_seconds(r.step_seconds), top,
             style="reverse" if interactive and i == view.selected else None,
         )
     return table
 
 
-def boundary_notes(job: dict[str, Any]) -> list[Text]:
+def boundary_notes(job: JobRanks) -> list[Text]:
     """A line per way of finding steps other than Optimizer.step, naming its ranks: the
     step column would otherwise say "-" or a figure from another boundary, silently."""
     by_note: dict[str, list[str]] = {}
-    for r in job["ranks"]:
-        note = (r.get("timeline") or {}).get("boundary_note")
+    for r in job.ranks:
+        note = r.timeline.boundary_note if r.timeline is not None else None
         if note:
-            by_note.setdefault(str(note), []).append(str(r["rank"]))
+            by_note.setdefault(note, []).append(r.rank)
     return [Text(f"step, rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {note}", style="yellow")
             for note, ranks in sorted(by_note.items())]
 
@@ -262,25 +256,25 @@ def main_stack(folded: str, pid: int | None) -> list[str]:
     return list(counts.most_common(1)[0][0])
 
 
-def detail(row: dict[str, Any], folded: str | None, height: int = 12) -> RenderableType:
+def detail(row: RankRow, folded: str | None, height: int = 12) -> RenderableType:
     """The selected rank: its top functions and its current main-thread stack."""
-    title = Text(f"rank {row['rank']}", style="bold")
-    title.append(f"  pid {row.get('pid')}  threads {row.get('threads') or '-'}  dataloader workers {row.get('workers', 0)}")
+    title = Text(f"rank {row.rank}", style="bold")
+    title.append(f"  pid {row.pid}  threads {row.threads or '-'}  dataloader workers {row.workers}")
     parts: list[RenderableType] = [title]
-    if lost_events(row):
-        parts.append(Text(f"step timeline misses events: {lost_events(row)} probe events lost where this rank ran "
+    if row.lost_events:
+        parts.append(Text(f"step timeline misses events: {row.lost_events} probe events lost where this rank ran "
                           "(ring buffers full): its step figures are approximate, its counts a floor", style="yellow"))
     funcs = Table(box=None, pad_edge=False, padding=(0, 1), show_header=True, header_style="bold")
     funcs.add_column("share", justify="right", no_wrap=True, min_width=5)
     funcs.add_column("function (recent main-thread samples)", no_wrap=True, overflow="ellipsis")
-    for f in (row.get("functions") or [])[:5]:
-        funcs.add_row(f"{f['share'] * 100:.0f}%", f["function"])
+    for f in row.functions[:5]:
+        funcs.add_row(f"{f.share * 100:.0f}%", f.function)
     parts.append(funcs)
     parts.append(Text("current stack (main thread, innermost last):", style="bold"))
     if folded is None:
         parts.append(Text("  (no stacks: the stacks source is off or has not sampled this rank yet)", style="dim"))
     else:
-        frames = [printable(frame) for frame in main_stack(folded, row.get("pid"))]
+        frames = [printable(frame) for frame in main_stack(folded, row.pid)]
         if not frames:
             parts.append(Text("  (no main-thread samples in the last seconds)", style="dim"))
         keep = max(3, height - 8)
@@ -291,25 +285,18 @@ def detail(row: dict[str, Any], folded: str | None, height: int = 12) -> Rendera
     return Group(*parts)
 
 
-def screen(payload: dict[str, Any], view: ViewState, folded: str | None = None,
+def screen(doc: RanksDoc, view: ViewState, folded: str | None = None,
            interactive: bool = True, height: int = 40) -> RenderableType:
     """The whole view: every job's header and rank table, the detail pane, and the key help.
-
-    Every string of the payload (ranks, job ids, function names...) comes from the
-    watched jobs: control characters are escaped here, before anything is drawn."""
-    payload = printable_data(payload)
+    ``doc`` comes from ``read``: its strings are already escaped."""
     parts: list[RenderableType] = []
-    jobs = payload.get("jobs") or []
-    if not jobs:
-        parts.append(Text(f"profagent top  node {payload.get('node', '?')}: no job observed yet", style="bold"))
-    selected_row = None
-    for job in jobs:
-        parts += [header(payload, job), Text(""), rank_table(job, view, interactive), *boundary_notes(job)]
-        if selected_row is None and job["ranks"]:
-            rows = sort_ranks(job["ranks"], view.sort)
-            selected_row = rows[min(view.selected, len(rows) - 1)]
-    if interactive and view.detail and selected_row is not None:
-        parts += [Text(""), detail(selected_row, folded, height - 6 - sum(len(j["ranks"]) for j in jobs))]
+    if not doc.jobs:
+        parts.append(Text(f"profagent top  node {doc.node}: no job observed yet", style="bold"))
+    for job in doc.jobs:
+        parts += [header(doc, job), Text(""), rank_table(job, view, interactive), *boundary_notes(job)]
+    selected = selected_rank(doc, view)
+    if interactive and view.detail and selected is not None:
+        parts += [Text(""), detail(selected[1], folded, height - 6 - sum(len(j.ranks) for j in doc.jobs))]
     parts.append(Text(""))
     parts.append(legend())
     if interactive:
@@ -317,11 +304,12 @@ def screen(payload: dict[str, Any], view: ViewState, folded: str | None = None,
     return Group(*parts)
 
 
-def selected_rank(payload: dict[str, Any], view: ViewState) -> dict[str, Any] | None:
-    for job in payload.get("jobs") or []:
-        rows = sort_ranks(job["ranks"], view.sort)
+def selected_rank(doc: RanksDoc, view: ViewState) -> tuple[JobRanks, RankRow] | None:
+    """The selected row of the first job with ranks, and its job."""
+    for job in doc.jobs:
+        rows = sort_ranks(job.ranks, view.sort)
         if rows:
-            return rows[min(view.selected, len(rows) - 1)]
+            return job, rows[min(view.selected, len(rows) - 1)]
     return None
 
 
@@ -344,7 +332,7 @@ def on_key(view: ViewState, key: str, rows: int) -> ViewState:
 
 # -- data feeds ----------------------------------------------------------------------------
 class Feed(Protocol):
-    def ranks(self) -> dict[str, Any]: ...
+    def ranks(self) -> RanksDoc: ...
     def stacks(self, rank: str, job_id: str, seconds: float) -> str | None: ...
     def close(self) -> None: ...
 
@@ -355,9 +343,9 @@ class HttpFeed:
     def __init__(self, url: str, auth: ClientAuth, timeout: float = 5.0) -> None:
         self.client = JsonClient(url, auth, timeout=timeout, reach_fix="check --url and that `profagent attach` runs")
 
-    def ranks(self) -> dict[str, Any]:
-        return self.client.get_json("/api/ranks", not_found=(
-            f"{self.client.shown} has no /api/ranks", "upgrade that agent, or point --url at a profagent agent"))
+    def ranks(self) -> RanksDoc:
+        return read(self.client.get_json("/api/ranks", not_found=(
+            f"{self.client.shown} has no /api/ranks", "upgrade that agent, or point --url at a profagent agent")))
 
     def stacks(self, rank: str, job_id: str, seconds: float) -> str | None:
         status, body = self.client.get("/api/stacks", {"rank": rank, "job": job_id, "seconds": f"{seconds:g}"})
@@ -373,9 +361,9 @@ class LocalFeed:
     def __init__(self, job: Any, api: Any) -> None:
         self.job, self.api = job, api
 
-    def ranks(self) -> dict[str, Any]:
+    def ranks(self) -> RanksDoc:
         self.job.watched()  # top is watching: full-rate stacks
-        return self.api.payload()
+        return read(as_json(self.api.document()))  # read as over HTTP: the same escaping
 
     def stacks(self, rank: str, job_id: str, seconds: float) -> str | None:
         from profagent.sources.stacks.source import StacksSource
@@ -391,7 +379,7 @@ class LocalFeed:
 
 # -- the loops -------------------------------------------------------------------------------
 def _first_payload(feed: Feed, wait: float, sleep: Callable[[float], None] = time.sleep,
-                   clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+                   clock: Callable[[], float] = time.monotonic) -> RanksDoc:
     """A payload with rates: the agent needs two host readings for CPU %, so ask again a
     little later when a rank has none yet (at most ``wait`` seconds)."""
     payload = feed.ranks()
@@ -402,9 +390,9 @@ def _first_payload(feed: Feed, wait: float, sleep: Callable[[float], None] = tim
     return payload
 
 
-def _missing_rates(payload: dict[str, Any]) -> bool:
-    ranks = [r for j in payload.get("jobs") or [] for r in j["ranks"]]
-    return not ranks or any(r.get("cpu_percent") is None or not r.get("categories") for r in ranks)
+def _missing_rates(doc: RanksDoc) -> bool:
+    ranks = [r for j in doc.jobs for r in j.ranks]
+    return not ranks or any(r.cpu_percent is None or not r.categories for r in ranks)
 
 
 def print_once(feed: Feed, console: Console, wait: float) -> None:
@@ -496,7 +484,7 @@ def run_live(feed: Feed, console: Console, interval: float, stop: threading.Even
     with cbreak_keys(stop) as keys, Live(console=console, screen=True, auto_refresh=False,
                                          redirect_stderr=False) as live:
         while True:
-            rows = sum(len(j["ranks"]) for j in payload.get("jobs") or [])
+            rows = sum(len(j.ranks) for j in payload.jobs)
             while keys:
                 view = on_key(view, keys.pop(0), rows)
                 dirty = True
@@ -508,11 +496,11 @@ def run_live(feed: Feed, console: Console, interval: float, stop: threading.Even
                 dirty = True
             if dirty:
                 dirty = False
-                row = selected_rank(payload, view) if view.detail else None
+                selected = selected_rank(payload, view) if view.detail else None
                 folded = None
-                if row is not None:
-                    job_id = next((j["job_id"] for j in payload.get("jobs") or [] if row in j["ranks"]), "")
-                    folded = feed.stacks(row["rank"], job_id, STACK_SECONDS)
+                if selected is not None:
+                    job, row = selected
+                    folded = feed.stacks(row.rank, job.job_id, STACK_SECONDS)
                 live.update(screen(payload, view, folded, height=console.height), refresh=True)
             stop.wait(0.05)
 

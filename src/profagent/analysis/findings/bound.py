@@ -12,14 +12,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from profagent.analysis.findings.hang import held_up_ranks
-from profagent.analysis.findings.inputs import AnalysisInputs, RankShares
+from profagent.analysis.findings.inputs import AnalysisInputs, Analyzer, RankShares
 from profagent.analysis.findings.steps import STRAGGLER_ADVICE, probed_jobs
 from profagent.analysis.straggler import low_waiters
 from profagent.analysis.straggler import median as median_of
 from profagent.config import FindingsConfig
-from profagent.contracts import Finding, RankTrace
+from profagent.contracts import Finding, FindingKind, RankTrace
 
-_BOUND = {
+_BOUND: dict[FindingKind, tuple[str, str, str]] = {
     "dataloader_bound": ("dataloader", "waits for the DataLoader",
                          "more DataLoader workers, pin_memory, lighter __getitem__ or prefetching"),
     "host_sync_bound": ("host_sync", "waits for the GPU in synchronising calls",
@@ -216,3 +216,9 @@ def analyze_straggler(inputs: AnalysisInputs) -> list[Finding]:
     (steps.py) instead: wait shares from sampled stacks name healthy ranks under load."""
     quiet = inputs.hung | inputs.suspected | probed_jobs(inputs)
     return straggler(inputs.shares, inputs.rank_traces, inputs.config, quiet)
+
+
+# What evaluate.py runs of this module, in order, and its kinds that steady.py holds after
+# their evidence was last seen (judged over a window, they sit on their line).
+ANALYZERS: tuple[Analyzer, ...] = (analyze_straggler, analyze_bound)
+WINDOW_HELD: frozenset[FindingKind] = frozenset({"straggler", "dataloader_bound", "host_sync_bound", "optimizer_bound", "compile_storm"})

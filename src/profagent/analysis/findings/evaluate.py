@@ -7,17 +7,19 @@ finding's ``since`` while it stays active. Pure: the caller passes ``now``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from typing import Protocol
 
 from profagent.analysis.findings import bound, gpu, hang, leak, ranks, steps
 from profagent.analysis.findings.bound import warmed_up
 from profagent.analysis.findings.history import CountsWindow, MemorySeries
-from profagent.analysis.findings.inputs import AnalysisInputs, MemoryInput, RankShares
+from profagent.analysis.findings.inputs import AnalysisInputs, Analyzer, MemoryInput, RankShares
 from profagent.analysis.findings.steady import Steady
 from profagent.config import FindingsConfig
 from profagent.contracts import (
     SEVERITIES,
     Finding,
+    FindingKind,
     FindingsSnapshot,
     RankStall,
     RankTrace,
@@ -26,29 +28,29 @@ from profagent.contracts import (
 
 MAIN, DATALOADER = "main", "dataloader"
 
-Analyzer = Callable[[AnalysisInputs], list[Finding]]
+
+class AnalyzerModule(Protocol):
+    """A module of analysis/findings that the evaluator runs."""
+
+    ANALYZERS: tuple[Analyzer, ...]
+    WINDOW_HELD: frozenset[FindingKind]
+
+
 # Two phases. First the hang analyzer: its findings make ``hung`` (the jobs with a hang),
 # which the second phase reads (no straggler nor gpu_idle in a hung job: a hang explains
-# them). Then every other analyzer, in any order: a new finding kind is one module here
-# and one line below.
+# them). Then the analyzers of every module below, in this order (steps first: its arrival
+# straggler is kept over the stack-based one, one finding per kind and rank). A module
+# declares its ``ANALYZERS`` and the kinds steady.py holds (``WINDOW_HELD``): a new finding
+# kind is its name in ``FindingKind`` and one module here, named on the line below.
 HANG: Analyzer = hang.analyze
-ANALYZERS: tuple[Analyzer, ...] = (
-    steps.analyze_arrival_straggler,  # before the stack-based kinds: one finding per kind and rank, the first kept
-    steps.analyze_data_wait,
-    steps.analyze_stall,
-    bound.analyze_straggler,
-    bound.analyze_bound,
-    leak.analyze,
-    gpu.analyze_idle,
-    gpu.analyze_throttled,
-    gpu.analyze_errors,
-    ranks.analyze,
-)
+MODULES: tuple[AnalyzerModule, ...] = (steps, bound, leak, gpu, ranks)
+ANALYZERS: tuple[Analyzer, ...] = tuple(analyze for module in MODULES for analyze in module.ANALYZERS)
+WINDOW_HELD: frozenset[FindingKind] = frozenset().union(*(module.WINDOW_HELD for module in MODULES))
 # A rank whose stack has not changed this long may be hanging: no finding is held for its job
 # (recording.yml gates the job-level straggler on the same 30 s).
 FROZEN_SECONDS = 30.0
 # Kinds reported only once their evidence has lasted this config value (seconds).
-HELD = {"gpu_idle": "gpu_idle_seconds"}
+HELD: Mapping[FindingKind, str] = {"gpu_idle": "gpu_idle_seconds"}
 
 
 class Evaluator:
@@ -66,7 +68,7 @@ class Evaluator:
         self._since: dict[tuple[str, str, str], float] = {}
         self._hung: frozenset[str] = frozenset()  # jobs with a hang finding at the last evaluation
         # window-judged findings held after their last sighting; a straggler confirmed first
-        self._steady = Steady(config.hold_seconds, confirm_seconds=config.straggler_confirm_seconds)
+        self._steady = Steady(config.hold_seconds, WINDOW_HELD, confirm_seconds=config.straggler_confirm_seconds)
 
     # -- histories ----------------------------------------------------------------------
     def _new(self, name: str, snapshot: object) -> bool:

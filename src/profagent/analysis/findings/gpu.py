@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from profagent.analysis.findings.inputs import AnalysisInputs
+from profagent.analysis.findings.inputs import AnalysisInputs, Analyzer
 from profagent.config import FindingsConfig
-from profagent.contracts import Finding, GpuSnapshot
+from profagent.contracts import Finding, FindingKind, GpuSnapshot
 
 THERMAL_OR_HW = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
 POWER = ("sw_power_cap",)
@@ -115,3 +115,8 @@ def analyze_throttled(inputs: AnalysisInputs) -> list[Finding]:
 
 def analyze_errors(inputs: AnalysisInputs) -> list[Finding]:
     return gpu_errors(inputs.gpu, inputs.gpu_errors) if inputs.gpu is not None else []
+
+
+# What evaluate.py runs of this module, in order; none of its kinds is held by steady.py.
+ANALYZERS: tuple[Analyzer, ...] = (analyze_idle, analyze_throttled, analyze_errors)
+WINDOW_HELD: frozenset[FindingKind] = frozenset()

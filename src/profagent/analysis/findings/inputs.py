@@ -5,12 +5,13 @@ each tick from the latest snapshots and the short histories it keeps. Every anal
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from profagent.analysis.findings.history import MemorySeries
 from profagent.config import FindingsConfig
 from profagent.contracts import (
+    Finding,
     GpuSnapshot,
     HostSnapshot,
     RankStall,
@@ -93,3 +94,7 @@ class AnalysisInputs:
     was_hung: frozenset[str] = frozenset()  # jobs with a hang finding at the last evaluation
     suspected: frozenset[str] = frozenset()  # jobs with a rank whose stack stands still
     hung: frozenset[str] = frozenset()  # jobs with a hang finding now (second phase only)
+
+
+# One analyzer: the findings of its kinds from one tick's inputs (pure).
+Analyzer = Callable[[AnalysisInputs], list[Finding]]

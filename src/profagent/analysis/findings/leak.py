@@ -7,9 +7,9 @@ memory still available (node MemAvailable, or the GPU's free memory).
 
 from __future__ import annotations
 
-from profagent.analysis.findings.inputs import AnalysisInputs, MemoryInput
+from profagent.analysis.findings.inputs import AnalysisInputs, Analyzer, MemoryInput
 from profagent.config import FindingsConfig
-from profagent.contracts import Finding
+from profagent.contracts import Finding, FindingKind
 
 MIN_R2 = 0.8  # the readings must lie close to a line: a sawtooth (allocator caching) is no leak
 # A leak keeps growing: the history's later half and last quarter each grow at this share of
@@ -76,3 +76,8 @@ def memory_leak(inputs: list[MemoryInput], cfg: FindingsConfig) -> list[Finding]
 
 def analyze(inputs: AnalysisInputs) -> list[Finding]:
     return memory_leak(list(inputs.memory), inputs.config)
+
+
+# What evaluate.py runs of this module, in order; none of its kinds is held by steady.py.
+ANALYZERS: tuple[Analyzer, ...] = (analyze,)
+WINDOW_HELD: frozenset[FindingKind] = frozenset()

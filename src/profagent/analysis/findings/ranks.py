@@ -9,8 +9,8 @@ finding says so rather than let a stack or a step of one pass for the other's.
 
 from __future__ import annotations
 
-from profagent.analysis.findings.inputs import AnalysisInputs
-from profagent.contracts import Finding
+from profagent.analysis.findings.inputs import AnalysisInputs, Analyzer
+from profagent.contracts import Finding, FindingKind
 
 MAIN = "main"
 
@@ -31,3 +31,8 @@ def analyze(inputs: AnalysisInputs) -> list[Finding]:
                    "of one job on this node, share a rank; profagent_target_info lists their PIDs",
         ))
     return out
+
+
+# What evaluate.py runs of this module, in order; none of its kinds is held by steady.py.
+ANALYZERS: tuple[Analyzer, ...] = (analyze,)
+WINDOW_HELD: frozenset[FindingKind] = frozenset()

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from profagent.contracts import Finding
+from profagent.contracts import Finding, FindingKind
 
-# Judged from a window of stack samples or traces, and prone to sit on their line.
-HELD_KINDS = frozenset({"straggler", "dataloader_bound", "host_sync_bound", "optimizer_bound", "compile_storm"})
-CONFIRMED_KINDS = frozenset({"straggler"})
+# The kinds held are declared by their modules (``WINDOW_HELD``, gathered in evaluate.py).
+CONFIRMED_KINDS: frozenset[FindingKind] = frozenset({"straggler"})
 
 
 # Held: a finding judged from a window of stack samples. A straggler or a ``*_bound`` rank
@@ -33,8 +32,8 @@ class Steady:
     """Keeps each held kind's finding ``hold_seconds`` after its last sighting; a confirmed
     kind's finding appears only once it was found at every evaluation for ``confirm_seconds``."""
 
-    def __init__(self, hold_seconds: float, kinds: frozenset[str] = HELD_KINDS, confirm_seconds: float = 0.0,
-                 confirmed: frozenset[str] = CONFIRMED_KINDS) -> None:
+    def __init__(self, hold_seconds: float, kinds: frozenset[FindingKind], confirm_seconds: float = 0.0,
+                 confirmed: frozenset[FindingKind] = CONFIRMED_KINDS) -> None:
         self.hold_seconds = hold_seconds
         self.kinds = kinds
         self.confirm_seconds = confirm_seconds

@@ -10,10 +10,10 @@ job) and, for the stall's location, the stacks source's stalls.
 from __future__ import annotations
 
 from profagent.analysis.findings.hang import held_up_ranks
-from profagent.analysis.findings.inputs import AnalysisInputs
+from profagent.analysis.findings.inputs import AnalysisInputs, Analyzer
 from profagent.analysis.stacks import innermost_python, own_frame
 from profagent.analysis.straggler import CAUSE_STAGES, StageCause, stage_cause
-from profagent.contracts import Finding, Frame, RankSteps, TimelineSnapshot
+from profagent.contracts import Finding, FindingKind, Frame, RankSteps, TimelineSnapshot
 
 DATALOADER_FIX = "more DataLoader workers, pin_memory, lighter __getitem__ or prefetching"
 STRAGGLER_ADVICE = ("see what that rank does more than the others (`profagent top`, its busiest functions): "
@@ -233,3 +233,9 @@ def user_line(frames: tuple[Frame, ...]) -> str:
 def _stage(r: RankSteps) -> str:
     return {"data_wait": "waiting for data", "backward": "in backward", "optimizer": "in the optimizer"}.get(
         r.stage_now, "in the forward or host code")
+
+
+# What evaluate.py runs of this module, in order, and its kinds that steady.py holds after
+# their evidence was last seen (judged over a window, they sit on their line).
+ANALYZERS: tuple[Analyzer, ...] = (analyze_arrival_straggler, analyze_data_wait, analyze_stall)
+WINDOW_HELD: frozenset[FindingKind] = frozenset({"straggler", "dataloader_bound"})

@@ -1,6 +1,6 @@
 """What each Kineto event is: the closed vocabulary every analyzer shares.
 
-Kineto categories used (see ``model.KINDS``): device work ``kernel``, ``gpu_memcpy``,
+Kineto categories used (see ``model.CATEGORY_CODES``): device work ``kernel``, ``gpu_memcpy``,
 ``gpu_memset`` (CUDA, ROCm/HIP, XPU) and ``mtia_ccp_events`` (MTIA), on the device's
 pid/``device``; runtime calls ``cuda_runtime``/``cuda_driver`` (CUDA, and HIP on ROCm),
 ``mtia_runtime``, ``xpu_runtime``, ``privateuse1_runtime``/``_driver``, carrying

@@ -20,7 +20,7 @@ import numpy as np
 # - ``cuda_sync``: synchronisation, written on the CPU thread that waits (CPU runtime) or on
 #   a GPU stream row (stream/event waits: neither runtime nor device work);
 # - ``cpu_op`` (ATen ops), ``user_annotation`` (record_function, ProfilerStep#N).
-KINDS = {
+CATEGORY_CODES = {
     "kernel": 0, "mtia_ccp_events": 0, "gpu_memcpy": 1, "gpu_memset": 2,
     "cuda_runtime": 3, "cuda_driver": 3, "mtia_runtime": 3, "xpu_runtime": 3,
     "privateuse1_runtime": 3, "privateuse1_driver": 3,
@@ -42,7 +42,7 @@ ACCELERATOR_OF_CATEGORY = {
 class Trace:
     """One parsed trace: metadata and the kept events as columns (times in microseconds).
 
-    Event ``i`` is ``kind[i]`` (see ``KINDS``), named ``names[name[i]]``, running on
+    Event ``i`` is ``kind[i]`` (see ``CATEGORY_CODES``), named ``names[name[i]]``, running on
     ``threads[thread[i]]`` (pid, tid) from ``ts[i]`` to ``end[i]``; GPU and runtime events
     carry ``corr[i]`` (-1: none) and GPU events ``device[i]``.
     """

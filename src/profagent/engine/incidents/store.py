@@ -19,7 +19,7 @@ from pathlib import Path
 
 import orjson
 
-from profagent.analysis.incidents import KINDS, Retention, Stored, to_remove
+from profagent.analysis.incidents import TRIGGER_KINDS, Retention, Stored, to_remove
 from profagent.config import IncidentsConfig
 from profagent.engine.incidents.bundle import BundleMeta, safe_name
 from profagent.errors import UserError
@@ -128,7 +128,7 @@ class RateLimitFile:
         try:
             data = orjson.loads(read_nofollow(self.path, MAX_RATE_LIMITS_BYTES))
             out = {(str(kind), str(job)): float(t) for kind, job, t in data["last"]
-                   if kind in KINDS and isinstance(t, int | float)}
+                   if kind in TRIGGER_KINDS and isinstance(t, int | float)}
         except FileNotFoundError:
             return {}
         except (OSError, ValueError, TypeError, KeyError) as exc:

@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 
 from profagent.analysis.incidents import (
-    KINDS,
+    TRIGGER_KINDS,
     IncidentGate,
     RegressionDetector,
     Trigger,
@@ -221,7 +221,7 @@ class IncidentsSource:
         self._follow(offered)
         with self._lock:  # every series exists from the start, so changes() sees the first incident
             for job_id in live:
-                for kind in KINDS:
+                for kind in TRIGGER_KINDS:
                     self._counts.setdefault((job_id, kind), 0)
         return self._snapshot(set(live))
 

@@ -13,11 +13,28 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import orjson
 
-from profagent.contracts import ROLE_DATALOADER, ROLE_MAIN, GpuSnapshot, RankSteps, StateView
+from profagent.contracts import (
+    ROLE_DATALOADER,
+    ROLE_MAIN,
+    Finding,
+    GpuSnapshot,
+    RankSteps,
+    StateView,
+)
+from profagent.exporters.api.ranks_doc import (
+    FunctionShare,
+    JobRanks,
+    NodeGpus,
+    RankGpu,
+    RankRow,
+    RanksDoc,
+    RankStep,
+    RankTimeline,
+    as_json,
+)
 
 RankKey = tuple[str, str]  # (job_id, rank)
 HISTORY_SECONDS = 10.0  # rates and shares describe about this many recent seconds
@@ -96,7 +113,7 @@ def _shares(now: Mapping[str, int], before: Mapping[str, int] | None) -> tuple[d
     return ({k: n / total for k, n in now.items() if n} if total else {}), False
 
 
-def _gpu_of_rank(gpu: GpuSnapshot | None, key: RankKey) -> dict[str, Any] | None:
+def _gpu_of_rank(gpu: GpuSnapshot | None, key: RankKey) -> RankGpu | None:
     if gpu is None:
         return None
     mine = [p for p in gpu.processes if (p.job_id or gpu.job_id, p.rank) == key and p.role == ROLE_MAIN]
@@ -108,14 +125,11 @@ def _gpu_of_rank(gpu: GpuSnapshot | None, key: RankKey) -> dict[str, Any] | None
         utils = [devices[p.gpu].values["utilization_ratio"] for p in mine
                  if p.gpu in devices and "utilization_ratio" in devices[p.gpu].values]
     memory = [p.memory_bytes for p in mine if p.memory_bytes is not None]
-    return {
-        "gpus": sorted({p.gpu for p in mine}),
-        "utilization_ratio": max(utils) if utils else None,
-        "memory_bytes": sum(memory) if memory else None,
-    }
+    return RankGpu(tuple(sorted({p.gpu for p in mine})), max(utils) if utils else None,
+                   sum(memory) if memory else None)
 
 
-def gpu_summary(gpu: GpuSnapshot | None) -> dict[str, Any] | None:
+def gpu_summary(gpu: GpuSnapshot | None) -> NodeGpus | None:
     """Node GPUs in one line's worth of numbers; None when the GPU source is off."""
     if gpu is None:
         return None
@@ -123,18 +137,18 @@ def gpu_summary(gpu: GpuSnapshot | None) -> dict[str, Any] | None:
     utils = [d.values["utilization_ratio"] for d in up if "utilization_ratio" in d.values]
     used = [d.values["memory_used_bytes"] for d in up if "memory_used_bytes" in d.values]
     total = [d.values["memory_total_bytes"] for d in up if "memory_total_bytes" in d.values]
-    return {
-        "count": len(gpu.devices),
-        "up": len(up),
-        "names": sorted({d.name for d in gpu.devices}),
-        "simulated": bool(gpu.simulated),
-        "utilization_ratio": sum(utils) / len(utils) if utils else None,
-        "memory_used_bytes": sum(used) if used else None,
-        "memory_total_bytes": sum(total) if total else None,
-    }
+    return NodeGpus(
+        count=len(gpu.devices),
+        up=len(up),
+        names=tuple(sorted({d.name for d in gpu.devices})),
+        simulated=bool(gpu.simulated),
+        utilization_ratio=sum(utils) / len(utils) if utils else None,
+        memory_used_bytes=sum(used) if used else None,
+        memory_total_bytes=sum(total) if total else None,
+    )
 
 
-def _rank_row(view: StateView, key: RankKey, now: Counters, before: Counters | None, wall: float) -> dict[str, Any]:
+def _rank_row(view: StateView, key: RankKey, now: Counters, before: Counters | None, wall: float) -> RankRow:
     tree = view.tree
     assert tree is not None
     procs = [p for p in tree.processes if (p.job_id or tree.job_id, p.rank) == key]
@@ -160,50 +174,50 @@ def _rank_row(view: StateView, key: RankKey, now: Counters, before: Counters | N
                   if (t.job_id or traces.job_id, t.rank) == key), None)
     step = None
     if trace is not None and trace.report.step_mean is not None:
-        step = {"mean_seconds": trace.report.step_mean, "max_seconds": trace.report.step_max,
-                "steps": len(trace.report.steps), "age_seconds": max(0.0, wall - trace.ingested_at)}
+        step = RankStep(trace.report.step_mean, trace.report.step_max, len(trace.report.steps),
+                        max(0.0, wall - trace.ingested_at))
     steps = next((r for r in (timeline.ranks if timeline is not None else ()) if (r.job_id, r.rank) == key), None)
-    return {
-        "rank": key[1],
-        "local_rank": mains[0].local_rank if mains else "",
-        "pid": mains[0].pid if mains else None,
-        "state": "stalled" if stall is not None and stall.stalled else "running",
-        "stalled_seconds": stall.unchanged_seconds if stall is not None and stall.stalled else None,
-        "unchanged_seconds": stall.unchanged_seconds if stall is not None else None,
-        "categories": categories,
-        "categories_recent": recent,
-        "top_function": top[0] if top else None,
-        "top_function_share": top[1] if top else None,
-        "functions": [{"function": n, "share": s} for n, s in ranked[:TOP_FUNCTIONS]],
-        "cpu_percent": cpu_percent,
-        "rss_bytes": main_usage.rss if main_usage is not None else None,
-        "uss_bytes": getattr(main_usage, "uss", None),  # present once the host source reads USS
-        "threads": main_usage.threads if main_usage is not None else None,
-        "workers": workers.processes if workers is not None else 0,
-        "workers_rss_bytes": workers.usage.rss if workers is not None else None,
-        "gpu": _gpu_of_rank(view.gpu, key),
-        "step": step,
-        "timeline": _timeline_of(steps),
-    }
+    return RankRow(
+        rank=key[1],
+        local_rank=mains[0].local_rank if mains else "",
+        pid=mains[0].pid if mains else None,
+        state="stalled" if stall is not None and stall.stalled else "running",
+        stalled_seconds=stall.unchanged_seconds if stall is not None and stall.stalled else None,
+        unchanged_seconds=stall.unchanged_seconds if stall is not None else None,
+        categories=categories,
+        categories_recent=recent,
+        top_function=top[0] if top else None,
+        top_function_share=top[1] if top else None,
+        functions=tuple(FunctionShare(n, s) for n, s in ranked[:TOP_FUNCTIONS]),
+        cpu_percent=cpu_percent,
+        rss_bytes=main_usage.rss if main_usage is not None else None,
+        uss_bytes=getattr(main_usage, "uss", None),  # present once the host source reads USS
+        threads=main_usage.threads if main_usage is not None else None,
+        workers=workers.processes if workers is not None else 0,
+        workers_rss_bytes=workers.usage.rss if workers is not None else None,
+        gpu=_gpu_of_rank(view.gpu, key),
+        step=step,
+        timeline=_timeline_of(steps),
+    )
 
 
-def _timeline_of(steps: RankSteps | None) -> dict[str, Any] | None:
+def _timeline_of(steps: RankSteps | None) -> RankTimeline | None:
     """The rank's steps from the kernel probes, over the timeline window."""
     if steps is None:
         return None
-    return {
-        "optimizer_steps": steps.optimizer_steps, "p50_seconds": steps.p50, "p90_seconds": steps.p90,
-        "max_seconds": steps.max, "steps_per_second": steps.steps_per_second, "micro_batches": steps.micro_batches,
-        "stage_shares": dict(steps.stage_shares), "stage_now": steps.stage_now or None,
-        "idle_seconds": steps.idle_seconds, "lost_events": steps.lost_events,
-        "step_boundary": steps.step_boundary or None, "boundary_note": steps.boundary_note or None,
-    }
+    return RankTimeline(
+        optimizer_steps=steps.optimizer_steps, p50_seconds=steps.p50, p90_seconds=steps.p90,
+        max_seconds=steps.max, steps_per_second=steps.steps_per_second, micro_batches=steps.micro_batches,
+        stage_shares=dict(steps.stage_shares), stage_now=steps.stage_now or None,
+        idle_seconds=steps.idle_seconds, lost_events=steps.lost_events,
+        step_boundary=steps.step_boundary or None, boundary_note=steps.boundary_note or None,
+    )
 
 
-def findings_of(view: StateView) -> list[dict[str, Any]]:
+def findings_of(view: StateView) -> tuple[Finding, ...]:
     """Active findings of the view (none until the findings engine publishes a snapshot)."""
     snap = view.findings
-    return [f.as_dict() for f in snap.findings] if snap is not None else []
+    return snap.findings if snap is not None else ()
 
 
 def ranks_payload(
@@ -211,7 +225,7 @@ def ranks_payload(
     baselines: Mapping[RankKey, Counters | None],
     node: str,
     wall: float,
-) -> dict[str, Any]:
+) -> RanksDoc:
     """The /api/ranks document. ``baselines`` come from a CounterHistory (missing: no rates yet)."""
     jobs = []
     for view in views:
@@ -219,23 +233,23 @@ def ranks_payload(
         if tree is None:
             continue
         counters = current_counters(view)
-        by_job: dict[str, list[dict[str, Any]]] = {}
+        by_job: dict[str, list[RankRow]] = {}
         for key, now in counters.items():
             by_job.setdefault(key[0], []).append(_rank_row(view, key, now, baselines.get(key), wall))
         status = tree.job_status()
         for job_id in sorted(set(by_job) | set(status)):
             sizes = {p.world_size for p in tree.processes if (p.job_id or tree.job_id) == job_id and p.world_size}
-            jobs.append({
-                "job_id": job_id,
-                "alive": status.get(job_id, tree.alive),
-                "root_pid": tree.root_pid if tree.job_id == job_id else None,
-                "world_size": int(next(iter(sizes))) if len(sizes) == 1 and next(iter(sizes)).isdigit() else None,
-                "gpu": gpu_summary(view.gpu),
-                "sources": {name: h.up for name, h in sorted(view.health.items())},
-                "findings": [f for f in findings_of(view) if f["job_id"] in (job_id, "")],
-                "ranks": by_job.get(job_id, []),
-            })
-    return {"node": node, "time": wall, "jobs": jobs}
+            jobs.append(JobRanks(
+                job_id=job_id,
+                alive=status.get(job_id, tree.alive),
+                root_pid=tree.root_pid if tree.job_id == job_id else None,
+                world_size=int(next(iter(sizes))) if len(sizes) == 1 and next(iter(sizes)).isdigit() else None,
+                gpu=gpu_summary(view.gpu),
+                sources={name: h.up for name, h in sorted(view.health.items())},
+                findings=tuple(f for f in findings_of(view) if f.job_id in (job_id, "")),
+                ranks=tuple(by_job.get(job_id, [])),
+            ))
+    return RanksDoc(node, wall, tuple(jobs))
 
 
 class RanksApi:
@@ -248,7 +262,7 @@ class RanksApi:
         self._history = CounterHistory(horizon)
         self._lock = threading.Lock()  # HTTP requests come from several threads
 
-    def payload(self) -> dict[str, Any]:
+    def document(self) -> RanksDoc:
         views = list(self._views())
         baselines: dict[RankKey, Counters | None] = {}
         with self._lock:
@@ -260,4 +274,4 @@ class RanksApi:
 
     def route(self, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
         self._watched()  # `profagent top --url` polls this: sample the job at the full rate
-        return 200, "application/json", orjson.dumps(self.payload())
+        return 200, "application/json", orjson.dumps(as_json(self.document()))

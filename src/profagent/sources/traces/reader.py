@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from profagent.analysis.trace.model import KINDS, Trace  # noqa: F401  (KINDS: the categories kept)
+from profagent.analysis.trace.model import CATEGORY_CODES, Trace  # noqa: F401  (CATEGORY_CODES: the categories kept)
 from profagent.errors import SourceError
 from profagent.labels import bound
 from profagent.system.safefs import UnsafePath, open_regular
@@ -276,7 +276,7 @@ def _mark_dma(kind: np.ndarray, cat: list[str], name: list[str], args: list) -> 
         if c == MTIA_DEVICE:
             a = args[i]
             if name[i].startswith("dma") or (a is not None and a.direction is not None):
-                kind[i] = KINDS["gpu_memcpy"]
+                kind[i] = CATEGORY_CODES["gpu_memcpy"]
 
 
 _THREAD_BASE = 1 << 31  # thread code = provisional pid id * base + provisional tid id
@@ -306,7 +306,7 @@ class _Builder:
 
     def add(self, events: list) -> None:  # type: ignore[type-arg]
         """Keep what the analyzers use from decoded ``Event`` or tagged events."""
-        kinds = KINDS
+        kinds = CATEGORY_CODES
         self._events += len(events)
         limit = self._limits.max_events
         if limit is not None and self._events > limit:
@@ -416,7 +416,7 @@ class _Builder:
         pids = {v: k for k, v in self._pids.items()}
         tids = {v: k for k, v in self._tids.items()}
         t.threads = [(pids[c // _THREAD_BASE], tids[c % _THREAD_BASE]) for c in codes.tolist()]
-        gpu_missing = (t.kind <= KINDS["gpu_memset"]) & (t.device < 0)
+        gpu_missing = (t.kind <= CATEGORY_CODES["gpu_memset"]) & (t.device < 0)
         if gpu_missing.any():  # no args.device: the GPU's pid ("GPU N" label), else the pid
             per_thread = np.array([t.gpu_devices.get(p, p) if isinstance(p, int) else 0 for p, _ in t.threads],
                                   dtype=np.int64)

@@ -1,19 +1,11 @@
-"""The agent's HTTP endpoint: /metrics, /healthz and small read-only APIs.
-
-TLS, basic auth and extra headers come from an exporter-toolkit ``web-config.yml``
-(webconfig.py). The endpoint may face the network and every local user, so every request
-and connection is bounded (the comment above ``_EventServer``).
+"""Serving: one I/O thread reads whole requests (TLS handshake, head and body) without
+blocking, under a deadline; a few workers compute the answers, scrapes and proven
+credentials first; connections and pending output are capped (the comment above
+``EventServer``). What a request is answered with is routing.py's.
 """
 
 from __future__ import annotations
 
-import base64
-import errno
-import gzip
-import hashlib
-import hmac
-import io
-import ipaddress
 import itertools
 import logging
 import queue
@@ -23,131 +15,17 @@ import socket
 import ssl
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
-from urllib.parse import parse_qs, urlsplit
 
-import bcrypt
-
-from profagent.errors import UserError
-from profagent.exporters.exposition import Exposition
-from profagent.exporters.webconfig import WebConfig, load_web_config, peer_check, ssl_context
-from profagent.labels import printable
+from profagent.exporters.http.auth import Authenticator, client_key
 from profagent.system.cputime import CPU
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AgentHTTPServer", "HttpLimits", "WebConfig", "load_web_config"]
-
-# A route gets the parsed query string and returns (status, content type, body).
-Route = Callable[[dict[str, list[str]]], tuple[int, str, bytes]]
-
 MAX_REQUEST_BYTES = 64 * 1024  # head and body of one request; we only serve GET and HEAD
 MAX_PENDING_OUTPUT = 256 * 1024**2  # answers written but not yet taken by their clients, all together
-AUTH_BACKOFF_FIRST = 0.1  # seconds the first failed login's answer is held; doubles per failure
-AUTH_WINDOW = 60.0  # a client's failures are forgotten after this long without one
-AUTH_CLIENTS_TRACKED = 4096  # oldest forgotten first: memory stays bounded under a spray
-
-class _Authenticator:
-    """bcrypt is deliberately slow, so successful checks are remembered (as node_exporter
-    does). A failed login is never a reason to refuse a correct password: failures only
-    delay the failing answers of the client that fails (doubling up to ``backoff_max``).
-    An unknown user is checked against a dummy hash of the same cost, so the answer time
-    does not tell which user names exist."""
-
-    def __init__(self, users: dict[str, bytes], backoff_max: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self._users = users
-        self._ok: set[bytes] = set()
-        self._lock = threading.Lock()
-        self._clock = clock
-        self.backoff_max = backoff_max
-        self._failures: OrderedDict[str, tuple[float, int]] = OrderedDict()  # client -> (last failure, count)
-        cost = max((_bcrypt_cost(h) for h in users.values()), default=4)
-        self._dummy = bcrypt.hashpw(b"profagent-no-such-user", bcrypt.gensalt(rounds=cost)) if users else b""
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self._users)
-
-    def _parse(self, header: str | None) -> tuple[str, bytes] | None:
-        if not header or not header.startswith("Basic "):
-            return None
-        try:
-            user, _, password = base64.b64decode(header[6:], validate=True).decode().partition(":")
-        except (ValueError, UnicodeDecodeError):
-            return None
-        return user, password.encode()
-
-    def _token(self, hashed: bytes, password: bytes) -> bytes:
-        return hashlib.sha256(hashed + b"\0" + password).digest()
-
-    def cached(self, header: str | None) -> bool:
-        """True when the answer needs no bcrypt: no users, or credentials already proven."""
-        if not self._users:
-            return True
-        parsed = self._parse(header)
-        if parsed is None or parsed[0] not in self._users:
-            return False
-        token = self._token(self._users[parsed[0]], parsed[1])
-        with self._lock:
-            return token in self._ok
-
-    def check(self, header: str | None) -> bool:
-        if not self._users:
-            return True
-        parsed = self._parse(header)
-        if parsed is None:
-            return False
-        user, password = parsed
-        hashed = self._users.get(user)
-        if hashed is None:
-            bcrypt.checkpw(password, self._dummy)  # same work as a known user: no user enumeration
-            return False
-        token = self._token(hashed, password)
-        with self._lock:
-            if any(hmac.compare_digest(token, t) for t in self._ok):
-                return True
-        if not bcrypt.checkpw(password, hashed):
-            return False
-        with self._lock:
-            self._ok.add(token)
-        return True
-
-    def failed(self, client: str) -> float:
-        """Record a failure of ``client``; return how long to hold its answer (seconds)."""
-        now = self._clock()
-        with self._lock:
-            last, count = self._failures.pop(client, (now, 0))
-            if now - last >= AUTH_WINDOW:  # quiet for a window: start over
-                count = 0
-            count += 1
-            self._failures[client] = (now, count)
-            while len(self._failures) > AUTH_CLIENTS_TRACKED:
-                self._failures.popitem(last=False)
-        return min(self.backoff_max, AUTH_BACKOFF_FIRST * 2 ** min(count - 1, 30))
-
-
-def _bcrypt_cost(hashed: bytes) -> int:
-    try:
-        return int(hashed.split(b"$")[2])
-    except (IndexError, ValueError):
-        return 10
-
-
-def client_key(address: str) -> str:
-    """Who a peer is, for the per-client caps: the IPv4 address, or the /64 of an IPv6
-    one (a single host commonly holds a whole /64)."""
-    try:
-        ip = ipaddress.ip_address(address.split("%")[0])
-    except ValueError:
-        return address
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network(f"{ip}/64", strict=False))
-    return str(ip)
 
 
 @dataclass(frozen=True)
@@ -186,7 +64,7 @@ class _Conn:
         self.release_at = 0.0  # a held (delayed) answer goes out then
 
 
-class _Chunks:
+class Chunks:
     """A write-only file that keeps what is written by reference (no copy of the body)."""
 
     def __init__(self) -> None:
@@ -210,12 +88,12 @@ class _Chunks:
 # request before one that has sent nothing yet. Failed logins delay the
 # failing answers of that client only (``http.auth_backoff_max``); a correct password is
 # always accepted.
-class _EventServer:
+class EventServer:
     """One I/O thread reads whole requests (and TLS handshakes) without blocking; a
     fixed pool of workers only computes answers, scrapes and proven credentials first."""
 
     def __init__(self, listener: socket.socket, handler: type[BaseHTTPRequestHandler], limits: HttpLimits,
-                 ssl_context: ssl.SSLContext | None, auth: _Authenticator, peer_check: Callable[[ssl.SSLSocket], bool] | None) -> None:
+                 ssl_context: ssl.SSLContext | None, auth: Authenticator, peer_check: Callable[[ssl.SSLSocket], bool] | None) -> None:
         self.listener = listener
         self.handler = handler
         self.limits = limits
@@ -561,153 +439,3 @@ class _EventServer:
                 answer = (conn, [], True, 0.0)
             self._done.put(answer)
             self._wake()
-
-
-class AgentHTTPServer:
-    """Serves /metrics and /healthz, plus routes added with ``add_route``."""
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        metrics: Exposition,
-        web_config: WebConfig | None = None,
-        limits: HttpLimits | None = None,
-    ) -> None:
-        self.host, self.port = host, port
-        self.render_metrics = metrics.render
-        self.web_config = web_config or WebConfig()
-        self.limits = limits or HttpLimits()
-        # Cleared by an owner while its sources start: /healthz then answers 503 "starting",
-        # so nobody reads a half-started agent as ready.
-        self.ready = threading.Event()
-        self.ready.set()
-        self.routes: dict[str, Route] = {"/healthz": self._healthz}
-        self._server: _EventServer | None = None
-        # one line per collector ("ondemand: off (retrying: endpoint_held): ..."), for ?verbose=1
-        self.health_detail: Callable[[], list[str]] | None = None
-
-    def _healthz(self, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
-        """"ok" once started ("starting", 503, before); ``?verbose=1`` adds a line per collector:
-        the agent serves while a collector is off, and this says which and why."""
-        head = "ok\n" if self.ready.is_set() else "starting\n"
-        lines = self.health_detail() if "verbose" in query and self.health_detail is not None else []
-        body = (head + "".join(printable(line) + "\n" for line in lines)).encode()
-        return (200 if self.ready.is_set() else 503), "text/plain", body
-
-    def add_route(self, path: str, route: Route) -> None:
-        self.routes[path] = route
-
-    @property
-    def refused(self) -> dict[str, int]:
-        """Connections closed by a cap, per reason (per_client, evicted, deadline, too_large, tls, output)."""
-        return dict(self._server.refused) if self._server else {}
-
-    @property
-    def url(self) -> str:
-        scheme = "https" if self.web_config.tls else "http"
-        host = self.host if self.host not in ("0.0.0.0", "::") else socket.gethostname()
-        if ":" in host:
-            host = f"[{host}]"
-        return f"{scheme}://{host}:{self.port}/metrics"
-
-    def start(self) -> None:
-        """Bind and serve in a thread. Raises UserError if the port is taken or not allowed."""
-        ctx = ssl_context(self.web_config) if self.web_config.tls else None
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((self.host, self.port))
-            listener.listen(128)
-        except OSError as exc:
-            listener.close()
-            if exc.errno == errno.EADDRINUSE:
-                raise UserError(
-                    f"port {self.port} on {self.host} is already in use",
-                    "stop the other process or choose another port with --listen HOST:PORT",
-                ) from None
-            if exc.errno == errno.EACCES:
-                raise UserError(f"not permitted to listen on port {self.port}", "use a port above 1023 or run as root") from None
-            raise UserError(f"cannot listen on {self.host}:{self.port} ({exc.strerror})", "check --listen") from None
-        self.port = listener.getsockname()[1]  # resolves port 0
-        auth = _Authenticator(self.web_config.users, self.limits.auth_backoff_max)
-        self._server = _EventServer(listener, _make_handler(self, auth), self.limits, ctx, auth, peer_check(self.web_config))
-        self._server.start()
-
-    def shutdown(self) -> None:
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
-
-
-def _make_handler(server: AgentHTTPServer, auth: _Authenticator) -> type[BaseHTTPRequestHandler]:
-    headers_out = dict(server.web_config.headers)
-
-    class Handler(BaseHTTPRequestHandler):
-        """Answers one whole, already-read request into a buffer; the I/O thread sends it."""
-
-        protocol_version = "HTTP/1.1"
-        hold = 0.0  # seconds the I/O thread holds this answer (failed logins)
-
-        def setup(self) -> None:
-            self.connection, request = self.request
-            self.rfile = io.BytesIO(request)
-            self.wfile = _Chunks()
-
-        def handle(self) -> None:
-            self.close_connection = True
-            self.handle_one_request()
-
-        def finish(self) -> None:
-            pass
-
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-            log.debug("http: " + format, *args)
-
-        def end_headers(self) -> None:
-            for k, v in headers_out.items():
-                self.send_header(k, v)
-            super().end_headers()
-
-        def _send(self, status: int, ctype: str, body: bytes, headers: dict[str, str] | None = None) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", ctype)
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-
-        def do_HEAD(self) -> None:  # noqa: N802
-            self.do_GET()
-
-        def do_GET(self) -> None:  # noqa: N802
-            if not auth.check(self.headers.get("Authorization")):
-                if self.headers.get("Authorization"):
-                    self.hold = auth.failed(client_key(str(self.client_address[0])))
-                self._send(401, "text/plain", b"Unauthorized\n", {"WWW-Authenticate": 'Basic realm="profagent"'})
-                return
-            url = urlsplit(self.path)
-            try:
-                if url.path == "/metrics":
-                    body, ctype = server.render_metrics(self.headers.get("Accept", ""))
-                    headers = {}
-                    if "gzip" in self.headers.get("Accept-Encoding", ""):
-                        body = gzip.compress(body, compresslevel=1)
-                        headers["Content-Encoding"] = "gzip"
-                    self._send(200, ctype, body, headers)
-                elif url.path in server.routes:
-                    status, ctype, body = server.routes[url.path](parse_qs(url.query))
-                    self._send(status, ctype, body)
-                elif url.path == "/":
-                    links = "".join(f'<li><a href="{p}">{p}</a></li>' for p in ["/metrics", *server.routes])
-                    self._send(200, "text/html", f"<h1>profagent</h1><ul>{links}</ul>".encode())
-                else:
-                    self._send(404, "text/plain", b"not found\n")
-            except Exception as exc:  # a broken route must not kill the server
-                log.warning("serving %s failed: %s", url.path, exc)
-                self._send(500, "text/plain", f"error: {exc}\n".encode())
-
-    return Handler
