@@ -159,7 +159,7 @@ def test_a_compiled_optimizer_step_takes_its_steps_from_the_backward_passes(tmp_
             assert value(m, "profagent_optimizer_steps_total", rank=str(rank)) == 0
         rows = [r for j in json.loads(http_get(url + "/api/ranks"))["jobs"] for r in j["ranks"]]
         assert {r["timeline"]["step_boundary"] for r in rows} == {"backward"}
-        assert all("capture_profiler_record_function" in r["timeline"]["boundary_note"] for r in rows)
+        assert all("capture_profiler_record_function" in r["timeline"]["steps_note"] for r in rows)
     finally:
         job.stop()
 

@@ -45,6 +45,13 @@ SWEEP_EVERY = 60.0  # seconds between two looks for definitions a dead agent lef
 ARRIVALS_KEPT = 4096  # matched collectives kept per job for the straggler window
 STRAGGLER_EVERY = 2.0  # seconds between two summaries of a job's arrivals
 RECORD_NAMES_KEPT = 1024  # record_function name heads whose kind is remembered
+# Probe events a second from one process above which its events are shed, for SHED_SECONDS
+# at a time: the kernel's rings are per CPU, shared by every process, so a process that
+# floods them (thread churn opening blocks it never closes) would slow the reading of every
+# job's events until the rings overflow. Shed events are dropped as an array, unread.
+# A training rank sends hundreds to a few thousand a second.
+FLOOD_EVENTS = 25_000
+SHED_SECONDS = 10.0
 
 
 @dataclass
@@ -105,6 +112,9 @@ class TimelineSource:
         self._matched_until: dict[str, float] = {}
         self._straggler_at: dict[str, tuple[float, ArrivalStraggler | None]] = {}  # job -> (when, summary)
         self._counts = [0, 0]  # events, foreign events
+        self._shed: dict[int, float] = {}  # pid -> until when its events are shed
+        self._shed_events: dict[int, int] = {}  # pid -> its events shed (a rank's, reported)
+        self._counted_at = clock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._swept = clock()
@@ -160,7 +170,8 @@ class TimelineSource:
             assert reader is not None
             try:
                 with CPU.charge(self.name):  # the wait in poll costs no CPU
-                    samples = reader.read(0.1, lock=self._lock)
+                    samples = reader.read(0.1, lock=self._lock, drop=frozenset(self._shed))
+                    self._judge_floods(reader)
             except (OSError, ValueError) as exc:  # a ring closed under us at stop
                 if not self._stop.is_set():
                     log.warning("timeline: reading probe events failed: %s", exc)
@@ -169,6 +180,28 @@ class TimelineSource:
             if samples:
                 with CPU.charge(self.name), self._lock:
                     self._fold(samples)
+
+    def _judge_floods(self, reader: perfevents.TracepointReader) -> None:
+        """Once a second: shed the events of each process that sent over FLOOD_EVENTS a
+        second, for SHED_SECONDS (judged again then)."""
+        now = self.clock()
+        elapsed = now - self._counted_at
+        if elapsed < 1.0:
+            return
+        with self._lock:
+            counts, reader.counts = reader.counts, {}
+            self._counted_at = now
+            for pid, n in counts.items():
+                if pid in self._shed and pid in self._ranks:
+                    self._shed_events[pid] = self._shed_events.get(pid, 0) + n
+                if n / elapsed > FLOOD_EVENTS:
+                    if pid not in self._shed:
+                        log.warning("timeline: PID %d sent %d probe events a second (over %d): its events are shed "
+                                    "for %.0f s, so that other jobs' are read in time", pid, n / elapsed,
+                                    FLOOD_EVENTS, SHED_SECONDS)
+                    self._shed[pid] = now + SHED_SECONDS
+            for pid in [p for p, until in self._shed.items() if until <= now]:
+                del self._shed[pid]
 
     def _fold(self, samples: list[perfevents.Sample]) -> None:
         # Every probe hit of every rank passes here (thousands a second at 8 ranks): the
@@ -285,6 +318,7 @@ class TimelineSource:
             for pid in [p for p in self._ranks if p not in mains]:
                 del self._ranks[pid]
                 self._looked.pop(pid, None)
+                self._shed_events.pop(pid, None)
             open_threads = {pid: tids for pid, r in self._ranks.items() if len(tids := r.timeline.open_threads) > 1}
         # threads listed after their blocks were: one missing from the list has exited
         exited = {pid: set(tids) - alive for pid, tids in open_threads.items()
@@ -375,7 +409,13 @@ class TimelineSource:
             t.stage_now, now - t.last_event if t.last_event is not None else None,
             now - t.last_step if t.last_step is not None else None,
             tuple(r.lag_buckets), r.lag_sum, r.lag_count, len(t.arrivals_in_step),
-            t.step_boundary, tl.boundary_note(t.step_boundary))
+            t.step_boundary, _steps_note(t.step_boundary, self._shed_events.get(pid, 0)))
+
+
+def _steps_note(boundary: str, shed: int) -> str:
+    flood = (f"{shed} of its probe events were shed (over {FLOOD_EVENTS} a second from this process): "
+             "its figures miss them") if shed else ""
+    return "; ".join(note for note in (flood, tl.boundary_note(boundary)) if note)
 
 
 def _shares(steps: list[tl.Step]) -> dict[str, float]:
