@@ -45,31 +45,32 @@ def test_a_jobs_straggler_is_summarised_at_most_every_few_seconds_then_forgotten
 
 
 def test_a_flooding_process_is_shed_for_a_while_and_its_rank_says_so() -> None:
-    """A process over FLOOD_EVENTS a second is shed for SHED_SECONDS; the events it sends
+    """A process over timeline.flood_events a second is shed for SHED_SECONDS; the events it sends
     meanwhile are counted against its rank; a process below the rate never is."""
     from types import SimpleNamespace
 
-    from profagent.sources.timeline.source import FLOOD_EVENTS, SHED_SECONDS, _Rank, _steps_note
+    from profagent.sources.timeline.source import SHED_SECONDS, _Rank, _steps_note
 
     clock = Clock()
     source = TimelineSource(TimelineConfig(), interval=0.5, clock=clock)
+    flood = source.config.flood_events
     source._ranks[7] = _Rank("nobody's", "0")
     reader = SimpleNamespace(counts={})
     clock.t += 0.5
-    reader.counts = {7: 10 * FLOOD_EVENTS, 8: 500}
+    reader.counts = {7: 10 * flood, 8: 500}
     source._judge_floods(reader)  # within the second: not judged yet
     assert source._shed == {} and reader.counts
     clock.t += 0.5
     source._judge_floods(reader)
     assert set(source._shed) == {7} and reader.counts == {}
-    reader.counts = {7: 3 * FLOOD_EVENTS, 8: FLOOD_EVENTS // 2}
+    reader.counts = {7: 3 * flood, 8: flood // 2}
     clock.t += 2.0
     source._judge_floods(reader)  # still over: shed on, and these counted as shed
-    assert set(source._shed) == {7} and source._shed_events == {7: 3 * FLOOD_EVENTS}
+    assert set(source._shed) == {7} and source._shed_events == {7: 3 * flood}
     reader.counts = {7: 10}
     clock.t += SHED_SECONDS + 1
     source._judge_floods(reader)  # quiet, and its time is up (what it sent meanwhile was shed)
-    assert source._shed == {} and source._shed_events == {7: 3 * FLOOD_EVENTS + 10}
-    note = _steps_note("optimizer", source._shed_events[7])
-    assert note.startswith(f"{3 * FLOOD_EVENTS + 10} of its probe events were shed") and "capture_profiler" not in note
-    assert "capture_profiler_record_function" in _steps_note("backward", 0)
+    assert source._shed == {} and source._shed_events == {7: 3 * flood + 10}
+    note = _steps_note("optimizer", source._shed_events[7], flood)
+    assert note.startswith(f"{3 * flood + 10} of its probe events were shed") and "capture_profiler" not in note
+    assert "capture_profiler_record_function" in _steps_note("backward", 0, flood)

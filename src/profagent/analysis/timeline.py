@@ -1,9 +1,11 @@
 """Each rank's training steps from probe events (pure: events in, figures out).
 
-A step runs from one ``Optimizer.step`` call to the next. Within it, the stages are the
-DataLoader waits (``__next__``), the backwards (``Engine::execute`` to its last act), the
-optimizer (``Optimizer.step`` and ``zero_grad``), and the rest, ``other`` (forward and
-host work). A block is counted in the step in which it ends. Collective arrivals are the
+A step runs from one ``Optimizer.step`` call to the next; where no such block ever comes
+(a compiled optimizer step), from one ``zero_grad`` call or one backward pass to the next.
+The stages are the DataLoader waits, the backwards (``Engine::execute`` to its last act),
+the optimizer (``Optimizer.step`` and ``zero_grad``) and the rest, ``other``. Blocks nest
+and time is counted once: a backward inside the optimizer's block (a closure) is the
+backward's. A block is counted in the step in which it ends. Collective arrivals are the
 calls into the process group; the k-th call of a step on every rank is one collective,
 and its arrival lag on a rank is how long after the first rank that rank called it.
 """

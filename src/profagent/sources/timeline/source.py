@@ -45,12 +45,10 @@ SWEEP_EVERY = 60.0  # seconds between two looks for definitions a dead agent lef
 ARRIVALS_KEPT = 4096  # matched collectives kept per job for the straggler window
 STRAGGLER_EVERY = 2.0  # seconds between two summaries of a job's arrivals
 RECORD_NAMES_KEPT = 1024  # record_function name heads whose kind is remembered
-# Probe events a second from one process above which its events are shed, for SHED_SECONDS
-# at a time: the kernel's rings are per CPU, shared by every process, so a process that
-# floods them (thread churn opening blocks it never closes) would slow the reading of every
-# job's events until the rings overflow. Shed events are dropped as an array, unread.
-# A training rank sends hundreds to a few thousand a second.
-FLOOD_EVENTS = 25_000
+# A process over timeline.flood_events a second is shed for SHED_SECONDS at a time: the
+# kernel's rings are per CPU, shared by every process, so one that floods them (thread
+# churn opening blocks it never closes) would slow the reading of every job's events until
+# the rings overflow. Shed events are dropped as an array, unread.
 SHED_SECONDS = 10.0
 
 
@@ -182,7 +180,7 @@ class TimelineSource:
                     self._fold(samples)
 
     def _judge_floods(self, reader: perfevents.TracepointReader) -> None:
-        """Once a second: shed the events of each process that sent over FLOOD_EVENTS a
+        """Once a second: shed the events of each process that sent over timeline.flood_events a
         second, for SHED_SECONDS (judged again then)."""
         now = self.clock()
         elapsed = now - self._counted_at
@@ -194,11 +192,11 @@ class TimelineSource:
             for pid, n in counts.items():
                 if pid in self._shed and pid in self._ranks:
                     self._shed_events[pid] = self._shed_events.get(pid, 0) + n
-                if n / elapsed > FLOOD_EVENTS:
+                if n / elapsed > self.config.flood_events:
                     if pid not in self._shed:
-                        log.warning("timeline: PID %d sent %d probe events a second (over %d): its events are shed "
-                                    "for %.0f s, so that other jobs' are read in time", pid, n / elapsed,
-                                    FLOOD_EVENTS, SHED_SECONDS)
+                        log.warning("timeline: PID %d sent %d probe events a second (over %d, timeline.flood_events): "
+                                    "its events are shed for %.0f s, so that other jobs' are read in time", pid,
+                                    n / elapsed, self.config.flood_events, SHED_SECONDS)
                     self._shed[pid] = now + SHED_SECONDS
             for pid in [p for p, until in self._shed.items() if until <= now]:
                 del self._shed[pid]
@@ -409,12 +407,12 @@ class TimelineSource:
             t.stage_now, now - t.last_event if t.last_event is not None else None,
             now - t.last_step if t.last_step is not None else None,
             tuple(r.lag_buckets), r.lag_sum, r.lag_count, len(t.arrivals_in_step),
-            t.step_boundary, _steps_note(t.step_boundary, self._shed_events.get(pid, 0)))
+            t.step_boundary, _steps_note(t.step_boundary, self._shed_events.get(pid, 0), self.config.flood_events))
 
 
-def _steps_note(boundary: str, shed: int) -> str:
-    flood = (f"{shed} of its probe events were shed (over {FLOOD_EVENTS} a second from this process): "
-             "its figures miss them") if shed else ""
+def _steps_note(boundary: str, shed: int, flood_events: int) -> str:
+    flood = (f"{shed} of its probe events were shed (over {flood_events} a second from this process, "
+             "timeline.flood_events): its figures miss them") if shed else ""
     return "; ".join(note for note in (flood, tl.boundary_note(boundary)) if note)
 
 
