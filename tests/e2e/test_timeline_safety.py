@@ -326,6 +326,7 @@ def test_nobodys_thread_churn_neither_grows_the_agent_nor_costs_roots_job_a_step
         (victim_job,) = [j for j, ranks in jobs.items() if len(ranks) == 2]
         before = rss_bytes(agent.proc.pid)
         go.write_text("go")
+        time.sleep(1.0)  # root's steps begin while the churn runs, as beside a job already there
         victim.start_file.write_text("go")
         peak = before
         while not (victim.done() and count.exists()):

@@ -49,18 +49,18 @@ def test_a_flooding_process_is_shed_for_a_while_and_its_rank_says_so() -> None:
     meanwhile are counted against its rank; a process below the rate never is."""
     from types import SimpleNamespace
 
-    from profagent.sources.timeline.source import SHED_SECONDS, _Rank, _steps_note
+    from profagent.sources.timeline.source import JUDGE_EVERY, SHED_SECONDS, _Rank, _steps_note
 
     clock = Clock()
     source = TimelineSource(TimelineConfig(), interval=0.5, clock=clock)
     flood = source.config.flood_events
     source._ranks[7] = _Rank("nobody's", "0")
     reader = SimpleNamespace(counts={})
-    clock.t += 0.5
+    clock.t += JUDGE_EVERY / 2
     reader.counts = {7: 10 * flood, 8: 500}
-    source._judge_floods(reader)  # within the second: not judged yet
+    source._judge_floods(reader)  # too soon: not judged yet
     assert source._shed == {} and reader.counts
-    clock.t += 0.5
+    clock.t += JUDGE_EVERY / 2
     source._judge_floods(reader)
     assert set(source._shed) == {7} and reader.counts == {}
     reader.counts = {7: 3 * flood, 8: flood // 2}

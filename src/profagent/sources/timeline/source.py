@@ -50,6 +50,7 @@ RECORD_NAMES_KEPT = 1024  # record_function name heads whose kind is remembered
 # churn opening blocks it never closes) would slow the reading of every job's events until
 # the rings overflow. Shed events are dropped as an array, unread.
 SHED_SECONDS = 10.0
+JUDGE_EVERY = 0.25  # seconds of counts a process's rate is judged on
 
 
 @dataclass
@@ -180,11 +181,12 @@ class TimelineSource:
                     self._fold(samples)
 
     def _judge_floods(self, reader: perfevents.TracepointReader) -> None:
-        """Once a second: shed the events of each process that sent over timeline.flood_events a
-        second, for SHED_SECONDS (judged again then)."""
+        """Every JUDGE_EVERY seconds: shed the events of each process that sent over
+        timeline.flood_events a second, for SHED_SECONDS (judged again then). A quarter of
+        a second of a flood read in full is what the rings must hold."""
         now = self.clock()
         elapsed = now - self._counted_at
-        if elapsed < 1.0:
+        if elapsed < JUDGE_EVERY:
             return
         with self._lock:
             counts, reader.counts = reader.counts, {}
