@@ -95,7 +95,7 @@ class RankTimeline:
     such block comes within DECIDE_BACKWARDS backwards, the steps are taken from
     Optimizer.zero_grad calls or backward passes and the held events are read again."""
 
-    optimizer_steps: int = 0  # Optimizer.step calls seen
+    optimizer_steps: int = 0  # steps begun: Optimizer.step calls, or the boundaries taken instead
     steps_total: int = 0  # completed steps: from one boundary to the next
     step_seconds_sum: float = 0.0
     step_buckets: list[int] = field(default_factory=lambda: [0] * len(STEP_BUCKETS))
@@ -217,7 +217,6 @@ class RankTimeline:
             if any(block[KIND] == STEP for block in stack):
                 pass  # an optimizer's step inside another's (a wrapping optimizer): one step
             else:
-                self.optimizer_steps += 1
                 if boundary != OPTIMIZER:  # the block came after all: it is the boundary from now on
                     self.boundary = boundary = OPTIMIZER
                     self._step_start = None
@@ -297,6 +296,7 @@ class RankTimeline:
 
     def _begin(self, t: float) -> None:
         """A step begins at ``t``: the one before ends there."""
+        self.optimizer_steps += 1
         self.last_step = t
         start = self._step_start
         if start is not None and t > start:

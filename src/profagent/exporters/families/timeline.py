@@ -23,7 +23,7 @@ def _cumulative(bounds: Sequence[float], counts: Sequence[int], total: int) -> l
 
 
 def render(snap: TimelineSnapshot, out: Families) -> None:
-    steps = out.counter("profagent_optimizer_steps", "optimizer steps the rank began since the probes were placed (kernel uprobes, no trace needed)", RANK)
+    steps = out.counter("profagent_optimizer_steps", "optimizer steps the rank began since the probes were placed: its Optimizer.step calls, else its zero_grad calls or backward passes (/api/ranks step_boundary; kernel uprobes, no trace needed)", RANK)
     hist = out.histogram("profagent_step_seconds", "step time, from one step's start to the next: its Optimizer.step call, else its zero_grad call or backward pass (/api/ranks step_boundary; kernel uprobes)", RANK)
     stages = out.counter("profagent_step_stage_seconds", "seconds of completed steps by stage: data_wait (DataLoader), backward, optimizer (step and zero_grad), other (forward, host work)", (*RANK, "stage"))
     backwards = out.counter("profagent_backward_passes", "backward passes (Engine::execute); above the optimizer steps with gradient accumulation", RANK)
