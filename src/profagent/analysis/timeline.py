@@ -184,8 +184,8 @@ class RankTimeline:
             self._decide(OPTIMIZER)
         elif backwards >= DECIDE_BACKWARDS or (backwards >= 4 and t - self._first_event >= DECIDE_SECONDS):
             self._decide(BY_ZERO_GRAD if self._zero_grads >= 2 else BY_BACKWARD)
-        elif len(held) >= HELD_EVENTS:
-            self._decide(NONE)
+        elif len(held) >= HELD_EVENTS:  # a few backwards in many events: they are the steps still
+            self._decide(NONE if backwards < 2 else BY_ZERO_GRAD if self._zero_grads >= 2 else BY_BACKWARD)
 
     def _decide(self, boundary: str) -> None:
         """Read the held events again (all but the one being fed) with the boundary known."""
