@@ -165,6 +165,28 @@ def test_a_compiled_optimizer_step_takes_its_steps_from_the_backward_passes(tmp_
         job.stop()
 
 
+def test_a_compiled_optimizer_step_with_its_own_zero_grad_takes_its_steps_from_zero_grad(tmp_path: Path,
+                                                                                        run_agent) -> None:
+    """torch.compile of opt.step(), then opt.zero_grad() uncompiled (dynamo skips it): its
+    block is the boundary, once a step. The job logs each zero_grad call: count exact, p50
+    within 2%; interval k holds step k+1's data wait and backward, and zero_grad k as the
+    optimizer (the compiled update is other)."""
+    job, m, url = run(tmp_path, run_agent, 1, "--compile", "--optimizer-zero-grad", "--workers", "0", "--steps", "80",
+                      with_url=True)
+    try:
+        truth = job.truth(0)
+        stages, total = truth["stages"], sum(expected(truth)[0])
+        shares = {"data_wait": sum(s["data_wait"] for s in stages[1:]) / total,
+                  "backward": sum(s["backward"] for s in stages[1:]) / total,
+                  "optimizer": sum(s["zero_grad"] for s in stages[:-1]) / total}
+        check_rank(m, truth, 0, shares)
+        (row,) = [r for j in json.loads(http_get(url + "/api/ranks"))["jobs"] for r in j["ranks"]]
+        assert row["timeline"]["step_boundary"] == "zero_grad"
+        assert "capture_profiler_record_function" in row["timeline"]["steps_note"]
+    finally:
+        job.stop()
+
+
 def test_a_backward_that_raises_leaves_the_job_running(tmp_path: Path, run_agent) -> None:
     """A return probe would abort the process when a C++ exception crosses it; ours are
     entry probes, so a caught backward error stays a Python exception."""
