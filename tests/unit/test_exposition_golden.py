@@ -22,7 +22,8 @@ family the README documents (#23, ``tests/unit/test_docs.py`` holds the two toge
 per-rank collective-wait share (#24), CPU per collector (#26), the step timeline from kernel probes (#38),
 each hung rank's part in the hang (``profagent_hang_rank_info``, #39), a collector off and retrying
 (``profagent_collector_retrying``, #51), the probe events lost where each rank ran
-(``profagent_timeline_lost_events_total``, #51).
+(``profagent_timeline_lost_events_total``, #51), steps whose start is not an
+Optimizer.step call (the step families' help, #50).
 """
 
 from __future__ import annotations

@@ -30,7 +30,9 @@ times. --compile compiles the model and a function calling ``opt.step()``
 (torch.compile), whose record_function dynamo drops, and zeroes the gradients with the
 model's ``zero_grad()`` (as HF's Trainer does; ``Optimizer.zero_grad`` runs uncompiled
 and would leave its block): it logs the start of each backward, the steps' only
-boundary left, as its step calls.
+boundary left, as its step calls. With --optimizer-zero-grad it calls
+``opt.zero_grad()`` instead, whose block is then the boundary: it logs each call's time
+as its step calls, and the call's length.
 """
 
 import argparse
@@ -68,6 +70,7 @@ parser.add_argument("--profile-dir", default="", help="also profile every step, 
 parser.add_argument("--profile-steps", type=int, default=40)
 parser.add_argument("--closure", action="store_true", help="optimizer.step(closure), as Lightning calls it")
 parser.add_argument("--compile", action="store_true", help="torch.compile the model and opt.step(); the model's zero_grad()")
+parser.add_argument("--optimizer-zero-grad", action="store_true", help="with --compile: opt.zero_grad(), not the model's")
 parser.add_argument("--linger", type=float, default=0.0, help="seconds to stay after logging the truth (an agent attached to it exits with it)")
 args = parser.parse_args()
 RANK = int(os.environ.get("RANK", "0"))
@@ -246,7 +249,7 @@ def main() -> None:
             inside = engine_clock(loss)
             loss.backward()
             t2, t3 = inside
-            if args.compile:
+            if args.compile and not args.optimizer_zero_grad:
                 calls.append(t2)
             if slow_compute and not args.device_seconds:
                 # a straggler: its compute takes slow_factor times as long
@@ -284,7 +287,12 @@ def main() -> None:
             opt.step(closure)
         elif args.compile:
             compiled_step()
-            net.zero_grad()
+            if args.optimizer_zero_grad:
+                calls.append(time.monotonic())
+                opt.zero_grad()
+                closure_times["zero_grad"] = time.monotonic() - calls[-1]
+            else:
+                net.zero_grad()
         else:
             opt.step()
             opt.zero_grad()
@@ -296,7 +304,7 @@ def main() -> None:
         else:
             optimizer = time.monotonic() - t4
         stages.append({"data_wait": data, "backward": backward, "optimizer": optimizer,
-                       "forward_compute": Layer.forward_seconds})
+                       "forward_compute": Layer.forward_seconds, "zero_grad": closure_times.get("zero_grad", 0.0)})
         Layer.forward_seconds = 0.0
     Path(args.truth_dir, f"rank{RANK}.json").write_text(json.dumps(
         {"calls": calls, "stages": stages, "raised": raised, "pid": os.getpid()}))

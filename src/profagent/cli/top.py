@@ -233,12 +233,12 @@ def rank_table(job: JobRanks, view: ViewState, interactive: bool = True) -> Tabl
     return table
 
 
-def boundary_notes(job: JobRanks) -> list[Text]:
+def steps_notes(job: JobRanks) -> list[Text]:
     """A line per way of finding steps other than Optimizer.step, naming its ranks: the
     step column would otherwise say "-" or a figure from another boundary, silently."""
     by_note: dict[str, list[str]] = {}
     for r in job.ranks:
-        note = r.timeline.boundary_note if r.timeline is not None else None
+        note = r.timeline.steps_note if r.timeline is not None else None
         if note:
             by_note.setdefault(note, []).append(r.rank)
     return [Text(f"step, rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {note}", style="yellow")
@@ -293,7 +293,7 @@ def screen(doc: RanksDoc, view: ViewState, folded: str | None = None,
     if not doc.jobs:
         parts.append(Text(f"profagent top  node {doc.node}: no job observed yet", style="bold"))
     for job in doc.jobs:
-        parts += [header(doc, job), Text(""), rank_table(job, view, interactive), *boundary_notes(job)]
+        parts += [header(doc, job), Text(""), rank_table(job, view, interactive), *steps_notes(job)]
     selected = selected_rank(doc, view)
     if interactive and view.detail and selected is not None:
         parts += [Text(""), detail(selected[1], folded, height - 6 - sum(len(j.ranks) for j in doc.jobs))]

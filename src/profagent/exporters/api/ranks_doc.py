@@ -60,7 +60,7 @@ class RankTimeline:
     idle_seconds: float | None = None
     lost_events: int = 0
     step_boundary: str | None = None
-    boundary_note: str | None = None
+    steps_note: str | None = None
 
 
 @dataclass(frozen=True)
