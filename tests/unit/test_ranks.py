@@ -156,8 +156,11 @@ def test_lightning_under_srun_one_task_a_node() -> None:
     t.add(601, 600, {**slurm, "LOCAL_RANK": "1", "NODE_RANK": "1", "WORLD_SIZE": "4"})
     t.add(602, 601, {**slurm, "LOCAL_RANK": "1", "NODE_RANK": "1", "WORLD_SIZE": "4"})
     t.add(603, 600, slurm)
+    # rank 3's spawned worker, after the rank set a variable of its own in-process
+    t.add(604, 601, {**slurm, "LOCAL_RANK": "1", "NODE_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"},
+          started=MP_SPAWN)
     assert t.roles() == {600: main("2", "0", "4"), 601: main("3", "1", "4"), 602: worker("3", "1", "4"),
-                         603: worker("2", "0", "4")}
+                         604: worker("3", "1", "4"), 603: worker("2", "0", "4")}
 
 
 def test_mp_spawn_children_are_ranks_in_start_order() -> None:
@@ -290,3 +293,20 @@ def test_started_by_reads_multiprocessing_command_lines() -> None:
 
 def test_role_defaults() -> None:
     assert Role("launcher") == Role("launcher", "", "", "")
+
+
+def test_catches_signal_reads_sigcgt(tmp_path) -> None:
+    import signal
+
+    from profagent.target.pid import catches_signal
+
+    (tmp_path / "7").mkdir()
+    status = tmp_path / "7" / "status"
+    status.write_text("Name:\tpython\nSigBlk:\t0000000000000000\nSigIgn:\t0000000001001000\n"
+                      "SigCgt:\t0000000100014002\n")  # SIGINT, SIGCHLD (17), 33: a DataLoader's main process
+    assert catches_signal(tmp_path, 7, signal.SIGCHLD) and catches_signal(tmp_path, 7, signal.SIGINT)
+    status.write_text("SigCgt:\t0000000100000002\n")  # mp.spawn's launcher: SIGINT only
+    assert not catches_signal(tmp_path, 7, signal.SIGCHLD)
+    status.write_text("SigCgt:\tnot hex\n")
+    assert not catches_signal(tmp_path, 7, signal.SIGCHLD)
+    assert not catches_signal(tmp_path, 8, signal.SIGCHLD)  # gone

@@ -4,7 +4,8 @@
 accelerator="cpu", devices=2, strategy="ddp": rank 0 starts rank 1 as its child).
 ``python launchers.py spawn OUT``: torch.multiprocessing.spawn of 2 ranks (gloo).
 ``python launchers.py accelerate OUT``: the script ``accelerate launch`` runs.
-Each rank iterates a DataLoader with 2 persistent workers, writes
+Each rank iterates a DataLoader with 2 persistent workers (forked; Lightning's rank 0's
+started as LAUNCHERS_RANK0_WORKERS says), writes
 ``OUT/rankR.json`` (its rank and world from the framework, its PID and its workers'
 PIDs) once its workers exist, then keeps stepping until ``OUT/stop`` exists.
 """
@@ -34,7 +35,10 @@ class Numbers(Dataset):
 
 
 def loader() -> DataLoader:
-    return DataLoader(Numbers(), batch_size=4, num_workers=2, persistent_workers=True)
+    # LAUNCHERS_RANK0_WORKERS: how Lightning's rank 0 (the process started without
+    # LOCAL_RANK) starts its workers: spawned ones carry the variables it set in-process
+    start = None if "LOCAL_RANK" in os.environ else os.environ.get("LAUNCHERS_RANK0_WORKERS") or None
+    return DataLoader(Numbers(), batch_size=4, num_workers=2, persistent_workers=True, multiprocessing_context=start)
 
 
 def report(out: Path, rank: int, world: int) -> None:

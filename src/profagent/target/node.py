@@ -29,8 +29,9 @@ from profagent.config import WatchConfig
 from profagent.contracts import ROLE_DATALOADER, ROLE_LAUNCHER, ProcessInfo, ProcessTree
 from profagent.logs import LogOnce
 from profagent.system.cgroup import slurm_identity, slurm_job_of_cgroup
-from profagent.system.procfs import PROC, children_map, process_table, read_environ
+from profagent.system.procfs import PROC, children_map, process_table, read_argv, read_environ
 from profagent.target.pid import PidTarget
+from profagent.target.ranks import MP_FORKSERVER, started_by
 from profagent.target.tree import JOB_VARS, rank_from_env
 
 log = logging.getLogger(__name__)
@@ -357,7 +358,9 @@ class NodeTarget:
 
     def _group_siblings(self, roots: set[int], table: dict[int, tuple[int, float, str]]) -> set[int]:
         """Roots with a rank but no job id variable (SLURM_JOB_ID, TORCHELASTIC_RUN_ID: those
-        group by id) that share a parent other than PID 1 become one root: the parent."""
+        group by id), or started by multiprocessing (mp.spawn's ranks, found by the GPU
+        rule), that share a parent other than PID 1 become one root: the parent (above a
+        forkserver, its parent: the launcher)."""
         by_parent: dict[int, list[int]] = {}
         for pid in roots:
             ppid = table[pid][0]
@@ -365,18 +368,26 @@ class NodeTarget:
                 continue
             key = (pid, table[pid][1])
             loose = self._loose_rank.get(key)
-            if loose is None:  # the environment of a process never changes as /proc shows it
+            if loose is None:  # the environment and command line of an exec'd process never change
                 env = self._environ(pid)
                 loose = self._loose_rank[key] = (rank_from_env(env) is not None
-                                                 and not any(env.get(v) for v in JOB_VARS))
+                                                 and not any(env.get(v) for v in JOB_VARS)) or self._started_by(pid) != ""
             if loose:
                 by_parent.setdefault(ppid, []).append(pid)
         out = set(roots)
         for parent, kids in by_parent.items():
             if len(kids) >= 2:
                 out.difference_update(kids)
-                out.add(parent)
+                grand = table[parent][0]
+                forkserver = grand > 1 and grand in table and grand != self._self_pid and self._started_by(parent) == MP_FORKSERVER
+                out.add(grand if forkserver else parent)
         return out
+
+    def _started_by(self, pid: int) -> str:
+        try:
+            return started_by(read_argv(self.proc_root, pid))
+        except OSError:
+            return ""
 
     def _uid(self, key: Key) -> int:
         uid = self._uids.get(key)

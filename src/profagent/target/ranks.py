@@ -141,7 +141,8 @@ def _below(env: Mapping[str, str], rank_env: Mapping[str, str], rank: Role) -> R
     if _signature(env) == _signature(rank_env):
         return worker
     own = _launched_identity(env, rank_env) or rank_from_env(env)
-    if own is None or (own[0], own[2]) == (rank.rank, rank.world_size):
+    readings = (own, local_rank_identity(env))  # the rank's numbers, read either way, make it its worker
+    if own is None or any(r is not None and (r[0], r[2]) == (rank.rank, rank.world_size) for r in readings):
         return worker
     return Role(ROLE_MAIN, *own)
 
