@@ -136,6 +136,7 @@ class TimelineConfig:
     window_seconds: float = _opt(60.0, "steps of the last N seconds give the step-time quantiles, steps per second and the arrival straggler")
     max_libraries: int = _opt(8, "distinct libtorch files probed at once on the node (each venv or container image is one); more are skipped with one log line")
     ring_pages: int = _opt(64, "pages of each CPU's ring buffer of probe events (a power of 2); events that do not fit are counted as lost")
+    flood_events: int = _opt(25_000, "probe events a second from one process above which its events are shed for 10 s (its figures miss them), so that it cannot crowd out other jobs' events; a training rank sends hundreds to a few thousand")
     interval: float = _opt(0.0, "seconds between publishing the figures; 0 = the agent interval")
 
 
@@ -472,6 +473,8 @@ def _validate_stacks(st: StacksConfig) -> None:
 def _validate_timeline(t: TimelineConfig) -> None:
     if t.ring_pages < 1 or t.ring_pages > 4096 or t.ring_pages & (t.ring_pages - 1):
         raise UserError(f"'timeline.ring_pages' is {t.ring_pages}", "use a power of 2 from 1 to 4096, e.g. 64")
+    if t.flood_events < 1000:
+        raise UserError(f"'timeline.flood_events' is {t.flood_events}", "use 1000 or more, e.g. 25000")
     if t.max_libraries < 1:
         raise UserError("'timeline.max_libraries' must be at least 1", "set it to 1 or more, or timeline.enabled = false")
     if t.window_seconds < 1:

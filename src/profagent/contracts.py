@@ -434,7 +434,7 @@ class RankSteps:
     lag_count: int
     step_collectives: int = 0  # collectives called since its last step began
     step_boundary: str = ""  # where its steps begin: optimizer, zero_grad, backward, none ("" not known yet)
-    boundary_note: str = ""  # why, when not at Optimizer.step, and what the user can do
+    steps_note: str = ""  # why its steps are not exact (another boundary, shed events) and what to do
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -243,4 +244,111 @@ def test_nobodys_hostile_files_mapped_as_libtorch_are_one_line_each_and_the_agen
         finally:
             kill_tree(job)
     finally:
+        subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+CHURN_JOB = """
+import os, threading, time
+import torch
+enter = torch.ops.profiler._record_function_enter_new  # what record_function's __enter__ calls
+
+
+def churn():
+    for _ in range(64):
+        enter("churn", None)  # never exited: the thread ends with 64 blocks open
+
+
+open(os.environ["READY"], "w").write("up")
+while not os.path.exists(os.environ["GO"]):
+    time.sleep(0.05)
+threads = 0
+deadline = time.monotonic() + float(os.environ["CHURN_SECONDS"])
+while time.monotonic() < deadline:
+    batch = [threading.Thread(target=churn) for _ in range(8)]
+    for t in batch:
+        t.start()
+    for t in batch:
+        t.join()
+    threads += len(batch)
+open(os.environ["COUNT"], "w").write(str(threads))
+time.sleep(600)
+"""
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
+
+
+def test_nobodys_thread_churn_neither_grows_the_agent_nor_costs_roots_job_a_step(tmp_path: Path, run_agent) -> None:
+    """#51's fourth attack: nobody's own watched job (a rank of its own, on the same
+    libtorch) starts short-lived threads that each open 64 record_function blocks and never
+    close them, beside root's 2-rank DDP job, under one root `profagent watch`. The agent
+    drops the blocks of threads that exited and holds at most MAX_OPEN_RANK per rank: its
+    RSS stays within 60 MB of where it was. The flood (tens of thousands of events a
+    second) is shed unread, so the shared rings keep being read in time: root's step
+    count is exact, and nobody's rank says its figures miss the shed events."""
+    import tempfile
+
+    from helpers.nobody import as_nobody
+    from helpers.timeline import Job, metrics, value
+    from helpers.watch import token, watch_config
+    from profagent.analysis import timeline as tl
+
+    tok = token()
+    base = Path(tempfile.mkdtemp(prefix="paw-churn-"))
+    base.chmod(0o777)
+    ready, go, count = base / "ready", base / "go", base / "count"
+    script = base / "churn.py"
+    script.write_text(CHURN_JOB)
+    script.chmod(0o644)
+    # the suite's own Python (with torch): nobody may read it, and maps the same libtorch
+    churn = subprocess.Popen(as_nobody(sys.executable, str(script)), start_new_session=True, env={
+        "PATH": "/usr/bin:/bin", "PAW_TOKEN": tok, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+        "OMP_NUM_THREADS": "1", "READY": str(ready), "GO": str(go), "COUNT": str(count), "CHURN_SECONDS": "40"})
+    victim = Job(tmp_path, 2, "--steps", "150", "--workers", "0", "--linger", "120", env={"PAW_TOKEN": tok})
+    try:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        agent = run_agent(["watch", "--config", str(watch_config(tmp_path, tok)), "--listen", f"127.0.0.1:{port}"])
+        agent.wait_healthy(url, timeout=60)
+        wait_for(ready.exists, 60, interval=0.2, what="nobody's job up")
+
+        def ranks_probed() -> dict[str, set[str]] | None:
+            m = metrics(url)
+            jobs: dict[str, set[str]] = {}
+            for labels, _ in m.get("profagent_optimizer_steps_total", []):
+                jobs.setdefault(labels["job_id"], set()).add(labels["rank"])
+            placed = [v for _, v in m.get("profagent_timeline_probes", [])]
+            return jobs if placed and max(placed) >= 4 and sorted(map(len, jobs.values())) == [1, 2] else None
+
+        jobs = wait_for(ranks_probed, 120, interval=0.5, what="both jobs' ranks probed")
+        (victim_job,) = [j for j, ranks in jobs.items() if len(ranks) == 2]
+        before = rss_bytes(agent.proc.pid)
+        go.write_text("go")
+        time.sleep(1.0)  # root's steps begin while the churn runs, as beside a job already there
+        victim.start_file.write_text("go")
+        peak = before
+        while not (victim.done() and count.exists()):
+            assert churn.poll() is None and agent.proc.poll() is None
+            peak = max(peak, rss_bytes(agent.proc.pid))
+            time.sleep(0.5)
+        threads = int(count.read_text())
+        assert threads * 64 > 20 * tl.MAX_OPEN_RANK, threads  # the churn outgrew the bound many times over
+        assert peak - before < 60 << 20, (before, peak)
+        for rank in range(2):
+            calls = victim.truth(rank)["calls"]
+            wait_for(lambda rank=rank, calls=calls: value(metrics(url), "profagent_optimizer_steps_total",
+                                                          job_id=victim_job, rank=str(rank)) == len(calls),
+                     30, interval=0.5, what=f"root's rank {rank} step count to reach its log's")
+        # nobody's process was shed, and its rank says so
+        assert re.search(rf"PID {churn.pid} sent \d+ probe events a second .*shed", agent.output)
+        rows = {(job["job_id"], r["rank"]): r for job in json.loads(http_get(url + "/api/ranks"))["jobs"]
+                for r in job["ranks"]}
+        (nobodys,) = [r for (job, _), r in rows.items() if job != victim_job]
+        assert "probe events were shed" in nobodys["timeline"]["steps_note"]
+        assert all(not rows[(victim_job, str(rank))]["timeline"]["steps_note"] for rank in range(2))
+    finally:
+        kill_tree(churn)
+        victim.stop()
         subprocess.run(["rm", "-rf", str(base)], check=False)

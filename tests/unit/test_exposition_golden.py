@@ -20,7 +20,8 @@ step time for a trace without steps (#14), worker USS and collectors not applica
 every GPU value family, findings and incidents, so that the golden exposition names every
 family the README documents (#23, ``tests/unit/test_docs.py`` holds the two together), the
 per-rank collective-wait share (#24), CPU per collector (#26), the step timeline from kernel probes (#38),
-each hung rank's part in the hang (``profagent_hang_rank_info``, #39).
+each hung rank's part in the hang (``profagent_hang_rank_info``, #39), steps whose start is
+not an Optimizer.step call (the step families' help, #50).
 """
 
 from __future__ import annotations

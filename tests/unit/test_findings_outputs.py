@@ -146,3 +146,17 @@ def test_hang_roles_series_names_each_rank_with_its_line_bounded() -> None:
     [info] = [f for f in families if f.name == "profagent_hang_rank_info"]
     assert sorted((s.labels["rank"], s.labels["hang_role"], s.value) for s in info.samples) == [
         ("0", "waiting", 1), ("1", "culprit", 1)]
+
+
+def test_diagnose_says_where_a_ranks_steps_come_from_and_when_it_has_none() -> None:
+    console = Console(record=True, width=300)
+    steps = [{"job_id": "j", "rank": "0", "p50_seconds": 0.05, "p90_seconds": 0.06, "stage_shares": {"backward": 0.5},
+              "step_boundary": "backward", "steps_note": "steps from backward passes: set it"},
+             {"job_id": "j", "rank": "1", "p50_seconds": None, "step_boundary": "none",
+              "steps_note": "no step boundary: set it"},
+             {"job_id": "j", "rank": "2", "p50_seconds": 0.05, "p90_seconds": 0.06, "step_boundary": "optimizer"}]
+    render({"findings": [], "time": 1.0, "steps": steps}, console)
+    text = console.export_text()
+    assert "rank 0: p50 50.0 ms" in text and "step boundary: backward" in text and "steps from backward passes" in text
+    assert "rank 1: no step boundary: set it" in text
+    assert "rank 2: p50 50.0 ms" in text and text.count("; step boundary:") == 1

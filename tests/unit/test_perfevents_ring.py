@@ -78,3 +78,17 @@ def test_reading_as_one_array_and_one_at_a_time_agree() -> None:
     perfevents._walk(chunk, len(records), [0], walked)
     assert one_array == walked
     assert len(walked) == 300
+
+
+def test_a_shed_pids_samples_are_counted_and_left_out_either_way() -> None:
+    records = b"".join(sample(7 * i, 3 if i % 3 else 9, 4 + i, 11, struct.pack("<QQ", i, i)) for i in range(300))
+    chunk = records + perfevents._PAD
+    one_array: list[perfevents.Sample] = []
+    walked: list[perfevents.Sample] = []
+    array_counts: dict[int, int] = {}
+    walk_counts: dict[int, int] = {}
+    assert perfevents._uniform(chunk, len(records), one_array, array_counts, frozenset({9}))
+    perfevents._walk(chunk, len(records), [0], walked, walk_counts, frozenset({9}))
+    assert one_array == walked
+    assert {pid for _, pid, *_ in walked} == {3} and len(walked) == 200
+    assert array_counts == walk_counts == {3: 200, 9: 100}

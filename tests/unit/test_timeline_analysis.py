@@ -574,7 +574,7 @@ def compiled(events, keep_zero_grad: bool):
 def test_without_optimizer_blocks_the_steps_come_from_zero_grad_calls() -> None:
     events, calls, _ = loop(60, accum=4, jitter=0.3, seed=3)
     r = fold(compiled(events, keep_zero_grad=True))
-    assert r.step_boundary == tl.BY_ZERO_GRAD and r.optimizer_steps == 0
+    assert r.step_boundary == tl.BY_ZERO_GRAD and r.optimizer_steps == 60  # the steps begun, at zero_grad
     assert r.steps_total == 59
     zero_grads = [t for kind, _, t in events if kind == tl.ZERO_GRAD]
     assert [s.seconds for s in r.recent] == pytest.approx([b - a for a, b in zip(zero_grads, zero_grads[1:], strict=False)])
@@ -648,3 +648,23 @@ def test_open_blocks_of_a_rank_are_bounded_and_exited_threads_dropped() -> None:
         r.feed(*e)
     # the step from the last old call to the first new one holds the first new backward
     assert r.stage_seconds["backward"] - before["backward"] == pytest.approx(sum(s["backward"] for s in stages))
+
+
+def test_held_events_are_bounded_and_a_full_hold_decides() -> None:
+    """Hundreds of record_function blocks a step and no Optimizer.step block: the hold is
+    full before 32 backwards; the backwards seen decide, and no step is lost."""
+    events, _, _ = loop(12, seed=6)
+    noisy = []
+    for kind, tid, t in compiled(events, keep_zero_grad=False):
+        noisy.append((kind, tid, t))
+        if kind == tl.BACKWARD_END:
+            noisy += [(tl.RECORD, MAIN, t + 1e-7), (tl.RECORD_EXIT, MAIN, t + 2e-7)] * 400
+    r = tl.RankTimeline()
+    for e in noisy:
+        r.feed(*e)
+        assert r._held is None or len(r._held) <= tl.HELD_EVENTS
+    assert r.step_boundary == tl.BY_BACKWARD and r.steps_total == 11
+    quiet = tl.RankTimeline()
+    for i in range(tl.HELD_EVENTS):
+        quiet.feed(tl.RECORD, MAIN, i * 1e-3)
+    assert quiet.boundary == tl.NONE and quiet.steps_total == 0

@@ -1,8 +1,10 @@
-"""The arrival straggler from the timeline source to the finding (sources/timeline/source.py,
+"""The timeline source and the arrival straggler to the finding (sources/timeline/source.py,
 analysis/timeline.py, analysis/findings/steps.py), with an injected clock: synthetic steps
 of plain DDP, of an HF ``Trainer``-like job (a collective that re-aligns the ranks at each
 step's start, then ten DDP buckets), and of healthy noisy jobs, fed tick by tick through the
-source's matching and summary into the evaluator that confirms and holds the finding."""
+source's matching and summary into the evaluator that confirms and holds the finding; the
+straggler summarised at most every STRAGGLER_EVERY seconds and forgotten with its job; a
+flooding process's events shed."""
 
 from __future__ import annotations
 
@@ -253,3 +255,35 @@ def test_the_window_is_kept_in_steps_whatever_the_collectives_a_step() -> None:
     assert kept[0].start >= pipeline.clock() - 60.0 and kept[-1].start > pipeline.clock() - 1.0
     assert sum(s.collectives for s in kept) == 200 * len(kept) > 100_000
     assert kept.maxlen == STEPS_KEPT
+
+
+def test_a_flooding_process_is_shed_for_a_while_and_its_rank_says_so() -> None:
+    """A process over timeline.flood_events a second is shed for SHED_SECONDS; the events it sends
+    meanwhile are counted against its rank; a process below the rate never is."""
+    from types import SimpleNamespace
+
+    from profagent.sources.timeline.source import JUDGE_EVERY, SHED_SECONDS, _Rank, _steps_note
+
+    clock = Clock()
+    source = TimelineSource(TimelineConfig(), interval=0.5, clock=clock)
+    flood = source.config.flood_events
+    source._ranks[7] = _Rank("nobody's", "0")
+    reader = SimpleNamespace(counts={})
+    clock.t += JUDGE_EVERY / 2
+    reader.counts = {7: 10 * flood, 8: 500}
+    source._judge_floods(reader)  # too soon: not judged yet
+    assert source._shed == {} and reader.counts
+    clock.t += JUDGE_EVERY / 2
+    source._judge_floods(reader)
+    assert set(source._shed) == {7} and reader.counts == {}
+    reader.counts = {7: 3 * flood, 8: flood // 2}
+    clock.t += 2.0
+    source._judge_floods(reader)  # still over: shed on, and these counted as shed
+    assert set(source._shed) == {7} and source._shed_events == {7: 3 * flood}
+    reader.counts = {7: 10}
+    clock.t += SHED_SECONDS + 1
+    source._judge_floods(reader)  # quiet, and its time is up (what it sent meanwhile was shed)
+    assert source._shed == {} and source._shed_events == {7: 3 * flood + 10}
+    note = _steps_note("optimizer", source._shed_events[7], flood)
+    assert note.startswith(f"{3 * flood + 10} of its probe events were shed") and "capture_profiler" not in note
+    assert "capture_profiler_record_function" in _steps_note("backward", 0, flood)

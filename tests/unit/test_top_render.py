@@ -187,3 +187,16 @@ def test_first_payload_returns_as_soon_as_rates_and_categories_arrive() -> None:
     feed = ScriptedFeed([incomplete, incomplete, complete])
     got = _first_payload(feed, 1.0, sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0])
     assert got is complete and feed.calls == 3 and now[0] < 0.5
+
+
+def test_ranks_whose_steps_do_not_begin_at_optimizer_step_say_why_under_the_table() -> None:
+    note = "steps from backward passes: no Optimizer.step block arrives (...); set x = True"
+    none = "no step boundary: neither an Optimizer.step block nor a backward pass arrives (...)"
+    lines = render(payload([rank(0, timeline={"p50_seconds": 0.05, "step_boundary": "backward", "steps_note": note}),
+                            rank(1, timeline={"p50_seconds": 0.05, "step_boundary": "backward", "steps_note": note}),
+                            rank(2, step=None, timeline={"p50_seconds": None, "step_boundary": "none",
+                                                         "steps_note": none}),
+                            rank(3, timeline={"p50_seconds": 0.05, "step_boundary": "optimizer"})]), width=200)
+    text = "\n".join(lines)
+    assert f"step, ranks 0, 1: {note}" in text and f"step, rank 2: {none}" in text
+    assert "rank 3" not in text and text.count("step, rank") == 2

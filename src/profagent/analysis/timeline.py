@@ -1,9 +1,11 @@
 """Each rank's training steps from probe events (pure: events in, figures out).
 
-A step runs from one ``Optimizer.step`` call to the next. Within it, the stages are the
-DataLoader waits (``__next__``), the backwards (``Engine::execute`` to its last act), the
-optimizer (``Optimizer.step`` and ``zero_grad``), and the rest, ``other`` (forward and
-host work). A block is counted in the step in which it ends. Collective arrivals are the
+A step runs from one ``Optimizer.step`` call to the next; where no such block ever comes
+(a compiled optimizer step), from one ``zero_grad`` call or one backward pass to the next.
+The stages are the DataLoader waits, the backwards (``Engine::execute`` to its last act),
+the optimizer (``Optimizer.step`` and ``zero_grad``) and the rest, ``other``. Blocks nest
+and time is counted once: a backward inside the optimizer's block (a closure) is the
+backward's. A block is counted in the step in which it ends. Collective arrivals are the
 calls into the process group; the k-th call of a step on every rank is one collective,
 and its arrival lag on a rank is how long after the first rank that rank called it.
 """
@@ -93,7 +95,7 @@ class RankTimeline:
     such block comes within DECIDE_BACKWARDS backwards, the steps are taken from
     Optimizer.zero_grad calls or backward passes and the held events are read again."""
 
-    optimizer_steps: int = 0  # Optimizer.step calls seen
+    optimizer_steps: int = 0  # steps begun: Optimizer.step calls, or the boundaries taken instead
     steps_total: int = 0  # completed steps: from one boundary to the next
     step_seconds_sum: float = 0.0
     step_buckets: list[int] = field(default_factory=lambda: [0] * len(STEP_BUCKETS))
@@ -182,8 +184,8 @@ class RankTimeline:
             self._decide(OPTIMIZER)
         elif backwards >= DECIDE_BACKWARDS or (backwards >= 4 and t - self._first_event >= DECIDE_SECONDS):
             self._decide(BY_ZERO_GRAD if self._zero_grads >= 2 else BY_BACKWARD)
-        elif len(held) >= HELD_EVENTS:
-            self._decide(NONE)
+        elif len(held) >= HELD_EVENTS:  # a few backwards in many events: they are the steps still
+            self._decide(NONE if backwards < 2 else BY_ZERO_GRAD if self._zero_grads >= 2 else BY_BACKWARD)
 
     def _decide(self, boundary: str) -> None:
         """Read the held events again (all but the one being fed) with the boundary known."""
@@ -215,7 +217,6 @@ class RankTimeline:
             if any(block[KIND] == STEP for block in stack):
                 pass  # an optimizer's step inside another's (a wrapping optimizer): one step
             else:
-                self.optimizer_steps += 1
                 if boundary != OPTIMIZER:  # the block came after all: it is the boundary from now on
                     self.boundary = boundary = OPTIMIZER
                     self._step_start = None
@@ -295,6 +296,7 @@ class RankTimeline:
 
     def _begin(self, t: float) -> None:
         """A step begins at ``t``: the one before ends there."""
+        self.optimizer_steps += 1
         self.last_step = t
         start = self._step_start
         if start is not None and t > start:

@@ -97,13 +97,13 @@ def _evidence_lines(evidence: dict[str, Any]) -> list[str]:
 def _render_steps(steps: list[dict[str, Any]], console: Console) -> None:
     """Each rank's step time and where it goes, from the kernel probes (no trace needed),
     and, where its steps do not begin at Optimizer.step, where they begin and why."""
-    shown = [s for s in steps if isinstance(s, dict) and (s.get("p50_seconds") is not None or s.get("boundary_note"))]
+    shown = [s for s in steps if isinstance(s, dict) and (s.get("p50_seconds") is not None or s.get("steps_note"))]
     if not shown:
         return
     console.print("[bold]steps[/bold] (kernel probes, docs/timeline.md):", highlight=False)
     for s in shown:
         who = f"  job {escape(str(s.get('job_id')))} rank {escape(str(s.get('rank')))}: "
-        note = s.get("boundary_note")
+        note = s.get("steps_note")
         if s.get("p50_seconds") is None:
             console.print(who + escape(str(note)), highlight=False, soft_wrap=True)
             continue

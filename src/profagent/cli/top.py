@@ -232,12 +232,12 @@ def rank_table(job: dict[str, Any], view: ViewState, interactive: bool = True) -
     return table
 
 
-def boundary_notes(job: dict[str, Any]) -> list[Text]:
+def steps_notes(job: dict[str, Any]) -> list[Text]:
     """A line per way of finding steps other than Optimizer.step, naming its ranks: the
     step column would otherwise say "-" or a figure from another boundary, silently."""
     by_note: dict[str, list[str]] = {}
     for r in job["ranks"]:
-        note = (r.get("timeline") or {}).get("boundary_note")
+        note = (r.get("timeline") or {}).get("steps_note")
         if note:
             by_note.setdefault(str(note), []).append(str(r["rank"]))
     return [Text(f"step, rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {note}", style="yellow")
@@ -294,7 +294,7 @@ def screen(payload: dict[str, Any], view: ViewState, folded: str | None = None,
         parts.append(Text(f"profagent top  node {payload.get('node', '?')}: no job observed yet", style="bold"))
     selected_row = None
     for job in jobs:
-        parts += [header(payload, job), Text(""), rank_table(job, view, interactive), *boundary_notes(job)]
+        parts += [header(payload, job), Text(""), rank_table(job, view, interactive), *steps_notes(job)]
         if selected_row is None and job["ranks"]:
             rows = sort_ranks(job["ranks"], view.sort)
             selected_row = rows[min(view.selected, len(rows) - 1)]

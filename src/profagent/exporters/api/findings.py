@@ -16,7 +16,7 @@ def step_row(r: RankSteps) -> dict[str, object]:
     return {"job_id": r.job_id, "rank": r.rank, "p50_seconds": r.p50, "p90_seconds": r.p90, "max_seconds": r.max,
             "steps_per_second": r.steps_per_second, "micro_batches": r.micro_batches,
             "stage_shares": dict(r.stage_shares), "window_steps": r.window_steps,
-            "step_boundary": r.step_boundary or None, "boundary_note": r.boundary_note or None}
+            "step_boundary": r.step_boundary or None, "steps_note": r.steps_note or None}
 
 
 def findings_route(snapshots: Callable[[], Sequence[FindingsSnapshot | None]]) -> Route:

@@ -196,7 +196,7 @@ def _timeline_of(steps: RankSteps | None) -> dict[str, Any] | None:
         "max_seconds": steps.max, "steps_per_second": steps.steps_per_second, "micro_batches": steps.micro_batches,
         "stage_shares": dict(steps.stage_shares), "stage_now": steps.stage_now or None,
         "idle_seconds": steps.idle_seconds,
-        "step_boundary": steps.step_boundary or None, "boundary_note": steps.boundary_note or None,
+        "step_boundary": steps.step_boundary or None, "steps_note": steps.steps_note or None,
     }
 
 

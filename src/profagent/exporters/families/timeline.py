@@ -23,13 +23,13 @@ def _cumulative(bounds: Sequence[float], counts: Sequence[int], total: int) -> l
 
 
 def render(snap: TimelineSnapshot, out: Families) -> None:
-    steps = out.counter("profagent_optimizer_steps", "optimizer steps the rank began since the probes were placed (kernel uprobes, no trace needed)", RANK)
-    hist = out.histogram("profagent_step_seconds", "step time, from one optimizer step to the next (kernel uprobes)", RANK)
+    steps = out.counter("profagent_optimizer_steps", "optimizer steps the rank began since the probes were placed: its Optimizer.step calls, else its zero_grad calls or backward passes (/api/ranks step_boundary; kernel uprobes, no trace needed)", RANK)
+    hist = out.histogram("profagent_step_seconds", "step time, from one step's start to the next: its Optimizer.step call, else its zero_grad call or backward pass (/api/ranks step_boundary; kernel uprobes)", RANK)
     stages = out.counter("profagent_step_stage_seconds", "seconds of completed steps by stage: data_wait (DataLoader), backward, optimizer (step and zero_grad), other (forward, host work)", (*RANK, "stage"))
     backwards = out.counter("profagent_backward_passes", "backward passes (Engine::execute); above the optimizer steps with gradient accumulation", RANK)
     quantile = out.gauge("profagent_step_window_seconds", "step time over the timeline window (timeline.window_seconds): p50, p90 and max", (*RANK, "stat"))
-    rate = out.gauge("profagent_steps_per_second", "optimizer steps per second over the timeline window", RANK)
-    micro = out.gauge("profagent_step_micro_batches", "backward passes per optimizer step over the timeline window", RANK)
+    rate = out.gauge("profagent_steps_per_second", "steps per second over the timeline window", RANK)
+    micro = out.gauge("profagent_step_micro_batches", "backward passes per step over the timeline window", RANK)
     lag = out.histogram("profagent_collective_arrival_lag_seconds", "how long after the job's first rank this rank called each collective (kernel uprobes)", RANK)
     for r in snap.ranks:
         labels = [r.job_id, r.rank]

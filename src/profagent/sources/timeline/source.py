@@ -48,6 +48,12 @@ SWEEP_EVERY = 60.0  # seconds between two looks for definitions a dead agent lef
 STEPS_KEPT = 16384
 STRAGGLER_EVERY = 2.0  # seconds between two summaries of a job's arrivals
 RECORD_NAMES_KEPT = 1024  # record_function name heads whose kind is remembered
+# A process over timeline.flood_events a second is shed for SHED_SECONDS at a time: the
+# kernel's rings are per CPU, shared by every process, so one that floods them (thread
+# churn opening blocks it never closes) would slow the reading of every job's events until
+# the rings overflow. Shed events are dropped as an array, unread.
+SHED_SECONDS = 10.0
+JUDGE_EVERY = 0.25  # seconds of counts a process's rate is judged on
 
 
 @dataclass
@@ -108,6 +114,9 @@ class TimelineSource:
         self._matched_until: dict[str, float] = {}
         self._straggler_at: dict[str, tuple[float, ArrivalStraggler | None]] = {}  # job -> (when, summary)
         self._counts = [0, 0]  # events, foreign events
+        self._shed: dict[int, float] = {}  # pid -> until when its events are shed
+        self._shed_events: dict[int, int] = {}  # pid -> its events shed (a rank's, reported)
+        self._counted_at = clock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._swept = clock()
@@ -163,7 +172,8 @@ class TimelineSource:
             assert reader is not None
             try:
                 with CPU.charge(self.name):  # the wait in poll costs no CPU
-                    samples = reader.read(0.1, lock=self._lock)
+                    samples = reader.read(0.1, lock=self._lock, drop=frozenset(self._shed))
+                    self._judge_floods(reader)
             except (OSError, ValueError) as exc:  # a ring closed under us at stop
                 if not self._stop.is_set():
                     log.warning("timeline: reading probe events failed: %s", exc)
@@ -172,6 +182,29 @@ class TimelineSource:
             if samples:
                 with CPU.charge(self.name), self._lock:
                     self._fold(samples)
+
+    def _judge_floods(self, reader: perfevents.TracepointReader) -> None:
+        """Every JUDGE_EVERY seconds: shed the events of each process that sent over
+        timeline.flood_events a second, for SHED_SECONDS (judged again then). A quarter of
+        a second of a flood read in full is what the rings must hold."""
+        now = self.clock()
+        elapsed = now - self._counted_at
+        if elapsed < JUDGE_EVERY:
+            return
+        with self._lock:
+            counts, reader.counts = reader.counts, {}
+            self._counted_at = now
+            for pid, n in counts.items():
+                if pid in self._shed and pid in self._ranks:
+                    self._shed_events[pid] = self._shed_events.get(pid, 0) + n
+                if n / elapsed > self.config.flood_events:
+                    if pid not in self._shed:
+                        log.warning("timeline: PID %d sent %d probe events a second (over %d, timeline.flood_events): "
+                                    "its events are shed for %.0f s, so that other jobs' are read in time", pid,
+                                    n / elapsed, self.config.flood_events, SHED_SECONDS)
+                    self._shed[pid] = now + SHED_SECONDS
+            for pid in [p for p, until in self._shed.items() if until <= now]:
+                del self._shed[pid]
 
     def _fold(self, samples: list[perfevents.Sample]) -> None:
         # Every probe hit of every rank passes here (thousands a second at 8 ranks): the
@@ -288,6 +321,7 @@ class TimelineSource:
             for pid in [p for p in self._ranks if p not in mains]:
                 del self._ranks[pid]
                 self._looked.pop(pid, None)
+                self._shed_events.pop(pid, None)
             open_threads = {pid: tids for pid, r in self._ranks.items() if len(tids := r.timeline.open_threads) > 1}
         # threads listed after their blocks were: one missing from the list has exited
         exited = {pid: set(tids) - alive for pid, tids in open_threads.items()
@@ -385,7 +419,13 @@ class TimelineSource:
             t.stage_now, now - t.last_event if t.last_event is not None else None,
             now - t.last_step if t.last_step is not None else None,
             tuple(r.lag_buckets), r.lag_sum, r.lag_count, len(t.arrivals_in_step),
-            t.step_boundary, tl.boundary_note(t.step_boundary))
+            t.step_boundary, _steps_note(t.step_boundary, self._shed_events.get(pid, 0), self.config.flood_events))
+
+
+def _steps_note(boundary: str, shed: int, flood_events: int) -> str:
+    flood = (f"{shed} of its probe events were shed (over {flood_events} a second from this process, "
+             "timeline.flood_events): its figures miss them") if shed else ""
+    return "; ".join(note for note in (flood, tl.boundary_note(boundary)) if note)
 
 
 def _shares(steps: list[tl.Step]) -> dict[str, float]:
