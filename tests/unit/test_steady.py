@@ -69,3 +69,24 @@ def test_a_straggler_is_raised_only_once_its_evidence_lasted_the_confirm_time() 
 def test_the_evaluator_confirms_with_the_configured_time() -> None:
     assert Evaluator(FindingsConfig())._steady.confirm_seconds == FindingsConfig().straggler_confirm_seconds == 10.0
     assert Evaluator(FindingsConfig(straggler_confirm_seconds=0.0))._steady.confirm_seconds == 0.0
+
+
+def test_an_arrival_straggler_is_held_in_an_agent_without_stacks() -> None:
+    """The probes alone (`--no-stacks`): a rank they measure is still measured, so the
+    straggler named from its arrivals is held through an evaluation that dips under the
+    line, and goes once its rank is no longer measured."""
+    from profagent.contracts import ArrivalStraggler, RankSteps, TimelineSnapshot
+
+    def rank(name: str) -> RankSteps:
+        return RankSteps("j", name, 10 + int(name), 100, 99, 2.0, (0,) * 15, {}, 100, 500, 50, 0.05, 0.06, 0.07, 20.0,
+                         1.0, {}, "", 0.01, 0.01, (0,) * 15, 0.0, 0)
+
+    def snapshot(step_last_share: float, ranks: tuple[str, ...] = ("0", "1")) -> dict[str, object]:
+        s = ArrivalStraggler("j", "1", 0.5, 0.001, 0.02, 0.001, 0.05, 2000, 60.0, step_last_share, 1000, 0.02)
+        return {"timeline": TimelineSnapshot(tuple(rank(r) for r in ranks), (s,))}
+
+    evaluator = Evaluator(FindingsConfig(straggler_confirm_seconds=10.0))
+    named = [[f.rank for f in evaluator.evaluate(snapshot(0.9), float(t)).findings] for t in range(0, 12)]
+    assert named[0] == [] and named[-1] == ["1"]  # confirmed after 10 s of evidence
+    assert [f.rank for f in evaluator.evaluate(snapshot(0.55), 12.0).findings] == ["1"]  # held
+    assert evaluator.evaluate(snapshot(0.55, ("0",)), 13.0).findings == ()  # its rank ended

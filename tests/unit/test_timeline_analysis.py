@@ -318,7 +318,7 @@ def test_the_straggler_finding_names_its_cause_and_the_advice_for_it() -> None:
     fast = times_to_shares({"data_wait": 4, "other": 12, "backward": 52.5 - 19, "optimizer": 3})
     f = found(slow, fast)
     assert "No stage explains it (data wait 11% against 8%, backward 46% against 64%" in f.summary, f.summary
-    assert f.summary.endswith("on the others): a slower device or a busy node") and "busy node" in f.advice
+    assert f.summary.endswith("on the others): more work, a slower device or a busy node") and "busy node" in f.advice
     assert f.evidence["cause"] is None
     # no stages measured for the others (a rank with no step in the window): the lag alone
     ranks = (steps_of("0", stage_shares=slow), steps_of("1", window_steps=0, stage_shares={}))

@@ -1,6 +1,7 @@
 """Findings from the step timeline (kernel probes): ``straggler`` from collective
-arrivals, ``dataloader_bound`` from the exact data-wait share, and ``stall``, a warning
-that the job's steps have stopped, long before the stack-based ``hang``.
+arrivals, with the stage that explains it, ``dataloader_bound`` from the exact data-wait
+share, and ``stall``, a warning that the job's steps have stopped, long before the
+stack-based ``hang``.
 
 Input: the timeline source's snapshot (``RankSteps`` per rank, ``ArrivalStraggler`` per
 job) and, for the stall's location, the stacks source's stalls.
@@ -86,8 +87,9 @@ CAUSE_ADVICE = {
                  "sharding, CPU offload on that rank only), or a slower device",
     "other": "that rank's forward or host code takes longer: more work in its batches, host work on that rank "
              "only (logging, evaluation, .item() syncs), or a slower device the host waits for",
-    "": "no stage explains it: the rank is slower all through, a slower device or a busy node (its CPUs, "
-        "`profagent top`, the node's other processes); move the rank or free its node",
+    "": "no stage explains it: the rank is slower all through, with more work than the others (bigger batches, "
+        "more layers), a slower device or a busy node (its CPUs, `profagent top`, the node's other processes); "
+        "balance the work, move the rank or free its node",
 }
 
 
@@ -95,7 +97,7 @@ def _cause_text(cause: StageCause) -> str:
     if not cause.stage:
         spread = ", ".join(f"{_CAUSE_NAMES[st][0]} {cause.shares[st]:.0%} against {cause.others[st]:.0%}"
                            for st in CAUSE_STAGES)
-        return f"No stage explains it ({spread} on the others): a slower device or a busy node"
+        return f"No stage explains it ({spread} on the others): more work, a slower device or a busy node"
     name, what = _CAUSE_NAMES[cause.stage]
     return (f"Its {name} is {cause.shares[cause.stage]:.0%} of its step against {cause.others[cause.stage]:.0%} "
             f"on the others: {what}")
