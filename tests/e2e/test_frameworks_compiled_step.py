@@ -42,4 +42,4 @@ def test_the_ranks_say_where_their_steps_come_from(watched: Watched) -> None:
     bound = frameworks.step_boundaries(watched.url)
     assert sorted(bound) == ["0", "1"] and set(bound.values()) <= {"zero_grad", "backward"}, bound
     rows = [r for j in json.loads(http_get(watched.url + "/api/ranks"))["jobs"] for r in j["ranks"]]
-    assert all("capture_profiler_record_function" in r["timeline"]["boundary_note"] for r in rows), rows
+    assert all("capture_profiler_record_function" in r["timeline"]["steps_note"] for r in rows), rows
