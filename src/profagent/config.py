@@ -136,6 +136,7 @@ class TimelineConfig:
     window_seconds: float = _opt(60.0, "steps of the last N seconds give the step-time quantiles, steps per second and the arrival straggler")
     max_libraries: int = _opt(8, "distinct libtorch files probed at once on the node (each venv or container image is one); more are skipped with one log line")
     ring_pages: int = _opt(64, "pages of each CPU's ring buffer of probe events (a power of 2); events that do not fit are counted as lost")
+    history_steps: int = _opt(4096, "steps kept per rank for `profagent timeline`, /api/timeline and each incident's timeline.json (about 1 KB a step of a DDP job: 4 MB a rank at the default; 7 minutes at 10 steps a second)")
     interval: float = _opt(0.0, "seconds between publishing the figures; 0 = the agent interval")
 
 
@@ -476,6 +477,8 @@ def _validate_timeline(t: TimelineConfig) -> None:
         raise UserError("'timeline.max_libraries' must be at least 1", "set it to 1 or more, or timeline.enabled = false")
     if t.window_seconds < 1:
         raise UserError(f"'timeline.window_seconds' is {t.window_seconds}s", "use at least 1 s")
+    if not 1 <= t.history_steps <= 1_000_000:
+        raise UserError(f"'timeline.history_steps' is {t.history_steps}", "use 1 to 1000000 steps, e.g. 4096")
 
 
 def _validate_watch(w: WatchConfig) -> None:

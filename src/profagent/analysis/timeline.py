@@ -24,6 +24,8 @@ LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 MAX_OPEN = 64  # open blocks per thread: a job that never closes what it opens cannot grow us
 MAX_ARRIVALS = 4096  # collective calls kept per step
 RECENT_STEPS = 2048  # steps kept per rank for the window figures and the cross-rank match
+HISTORY_STEPS = 4096  # steps kept per rank for the picture (timeline.history_steps)
+MAX_SPANS = 256  # stage blocks kept per step for the picture: a job opening more cannot grow us
 
 # What a probe saw; ``detail`` is the collective's name for COLLECTIVE.
 STEP, ZERO_GRAD, DATA, RECORD, RECORD_EXIT, BACKWARD, BACKWARD_END, COLLECTIVE = (
@@ -57,6 +59,15 @@ class Step(NamedTuple):  # one per step of every rank: a NamedTuple is built ten
     arrivals: tuple[float, ...]  # the step's collective calls, in order
 
 
+class Pictured(NamedTuple):
+    """One completed step as the picture shows it: its number (counted from the first step
+    the probes saw), the step, and its stage blocks as (stage, begin, end)."""
+
+    number: int
+    step: Step
+    spans: tuple[tuple[str, float, float], ...]
+
+
 @dataclass
 class RankTimeline:
     """The running figures of one rank process, fed its events in time order."""
@@ -69,6 +80,7 @@ class RankTimeline:
     backwards_total: int = 0
     collectives_total: int = 0
     recent: deque[Step] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    history: deque[Pictured] = field(default_factory=lambda: deque(maxlen=HISTORY_STEPS))
     last_event: float | None = None
     last_step: float | None = None  # when Optimizer.step was last called
     _open: dict[int, list[tuple[str, float]]] = field(default_factory=dict)  # tid -> open blocks
@@ -76,6 +88,7 @@ class RankTimeline:
     _current: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     _backwards: int = 0
     _arrivals: list[float] = field(default_factory=list)
+    _spans: list[tuple[str, float, float]] = field(default_factory=list)
 
     @property
     def arrivals_in_step(self) -> list[float]:
@@ -120,6 +133,8 @@ class RankTimeline:
                 since = began if began > start else start  # a block is counted in the step it ends in
                 if t > since:
                     self._current[stage] += t - since
+                    if len(self._spans) < MAX_SPANS:
+                        self._spans.append((stage, since, t))
             return
         if kind == COLLECTIVE:
             self.collectives_total += 1
@@ -153,11 +168,30 @@ class RankTimeline:
             totals = self.stage_seconds
             for stage, value in stages.items():
                 totals[stage] += value
-            self.recent.append(Step(start, seconds, stages, self._backwards, tuple(self._arrivals)))
+            step = Step(start, seconds, stages, self._backwards, tuple(self._arrivals))
+            self.recent.append(step)
+            self.history.append(Pictured(self.steps_total, step, tuple(self._spans)))
         self._step_start = t
         self._current = dict.fromkeys(STAGES, 0.0)
         self._backwards = 0
         self._arrivals = []
+        self._spans = []
+
+    def in_progress(self) -> InProgress:
+        """The step under way: where a rank that hangs stopped."""
+        start = self._step_start
+        open_blocks = sorted(((_STAGE_OF[kind], began if start is None or began > start else start)
+                              for stack in self._open.values() for kind, began in stack if kind != RECORD),
+                             key=lambda block: block[1])
+        return InProgress(start, tuple(self._spans), tuple(open_blocks), tuple(self._arrivals), self._backwards)
+
+
+class InProgress(NamedTuple):
+    start: float | None  # None before the first optimizer step
+    spans: tuple[tuple[str, float, float], ...]  # its stage blocks done so far
+    open_blocks: tuple[tuple[str, float], ...]  # stage blocks still open: (stage, since)
+    arrivals: tuple[float, ...]  # its collective calls so far
+    backwards: int
 
 
 def quantile(values: Sequence[float], q: float) -> float:

@@ -18,17 +18,19 @@ import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from profagent.analysis import timeline as tl
+from profagent.analysis.timeline_picture import rank_history
 from profagent.config import TimelineConfig
 from profagent.contracts import (
     ArrivalStraggler,
     ProbedLibrary,
     ProcessTree,
     RankSteps,
+    TimelineHistory,
     TimelineSnapshot,
 )
 from profagent.errors import SourceUnavailable
@@ -85,11 +87,12 @@ class TimelineSource:
     name = "timeline"
 
     def __init__(self, config: TimelineConfig, interval: float, proc_root: Path = Path("/proc"),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.config = config
         self.interval = interval
         self.proc_root = proc_root
         self.clock = clock
+        self.wall = wall
         self.note = ""
         self._tracefs: Path | None = None
         self._group = ""
@@ -279,7 +282,8 @@ class TimelineSource:
             with self._lock:
                 known = self._ranks.get(pid)
                 if known is None or (known.job_id, known.rank) != (job, info.rank):
-                    self._ranks[pid] = _Rank(job, info.rank, known.timeline if known else tl.RankTimeline())
+                    self._ranks[pid] = _Rank(job, info.rank, known.timeline if known else tl.RankTimeline(
+                        history=deque(maxlen=self.config.history_steps)))
             self._probe_process(pid, now)
         with self._lock:
             for pid in [p for p in self._ranks if p not in mains]:
@@ -292,6 +296,21 @@ class TimelineSource:
             lost = self._reader.lost[0] if self._reader is not None else 0
         libraries = tuple(lib for lib in self._libraries.values() if lib is not None and (lib.probes or lib.refused))
         return TimelineSnapshot(ranks, stragglers, libraries, counts[0], lost, counts[1], self.config.window_seconds)
+
+    def history(self, seconds: float, node: str = "", ranks: Collection[str] = (), job: str | None = None) -> TimelineHistory:
+        """The steps of the last ``seconds`` of every rank (or of ``ranks``, of ``job``) and
+        the step each is in now, for the picture; times on the probes' clock, with the
+        offset that makes them Unix time."""
+        now = self.clock()
+        offset = self.wall() - now
+        since = now - seconds
+        out = []
+        with self._lock:
+            for pid, r in sorted(self._ranks.items()):
+                if (ranks and r.rank not in ranks) or (job is not None and r.job_id != job):
+                    continue
+                out.append(rank_history(r.timeline, r.job_id, r.rank, pid, node, now, since))
+        return TimelineHistory(node, now, offset, tuple(out))
 
     def _match(self, now: float) -> None:
         """Match the collectives of each job's newly completed steps across its ranks."""
