@@ -229,6 +229,7 @@ class Agent:
             findings=lambda: [job.state.view().findings] if job.findings is not None else [],
             incidents=store.list,
             job_ids=None if job.watch else lambda: _job_ids(job),
+            timeline=lambda: [s for s in job.sources if isinstance(s, TimelineSource) and s.running],
         )
         for path, build in ROUTES.items():
             self.server.add_route(path, build(providers))

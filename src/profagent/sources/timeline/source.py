@@ -113,6 +113,11 @@ class TimelineSource:
         self._swept = clock()
 
     # -- lifecycle --------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        """Started and not stopped: reading the probes' events."""
+        return self._reader is not None
+
     def start(self) -> None:
         problem = capability_problem()
         if problem:
