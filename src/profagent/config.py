@@ -136,7 +136,7 @@ class TimelineConfig:
     window_seconds: float = _opt(60.0, "steps of the last N seconds give the step-time quantiles, steps per second and the arrival straggler")
     max_libraries: int = _opt(8, "distinct libtorch files probed at once on the node (each venv or container image is one); more are skipped with one log line")
     ring_pages: int = _opt(64, "pages of each CPU's ring buffer of probe events (a power of 2); events that do not fit are counted as lost")
-    history_steps: int = _opt(4096, "steps kept per rank for `profagent timeline`, /api/timeline and each incident's timeline.json (about 1 KB a step of a DDP job: 4 MB a rank at the default; 7 minutes at 10 steps a second)")
+    history_steps: int = _opt(4096, "steps kept per rank for `profagent timeline`, /api/timeline and each incident's timeline.json (up to 1.5 KB a step of a DDP job with a few gradient buckets, 6 MB a rank at the default: 7 minutes of steps at 10 a second)")
     interval: float = _opt(0.0, "seconds between publishing the figures; 0 = the agent interval")
 
 
