@@ -143,6 +143,7 @@ class Job:
         source = IncidentsSource(
             config.incidents, incidents_dir(config.incidents, config.agent.state_dir), self.state,
             interval=config.agent.interval, ondemand=control.source if control else None,
+            timeline=next((s for s in self.sources if isinstance(s, TimelineSource)), None),
             rate_file=rate_limits_path(config.agent.state_dir), max_trace_bytes=config.traces.max_file_bytes,
             max_pyspy=config.stacks.max_pyspy,
         )

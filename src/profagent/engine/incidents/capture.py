@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -19,12 +20,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from profagent.analysis.incidents import LatestTrace, Trigger, self_profiling
+from profagent.analysis.timeline_picture import chrome_trace
 from profagent.config import IncidentsConfig
 from profagent.contracts import ROLE_DATALOADER, FindingsSnapshot, ProcessInfo, ProcessTree
 from profagent.engine.incidents.bundle import (
     FINDINGS,
     META,
     SUMMARY,
+    TIMELINE,
     BundleMeta,
     stacks_file,
     to_json,
@@ -53,6 +56,7 @@ log = logging.getLogger(__name__)
 DUMP_TIMEOUT = 20.0  # seconds per py-spy dump attempt (and never past the capture's deadline)
 ONDEMAND_TRACE_MS = 1000
 COPY_CHUNK = 1024 * 1024
+TIMELINE_SECONDS = 300.0  # the picture in the bundle: the five minutes before the trigger
 
 
 def _over_room(size: int, room: int, config: IncidentsConfig, copied: bool = False) -> str:
@@ -67,6 +71,7 @@ class CaptureHost(Protocol):
     config: IncidentsConfig
     state: State
     ondemand: Any  # the OndemandSource, or None
+    timeline: Any  # the TimelineSource (``/api/timeline``'s TimelineRecorder), or None
     stopping: threading.Event
     pyspy_binary: str | None
     max_trace_bytes: int
@@ -107,6 +112,8 @@ class Capture:
     def run(self) -> None:
         self._write(META, self.meta.to_bytes(), replace=True)
         view = self.source.state.view()
+        # The picture first: the steps before the trigger, before the dumps pause the ranks
+        self._timeline()
         # The stacks before the traces: a native dump stops its rank (0.3-1 s measured, more
         # on a loaded node), and in a trace that pause reads as a slow step of the rank (a
         # straggler at 2.8x the other rank's step was seen, all of it the agent's own doing).
@@ -153,6 +160,18 @@ class Capture:
             self.meta.notes = list(self.notes)
             self._write(META, self.meta.to_bytes(), replace=True)
         log.warning("incident %s captured: %s", self.folder.name, self.folder / SUMMARY)
+
+    def _timeline(self) -> None:
+        recorder = self.source.timeline
+        if recorder is None or not getattr(recorder, "running", True):
+            return
+        try:
+            history = recorder.history(TIMELINE_SECONDS, socket.gethostname(), job=self.trigger.job_id or None)
+            if history.ranks:
+                self._write(TIMELINE, json.dumps(chrome_trace([history], TIMELINE_SECONDS),
+                                                 separators=(",", ":")).encode())
+        except (OSError, ValueError) as exc:  # the folder went, or a value JSON cannot hold
+            self.notes.append(f"timeline picture: {exc}")
 
     @classmethod
     def reopen(cls, source: CaptureHost, meta: BundleMeta, tree: ProcessTree) -> Capture | None:
