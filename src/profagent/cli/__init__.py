@@ -422,8 +422,8 @@ def timeline(
     clock for all nodes. Open the file at https://ui.perfetto.dev or in chrome://tracing."""
     from rich.console import Console
 
+    from profagent.cli import picture
     from profagent.cli.client import client_auth
-    from profagent.cli.timeline import agents_of_job, from_agent, from_pid, write_picture
     from profagent.config import load_config
 
     if sum(x is not None for x in (pid, url, prometheus)) != 1:
@@ -436,17 +436,17 @@ def timeline(
     _setup_logging(cfg.agent.log_level)
     ranks = list(rank or [])
     if prometheus is not None:
-        histories = [from_agent(agent, seconds, ranks, job, auth) for agent in agents_of_job(prometheus, str(job), auth)]
+        histories = picture.from_agents(picture.agents_of_job(prometheus, str(job), auth), seconds, ranks, job, auth)
     elif url is not None:
-        histories = [from_agent(url, seconds, ranks, job, auth)]
+        histories = [picture.from_agent(url, seconds, ranks, job, auth)]
     else:
         assert pid is not None
-        history = from_pid(cfg, pid, seconds, Console(stderr=True))
+        history = picture.from_pid(cfg, pid, seconds, Console(stderr=True))
         import dataclasses
 
         histories = [dataclasses.replace(history, ranks=tuple(
             r for r in history.ranks if (not ranks or r.rank in ranks) and job in (None, r.job_id)))]
-    typer.echo(write_picture(histories, seconds, output))
+    typer.echo(picture.write_picture(histories, seconds, output))
 
 
 # Names users reach for that mean one of our flags. Click's own suggestion is by spelling

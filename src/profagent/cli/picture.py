@@ -7,6 +7,7 @@ probe clock with its offset to Unix time, so the merged picture has one clock.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -40,6 +41,21 @@ def from_agent(url: str, seconds: float, ranks: list[str], job: str | None, auth
     except BadHistory as exc:
         raise UserError(f"{client.url('/api/timeline')} did not answer a timeline history ({exc})",
                         "check that --url points at a profagent agent") from None
+
+
+def from_agents(agents: list[str], seconds: float, ranks: list[str], job: str | None,
+                auth: ClientAuth = NO_AUTH) -> list[TimelineHistory]:
+    """Each agent's history; agents that name their node alike (containers, one host in
+    a test) are told apart by their address, so each gets its own process in the picture."""
+    histories = [from_agent(agent, seconds, ranks, job, auth) for agent in agents]
+    names = [h.node for h in histories]
+    out = []
+    for agent, h in zip(agents, histories, strict=True):
+        if names.count(h.node) > 1:
+            node = f"{h.node} ({urlsplit(agent).netloc})"
+            h = dataclasses.replace(h, node=node, ranks=tuple(dataclasses.replace(r, node=node) for r in h.ranks))
+        out.append(h)
+    return out
 
 
 def agents_of_job(prometheus: str, job: str, auth: ClientAuth = NO_AUTH) -> list[str]:
