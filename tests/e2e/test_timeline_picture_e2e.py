@@ -220,3 +220,30 @@ def test_a_hang_shows_where_each_rank_stopped_now_and_in_the_incident_bundle(tmp
         assert f"{bundle}/timeline.json; open it at https://ui.perfetto.dev" in " ".join(shown.stdout.split())
     finally:
         job.stop()
+
+
+def test_pid_observes_in_process_and_each_step_is_where_the_job_logged_it(tmp_path: Path) -> None:
+    """`timeline --pid` with no agent: it places the probes, observes --seconds, writes the
+    picture. The job's clock and the probes' are this host's CLOCK_MONOTONIC, put on Unix
+    time by the picture: each drawn step starts where the job logged its optimizer call."""
+    job = Job(tmp_path, 1, "--seconds", "30", "--workers", "0", "--batch", "8")
+    try:
+        job.start_file.write_text("go")
+        out = tmp_path / "pid.json"
+        res = cli("--pid", str(job.proc.pid), "--seconds", "6", "-o", str(out))
+        offset = time.time() - time.monotonic()
+        assert res.returncode == 0, res.stderr
+        wait_for(job.done, 120, interval=0.5, what="the job's end")
+        calls = job.truth(0)["calls"]
+    finally:
+        job.stop()
+    doc = json.loads(out.read_text())
+    assert chrome_trace.check(doc) == []
+    origin = doc["otherData"]["origin_unix_seconds"]
+    steps = steps_of(doc, 0)
+    assert len(steps) >= 20
+    first = min(range(len(calls)), key=lambda i: abs(calls[i] - (origin + steps[0]["ts"] / 1e6 - offset)))
+    for k, e in enumerate(steps):
+        start = origin + e["ts"] / 1e6 - offset
+        assert start == pytest.approx(calls[first + k], abs=0.005), k
+        assert e["dur"] / 1e6 == pytest.approx(calls[first + k + 1] - calls[first + k], abs=0.005), k

@@ -196,3 +196,29 @@ def test_the_window_and_the_history_are_bounded() -> None:
         tracemalloc.stop()
     assert len(full.history) == tl.HISTORY_STEPS
     assert used / tl.HISTORY_STEPS < 1536, used
+
+
+def test_a_step_skewed_past_half_a_step_is_matched_with_the_same_step_of_the_other_rank() -> None:
+    """Rank 1 runs its 5th step early and long (its optimizer call at 0.43 s, the next at
+    0.54 s, while rank 0's are at 0.5 and 0.6): rank 1's 6th step starts nearest rank 0's
+    5th. Each collective is still paired with the same step's on the other rank: rank 0's
+    wait is rank 1's lag, and the other way round, at every step."""
+    from profagent.contracts import PicturedStep, RankHistory
+
+    def rank(starts: list[float], call_after: float) -> tuple[PicturedStep, ...]:
+        return tuple(PicturedStep(n, a, b - a, {}, 1, (a + call_after,), ())
+                     for n, (a, b) in enumerate(zip(starts, starts[1:], strict=False), start=1))
+
+    even = [0.1 * i for i in range(12)]
+    skewed = [*even[:5], 0.43, 0.54, *even[7:]]
+    h = TimelineHistory("n", 2.0, 0.0, (RankHistory("j", "0", 1, "n", rank(even[1:], 0.02)),
+                                          RankHistory("j", "1", 2, "n", rank(skewed[1:], 0.03))))
+    doc = picture([h])
+    assert chrome_trace.check(doc) == []
+    calls = {r: {e["args"]["step"]: e["args"] for e in chrome_trace.events(doc, chrome_trace.rank_track(doc, r), "i")
+                 if e.get("cat") == "collective"} for r in ("0", "1")}
+    assert set(calls["0"]) == set(calls["1"]) == set(range(1, 11))
+    for n in range(1, 11):
+        assert calls["0"][n]["wait_for_last_ms"] == calls["1"][n]["lag_ms"], n
+        assert calls["1"][n]["wait_for_last_ms"] == calls["0"][n]["lag_ms"], n
+    assert calls["0"][5]["lag_ms"] == pytest.approx(0.52 * 1e3 - 0.46 * 1e3, abs=1e-3)

@@ -12,6 +12,8 @@ agent's offset (``TimelineHistory.clock_offset``), so the waits line up across n
 
 from __future__ import annotations
 
+import bisect
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -136,9 +138,13 @@ def _flat(blocks: list[tuple[str, float, float, bool]], start: float, end: float
 
 def _lags(ranks: Sequence[tuple[RankHistory, float]]) -> dict[tuple[str, str, float], dict[int, tuple[float, float]]]:
     """(job, rank, step start in Unix time) -> collective index -> (lag behind the first
-    rank, wait for the last), from the same match as the straggler's
-    (``tl.match_arrivals``), on Unix time; the step under way is matched among the ranks
-    that called each collective so far."""
+    rank, wait for the last). The same step of every rank is found by its number: each
+    rank's numbers are shifted to the first rank's by the shift most of its steps agree on
+    (the step that starts nearest, as ``tl.match_arrivals`` matches them; agents attached
+    at different times count from different steps), so that a step skewed by a preemption
+    past half a step is not matched with its neighbour. A step whose call count differs
+    between ranks is left out; the step under way is matched among the ranks that called
+    each collective so far."""
     jobs: dict[str, dict[str, RankHistory]] = {}
     for r, offset in ranks:
         jobs.setdefault(r.job_id, {})[r.rank] = _on_unix_time(r, offset)
@@ -146,28 +152,47 @@ def _lags(ranks: Sequence[tuple[RankHistory, float]]) -> dict[tuple[str, str, fl
     for job, members in jobs.items():
         if len(members) < 2:
             continue
-        steps = {rank: [tl.Step(s.start, s.seconds, s.stages, s.backwards, s.arrivals) for s in r.steps]
-                 for rank, r in members.items()}
-        arrivals, _ = tl.match_arrivals(steps, float("-inf"))
-        # each call's own step: arrivals are matched by the reference rank's step start
-        owner = {(rank, t): s.start for rank, rank_steps in steps.items() for s in rank_steps for t in s.arrivals}
-        for a in arrivals:
-            first, last = min(a.times.values()), max(a.times.values())
-            for rank, t in a.times.items():
-                own = owner.get((rank, t))
-                if own is not None:
-                    out.setdefault((job, rank, own), {})[a.index] = (t - first, last - t)
-        current = {rank: r.current for rank, r in members.items() if r.current is not None}
-        if len(current) >= 2:
-            count = max(len(c.arrivals) for c in current.values())
-            for k in range(count):
-                called = {rank: c.arrivals[k] for rank, c in current.items() if k < len(c.arrivals)}
-                if len(called) < 2:
+        names = sorted(members, key=_rank_order)
+        reference = members[names[0]]
+        numbered = {name: {s.number: s for s in (*members[name].steps, *_current(members[name]))} for name in names}
+        shifts = {names[0]: 0}
+        for name in names[1:]:
+            shift = _shift(reference.steps, members[name].steps)
+            if shift is not None:
+                shifts[name] = shift
+        for number, step in numbered[names[0]].items():
+            same = {name: numbered[name].get(number + shift) for name, shift in shifts.items()}
+            present = {name: s for name, s in same.items() if s is not None}
+            if len(present) < 2:
+                continue
+            under_way = step is reference.current
+            for k in range(max(len(s.arrivals) for s in present.values())):
+                if not under_way and any(len(s.arrivals) != len(step.arrivals) for s in present.values()):
+                    break
+                called = {name: s.arrivals[k] for name, s in present.items() if k < len(s.arrivals)}
+                if len(called) < 2 or (not under_way and len(called) < len(members)):
                     continue
                 first, last = min(called.values()), max(called.values())
-                for rank, t in called.items():
-                    out.setdefault((job, rank, current[rank].start), {})[k] = (t - first, last - t)
+                for name, t in called.items():
+                    out.setdefault((job, name, present[name].start), {})[k] = (t - first, last - t)
     return out
+
+
+def _current(r: RankHistory) -> tuple[PicturedStep, ...]:
+    return (r.current,) if r.current is not None else ()
+
+
+def _shift(reference: Sequence[PicturedStep], other: Sequence[PicturedStep]) -> int | None:
+    """How much ``other``'s step numbers exceed ``reference``'s for the same step: the
+    difference most of the nearest-starting pairs agree on (None without any pair)."""
+    starts = [s.start for s in other]
+    votes: Counter[int] = Counter()
+    for s in reference:
+        i = bisect.bisect_left(starts, s.start)
+        near = [other[j] for j in (i - 1, i) if 0 <= j < len(other) and abs(starts[j] - s.start) <= s.seconds / 2]
+        if near:
+            votes[min(near, key=lambda o: abs(o.start - s.start)).number - s.number] += 1
+    return votes.most_common(1)[0][0] if votes else None
 
 
 def _on_unix_time(r: RankHistory, offset: float) -> RankHistory:

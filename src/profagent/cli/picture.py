@@ -25,6 +25,7 @@ from profagent.contracts import TimelineHistory
 from profagent.errors import UserError
 
 MAX_AGENTS = 512  # nodes of one job asked
+PLACE_SECONDS = 60.0  # --pid: for the probes to be placed (the library's symbols are read first)
 OPEN_HOW = "open it at https://ui.perfetto.dev (Open trace file) or in chrome://tracing"
 
 
@@ -103,7 +104,9 @@ def from_pid(config: Config, pid: int, seconds: float, console: Console) -> Time
     if not config.timeline.enabled:
         raise UserError("the timeline is off (timeline.enabled = false)", "remove it from the config for timeline")
     config.ondemand.enabled = False  # an agent already running may hold the endpoint
-    config.incidents.enabled = False
+    # the probes alone: no py-spy pausing the ranks, no bundle, no findings
+    config.incidents.enabled = config.stacks.enabled = config.findings.enabled = False
+    config.traces.dirs = []
     job = Job(config, pid)
     source = next(s for s in job.sources if isinstance(s, TimelineSource))
     job.start()
@@ -113,6 +116,13 @@ def from_pid(config: Config, pid: int, seconds: float, console: Console) -> Time
             why = capability_problem() or "the timeline source did not start (run with --log-level info)"
             raise UserError(f"the kernel probes cannot run here: {why}",
                             "run it as root (see docs/timeline.md, Permissions), or ask a running agent with --url")
+        deadline = time.monotonic() + PLACE_SECONDS
+        while not source.probing and not stop.wait(0.2) and time.monotonic() < deadline:
+            if job.runtime.target_gone_for() > 0:
+                raise UserError(f"PID {pid} ended before its libtorch was probed", "give the PID of a running job")
+        if not source.probing:
+            raise UserError(f"no libtorch probed in PID {pid}'s ranks within {PLACE_SECONDS:.0f} s",
+                            "give the PID of a torch job (its launcher or a rank), see docs/timeline.md")
         console.print(f"observing PID {pid} for {seconds:.0f} s...", highlight=False)
         deadline = time.monotonic() + seconds
         while not stop.wait(0.5) and time.monotonic() < deadline:

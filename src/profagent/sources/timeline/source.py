@@ -118,6 +118,11 @@ class TimelineSource:
         """Started and not stopped: reading the probes' events."""
         return self._reader is not None
 
+    @property
+    def probing(self) -> bool:
+        """Some probe placed (in the library of some rank)."""
+        return bool(self._defined)
+
     def start(self) -> None:
         problem = capability_problem()
         if problem:
