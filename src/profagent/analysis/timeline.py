@@ -68,6 +68,16 @@ class Pictured(NamedTuple):
     spans: tuple[tuple[str, float, float], ...]
 
 
+class InProgress(NamedTuple):
+    """The step a rank is in: where it stopped, if it hangs."""
+
+    start: float | None  # None before the first optimizer step
+    spans: tuple[tuple[str, float, float], ...]  # its stage blocks done so far
+    open_blocks: tuple[tuple[str, float], ...]  # stage blocks still open: (stage, since)
+    arrivals: tuple[float, ...]  # its collective calls so far
+    backwards: int
+
+
 @dataclass
 class RankTimeline:
     """The running figures of one rank process, fed its events in time order."""
@@ -184,14 +194,6 @@ class RankTimeline:
                               for stack in self._open.values() for kind, began in stack if kind != RECORD),
                              key=lambda block: block[1])
         return InProgress(start, tuple(self._spans), tuple(open_blocks), tuple(self._arrivals), self._backwards)
-
-
-class InProgress(NamedTuple):
-    start: float | None  # None before the first optimizer step
-    spans: tuple[tuple[str, float, float], ...]  # its stage blocks done so far
-    open_blocks: tuple[tuple[str, float], ...]  # stage blocks still open: (stage, since)
-    arrivals: tuple[float, ...]  # its collective calls so far
-    backwards: int
 
 
 def quantile(values: Sequence[float], q: float) -> float:

@@ -26,20 +26,30 @@ MIN_GAP = 1e-6  # seconds: a forward/other gap shorter than a microsecond is not
 
 def rank_history(t: tl.RankTimeline, job_id: str, rank: str, pid: int, node: str, now: float, since: float) -> RankHistory:
     """A rank's steps that ended at or after ``since`` and the step it is in at ``now``."""
-    steps = []
+    return history_of(recent_pictured(t, since), t.in_progress(), t.steps_total, t.last_event, job_id, rank, pid, node, now)
+
+
+def recent_pictured(t: tl.RankTimeline, since: float) -> list[tl.Pictured]:
+    """The rank's kept steps that ended at or after ``since``, oldest first (a quick copy:
+    the source takes it under its lock, and builds the history after)."""
+    out = []
     for pictured in reversed(t.history):  # newest first: stop at the first one too old
         if pictured.step.start + pictured.step.seconds < since:
             break
-        s = pictured.step
-        steps.append(PicturedStep(pictured.number, s.start, s.seconds, dict(s.stages), s.backwards, s.arrivals,
-                                  pictured.spans))
-    steps.reverse()
-    now_in = t.in_progress()
+        out.append(pictured)
+    out.reverse()
+    return out
+
+
+def history_of(pictured: list[tl.Pictured], now_in: tl.InProgress, steps_total: int, last_event: float | None,
+               job_id: str, rank: str, pid: int, node: str, now: float) -> RankHistory:
+    steps = tuple(PicturedStep(p.number, p.step.start, p.step.seconds, dict(p.step.stages), p.step.backwards,
+                               p.step.arrivals, p.spans) for p in pictured)
     current = None
     if now_in.start is not None:
-        current = PicturedStep(t.steps_total + 1, now_in.start, max(0.0, now - now_in.start), {}, now_in.backwards,
+        current = PicturedStep(steps_total + 1, now_in.start, max(0.0, now - now_in.start), {}, now_in.backwards,
                                now_in.arrivals, now_in.spans)
-    return RankHistory(job_id, rank, pid, node, tuple(steps), current, now_in.open_blocks, t.last_event)
+    return RankHistory(job_id, rank, pid, node, steps, current, now_in.open_blocks, last_event)
 
 
 def chrome_trace(histories: Sequence[TimelineHistory], seconds: float | None = None) -> dict[str, Any]:

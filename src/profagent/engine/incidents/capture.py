@@ -167,9 +167,14 @@ class Capture:
             return
         try:
             history = recorder.history(TIMELINE_SECONDS, socket.gethostname(), job=self.trigger.job_id or None)
-            if history.ranks:
-                self._write(TIMELINE, json.dumps(chrome_trace([history], TIMELINE_SECONDS),
-                                                 separators=(",", ":")).encode())
+            if not history.ranks:
+                return
+            data = json.dumps(chrome_trace([history], TIMELINE_SECONDS), separators=(",", ":")).encode()
+            room = self._room()
+            if len(data) > room:
+                self.notes.append(f"{TIMELINE}: {_over_room(len(data), room, self.source.config)}")
+                return
+            self._write(TIMELINE, data)
         except (OSError, ValueError) as exc:  # the folder went, or a value JSON cannot hold
             self.notes.append(f"timeline picture: {exc}")
 

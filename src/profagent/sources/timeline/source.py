@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from profagent.analysis import timeline as tl
-from profagent.analysis.timeline_picture import rank_history
+from profagent.analysis.timeline_picture import history_of, recent_pictured
 from profagent.config import TimelineConfig
 from profagent.contracts import (
     ArrivalStraggler,
@@ -314,13 +314,16 @@ class TimelineSource:
         now = self.clock()
         offset = self.wall() - now
         since = now - seconds
-        out = []
-        with self._lock:
+        taken = []
+        with self._lock:  # a copy of references only: the reader waits on this lock
             for pid, r in sorted(self._ranks.items()):
                 if (ranks and r.rank not in ranks) or (job is not None and r.job_id != job):
                     continue
-                out.append(rank_history(r.timeline, r.job_id, r.rank, pid, node, now, since))
-        return TimelineHistory(node, now, offset, tuple(out))
+                t = r.timeline
+                taken.append((recent_pictured(t, since), t.in_progress(), t.steps_total, t.last_event, r.job_id, r.rank, pid))
+        return TimelineHistory(node, now, offset, tuple(
+            history_of(pictured, now_in, total, last, job_id, rank, pid, node, now)
+            for pictured, now_in, total, last, job_id, rank, pid in taken))
 
     def _match(self, now: float) -> None:
         """Match the collectives of each job's newly completed steps across its ranks."""
