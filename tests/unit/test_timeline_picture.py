@@ -222,3 +222,20 @@ def test_a_step_skewed_past_half_a_step_is_matched_with_the_same_step_of_the_oth
         assert calls["0"][n]["wait_for_last_ms"] == calls["1"][n]["lag_ms"], n
         assert calls["1"][n]["wait_for_last_ms"] == calls["0"][n]["lag_ms"], n
     assert calls["0"][5]["lag_ms"] == pytest.approx(0.52 * 1e3 - 0.46 * 1e3, abs=1e-3)
+
+
+def test_agents_that_name_their_node_alike_get_a_process_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two agents on hosts named alike (containers; two agents of one test host): each
+    node's name gets its agent's address, so each has its own process in the picture."""
+    from profagent.cli import picture as cli_picture
+
+    a, b = job(3)
+    answers = {"http://10.0.0.1:19400": history([a], now=0.3, node="worker", names=("0",)),
+               "http://10.0.0.2:19400": history([b], now=0.3, node="worker", names=("1",)),
+               "http://10.0.0.3:19400": history([], now=0.3, node="other", names=())}
+    monkeypatch.setattr(cli_picture, "from_agent", lambda url, *_: answers[url])
+    merged = cli_picture.from_agents(list(answers), 60.0, [], "j")
+    assert [h.node for h in merged] == ["worker (10.0.0.1:19400)", "worker (10.0.0.2:19400)", "other"]
+    assert [r.node for h in merged for r in h.ranks] == ["worker (10.0.0.1:19400)", "worker (10.0.0.2:19400)"]
+    assert sorted(chrome_trace.processes(picture(merged)).values()) == [
+        "worker (10.0.0.1:19400) · job j", "worker (10.0.0.2:19400) · job j"]
