@@ -249,7 +249,10 @@ def test_pid_observes_in_process_and_each_step_is_where_the_job_logged_it(tmp_pa
         starts = [origin + e["ts"] / 1e6 - offset for e in steps]
         first = min(range(len(calls)), key=lambda i: abs(calls[i] - starts[0]))
         logged = calls[first:first + len(steps) + 1]
-        assert max(abs(a - b) for a, b in zip(starts, logged, strict=False)) < 0.002, r
-        assert abs(starts[-1] + steps[-1]["dur"] / 1e6 - logged[-1]) < 0.002, r
+        # a preemption between the probe and the job's clock moves one by milliseconds on a
+        # loaded node; a step missed or added would move every later one by a step (20 ms+)
+        off = [abs(a - b) for a, b in zip(starts, logged, strict=False)]
+        assert quantile(off, 0.5) < 0.001 and max(off) < 0.01, (r, quantile(off, 0.5), max(off))
+        assert abs(starts[-1] + steps[-1]["dur"] / 1e6 - logged[-1]) < 0.01, r
         intervals = [b - a for a, b in zip(logged, logged[1:], strict=False)]
         assert quantile([e["dur"] / 1e6 for e in steps], 0.5) == pytest.approx(quantile(intervals, 0.5), rel=0.02)
