@@ -115,8 +115,15 @@ def test_a_straggler_over_two_agents_merged_through_prometheus_matches_each_rank
         wait_for(job.done, 240, interval=0.5, what="the job's steps")
         truths = [job.truth(r) for r in (0, 1)]
         for r, url in enumerate(urls):
-            wait_for(lambda u=url, r=r: value(metrics(u), "profagent_optimizer_steps_total", rank=str(r))
-                     == len(truths[r]["calls"]), 60, interval=0.5, what=f"rank {r}'s agent to read every step")
+            try:
+                wait_for(lambda u=url, r=r: value(metrics(u), "profagent_optimizer_steps_total", rank=str(r))
+                         == len(truths[r]["calls"]), 60, interval=0.5, what=f"rank {r}'s agent to read every step")
+            except BaseException:  # say what it read, and what the ring lost
+                m = metrics(url)
+                print(f"rank {r}: {len(truths[r]['calls'])} steps logged; its agent read "
+                      f"{value(m, 'profagent_optimizer_steps_total', rank=str(r))}, lost "
+                      f"{value(m, 'profagent_timeline_events_total', kind='lost')} events")
+                raise
         labels = [next(lb for lb, _ in metrics(u)["profagent_optimizer_steps_total"]) for u in urls]
         assert {lb["job_id"] for lb in labels} == {job_id}
         wait_for(lambda: len(prom.query(f'profagent_optimizer_steps_total{{job_id="{job_id}"}}')) == 2, 60,
