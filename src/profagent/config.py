@@ -137,6 +137,7 @@ class TimelineConfig:
     max_libraries: int = _opt(8, "distinct libtorch files probed at once for each user (each venv or container image is one), counted by the user whose process maps it; a file no observed process maps any more frees its slot, one that gives no probe takes none; more are skipped with one log line")
     ring_pages: int = _opt(64, "pages of each CPU's ring buffer of probe events (a power of 2); events that do not fit are counted as lost")
     flood_events: int = _opt(25_000, "probe events a second from one process above which its events are shed for 10 s (its figures miss them), so that it cannot crowd out other jobs' events; a training rank sends hundreds to a few thousand")
+    history_steps: int = _opt(4096, "steps kept per rank for `profagent timeline`, /api/timeline and each incident's timeline.json (up to 1.5 KB a step of a DDP job with a few gradient buckets, 6 MB a rank at the default: 7 minutes of steps at 10 a second)")
     interval: float = _opt(0.0, "seconds between publishing the figures; 0 = the agent interval")
 
 
@@ -480,6 +481,8 @@ def _validate_timeline(t: TimelineConfig) -> None:
         raise UserError("'timeline.max_libraries' must be at least 1", "set it to 1 or more, or timeline.enabled = false")
     if t.window_seconds < 1:
         raise UserError(f"'timeline.window_seconds' is {t.window_seconds}s", "use at least 1 s")
+    if not 1 <= t.history_steps <= 1_000_000:
+        raise UserError(f"'timeline.history_steps' is {t.history_steps}", "use 1 to 1000000 steps, e.g. 4096")
 
 
 def _validate_watch(w: WatchConfig) -> None:

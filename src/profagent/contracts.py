@@ -478,6 +478,47 @@ class TimelineSnapshot:
     window_seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class PicturedStep:
+    """One step of a rank as the timeline picture shows it; times in seconds on the
+    probes' clock of its node (``TimelineHistory.clock_offset`` makes them Unix time)."""
+
+    number: int  # counted from the first step the probes saw of the rank
+    start: float
+    seconds: float
+    stages: Mapping[str, float]  # seconds per tl.STAGES
+    backwards: int  # micro-batches
+    arrivals: tuple[float, ...]  # its collective calls, in order
+    spans: tuple[tuple[str, float, float], ...]  # (stage, begin, end) of its stage blocks
+
+
+@dataclass(frozen=True)
+class RankHistory:
+    """A rank's recent steps and the one under way (``current``: its ``seconds`` run to the
+    history's ``now``; ``open_stages`` are its blocks not closed yet, as (stage, since))."""
+
+    job_id: str
+    rank: str
+    pid: int
+    node: str
+    steps: tuple[PicturedStep, ...]
+    current: PicturedStep | None = None
+    open_stages: tuple[tuple[str, float], ...] = ()
+    last_event: float | None = None
+
+
+@dataclass(frozen=True)
+class TimelineHistory:
+    """Every rank's recent steps on one node, for the picture (``/api/timeline``).
+    ``clock_offset`` is Unix time minus the probes' clock (CLOCK_MONOTONIC, per node) when
+    it was read: adding it puts every node's ranks on one clock."""
+
+    node: str
+    now: float
+    clock_offset: float
+    ranks: tuple[RankHistory, ...] = ()
+
+
 # -- findings (published by engine/findings.py) --------------------------------------------
 SEVERITIES = ("info", "warning", "critical")  # in increasing order
 # Every finding kind: the set is closed, each documented in docs/diagnosis.md (a test holds

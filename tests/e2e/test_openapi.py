@@ -100,6 +100,9 @@ def test_the_live_agent_answers_as_docs_openapi_yaml_says(children, tmp_path: Pa
     check(base, "/api/stacks", "rank=0&seconds=5")
     check(base, "/api/stacks", "rank=9")  # 404
     check(base, "/api/stacks", "rank=0&seconds=x")  # 400
+    check(base, "/api/timeline", "seconds=5")  # the picture (503 where the probes cannot run)
+    check(base, "/api/timeline", "format=history&rank=0")
+    check(base, "/api/timeline", "format=svg")  # 400
     assert check(base, "/api/incidents") == {"incidents": []}
     # A bundle of this job (as `incidents capture` leaves one) and one of another job.
     for name, job in (("20260101T000000Z-mine-manual", job_id), ("20260101T000001Z-other-manual", "other")):

@@ -22,6 +22,9 @@ of rank 2's node both name rank 2, and then they hold: sampled every second for 
 minute, and counted by Prometheus over the same time, with no evaluation or scrape without
 them. No other rank is named, on either node, and no other finding is raised.
 
+Then the picture: `profagent timeline --prometheus --job` merges both nodes' agents into one
+file, rank 2 calling each collective last and the others, on both nodes, waiting for it.
+
 Hang on node 1 (global rank 3 then sleeps before its forward, while rank 2 still
 straggles): one ProfagentJobHang for the job naming rank 3, its node and its line (while
 node 0's agent sees only ranks waiting), ``diagnose --prometheus`` saying the same, the
@@ -223,6 +226,39 @@ def _check_straggler(two_nodes: TwoNodes) -> None:
     raised = prom.query(f'group by (instance, rank, finding) (last_over_time(profagent_finding{{job_id="{job_id}"}}[{run}]))')
     assert [(s["metric"]["instance"], s["metric"]["rank"], s["metric"]["finding"]) for s in raised] == [
         (slow.address, str(SLOW_RANK), "straggler")], raised
+    _check_picture(two_nodes, slow, tmp=slow.dir.parent)
+
+
+def _check_picture(two_nodes: TwoNodes, slow: Node, tmp: Path) -> None:
+    """The picture of the straggling job: `profagent timeline --prometheus --job` finds both
+    nodes' agents from Prometheus' targets and merges them, one process per node (both on
+    this host: told apart by their address), one track per rank on one clock; rank 2 calls
+    each collective last, and the other ranks, on both nodes, hold the wait."""
+    from helpers import chrome_trace
+    from profagent.analysis.timeline import quantile
+
+    out = tmp / "picture.json"
+    res = subprocess.run([sys.executable, "-m", "profagent", "timeline", "--prometheus", two_nodes.prom.url, "--job",
+                          two_nodes.job_id, "--seconds", "20", "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(out.read_text())
+    assert chrome_trace.check(doc) == []
+    processes = chrome_trace.processes(doc)
+    assert len(processes) == 2 and any(slow.address in name for name in processes.values()), processes
+    assert sorted(name.split(" (")[0] for name in chrome_trace.tracks(doc)) == [f"rank {r}" for r in range(4)]
+    assert slow.address in processes[chrome_trace.rank_track(doc, SLOW_RANK)[0]]
+    lag, wait = {}, {}
+    for r in range(4):
+        calls = [e["args"] for e in chrome_trace.events(doc, chrome_trace.rank_track(doc, r), "i", "collective")
+                 if "lag_ms" in e["args"]]
+        assert len(calls) >= 20, (r, len(calls))
+        lag[r] = quantile([c["lag_ms"] for c in calls], 0.5)
+        wait[r] = quantile([c["wait_for_last_ms"] for c in calls], 0.5)
+    others = [r for r in range(4) if r != SLOW_RANK]
+    assert all(lag[SLOW_RANK] > 5 * lag[r] for r in others) and wait[SLOW_RANK] == 0, (lag, wait)
+    assert all(wait[r] > 0.5 * lag[SLOW_RANK] for r in others), (lag, wait)
+    print(f"picture of the last 20 s: rank {SLOW_RANK}'s median lag {lag[SLOW_RANK]:.1f} ms; the others' median waits "
+          + ", ".join(f"rank {r} {wait[r]:.1f} ms" for r in others))
 
 
 def _other(nodes: list[Node], node: Node) -> Node:

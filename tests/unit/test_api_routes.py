@@ -65,6 +65,29 @@ def window(ring: Ring, job: str, rank: str, end: float, stack: str, count: int) 
     ring.ring.add((job, rank), end, [Sample("MainThread", True, (), count, stack)], 1e9)
 
 
+class Recorder:
+    """A timeline source as /api/timeline reads it: real RankTimelines fed a few steps."""
+
+    def __init__(self) -> None:
+        from profagent.analysis import timeline as tl
+
+        self.timeline = tl.RankTimeline()
+        for i in range(5):
+            self.timeline.feed(tl.STEP, 1, 10.0 + i * 0.1)
+            self.timeline.feed(tl.RECORD_EXIT, 1, 10.01 + i * 0.1)
+            self.timeline.feed(tl.BACKWARD, 1, 10.05 + i * 0.1)
+            self.timeline.feed(tl.COLLECTIVE, 1, 10.06 + i * 0.1)
+            self.timeline.feed(tl.BACKWARD_END, 1, 10.08 + i * 0.1)
+        self.asked: list[tuple] = []
+
+    def history(self, seconds: float, node: str = "", ranks=(), job: str | None = None):  # noqa: ANN001, ANN201
+        from profagent.analysis.timeline_picture import rank_history
+        from profagent.contracts import TimelineHistory
+
+        self.asked.append((seconds, node, sorted(ranks), job))
+        return TimelineHistory(node, 10.5, 1.7e9, (rank_history(self.timeline, JOB, "0", 10, node, 10.5, 10.5 - seconds),))
+
+
 def test_every_row_builds_a_handler_that_answers_as_documented(tmp_path: Path) -> None:
     """Each row of the table over real parts: a State with a job, a findings snapshot, an
     incidents folder with a bundle of this job and one of another, a stack ring."""
@@ -85,7 +108,8 @@ def test_every_row_builds_a_handler_that_answers_as_documented(tmp_path: Path) -
     providers = ApiProviders(
         node="node-a", views=lambda: views, watched=lambda: watched.append(time.monotonic()),
         stacks=lambda: [ring], findings=lambda: [state.view().findings], incidents=store.list,
-        job_ids=lambda: [JOB])
+        job_ids=lambda: [JOB], timeline=lambda: [recorder])
+    recorder = Recorder()
     routes = {path: build(providers) for path, build in ROUTES.items()}
 
     findings = answer_as_documented("/api/findings", routes["/api/findings"]({}))
@@ -106,6 +130,15 @@ def test_every_row_builds_a_handler_that_answers_as_documented(tmp_path: Path) -
     stacks = answer_as_documented("/api/stacks", routes["/api/stacks"]({"rank": ["0"]}))
     assert stacks == "main (t.py:1);step (t.py:9) 7\n" and ring.looks == 1
 
+    picture = answer_as_documented("/api/timeline", routes["/api/timeline"]({"seconds": ["30"], "rank": ["0"]}))
+    assert picture["otherData"]["nodes"] == ["node-a"]
+    assert [e["args"]["step"] for e in picture["traceEvents"] if e.get("cat") == "step"] == [1, 2, 3, 4, 5]
+    history = answer_as_documented("/api/timeline", routes["/api/timeline"]({"format": ["history"]}))
+    assert history["clock_offset"] == 1.7e9 and len(history["ranks"][0]["steps"]) == 4
+    assert recorder.asked == [(30.0, "node-a", ["0"], None), (60.0, "node-a", [], None)]
+    for bad in ({"seconds": ["x"]}, {"seconds": ["0"]}, {"format": ["svg"]}):
+        assert answer_as_documented("/api/timeline", routes["/api/timeline"](bad)) and routes["/api/timeline"](bad)[0] == 400
+
 
 def test_routes_answer_as_documented_when_their_parts_are_off(tmp_path: Path) -> None:
     """Stacks source off and findings engine off: 503; an empty incidents folder; no job yet."""
@@ -117,6 +150,8 @@ def test_routes_answer_as_documented_when_their_parts_are_off(tmp_path: Path) ->
     answer_as_documented("/api/stacks", routes["/api/stacks"]({}))
     assert routes["/api/findings"]({})[0] == 503
     answer_as_documented("/api/findings", routes["/api/findings"]({}))
+    assert routes["/api/timeline"]({})[0] == 503
+    answer_as_documented("/api/timeline", routes["/api/timeline"]({}))
     assert answer_as_documented("/api/incidents", routes["/api/incidents"]({})) == {"incidents": []}
     assert routes["/api/incidents"]({"id": ["nope"]})[0] == 404
     assert answer_as_documented("/api/ranks", routes["/api/ranks"]({}))["jobs"] == []

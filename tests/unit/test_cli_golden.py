@@ -15,7 +15,8 @@ help (``rich_markup_mode=None``, for start-up time) with a short help per comman
 the new ``diff`` command (its help and its one-line error); and once for #23: `incidents
 show` names its argument ``ID`` (not ``incident_id``) and `stacks --idle` shows its default once;
 and for #39: `diagnose --prometheus`; and for #42: one client, so `top`, `diagnose` and
-`incidents list/show` take the same --basic-auth, --basic-auth-file, --ca-file and --insecure.
+`incidents list/show` take the same --basic-auth, --basic-auth-file, --ca-file and --insecure;
+and for #54: the new `timeline` command (its help and its one-line error).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ ENV = {"COLUMNS": "100", "TERMINAL_WIDTH": "100", "NO_COLOR": "1", "TERM": "dumb
 HELP = [
     [], ["attach"], ["watch"], ["install-service"], ["stacks"], ["config"], ["doctor"],
     ["analyze"], ["trace"], ["dashboards"], ["dashboards", "export"], ["dashboards", "push"],
-    ["top"], ["diagnose"], ["diff"], ["incidents"], ["incidents", "list"], ["incidents", "show"], ["incidents", "capture"],
+    ["top"], ["diagnose"], ["diff"], ["timeline"], ["incidents"], ["incidents", "list"], ["incidents", "show"], ["incidents", "capture"],
 ]
 # Bad input: one line naming the problem and the fix, exit 2, no traceback.
 ERRORS = [
@@ -47,6 +48,7 @@ ERRORS = [
     ["trace"],
     ["trace", "--pid", "1", "--all"],
     ["attach", "--pid", "1", "--gpu-backend", "cuda"],
+    ["timeline", "--prometheus", "http://127.0.0.1:1"],
 ]
 
 

@@ -31,6 +31,8 @@ HELD_EVENTS = 8192  # events held while a rank's step boundary is not known yet
 DECIDE_BACKWARDS = 32  # backwards with no Optimizer.step block: the steps come from elsewhere
 DECIDE_SECONDS = 60.0  # or this long with a few backwards and no Optimizer.step block
 NONE_AFTER = 30.0  # seconds of events with no boundary before a rank is said to have none
+HISTORY_STEPS = 4096  # steps kept per rank for the picture (timeline.history_steps)
+MAX_SPANS = 256  # stage blocks kept per step for the picture: a job opening more cannot grow us
 
 # What a probe saw; ``detail`` is the collective's name for COLLECTIVE.
 STEP, ZERO_GRAD, DATA, RECORD, RECORD_EXIT, BACKWARD, BACKWARD_END, COLLECTIVE = (
@@ -87,6 +89,25 @@ def boundary_note(boundary: str) -> str:
     return ""
 
 
+class Pictured(NamedTuple):
+    """One completed step as the picture shows it: its number (counted from the first step
+    the probes saw), the step, and its stage blocks as (stage, begin, end)."""
+
+    number: int
+    step: Step
+    spans: tuple[tuple[str, float, float], ...]
+
+
+class InProgress(NamedTuple):
+    """The step a rank is in: where it stopped, if it hangs."""
+
+    start: float | None  # None before the first optimizer step
+    spans: tuple[tuple[str, float, float], ...]  # its stage blocks done so far
+    open_blocks: tuple[tuple[str, float], ...]  # stage blocks still open: (stage, since)
+    arrivals: tuple[float, ...]  # its collective calls so far
+    backwards: int
+
+
 @dataclass
 class RankTimeline:
     """The running figures of one rank process, fed its events in time order.
@@ -103,6 +124,7 @@ class RankTimeline:
     backwards_total: int = 0
     collectives_total: int = 0
     recent: deque[Step] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    history: deque[Pictured] = field(default_factory=lambda: deque(maxlen=HISTORY_STEPS))
     last_event: float | None = None
     last_step: float | None = None  # when the last step began
     boundary: str = ""  # OPTIMIZER, BY_ZERO_GRAD, BY_BACKWARD, NONE; "" while held
@@ -122,6 +144,7 @@ class RankTimeline:
     _last_synced: bool = True  # the last backward called collectives (the first begins a step)
     _synced_seen: bool = False  # a backward of this rank called collectives
     _closure: bool = False  # the last Optimizer.step block ran a backward (a closure)
+    _spans: list[tuple[str, float, float]] = field(default_factory=list)
 
     @property
     def arrivals_in_step(self) -> list[float]:
@@ -190,8 +213,8 @@ class RankTimeline:
     def _decide(self, boundary: str) -> None:
         """Read the held events again (all but the one being fed) with the boundary known."""
         held = self._held or []
-        first, synced = self._first_event, self._synced_seen
-        self.__init__()  # type: ignore[misc]
+        first, synced, kept = self._first_event, self._synced_seen, self.history.maxlen
+        self.__init__(history=deque(maxlen=kept))  # type: ignore[misc]
         self._held = None
         self.boundary = boundary
         self._first_event = first
@@ -283,6 +306,8 @@ class RankTimeline:
         seconds = t - since
         inner = block[INNER] if block[INNER_STEP] == self._step_no else 0.0
         self._current[stage] += max(0.0, seconds - inner)
+        if len(self._spans) < MAX_SPANS:  # the picture's block: nested ones are drawn inside it
+            self._spans.append((stage, since, t))
         # the enclosing block of a stage gives this time up: it is counted once, here
         parent = next((stack[i] for i in range(at - 1, -1, -1) if stack[i][KIND] != RECORD), None)
         if parent is None:
@@ -316,12 +341,23 @@ class RankTimeline:
             totals = self.stage_seconds
             for stage, value in stages.items():
                 totals[stage] += value
-            self.recent.append(Step(start, seconds, stages, self._backwards, tuple(self._arrivals)))
+            step = Step(start, seconds, stages, self._backwards, tuple(self._arrivals))
+            self.recent.append(step)
+            self.history.append(Pictured(self.steps_total, step, tuple(self._spans)))
         self._step_start = t
         self._step_no += 1
         self._current = dict.fromkeys(STAGES, 0.0)
         self._backwards = 0
         self._arrivals = []
+        self._spans = []
+
+    def in_progress(self) -> InProgress:
+        """The step under way: where a rank that hangs stopped."""
+        start = self._step_start
+        open_blocks = sorted(((_STAGE_OF[b[KIND]], b[BEGAN] if start is None or b[BEGAN] > start else start)
+                              for stack in self._open.values() for b in stack if b[KIND] != RECORD),
+                             key=lambda block: block[1])
+        return InProgress(start, tuple(self._spans), tuple(open_blocks), tuple(self._arrivals), self._backwards)
 
 
 def quantile(values: Sequence[float], q: float) -> float:

@@ -401,6 +401,54 @@ def diagnose(
         render(body, Console())
 
 
+@app.command(short_help="A picture of every rank's recent steps (Perfetto, chrome://tracing).")
+def timeline(
+    output: Annotated[Path, typer.Option("--output", "-o", help="the picture's file (Chrome trace JSON)")] = Path("timeline.json"),
+    pid: Annotated[int | None, typer.Option("--pid", help="observe this launcher or rank PID in-process for --seconds (root: kernel probes)")] = None,
+    url: Annotated[str | None, typer.Option("--url", help="a running agent, e.g. http://node1:19400")] = None,
+    prometheus: Annotated[str | None, typer.Option("--prometheus", help="a Prometheus scraping every node's agent: ask each agent of --job and merge them")] = None,
+    job: Annotated[str | None, typer.Option("--job", help="the job_id (needed with --prometheus)")] = None,
+    seconds: Annotated[float, typer.Option("--seconds", min=1.0, help="the last S seconds of steps (with --pid: how long to observe)")] = 60.0,
+    rank: Annotated[list[str] | None, typer.Option("--rank", help="only this rank (repeatable)")] = None,
+    basic_auth: BasicAuthOpt = None,
+    basic_auth_file: BasicAuthFileOpt = None,
+    ca_file: CaFileOpt = None,
+    insecure: InsecureOpt = False,
+    config: ConfigOpt = None,
+    log_level: LogLevelOpt = None,
+) -> None:
+    """Every rank's steps of the last --seconds as one picture: data wait, forward, backward
+    and optimizer as spans, each collective's arrival with its lag, one track per rank, one
+    clock for all nodes. Open the file at https://ui.perfetto.dev or in chrome://tracing."""
+    from rich.console import Console
+
+    from profagent.cli import picture
+    from profagent.cli.client import client_auth
+    from profagent.config import load_config
+
+    if sum(x is not None for x in (pid, url, prometheus)) != 1:
+        raise UserError("give one of --pid, --url and --prometheus",
+                        "--pid observes in-process; --url asks a running agent; --prometheus --job ID asks every node's agent")
+    if prometheus is not None and not job:
+        raise UserError("--prometheus needs --job ID", "give the job_id whose ranks to draw (profagent_optimizer_steps_total's job_id)")
+    auth = client_auth(basic_auth, basic_auth_file, ca_file, insecure)
+    cfg = load_config(config, os.environ, {"log_level": log_level or "warning", "gpu.backend": "off" if pid is not None else None})
+    _setup_logging(cfg.agent.log_level)
+    ranks = list(rank or [])
+    if prometheus is not None:
+        histories = picture.from_agents(picture.agents_of_job(prometheus, str(job), auth), seconds, ranks, job, auth)
+    elif url is not None:
+        histories = [picture.from_agent(url, seconds, ranks, job, auth)]
+    else:
+        assert pid is not None
+        history = picture.from_pid(cfg, pid, seconds, Console(stderr=True))
+        import dataclasses
+
+        histories = [dataclasses.replace(history, ranks=tuple(
+            r for r in history.ranks if (not ranks or r.rank in ranks) and job in (None, r.job_id)))]
+    typer.echo(picture.write_picture(histories, seconds, output))
+
+
 # Names users reach for that mean one of our flags. Click's own suggestion is by spelling
 # only (difflib), so `stacks --duration` used to suggest --rate.
 OPTION_SYNONYMS = {

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -102,10 +103,10 @@ class JsonClient:
             if auth.insecure:
                 self.context.check_hostname, self.context.verify_mode = False, ssl.CERT_NONE
 
-    def url(self, path: str, query: dict[str, str] | None = None) -> str:
-        return self.base + path + (f"?{urlencode(query)}" if query else "")
+    def url(self, path: str, query: Mapping[str, str | list[str]] | None = None) -> str:
+        return self.base + path + (f"?{urlencode(query, doseq=True)}" if query else "")
 
-    def get(self, path: str, query: dict[str, str] | None = None, limit: int = 64 << 20) -> tuple[int, bytes]:
+    def get(self, path: str, query: Mapping[str, str | list[str]] | None = None, limit: int = 64 << 20) -> tuple[int, bytes]:
         """The status and at most ``limit`` + 1 bytes of the body (an HTTP error's too);
         UserError when the server cannot be reached or TLS fails."""
         import ssl
@@ -127,7 +128,7 @@ class JsonClient:
                 raise UserError(f"TLS to {self.shown} failed ({reason.reason})", TLS_FIX) from None
             raise UserError(f"cannot reach {self.what} at {self.shown} ({reason})", self.reach_fix) from None
 
-    def get_json(self, path: str, query: dict[str, str] | None = None, limit: int = 64 << 20,
+    def get_json(self, path: str, query: Mapping[str, str | list[str]] | None = None, limit: int = 64 << 20,
                  not_found: tuple[str, str] | None = None) -> Any:
         """The JSON answer to a GET. UserError, one line, for a refused login (401), a 404
         (``not_found``: the problem and fix, else "has no PATH"), any other status, an answer

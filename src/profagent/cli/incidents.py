@@ -130,6 +130,10 @@ def show_cmd(incident_id: Annotated[str, typer.Argument(metavar="ID", help="the 
     out.print(f"files in {detail['path']}:", markup=False, highlight=False, soft_wrap=True)
     for f in detail.get("files", []):
         out.print(f"  {f['name']} ({f['bytes']} bytes)", markup=False, highlight=False)
+    if any(f.get("name") == "timeline.json" for f in detail.get("files", [])):
+        out.print(f"every rank's steps before the trigger: {detail['path']}/timeline.json; open it at "
+                  "https://ui.perfetto.dev (Open trace file) or in chrome://tracing", markup=False, highlight=False,
+                  soft_wrap=True)
 
 
 @incidents_app.command("capture", short_help="Capture an incident of a running job now, through the local agent.")

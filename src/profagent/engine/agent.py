@@ -144,6 +144,7 @@ class Job:
         source = IncidentsSource(
             config.incidents, incidents_dir(config.incidents, config.agent.state_dir), self.state,
             interval=config.agent.interval, ondemand=control.source if control else None,
+            timeline=next((s for s in self.sources if isinstance(s, TimelineSource)), None),
             rate_file=rate_limits_path(config.agent.state_dir), max_trace_bytes=config.traces.max_file_bytes,
             max_pyspy=config.stacks.max_pyspy,
         )
@@ -230,6 +231,7 @@ class Agent:
             findings=lambda: [job.state.view().findings] if job.findings is not None else [],
             incidents=store.list,
             job_ids=None if job.watch else lambda: _job_ids(job),
+            timeline=lambda: [s for s in job.sources if isinstance(s, TimelineSource) and s.running],
         )
         for path, build in ROUTES.items():
             self.server.add_route(path, build(providers))

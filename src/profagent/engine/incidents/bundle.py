@@ -23,6 +23,7 @@ from profagent.system.safefs import read_nofollow
 META = "incident.json"
 SUMMARY = "summary.md"
 FINDINGS = "findings.json"
+TIMELINE = "timeline.json"  # the picture of every rank's steps before the trigger (docs/timeline.md)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 # the keys of a bundle that GET /api/incidents and `incidents list` show (docs/openapi.yaml)

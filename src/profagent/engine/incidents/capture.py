@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -20,12 +21,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from profagent.analysis.incidents import LatestTrace, Trigger, self_profiling
+from profagent.analysis.timeline_picture import chrome_trace
 from profagent.config import IncidentsConfig
 from profagent.contracts import ROLE_DATALOADER, FindingsSnapshot, ProcessInfo, ProcessTree
 from profagent.engine.incidents.bundle import (
     FINDINGS,
     META,
     SUMMARY,
+    TIMELINE,
     BundleMeta,
     stacks_file,
     to_json,
@@ -57,6 +60,7 @@ ONDEMAND_TRACE_MS = 1000
 COPY_CHUNK = 1024 * 1024
 # room kept in a bundle for what is written after the stacks (findings, metrics, summary)
 SUMMARY_RESERVE = 4 << 20
+TIMELINE_SECONDS = 300.0  # the picture in the bundle: the five minutes before the trigger
 
 
 def _over_room(size: int, room: int, config: IncidentsConfig, copied: bool = False) -> str:
@@ -71,6 +75,7 @@ class CaptureHost(Protocol):
     config: IncidentsConfig
     state: State
     ondemand: Any  # the OndemandSource, or None
+    timeline: Any  # the TimelineSource (``/api/timeline``'s TimelineRecorder), or None
     stopping: threading.Event
     pyspy_binary: str | None
     max_trace_bytes: int
@@ -111,6 +116,8 @@ class Capture:
     def run(self) -> None:
         self._write(META, self.meta.to_bytes(), replace=True)
         view = self.source.state.view()
+        # The picture first: the steps before the trigger, before the dumps pause the ranks
+        self._timeline()
         # The stacks before the traces: a native dump stops its rank (0.3-1 s measured, more
         # on a loaded node), and in a trace that pause reads as a slow step of the rank (a
         # straggler at 2.8x the other rank's step was seen, all of it the agent's own doing).
@@ -165,6 +172,23 @@ class Capture:
             self.meta.notes = list(self.notes)
             self._write(META, self.meta.to_bytes(), replace=True)
         log.warning("incident %s captured: %s", self.folder.name, self.folder / SUMMARY)
+
+    def _timeline(self) -> None:
+        recorder = self.source.timeline
+        if recorder is None or not getattr(recorder, "running", True):
+            return
+        try:
+            history = recorder.history(TIMELINE_SECONDS, socket.gethostname(), job=self.trigger.job_id or None)
+            if not history.ranks:
+                return
+            data = json.dumps(chrome_trace([history], TIMELINE_SECONDS), separators=(",", ":")).encode()
+            room = self._room()
+            if len(data) > room:
+                self.notes.append(f"{TIMELINE}: {_over_room(len(data), room, self.source.config)}")
+                return
+            self._write(TIMELINE, data)
+        except (OSError, ValueError) as exc:  # the folder went, or a value JSON cannot hold
+            self.notes.append(f"timeline picture: {exc}")
 
     @classmethod
     def reopen(cls, source: CaptureHost, meta: BundleMeta, tree: ProcessTree) -> Capture | None:

@@ -13,7 +13,7 @@ from profagent.analysis.collectives import parse_dump_text
 from profagent.analysis.incidents import Trigger
 from profagent.analysis.stacks import innermost_frame, own_frame
 from profagent.contracts import ProcessInfo
-from profagent.engine.incidents.bundle import worker_stacks_file
+from profagent.engine.incidents.bundle import TIMELINE, worker_stacks_file
 from profagent.system.safefs import read_nofollow
 
 
@@ -78,7 +78,9 @@ def summary_text(capture: Captured) -> str:
     evidence = dict(t.evidence)
     if evidence:
         lines += ["", "## Evidence", "", "```json", json.dumps(evidence, indent=2, default=str), "```"]
-    lines += ["", "## Files", ""] + [f"- `{name}`" for name in sorted(capture.files)]
+    lines += ["", "## Files", ""] + [f"- `{name}`" + (" (every rank's steps of the minutes before: open it at "
+                                                       "https://ui.perfetto.dev or in chrome://tracing)"
+                                                       if name == TIMELINE else "") for name in sorted(capture.files)]
     if capture.notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in capture.notes]
     return "\n".join(lines) + "\n"

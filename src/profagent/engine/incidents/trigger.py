@@ -88,6 +88,7 @@ class IncidentsSource:
         state: State,
         interval: float = 1.0,
         ondemand: Any = None,  # the OndemandSource, for traces when the job polls Kineto
+        timeline: Any = None,  # the TimelineSource, for the picture of the steps before the trigger
         slots: CaptureSlots | None = None,
         wall: Callable[[], float] = time.time,
         rate_file: Path | None = None,  # None: rate limits are forgotten on restart
@@ -100,6 +101,7 @@ class IncidentsSource:
         self.state = state
         self.interval = interval
         self.ondemand = ondemand
+        self.timeline = timeline
         self.slots = slots or CaptureSlots(config.max_captures, config.max_captures_per_user)
         self.wall = wall
         self.max_trace_bytes = max_trace_bytes

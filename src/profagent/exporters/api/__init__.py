@@ -15,6 +15,7 @@ from profagent.exporters.api.findings import findings_route
 from profagent.exporters.api.incidents import IncidentRecord, incidents_route
 from profagent.exporters.api.ranks import RanksApi
 from profagent.exporters.api.stacks import StacksRing, stacks_route
+from profagent.exporters.api.timeline import TimelineRecorder, timeline_route
 from profagent.exporters.http import Route
 
 
@@ -29,6 +30,7 @@ class ApiProviders:
     findings: Callable[[], Sequence[FindingsSnapshot | None]]  # per job; empty when the engine is off
     incidents: Callable[[], Sequence[IncidentRecord]]  # the incidents folder, oldest first
     job_ids: Callable[[], Iterable[str]] | None  # the jobs whose incidents are listed; None: all (watch)
+    timeline: Callable[[], Sequence[TimelineRecorder]] = lambda: ()  # the running timeline sources
 
 
 RouteBuilder = Callable[[ApiProviders], Route]
@@ -38,5 +40,6 @@ ROUTES: Mapping[str, RouteBuilder] = {
     "/api/incidents": lambda p: incidents_route(p.incidents, p.job_ids),
     "/api/ranks": lambda p: RanksApi(p.views, p.node, watched=p.watched).route,
     "/api/stacks": lambda p: stacks_route(p.stacks),
+    "/api/timeline": lambda p: timeline_route(p.timeline, p.node),
 }
 

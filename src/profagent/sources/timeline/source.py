@@ -24,12 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from profagent.analysis import timeline as tl
+from profagent.analysis.timeline_picture import history_of, recent_pictured
 from profagent.config import TimelineConfig
 from profagent.contracts import (
     ArrivalStraggler,
     ProbedLibrary,
     ProcessTree,
     RankSteps,
+    TimelineHistory,
     TimelineSnapshot,
 )
 from profagent.errors import SourceUnavailable
@@ -123,11 +125,12 @@ class TimelineSource:
     name = "timeline"
 
     def __init__(self, config: TimelineConfig, interval: float, proc_root: Path = Path("/proc"),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.config = config
         self.interval = interval
         self.proc_root = proc_root
         self.clock = clock
+        self.wall = wall
         self.note = ""
         self._tracefs: Path | None = None
         self._group = ""
@@ -165,6 +168,16 @@ class TimelineSource:
         self._swept = clock()
 
     # -- lifecycle --------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        """Started and not stopped: reading the probes' events."""
+        return self._reader is not None
+
+    @property
+    def probing(self) -> bool:
+        """Some probe placed (in the library of some rank)."""
+        return bool(self._defined)
+
     def start(self) -> None:
         problem = capability_problem()
         if problem:
@@ -526,7 +539,8 @@ class TimelineSource:
             with self._lock:
                 known = self._ranks.get(pid)
                 if known is None or (known.job_id, known.rank) != (job, info.rank):
-                    self._ranks[pid] = _Rank(job, info.rank, known.timeline if known else tl.RankTimeline())
+                    self._ranks[pid] = _Rank(job, info.rank, known.timeline if known else tl.RankTimeline(
+                        history=deque(maxlen=self.config.history_steps)))
             self._probe_process(pid, now)
         with self._lock:
             for pid in [p for p in self._ranks if p not in mains]:
@@ -558,6 +572,24 @@ class TimelineSource:
         unprobed = [lib for (dev, inode, _, _), lib in self._failed.items() if lib is not None and (dev, inode) in mapped]
         libraries = (*(p.library for p in self._placed.values()), *unprobed)
         return TimelineSnapshot(ranks, stragglers, libraries, counts[0], lost, counts[1], self.config.window_seconds)
+
+    def history(self, seconds: float, node: str = "", ranks: Collection[str] = (), job: str | None = None) -> TimelineHistory:
+        """The steps of the last ``seconds`` of every rank (or of ``ranks``, of ``job``) and
+        the step each is in now, for the picture; times on the probes' clock, with the
+        offset that makes them Unix time."""
+        now = self.clock()
+        offset = self.wall() - now
+        since = now - seconds
+        taken = []
+        with self._lock:  # a copy of references only: the reader waits on this lock
+            for pid, r in sorted(self._ranks.items()):
+                if (ranks and r.rank not in ranks) or (job is not None and r.job_id != job):
+                    continue
+                t = r.timeline
+                taken.append((recent_pictured(t, since), t.in_progress(), t.steps_total, t.last_event, r.job_id, r.rank, pid))
+        return TimelineHistory(node, now, offset, tuple(
+            history_of(pictured, now_in, total, last, job_id, rank, pid, node, now)
+            for pictured, now_in, total, last, job_id, rank, pid in taken))
 
     def _match(self, now: float) -> None:
         """Match the collectives of each job's newly completed steps across its ranks."""
