@@ -261,6 +261,35 @@ def diagnose_and_capture(base: str, config: Path, report: dict[str, str]) -> Non
     subprocess.run([*PROFAGENT, "incidents", "list", "--url", base], timeout=60, check=False, env=child_env())
 
 
+def picture_of_steps(base: str, work: Path, report: dict[str, str]) -> None:
+    """Every rank's recent steps as one picture (Chrome's trace event format, which Perfetto
+    opens): stages as slices, each collective call with its lag behind the first rank."""
+    picture = work / "timeline.json"
+    print(f"\ndemo: profagent timeline --url {base} --seconds 20 -o {picture}   (every rank's steps, from the probes)",
+          flush=True)
+    done = subprocess.run([*PROFAGENT, "timeline", "--url", base, "--seconds", "20", "-o", str(picture)],
+                          timeout=60, check=False, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    if done.returncode != 0 or not picture.is_file():
+        print(done.stdout.rstrip() or "demo: no picture written", flush=True)
+        report["picture of the steps"] = "not written"
+        return
+    events = json.loads(picture.read_text()).get("traceEvents", [])
+    steps: dict[str, int] = {}
+    names = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    for e in events:
+        if e.get("cat") == "step" and e.get("ph") == "X":
+            track = str(names.get((e.get("pid"), e.get("tid")), "?")).split(" (")[0]
+            steps[track] = steps.get(track, 0) + 1
+    collectives = sum(1 for e in events if e.get("cat") == "collective")
+    tracks = ", ".join(f"{track} {n} steps" for track, n in sorted(steps.items()))
+    print(f"demo: wrote {picture}: {tracks}; {collectives} collective calls with their lags. Open it at"
+          " https://ui.perfetto.dev (Open trace file) or in chrome://tracing; every incident bundle holds one too"
+          " (timeline.json). The demo's folder goes at its end unless it runs with --keep.", flush=True)
+    report["picture of the steps"] = f"{tracks} ({picture.name})"
+
+
 def _interrupt(proc: subprocess.Popen, timeout: float) -> None:
     """SIGINT (profagent's clean stop), then SIGKILL if it is still running after ``timeout`` s."""
     if proc.poll() is None:
@@ -463,6 +492,8 @@ def run(args: argparse.Namespace, agent: subprocess.Popen, work: Path, base: str
             diagnose_and_capture(base, config, report)
             remember(seen, base)
         if not out_of_time():
+            picture_of_steps(base, work, report)
+        if not out_of_time():
             diff_on_purpose(work / "traces", work / "extra-work", stop, report)
         top_cmd = [*PROFAGENT, "top", "--url", base]
         if sys.stdout.isatty() and not out_of_time():
@@ -513,7 +544,7 @@ def run(args: argparse.Namespace, agent: subprocess.Popen, work: Path, base: str
 def print_summary(report: dict[str, str], seen: dict[str, str], present: set[str], began: float) -> None:
     """What the demo showed, capability by capability, in one place at the end."""
     print(f"\ndemo: summary after {time.monotonic() - began:.0f} s:", flush=True)
-    for what in ("steps from kernel probes", "on-demand trace", "incident bundle", "diff"):
+    for what in ("steps from kernel probes", "on-demand trace", "incident bundle", "picture of the steps", "diff"):
         print(f"  {what}: {report.get(what, 'not reached')}", flush=True)
     if present:
         missing = [what for what, family in CAPABILITIES if family not in present]

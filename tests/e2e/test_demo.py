@@ -144,7 +144,11 @@ def test_demo_shows_top_and_every_capability_and_cleans_up(tmp_path) -> None:
     # The summary at the end: each capability, what the demo saw of it
     summary_at_end = out.split("demo: summary after ", 1)
     assert len(summary_at_end) == 2, out[-3000:]
-    for what in ("steps from kernel probes", "on-demand trace", "incident bundle", "diff", "capabilities on /metrics"):
+    # The picture of every rank's steps: written, both ranks' tracks with steps, how to open it
+    picture = re.search(r"^demo: wrote (\S+timeline\.json): rank 0 (\d+) steps, rank 1 (\d+) steps; (\d+) collective", out, re.M)
+    assert picture and int(picture.group(2)) > 0 and int(picture.group(3)) > 0, out[-3000:]
+    assert "ui.perfetto.dev" in out
+    for what in ("steps from kernel probes", "on-demand trace", "incident bundle", "picture of the steps", "diff", "capabilities on /metrics"):
         assert re.search(rf"^  {what}: ", summary_at_end[1], re.M), summary_at_end[1]
     assert re.search(r"^  capabilities on /metrics: (\d+) of \1$", summary_at_end[1], re.M), summary_at_end[1]
     last = snapshots[-1]
