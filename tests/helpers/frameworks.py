@@ -269,3 +269,39 @@ def hang(w: Watched) -> None:
         assert after <= LINE_WITHIN, after
         assert after < StacksConfig().stall_seconds
 
+
+
+def phase_tests(folder: str, script: str, launcher: str = "torchrun",
+                env: dict[str, str] | None = None) -> dict[str, object]:
+    """The module fixture ``watched`` and the five phase tests of one framework's file, in
+    the phases' order: a test file takes them with ``globals().update(phase_tests(...))``."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Watched]:
+        yield from watch(tmp_path_factory.mktemp(folder), script, launcher=launcher, env=env)
+
+    @pytest.mark.timeout(240)
+    def test_a_healthy_phase_gets_no_finding(watched: Watched) -> None:
+        healthy(watched)
+
+    @pytest.mark.timeout(120)
+    def test_the_step_figures_match_the_jobs_own_callbacks(watched: Watched) -> None:
+        figures_at_the_pause(watched)
+
+    @pytest.mark.timeout(120)
+    def test_a_checkpoint_pause_of_a_minute_never_becomes_a_hang(watched: Watched) -> None:
+        pause(watched)
+
+    @pytest.mark.timeout(180)
+    def test_a_straggler_is_named_within_a_minute_and_held(watched: Watched) -> None:
+        straggler(watched)
+
+    @pytest.mark.timeout(120)
+    def test_a_hang_is_warned_with_the_users_line(watched: Watched) -> None:
+        hang(watched)
+
+    return {f.__name__: f for f in (test_a_healthy_phase_gets_no_finding, test_the_step_figures_match_the_jobs_own_callbacks,
+                                     test_a_checkpoint_pause_of_a_minute_never_becomes_a_hang,
+                                     test_a_straggler_is_named_within_a_minute_and_held,
+                                     test_a_hang_is_warned_with_the_users_line)} | {"watched": watched}
