@@ -79,6 +79,7 @@ class _Rank:
     job_id: str
     rank: str
     timeline: tl.RankTimeline = field(default_factory=tl.RankTimeline)
+    window: tl.StepWindow = field(default_factory=tl.StepWindow)  # its steps of timeline.window_seconds
     lag_buckets: list[int] = field(default_factory=lambda: [0] * len(tl.LAG_BUCKETS))
     lag_sum: float = 0.0
     lag_count: int = 0
@@ -142,7 +143,7 @@ class TimelineSource:
         self._releases: deque[dict[int, str]] = deque()  # events of libraries no longer mapped
         self._ranks: dict[int, _Rank] = {}  # pid -> its running figures
         self._looked: dict[int, float] = {}  # pid -> when its maps were last read without libtorch
-        self._arrivals: dict[str, deque[tl.StepArrivals]] = {}  # job -> its matched steps of the window
+        self._arrivals: dict[str, tl.ArrivalWindow] = {}  # job -> its matched steps of the window
         self._matched_until: dict[str, float] = {}
         self._straggler_at: dict[str, tuple[float, ArrivalStraggler | None]] = {}  # job -> (when, summary)
         self._counts = [0, 0]  # events, foreign events
@@ -516,14 +517,15 @@ class TimelineSource:
         for job, timelines in jobs.items():
             if len(timelines) < 2:
                 continue
-            steps = {rank: list(t.recent) for rank, t in timelines.items()}
+            steps = tl.new_steps({rank: t.recent for rank, t in timelines.items()},
+                                 self._matched_until.get(job, float("-inf")))
             arrivals, until = tl.match_arrivals(steps, self._matched_until.get(job, float("-inf")))
             self._matched_until[job] = until
-            kept = self._arrivals.setdefault(job, deque(maxlen=STEPS_KEPT))
+            kept = self._arrivals.get(job)
+            if kept is None:
+                kept = self._arrivals[job] = tl.ArrivalWindow(STEPS_KEPT)
             kept.extend(tl.fold_steps(arrivals))
-            since = now - self.config.window_seconds
-            while kept and kept[0].start < since:
-                kept.popleft()
+            kept.expire(now - self.config.window_seconds)
             for arrival in arrivals:
                 for rank, lag in arrival.lags().items():
                     owner = owners[(job, rank)]
@@ -551,14 +553,14 @@ class TimelineSource:
             del self._straggler_at[job]
         return tuple(out)
 
-    def _job_straggler(self, job: str, arrivals: deque[tl.StepArrivals], now: float) -> ArrivalStraggler | None:
-        since = now - self.config.window_seconds
-        recent = [s for s in arrivals if s.start >= since]
+    def _job_straggler(self, job: str, arrivals: tl.ArrivalWindow, now: float) -> ArrivalStraggler | None:
+        arrivals.expire(now - self.config.window_seconds)
+        recent = arrivals.steps
         if not recent:
             return None
-        steps = [s.seconds for r in self._ranks.values() if r.job_id == job
-                 for s in tl.window(r.timeline.recent, since)]
-        summary = tl.summarize(recent, tl.quantile(steps, 0.5) if steps else 0.0)
+        # the ranks' windows: brought up to now by _rank_steps in this collect
+        steps = [seconds for r in self._ranks.values() if r.job_id == job for seconds in r.window.ordered]
+        summary = arrivals.summary(tl.quantile(steps, 0.5) if steps else 0.0)
         if not summary.step_last_counts and not summary.last_counts:
             return None
         # the rank that lagged most at the most steps (a synchronising collective a step
@@ -573,28 +575,19 @@ class TimelineSource:
                                 summary.step_max_lag.get(rank, 0.0))
 
     def _rank_steps(self, pid: int, r: _Rank, now: float) -> RankSteps:
-        t = r.timeline
-        recent = tl.window(t.recent, now - self.config.window_seconds)
-        seconds = [s.seconds for s in recent]
-        span = (recent[-1].start + recent[-1].seconds - recent[0].start) if recent else 0.0
+        t, w = r.timeline, r.window
+        w.follow(t.recent, t.steps_total)
+        w.expire(now - self.config.window_seconds)
+        count, span = len(w.steps), w.span()
         return RankSteps(
             r.job_id, r.rank, pid, t.optimizer_steps, t.steps_total, t.step_seconds_sum, tuple(t.step_buckets), dict(t.stage_seconds),
-            t.backwards_total, t.collectives_total, len(recent),
-            tl.quantile(seconds, 0.5) if seconds else None, tl.quantile(seconds, 0.9) if seconds else None,
-            max(seconds) if seconds else None, len(recent) / span if span > 0 else None,
-            sum(s.backwards for s in recent) / len(recent) if recent else None,
-            _shares(recent),
+            t.backwards_total, t.collectives_total, count, w.quantile(0.5), w.quantile(0.9),
+            w.ordered[-1] if count else None, count / span if span > 0 else None,
+            w.backwards / count if count else None, w.shares(),
             t.stage_now, now - t.last_event if t.last_event is not None else None,
             now - t.last_step if t.last_step is not None else None,
             tuple(r.lag_buckets), r.lag_sum, r.lag_count, len(t.arrivals_in_step),
             t.step_boundary, tl.boundary_note(t.step_boundary), r.lost_events)
-
-
-def _shares(steps: list[tl.Step]) -> dict[str, float]:
-    total = sum(s.seconds for s in steps)
-    if total <= 0:
-        return {}
-    return {stage: sum(s.stages.get(stage, 0.0) for s in steps) / total for stage in tl.STAGES}
 
 
 def _threads(proc_root: Path, pid: int) -> set[int] | None:
