@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 CAP_SYS_ADMIN, CAP_PERFMON, CAP_CHECKPOINT_RESTORE = 21, 38, 40
 MAPS_MAX = 4 << 20  # bytes of /proc/PID/maps read (a process with 100k mappings is cut)
 RECHECK_AFTER = 5.0  # seconds before a rank without libtorch is looked at again
+# ... and one whose every libtorch is probed, for a library it maps later: reading a torch
+# process's maps takes milliseconds, every few seconds a rank
+RECHECK_PROBED = 60.0
 SWEEP_EVERY = 60.0  # seconds between two looks for definitions a dead agent left
 # A job's matched collectives are kept folded a step each (tl.StepArrivals: a few numbers a
 # rank), for timeline.window_seconds, so the window holds whatever the collectives a step;
@@ -146,7 +149,7 @@ class TimelineSource:
         self._worker: threading.Thread | None = None
         self._releases: deque[dict[int, str]] = deque()  # events of libraries no longer mapped
         self._ranks: dict[int, _Rank] = {}  # pid -> its running figures
-        self._looked: dict[int, float] = {}  # pid -> when its maps were last read without libtorch
+        self._looked: dict[int, float] = {}  # pid -> when its maps are read again
         self._arrivals: dict[str, tl.ArrivalWindow] = {}  # job -> its matched steps of the window
         self._matched_until: dict[str, float] = {}
         self._straggler_at: dict[str, tuple[float, ArrivalStraggler | None]] = {}  # job -> (when, summary)
@@ -300,10 +303,11 @@ class TimelineSource:
     # hostile file never holds up the figures of the jobs already probed.
     def _probe_process(self, pid: int, now: float) -> None:
         """Queue the libtorch files the process maps that are not probed yet."""
-        if now - self._looked.get(pid, -RECHECK_AFTER) < RECHECK_AFTER:
+        if now < self._looked.get(pid, now):
             return
-        self._looked[pid] = now
         found = _libraries(self.proc_root, pid)
+        probed = bool(found) and all(key in self._placed for key, _, _ in found)
+        self._looked[pid] = now + (RECHECK_PROBED if probed else RECHECK_AFTER)
         self._mapped_by[pid] = frozenset(key for key, _, _ in found)
         try:
             uid = os.stat(f"{self.proc_root}/{pid}").st_uid
