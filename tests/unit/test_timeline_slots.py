@@ -127,12 +127,13 @@ def test_slots_are_per_user_freed_when_unmapped_and_junk_costs_none(tmp_path: Pa
 
 def test_a_rank_whose_every_libtorch_is_probed_has_its_maps_read_once_a_minute(tmp_path: Path, kernel: dict,
                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """Reading a torch process's maps takes milliseconds: a rank fully probed is looked at
-    again each RECHECK_PROBED seconds (for a library it maps later), one with a file not
-    probed (here: past its user's slots) each RECHECK_AFTER."""
+    """Reading a torch process's maps takes milliseconds: a rank whose every libtorch is
+    probed or gave none (libtorch.so's shim) is looked at again each RECHECK_PROBED seconds
+    (for a library it maps later), one with a file waiting (past its user's slots) each
+    RECHECK_AFTER."""
     proc = tmp_path / "proc"
     _process(proc, 100, NOBODY, [probeable(i) for i in range(3)])  # one more than its slots
-    _process(proc, 200, 0, [probeable(99)])
+    _process(proc, 200, 0, [probeable(99), junk(7)])  # junk: as libtorch.so's shim, no probe
     looks: list[int] = []
     libraries = timeline._libraries
     monkeypatch.setattr(timeline, "_libraries", lambda root, pid: looks.append(pid) or libraries(root, pid))

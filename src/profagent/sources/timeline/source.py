@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 CAP_SYS_ADMIN, CAP_PERFMON, CAP_CHECKPOINT_RESTORE = 21, 38, 40
 MAPS_MAX = 4 << 20  # bytes of /proc/PID/maps read (a process with 100k mappings is cut)
 RECHECK_AFTER = 5.0  # seconds before a rank without libtorch is looked at again
-# ... and one whose every libtorch is probed, for a library it maps later: reading a torch
-# process's maps takes milliseconds, every few seconds a rank
+# ... and one whose every libtorch is probed (or gave no probe: libtorch.so's shim), for a
+# library it maps later: reading a torch process's maps takes milliseconds, every rank
 RECHECK_PROBED = 60.0
 SWEEP_EVERY = 60.0  # seconds between two looks for definitions a dead agent left
 # A job's matched collectives are kept folded a step each (tl.StepArrivals: a few numbers a
@@ -306,7 +306,8 @@ class TimelineSource:
         if now < self._looked.get(pid, now):
             return
         found = _libraries(self.proc_root, pid)
-        probed = bool(found) and all(key in self._placed for key, _, _ in found)
+        gave_none = {(dev, inode) for dev, inode, _, _ in self._failed} if found else set()
+        probed = bool(found) and all(key in self._placed or key in gave_none for key, _, _ in found)
         self._looked[pid] = now + (RECHECK_PROBED if probed else RECHECK_AFTER)
         self._mapped_by[pid] = frozenset(key for key, _, _ in found)
         try:
