@@ -1,11 +1,12 @@
 """The whole agent's CPU with the step timeline's probes on and off, on a real torchrun job.
 
     python bench/timeline_agent.py [--ranks 2 4 8] [--step-sleep 0.1] [--seconds 60]
-                                   [--warmup 30] [--profile FILE]
+                                   [--warmup 30] [--profile FILE] [--baseline-src DIR]
 
 For each rank count it starts one real torchrun job (tests/workloads/plain_ddp.py: plain
 DDP over gloo on the CPU, each rank sleeping ``--step-sleep`` seconds a step as if on its
-device, so about 10 steps a second a rank by default) and two real agents on it at once,
+device, so about 10 steps a second a rank by default where the ranks' compute finds a CPU;
+the steps/s column says what the job did) and two real agents on it at once,
 both at default settings (stacks included): one with the timeline, one with --no-timeline.
 Side by side, both see the same job on the same (shared, loaded) machine at the same time.
 Over ``--seconds`` after ``--warmup`` it prints each agent's CPU from /proc (user + system,
@@ -63,6 +64,10 @@ def family(text: str, name: str) -> dict[str, float]:
 def timeline_cpu(text: str) -> float:
     return next((v for k, v in family(text, "profagent_collector_cpu_seconds_total").items()
                  if 'collector="timeline"' in k), 0.0)
+
+
+def steps(text: str) -> float:
+    return sum(family(text, "profagent_optimizer_steps_total").values())
 
 
 def probe_hits(text: str) -> float:
@@ -170,7 +175,7 @@ def run(ranks: int, step_sleep: float, seconds: float, warmup: float, tmp: Path,
     span = t1 - t0
     return ((c1["on"] - c0["on"]) / span, (c1["off"] - c0["off"]) / span,
             (timeline_cpu(m1["on"]) - timeline_cpu(m0["on"])) / span,
-            (probe_hits(m1["on"]) - probe_hits(m0["on"])) / span,
+            (probe_hits(m1["on"]) - probe_hits(m0["on"])) / span, (steps(m1["on"]) - steps(m0["on"])) / span / ranks,
             ((c1["base"] - c0["base"]) / span, (timeline_cpu(m1["base"]) - timeline_cpu(m0["base"])) / span)
             if baseline else None)
 
@@ -189,20 +194,20 @@ def main() -> int:
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="profagent-tlcost-"))
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; logs in {tmp}")
-    print(f"{'ranks':>5} {'hits/s':>7} {'agent on':>9} {'agent off':>9} {'on/off':>6} {'timeline':>9} "
+    print(f"{'ranks':>5} {'steps/s/rank':>12} {'hits/s':>7} {'agent on':>9} {'agent off':>9} {'on/off':>6} {'timeline':>9} "
           f"{'us/hit':>7}  goals (agent <= 2%, timeline <= 0.3%)")
     missed = False
     for ranks in args.ranks:
-        on, off, own, hits, base = run(ranks, args.step_sleep, args.seconds, args.warmup, tmp,
+        on, off, own, hits, pace, base = run(ranks, args.step_sleep, args.seconds, args.warmup, tmp,
                                        args.profile.replace(".", f"-{ranks}.", 1) if args.profile else "",
                                        args.baseline_src)
         misses = [f"{name} > {goal:.1%}" for name, value, goal in
                   (("agent", on, GOAL_AGENT), ("timeline", own, GOAL_TIMELINE)) if value > goal]
         missed = missed or bool(misses and ranks == 8)
-        print(f"{ranks:>5} {hits:>7.0f} {on:>9.2%} {off:>9.2%} {on / off if off else float('nan'):>6.2f} "
+        print(f"{ranks:>5} {pace:>12.1f} {hits:>7.0f} {on:>9.2%} {off:>9.2%} {on / off if off else float('nan'):>6.2f} "
               f"{own:>9.2%} {own / hits * 1e6 if hits else float('nan'):>7.1f}  {'; '.join(misses) or 'met'}")
         if base is not None:
-            print(f"{'':>5} {'':>7} {base[0]:>9.2%} {'':>9} {'':>6} {base[1]:>9.2%} "
+            print(f"{'':>5} {'':>12} {'':>7} {base[0]:>9.2%} {'':>9} {'':>6} {base[1]:>9.2%} "
                   f"{base[1] / hits * 1e6 if hits else float('nan'):>7.1f}  (--baseline-src)")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 1 if missed else 0
