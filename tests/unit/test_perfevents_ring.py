@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import mmap
+import os
 import struct
+import threading
+import time
 
 import pytest
 
@@ -43,7 +46,8 @@ def test_samples_across_the_wrap_and_lost_records_are_read_and_the_tail_handed_b
     """Samples of one size are read as an array; a lost record among them (24 bytes) makes
     the ring be read one record at a time. Both ways give the same samples."""
     name = b"Optimizer.step#SGD.step"[:16]
-    records = [sample(1_000 + i, 40 + i % 2, 50, 7 + i % 3, struct.pack("<Q", 0xABC) + name) for i in range(40)]
+    records = [sample(1_000 + i, 40 + i % 2, 50, 7 + i % 3, struct.pack("<Q", 0xABC) + name) for i in range(100)]
+    assert len(b"".join(records)) >= perfevents.ARRAY_BYTES  # enough to be read as an array
     if missed:
         records.insert(20, lost(missed))
     start = PAGES * PAGE - 3 * len(records[0]) - 4  # a record straddles the end of the data pages
@@ -52,7 +56,7 @@ def test_samples_across_the_wrap_and_lost_records_are_read_and_the_tail_handed_b
     count = [0]
     ring.drain(count, out)
     assert [(t, pid, tid, event) for t, pid, tid, event, _ in out] == [
-        (1_000 + i, 40 + i % 2, 50, 7 + i % 3) for i in range(40)]
+        (1_000 + i, 40 + i % 2, 50, 7 + i % 3) for i in range(100)]
     assert all(raw[16:32] == name for *_, raw in out)
     assert count == [missed]
     assert struct.unpack_from("<Q", ring.map, 1032)[0] == head  # the kernel may write there again
@@ -92,3 +96,40 @@ def test_a_shed_pids_samples_are_counted_and_left_out_either_way() -> None:
     assert one_array == walked
     assert {pid for _, pid, *_ in walked} == {3} and len(walked) == 200
     assert array_counts == walk_counts == {3: 200, 9: 100}
+
+
+def test_a_ring_holding_a_few_samples_is_read_one_record_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below ARRAY_BYTES numpy's fixed cost is more than the records': not called there."""
+    records = [sample(10 + i, 5, 6, 8, struct.pack("<Q", i)) for i in range(4)]
+    ring, head = ring_with(records, 0)
+    monkeypatch.setattr(perfevents, "_uniform", lambda *a: pytest.fail("read as an array"))
+    out: list[perfevents.Sample] = []
+    ring.drain([0], out)
+    assert [(t, pid, tid, event) for t, pid, tid, event, _ in out] == [(10 + i, 5, 6, 8) for i in range(4)]
+    assert struct.unpack_from("<Q", ring.map, 1032)[0] == head
+
+
+def test_a_wait_for_events_ends_when_woken() -> None:
+    """The reader waits a second between wake-ups; a stop must not wait that long."""
+    reader = perfevents.TracepointReader(pages=1, cpus=[0])
+    quiet, writer = os.pipe()  # a ring fd on which nothing arrives
+    ring = perfevents._Ring.__new__(perfevents._Ring)
+    ring.fd = quiet
+    reader.rings[0] = ring
+    try:
+        began = time.monotonic()
+        reader.wait(0.05)
+        assert time.monotonic() - began >= 0.04  # it did wait: nothing arrived
+        threading.Timer(0.1, reader.wake).start()
+        began = time.monotonic()
+        reader.wait(30.0)
+        assert time.monotonic() - began < 10.0
+        began = time.monotonic()
+        reader.wait(0.05)  # the wake-up was taken: the next wait waits again
+        assert time.monotonic() - began >= 0.04
+    finally:
+        reader.rings.clear()
+        os.close(quiet)
+        os.close(writer)
+        reader.close()
+

@@ -14,7 +14,12 @@ from helpers.fake_libtorch import junk, probeable
 from profagent.config import TimelineConfig
 from profagent.contracts import ProcessInfo, ProcessTree
 from profagent.sources.timeline import source as timeline
-from profagent.sources.timeline.source import RECHECK_AFTER, UNMAPPED_GRACE, TimelineSource
+from profagent.sources.timeline.source import (
+    RECHECK_AFTER,
+    RECHECK_PROBED,
+    UNMAPPED_GRACE,
+    TimelineSource,
+)
 
 NOBODY = 65534
 
@@ -40,6 +45,9 @@ class Reader:
 
     def remove(self, tp: int) -> None:
         self.fds.pop(tp, None)
+
+    def drain(self, drop: frozenset[int] = frozenset()) -> list[tuple[int, int, int, int, bytes]]:
+        return []  # no probe hits: these tests are about slots
 
 
 @pytest.fixture
@@ -124,3 +132,32 @@ def test_slots_are_per_user_freed_when_unmapped_and_junk_costs_none(tmp_path: Pa
     assert [p.uid for p in source._placed.values()] == [0]
     assert len(kernel["names"]) == 2 and len(source._reader.fds) == 2
     assert [lib.path for lib in source.collect(only_root).libraries] == ["/venv200-0/lib/libtorch_cpu.so"]
+
+
+def test_a_rank_whose_every_libtorch_is_probed_has_its_maps_read_once_a_minute(tmp_path: Path, kernel: dict,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a torch process's maps takes milliseconds: a rank whose every libtorch is
+    probed or gave none (libtorch.so's shim) is looked at again each RECHECK_PROBED seconds
+    (for a library it maps later), one with a file waiting (past its user's slots) each
+    RECHECK_AFTER."""
+    proc = tmp_path / "proc"
+    _process(proc, 100, NOBODY, [probeable(i) for i in range(3)])  # one more than its slots
+    _process(proc, 200, 0, [probeable(99), junk(7)])  # junk: as libtorch.so's shim, no probe
+    looks: list[int] = []
+    libraries = timeline._libraries
+    monkeypatch.setattr(timeline, "_libraries", lambda root, pid: looks.append(pid) or libraries(root, pid))
+    clock = Clock()
+    source = TimelineSource(TimelineConfig(max_libraries=2), interval=0.5, proc_root=proc, clock=clock)
+    source._tracefs, source._group, source._reader = tmp_path, "profagent_test", Reader()  # type: ignore[assignment]
+    both = _tree(100, 200)
+    _tick(source, clock, both)
+    _tick(source, clock, both)  # root's library placed at the first tick's second collect: seen so here
+    assert sorted(p.uid for p in source._placed.values()) == [0, NOBODY, NOBODY]
+    looks.clear()
+    ticks = int(RECHECK_PROBED // RECHECK_AFTER) - 1
+    for _ in range(ticks):
+        _tick(source, clock, both)
+    assert looks.count(100) == ticks and looks.count(200) == 0
+    _tick(source, clock, both)
+    assert looks.count(200) == 1
+

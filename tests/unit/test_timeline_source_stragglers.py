@@ -9,7 +9,6 @@ flooding process's events shed."""
 from __future__ import annotations
 
 import random
-from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
@@ -39,7 +38,8 @@ def arrivals(last: str, steps: range) -> list[tl.Arrival]:
 def test_a_jobs_straggler_is_summarised_at_most_every_few_seconds_then_forgotten_with_the_job() -> None:
     clock = Clock()
     source = TimelineSource(TimelineConfig(window_seconds=60.0), interval=0.5, clock=clock)
-    source._arrivals["job"] = deque(tl.fold_steps(arrivals("1", range(950, 1000))))
+    source._arrivals["job"] = tl.ArrivalWindow(STEPS_KEPT)
+    source._arrivals["job"].extend(tl.fold_steps(arrivals("1", range(950, 1000))))
     [first] = source._stragglers(clock())
     assert (first.job_id, first.rank, first.last_share, first.step_last_share, first.collectives, first.steps) \
         == ("job", "1", 1.0, 1.0, 50, 50)
@@ -140,7 +140,7 @@ class Pipeline:
         for r in self.source._ranks.values():
             t, steps = r.timeline, self.job.steps[r.rank]
             t.recent.extend(steps[t.optimizer_steps:])
-            t.optimizer_steps = len(steps)
+            t.optimizer_steps = t.steps_total = len(steps)  # as RankTimeline counts what it appends
             t.last_event = t.last_step = self.job.t
         now = self.clock()
         self.source._match(now)
@@ -251,10 +251,10 @@ def test_the_window_is_kept_in_steps_whatever_the_collectives_a_step() -> None:
     job = Job(buckets=200, slow="1", extra=0.01, seed=7)
     pipeline = Pipeline(job)
     pipeline.run(70.0)
-    kept = pipeline.source._arrivals["job"]
+    kept = pipeline.source._arrivals["job"].steps
     assert kept[0].start >= pipeline.clock() - 60.0 and kept[-1].start > pipeline.clock() - 1.0
     assert sum(s.collectives for s in kept) == 200 * len(kept) > 100_000
-    assert kept.maxlen == STEPS_KEPT
+    assert pipeline.source._arrivals["job"].cap == STEPS_KEPT
 
 
 def test_a_flooding_process_is_shed_for_a_while_and_its_rank_says_so() -> None:

@@ -13,9 +13,10 @@ and its arrival lag on a rank is how long after the first rank that rank called 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -362,7 +363,11 @@ class RankTimeline:
 
 def quantile(values: Sequence[float], q: float) -> float:
     """The q-quantile by linear interpolation between closest ranks (numpy's default)."""
-    ordered = sorted(values)
+    return quantile_sorted(sorted(values), q)
+
+
+def quantile_sorted(ordered: Sequence[float], q: float) -> float:
+    """``quantile`` of values already in ascending order."""
     if not ordered:
         return math.nan
     pos = q * (len(ordered) - 1)
@@ -374,6 +379,100 @@ def quantile(values: Sequence[float], q: float) -> float:
 def window(steps: Iterable[Step], since: float) -> list[Step]:
     """The steps that ended at or after ``since`` (monotonic seconds)."""
     return [s for s in steps if s.start + s.seconds >= since]
+
+
+class StepWindow:
+    """A rank's steps of a sliding window with their figures kept as steps come and go:
+    what ``window(recent, since)`` and sums over it give, at a cost per step rather than
+    per read (a collect read 2048 steps of every rank each second). Steps end in order,
+    so the oldest leave first; at most ``cap`` are kept, as the rank's ``recent`` does."""
+
+    def __init__(self, cap: int = RECENT_STEPS) -> None:
+        self.cap = cap
+        self.steps: deque[Step] = deque()
+        self.ordered: list[float] = []  # the steps' seconds, ascending
+        self.seconds = 0.0
+        self.stages = dict.fromkeys(STAGES, 0.0)
+        self.backwards = 0
+        self._source: deque[Step] | None = None
+        self._seen = 0
+
+    def follow(self, recent: deque[Step], total: int) -> None:
+        """Take in the steps appended to ``recent`` since the last call (``total``: the
+        steps ever appended to it). A new ``recent`` (a rank's figures begun again) starts over."""
+        if recent is not self._source or total < self._seen:
+            self.__init__(self.cap)  # type: ignore[misc]
+            self._source = recent
+        new = min(total - self._seen, len(recent))
+        self._seen = total
+        if new > 0:
+            for step in reversed(list(itertools.islice(reversed(recent), new))):
+                self.add(step)
+
+    def add(self, step: Step) -> None:
+        self.steps.append(step)
+        bisect.insort(self.ordered, step.seconds)
+        self.seconds += step.seconds
+        for stage, value in step.stages.items():
+            self.stages[stage] = self.stages.get(stage, 0.0) + value
+        self.backwards += step.backwards
+        if len(self.steps) > self.cap:
+            self._drop()
+
+    def expire(self, since: float) -> None:
+        """Let go of the steps that ended before ``since``."""
+        steps = self.steps
+        while steps and steps[0].start + steps[0].seconds < since:
+            self._drop()
+
+    def _drop(self) -> None:
+        step = self.steps.popleft()
+        del self.ordered[bisect.bisect_left(self.ordered, step.seconds)]
+        if not self.steps:  # no rounding left over from sums taken apart
+            self.seconds, self.backwards = 0.0, 0
+            self.stages = dict.fromkeys(STAGES, 0.0)
+            return
+        self.seconds -= step.seconds
+        for stage, value in step.stages.items():
+            self.stages[stage] -= value
+        self.backwards -= step.backwards
+
+    def quantile(self, q: float) -> float | None:
+        return quantile_sorted(self.ordered, q) if self.ordered else None
+
+    def span(self) -> float:
+        """Seconds from the first step's start to the last one's end."""
+        steps = self.steps
+        return steps[-1].start + steps[-1].seconds - steps[0].start if steps else 0.0
+
+    def shares(self) -> dict[str, float]:
+        """Each stage's share of the window's step time ({} when it holds none)."""
+        if self.seconds <= 0:
+            return {}
+        return {stage: max(0.0, self.stages.get(stage, 0.0)) / self.seconds for stage in STAGES}
+
+
+def new_steps(ranks: Mapping[str, deque[Step]], after: float) -> dict[str, list[Step]]:
+    """What ``match_arrivals(ranks, after)`` reads of each rank's steps: the reference
+    rank's steps that began after ``after``, and the others' that could match one of them
+    (those beginning within half the longest of them before), read from the newest back,
+    so that each collect reads the steps since the last rather than the whole of ``recent``."""
+    if len(ranks) < 2:
+        return {rank: [] for rank in ranks}
+    reference = min(ranks, key=_rank_order)
+    fresh = _since(ranks[reference], lambda s: s.start > after)
+    if not fresh:
+        return {rank: [] for rank in ranks}
+    reach = max(s.seconds for s in fresh) / 2
+    out = {rank: _since(steps, lambda s: s.start >= after - reach) for rank, steps in ranks.items() if rank != reference}
+    out[reference] = fresh
+    return out
+
+
+def _since(steps: deque[Step], keep: Callable[[Step], bool]) -> list[Step]:
+    out = list(itertools.takewhile(keep, reversed(steps)))
+    out.reverse()
+    return out
 
 
 @dataclass(frozen=True)
@@ -536,3 +635,67 @@ def summarize(steps: Sequence[StepArrivals], step_seconds: float, tie: float = 5
     return LastArrivals(sum(s.collectives for s in steps), counts, {r: quantile(v, 0.5) for r, v in medians.items()},
                         step_seconds, {r: quantile(v, 0.5) for r, v in step_lag.items()}, len(steps), step_last,
                         {r: quantile(v, 0.5) for r, v in largest.items()})
+
+
+class ArrivalWindow:
+    """A job's folded steps of a sliding window with what ``summarize`` reads of them kept
+    as steps come and go: ``summary()`` equals ``summarize(list(steps))`` at a cost per step
+    rather than per summary (the window holds thousands of steps at 100 steps a second).
+    Steps come in order of start, and the oldest leave first; at most ``cap`` are kept."""
+
+    def __init__(self, cap: int, tie: float = 50e-6) -> None:
+        self.cap = cap
+        self.tie = tie
+        self.steps: deque[StepArrivals] = deque()
+        self.collectives = 0
+        self.last_counts: dict[str, int] = {}
+        self.step_last: dict[str, int] = {}
+        # rank -> ascending values of the steps: lags added up, median lag, largest lag
+        self.lags: tuple[dict[str, list[float]], ...] = ({}, {}, {})
+
+    def add(self, step: StepArrivals) -> None:
+        self.steps.append(step)
+        self._count(step, 1)
+        if len(self.steps) > self.cap:
+            self._count(self.steps.popleft(), -1)
+
+    def extend(self, steps: Iterable[StepArrivals]) -> None:
+        for step in steps:
+            self.add(step)
+
+    def expire(self, since: float) -> None:
+        """Let go of the steps that began before ``since``."""
+        steps = self.steps
+        while steps and steps[0].start < since:
+            self._count(steps.popleft(), -1)
+
+    def _count(self, s: StepArrivals, sign: int) -> None:
+        self.collectives += sign * s.collectives
+        for rank, n in s.last_counts.items():
+            _tally(self.last_counts, rank, sign * n)
+        ordered = sorted(s.lag.items(), key=lambda kv: kv[1])
+        if len(ordered) >= 2 and ordered[-1][1] - ordered[-2][1] > self.tie:
+            _tally(self.step_last, ordered[-1][0], sign)
+        for values, per_rank in zip(self.lags, (s.lag, s.median_lag, s.max_lag), strict=True):
+            for rank, lag in per_rank.items():
+                kept = values.setdefault(rank, [])
+                if sign > 0:
+                    bisect.insort(kept, lag)
+                else:
+                    del kept[bisect.bisect_left(kept, lag)]
+                    if not kept:
+                        del values[rank]
+
+    def summary(self, step_seconds: float) -> LastArrivals:
+        step_lag, medians, largest = ({r: quantile_sorted(v, 0.5) for r, v in values.items()} for values in self.lags)
+        return LastArrivals(self.collectives, dict(self.last_counts), medians, step_seconds, step_lag,
+                            len(self.steps), dict(self.step_last), largest)
+
+
+def _tally(counts: dict[str, int], key: str, by: int) -> None:
+    value = counts.get(key, 0) + by
+    if value:
+        counts[key] = value
+    else:
+        counts.pop(key, None)
+

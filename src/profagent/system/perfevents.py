@@ -54,6 +54,9 @@ _PAD = bytes(_SAMPLE.size)  # after the last record, so that a short one unpacks
 _HEADER = struct.Struct("<IHH")  # perf_event_header: type, misc, size
 _dtypes: dict[int, numpy.dtype] = {}  # sample size -> the array type of a ring of such samples
 LOSSES_KEPT = 4096  # losses waiting for the caller to attribute them (it takes them every read)
+# A ring holding less than this is read a record at a time: numpy's fixed cost is more
+# than the records' below about fifty samples.
+ARRAY_BYTES = 4096
 _META = struct.Struct("<QQ")  # data_head, data_tail at offset 1024 of the first page
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -118,7 +121,7 @@ class _Ring:
             return
         end = min(head - tail, self.size)
         chunk = _wrapped(self.map, self.page, self.size, tail % self.size, end) + _PAD
-        if not _uniform(chunk, end, out, counts, drop):
+        if end < ARRAY_BYTES or not _uniform(chunk, end, out, counts, drop):
             _walk(chunk, end, lost, out, counts, drop)
         struct.pack_into("<Q", self.map, 1032, head)  # data_tail: the kernel may reuse it all
 
@@ -187,8 +190,9 @@ class TracepointReader:
     """Tracepoint events opened on every online CPU, read from one ring per CPU.
 
     ``add`` and ``remove`` may be called at any time (a library to probe, one no longer
-    mapped); ``read`` drains what arrived within ``timeout`` seconds. Closing a uprobe's
-    last fd disarms it, which the kernel makes slow (``remove``, ``close``).
+    mapped); ``wait`` returns once a ring is a quarter full, ``wake`` is called or the
+    timeout passes, ``drain`` takes what arrived (``read``: both). Closing a uprobe's last
+    fd disarms it, which the kernel makes slow (``remove``, ``close``).
     """
 
     def __init__(self, pages: int = 64, cpus: list[int] | None = None) -> None:
@@ -201,6 +205,8 @@ class TracepointReader:
         # says neither whose events it dropped nor when, so who ran there is the best clue
         self.losses: list[tuple[int, frozenset[int]]] = []
         self.counts: dict[int, int] = {}  # pid -> samples read, until the caller resets it
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poller: tuple[tuple[int, ...], select.poll] | None = None
 
     def add(self, tracepoint_id: int) -> None:
         """Open ``tracepoint_id`` on every CPU. Raises OSError; on failure nothing of it stays open."""
@@ -233,26 +239,46 @@ class TracepointReader:
             os.close(fd)
 
     def read(self, timeout: float, lock: threading.Lock | None = None, drop: frozenset[int] = frozenset()) -> list[Sample]:
-        """Every sample that arrived, waiting up to ``timeout`` seconds for the first,
-        but those of ``drop``'s pids (counted in ``counts`` all the same). ``lock`` (held
-        by whoever calls ``add``) is held while the rings are read, not while waiting."""
+        """Every sample that arrived, waiting up to ``timeout`` seconds for a ring to be a
+        quarter full, but those of ``drop``'s pids (counted in ``counts`` all the same).
+        ``lock`` (held by whoever calls ``add``) is held while the rings are read, not while
+        waiting."""
         guard = lock if lock is not None else contextlib.nullcontext()
+        self.wait(timeout, lock)
         with guard:
-            fds = [ring.fd for ring in self.rings.values()]
+            return self.drain(drop)
+
+    def wait(self, timeout: float, lock: threading.Lock | None = None) -> None:
+        """Wait up to ``timeout`` seconds for a ring to be a quarter full, or ``wake``."""
+        with lock if lock is not None else contextlib.nullcontext():
+            fds = tuple(ring.fd for ring in self.rings.values())
         if not fds:
-            return []
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        poller.poll(max(0, int(timeout * 1000)))
+            return
+        if self._poller is None or self._poller[0] != fds:  # the same rings from the first event on
+            poller = select.poll()
+            for fd in (*fds, self._wake_r):
+                poller.register(fd, select.POLLIN)
+            self._poller = (fds, poller)
+        if any(fd == self._wake_r for fd, _ in self._poller[1].poll(max(0, int(timeout * 1000)))):
+            with contextlib.suppress(OSError):
+                os.read(self._wake_r, 4096)
+
+    def wake(self) -> None:
+        """End a ``wait`` now (stopping)."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def drain(self, drop: frozenset[int] = frozenset()) -> list[Sample]:
+        """Every sample in the rings, oldest first, but those of ``drop``'s pids (counted in
+        ``counts`` all the same); the caller holds ``add``'s lock."""
         out: list[Sample] = []
-        with guard:
+        if self.rings:
             for ring in list(self.rings.values()):
                 lost, start = self.lost[0], len(out)
                 ring.drain(self.lost, out, self.counts, drop)
                 if self.lost[0] > lost and len(self.losses) < LOSSES_KEPT:
                     self.losses.append((self.lost[0] - lost, frozenset(sample[1] for sample in out[start:])))
-        out.sort(key=_TIME)  # rings are per CPU, and a thread may move between them
+            out.sort(key=_TIME)  # rings are per CPU, and a thread may move between them
         return out
 
     def close(self, each: Callable[[int], None] | None = None) -> None:
@@ -266,6 +292,10 @@ class TracepointReader:
             ring.close()
             os.close(ring.fd)
         self.rings = {}
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
         if each is not None:
             for tracepoint_id in fds:
                 each(tracepoint_id)

@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 CAP_SYS_ADMIN, CAP_PERFMON, CAP_CHECKPOINT_RESTORE = 21, 38, 40
 MAPS_MAX = 4 << 20  # bytes of /proc/PID/maps read (a process with 100k mappings is cut)
 RECHECK_AFTER = 5.0  # seconds before a rank without libtorch is looked at again
+# ... and one whose every libtorch is probed (or gave no probe: libtorch.so's shim), for a
+# library it maps later: reading a torch process's maps takes milliseconds, every rank
+RECHECK_PROBED = 60.0
 SWEEP_EVERY = 60.0  # seconds between two looks for definitions a dead agent left
 # A job's matched collectives are kept folded a step each (tl.StepArrivals: a few numbers a
 # rank), for timeline.window_seconds, so the window holds whatever the collectives a step;
@@ -56,6 +59,10 @@ PARSE_SECONDS = 20.0  # for one library's symbols (libtorch_cpu.so: 0.4 s), then
 FAILED_KEPT = 1024  # files that gave no probe, remembered so as not to read them again
 QUEUED_PER_USER = 16  # files of one user waiting to be read
 UNMAPPED_GRACE = 10.0  # seconds a placed library is mapped by no observed process before its probes go
+# The reader wakes when a ring is a quarter full, else after this long; each collect reads
+# the rings first, so the figures are as fresh as the collect: a 10 Hz wake-up over every
+# CPU's ring cost more than the few hundred events a second it read.
+READ_EVERY = 1.0
 RELEASE_SECONDS = 6.0  # a clean stop's time for removing our probes: under systemd's TimeoutStopSec=10
 
 # A process over timeline.flood_events a second is shed for SHED_SECONDS at a time: the
@@ -90,6 +97,7 @@ class _Rank:
     job_id: str
     rank: str
     timeline: tl.RankTimeline = field(default_factory=tl.RankTimeline)
+    window: tl.StepWindow = field(default_factory=tl.StepWindow)  # its steps of timeline.window_seconds
     lag_buckets: list[int] = field(default_factory=lambda: [0] * len(tl.LAG_BUCKETS))
     lag_sum: float = 0.0
     lag_count: int = 0
@@ -155,8 +163,8 @@ class TimelineSource:
         self._worker: threading.Thread | None = None
         self._releases: deque[dict[int, str]] = deque()  # events of libraries no longer mapped
         self._ranks: dict[int, _Rank] = {}  # pid -> its running figures
-        self._looked: dict[int, float] = {}  # pid -> when its maps were last read without libtorch
-        self._arrivals: dict[str, deque[tl.StepArrivals]] = {}  # job -> its matched steps of the window
+        self._looked: dict[int, float] = {}  # pid -> when its maps are read again
+        self._arrivals: dict[str, tl.ArrivalWindow] = {}  # job -> its matched steps of the window
         self._matched_until: dict[str, float] = {}
         self._straggler_at: dict[str, tuple[float, ArrivalStraggler | None]] = {}  # job -> (when, summary)
         self._counts = [0, 0]  # events, foreign events
@@ -207,6 +215,8 @@ class TimelineSource:
         self._work.set()
         with self._lock:
             reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.wake()
         tracefs, group, reading = self._tracefs, self._group, self._thread
         if reader is None or tracefs is None:
             return
@@ -252,17 +262,26 @@ class TimelineSource:
             assert reader is not None
             try:
                 with CPU.charge(self.name):  # the wait in poll costs no CPU
-                    samples = reader.read(0.1, lock=self._lock, drop=frozenset(self._shed))
-                    self._judge_floods(reader)
+                    reader.wait(READ_EVERY, lock=self._lock)
+                    if not self._stop.is_set():
+                        self._drain()
+                        self._judge_floods(reader)
             except (OSError, ValueError) as exc:  # a ring closed under us at stop
                 if not self._stop.is_set():
                     log.warning("timeline: reading probe events failed: %s", exc)
                 self._stop.wait(0.1)
-                continue
+
+    def _drain(self) -> None:
+        """Fold what the rings hold: by the reader, and by each collect before its figures.
+        Read and folded under one hold of the lock, so events are fed in order."""
+        with self._lock:
+            reader = self._reader
+            if reader is None:
+                return
+            samples = reader.drain(frozenset(self._shed))
             if samples or reader.losses:
-                with CPU.charge(self.name), self._lock:
-                    self._fold(samples)
-                    self._attribute_losses(reader)
+                self._fold(samples)
+                self._attribute_losses(reader)
 
     def _judge_floods(self, reader: perfevents.TracepointReader) -> None:
         """Every JUDGE_EVERY seconds: shed the events of each process that sent over
@@ -335,12 +354,15 @@ class TimelineSource:
     # hostile file never holds up the figures of the jobs already probed.
     def _probe_process(self, pid: int, now: float) -> None:
         """Queue the libtorch files the process maps that are not probed yet."""
-        if now - self._looked.get(pid, -RECHECK_AFTER) < RECHECK_AFTER:
+        if now < self._looked.get(pid, now):
             return
-        self._looked[pid] = now
         found = _libraries(self.proc_root, pid)
         if found is None:  # gone, or unreadable for now: what it mapped stands
+            self._looked[pid] = now + RECHECK_AFTER
             return
+        gave_none = {(dev, inode) for dev, inode, _, _ in self._failed} if found else set()
+        probed = bool(found) and all(key in self._placed or key in gave_none for key, _, _ in found)
+        self._looked[pid] = now + (RECHECK_PROBED if probed else RECHECK_AFTER)
         self._mapped_by[pid] = frozenset(key for key, _, _ in found)
         try:
             uid = os.stat(f"{self.proc_root}/{pid}").st_uid
@@ -533,6 +555,10 @@ class TimelineSource:
             self._swept = now
             uprobes.remove_stale(self._tracefs, keep=self._group)
         mains = {p.pid: p for p in tree.mains()}
+        try:
+            self._drain()  # the events since the reader's last wake-up: the figures are of now
+        except (OSError, ValueError) as exc:
+            log.warning("timeline: reading probe events failed: %s", exc)
         self._place_read()
         for pid, info in mains.items():
             job = info.job_id or tree.job_id
@@ -601,14 +627,15 @@ class TimelineSource:
         for job, timelines in jobs.items():
             if len(timelines) < 2:
                 continue
-            steps = {rank: list(t.recent) for rank, t in timelines.items()}
+            steps = tl.new_steps({rank: t.recent for rank, t in timelines.items()},
+                                 self._matched_until.get(job, float("-inf")))
             arrivals, until = tl.match_arrivals(steps, self._matched_until.get(job, float("-inf")))
             self._matched_until[job] = until
-            kept = self._arrivals.setdefault(job, deque(maxlen=STEPS_KEPT))
+            kept = self._arrivals.get(job)
+            if kept is None:
+                kept = self._arrivals[job] = tl.ArrivalWindow(STEPS_KEPT)
             kept.extend(tl.fold_steps(arrivals))
-            since = now - self.config.window_seconds
-            while kept and kept[0].start < since:
-                kept.popleft()
+            kept.expire(now - self.config.window_seconds)
             for arrival in arrivals:
                 for rank, lag in arrival.lags().items():
                     owner = owners[(job, rank)]
@@ -636,14 +663,14 @@ class TimelineSource:
             del self._straggler_at[job]
         return tuple(out)
 
-    def _job_straggler(self, job: str, arrivals: deque[tl.StepArrivals], now: float) -> ArrivalStraggler | None:
-        since = now - self.config.window_seconds
-        recent = [s for s in arrivals if s.start >= since]
+    def _job_straggler(self, job: str, arrivals: tl.ArrivalWindow, now: float) -> ArrivalStraggler | None:
+        arrivals.expire(now - self.config.window_seconds)
+        recent = arrivals.steps
         if not recent:
             return None
-        steps = [s.seconds for r in self._ranks.values() if r.job_id == job
-                 for s in tl.window(r.timeline.recent, since)]
-        summary = tl.summarize(recent, tl.quantile(steps, 0.5) if steps else 0.0)
+        # the ranks' windows: brought up to now by _rank_steps in this collect
+        steps = [seconds for r in self._ranks.values() if r.job_id == job for seconds in r.window.ordered]
+        summary = arrivals.summary(tl.quantile(steps, 0.5) if steps else 0.0)
         if not summary.step_last_counts and not summary.last_counts:
             return None
         # the rank that lagged most at the most steps (a synchronising collective a step
@@ -658,17 +685,15 @@ class TimelineSource:
                                 summary.step_max_lag.get(rank, 0.0))
 
     def _rank_steps(self, pid: int, r: _Rank, now: float) -> RankSteps:
-        t = r.timeline
-        recent = tl.window(t.recent, now - self.config.window_seconds)
-        seconds = [s.seconds for s in recent]
-        span = (recent[-1].start + recent[-1].seconds - recent[0].start) if recent else 0.0
+        t, w = r.timeline, r.window
+        w.follow(t.recent, t.steps_total)
+        w.expire(now - self.config.window_seconds)
+        count, span = len(w.steps), w.span()
         return RankSteps(
             r.job_id, r.rank, pid, t.optimizer_steps, t.steps_total, t.step_seconds_sum, tuple(t.step_buckets), dict(t.stage_seconds),
-            t.backwards_total, t.collectives_total, len(recent),
-            tl.quantile(seconds, 0.5) if seconds else None, tl.quantile(seconds, 0.9) if seconds else None,
-            max(seconds) if seconds else None, len(recent) / span if span > 0 else None,
-            sum(s.backwards for s in recent) / len(recent) if recent else None,
-            _shares(recent),
+            t.backwards_total, t.collectives_total, count, w.quantile(0.5), w.quantile(0.9),
+            w.ordered[-1] if count else None, count / span if span > 0 else None,
+            w.backwards / count if count else None, w.shares(),
             t.stage_now, now - t.last_event if t.last_event is not None else None,
             now - t.last_step if t.last_step is not None else None,
             tuple(r.lag_buckets), r.lag_sum, r.lag_count, len(t.arrivals_in_step),
@@ -680,13 +705,6 @@ def _steps_note(boundary: str, shed: int, flood_events: int) -> str:
     flood = (f"{shed} of its probe events were shed (over {flood_events} a second from this process, "
              "timeline.flood_events): its figures miss them") if shed else ""
     return "; ".join(note for note in (flood, tl.boundary_note(boundary)) if note)
-
-
-def _shares(steps: list[tl.Step]) -> dict[str, float]:
-    total = sum(s.seconds for s in steps)
-    if total <= 0:
-        return {}
-    return {stage: sum(s.stages.get(stage, 0.0) for s in steps) / total for stage in tl.STAGES}
 
 
 def _threads(proc_root: Path, pid: int) -> set[int] | None:
