@@ -668,3 +668,54 @@ def test_held_events_are_bounded_and_a_full_hold_decides() -> None:
     for i in range(tl.HELD_EVENTS):
         quiet.feed(tl.RECORD, MAIN, i * 1e-3)
     assert quiet.boundary == tl.NONE and quiet.steps_total == 0
+
+
+def _iteration(t: float, lightning: bool, collectives: int = 3) -> list[tuple[str, int, float]]:
+    """One training iteration from ``t``, 50 ms: data 5, forward 15, backward 20 with its
+    collectives, update 5, host 5. Lightning's optimizer.step(closure) opens the step's
+    block before the forward; a plain loop calls Optimizer.step after its backward."""
+    ev = [(tl.DATA, MAIN, t), (tl.RECORD_EXIT, MAIN, t + 0.005)]
+    if lightning:
+        ev.append((tl.STEP, MAIN, t + 0.005))
+    ev.append((tl.BACKWARD, MAIN, t + 0.020))
+    ev += [(tl.COLLECTIVE, MAIN, t + 0.020 + 0.020 * (k + 1) / (collectives + 1)) for k in range(collectives)]
+    ev.append((tl.BACKWARD_END, MAIN, t + 0.040))
+    if not lightning:
+        ev.append((tl.STEP, MAIN, t + 0.040))
+    return [*ev, (tl.RECORD_EXIT, MAIN, t + 0.045)]
+
+
+def _rank_steps(rank: str, r: tl.RankTimeline, now: float) -> RankSteps:
+    seconds = [s.seconds for s in r.recent]
+    return steps_of(rank, optimizer_steps=r.optimizer_steps, steps_total=r.steps_total,
+                    collectives_total=r.collectives_total, p50=tl.quantile(seconds, 0.5), p90=tl.quantile(seconds, 0.9),
+                    stage_now=r.stage_now, idle_seconds=now - (r.last_event or 0.0),
+                    since_step_seconds=now - (r.last_step or 0.0), step_collectives=len(r.arrivals_in_step))
+
+
+@pytest.mark.parametrize("lightning", [True, False], ids=["step-before-forward", "step-after-backward"])
+@pytest.mark.parametrize("stuck", ["0", "1"])
+@pytest.mark.parametrize("where", ["host", "forward"])
+def test_stall_names_the_rank_a_step_behind_on_every_loop_shape(lightning: bool, stuck: str, where: str) -> None:
+    """Two ranks run 40 iterations together; the stuck one stops in its host code after an
+    iteration (a user callback) or in its next forward; the other goes on until its next
+    iteration's first collective, where it waits. The rank named is the one that stopped,
+    whatever each rank's count (the other was first seen 7 iterations later)."""
+    period, start = 0.05, 10.0
+    events: dict[str, list[tuple[str, int, float]]] = {"0": [], "1": []}
+    for i in range(40):
+        for rank in events:
+            if rank != stuck and i < 7:
+                continue  # first seen later: fewer steps and collectives counted in total
+            events[rank] += _iteration(start + i * period, lightning)
+    following = start + 40 * period
+    nxt = _iteration(following, lightning)
+    kinds = [kind for kind, _, _ in nxt]
+    events[str(1 - int(stuck))] += nxt[:kinds.index(tl.COLLECTIVE) + 1]  # the other waits in that collective
+    if where == "forward":  # the stuck rank entered the next iteration and stopped before its backward
+        events[stuck] += nxt[:kinds.index(tl.BACKWARD)]
+    now = following + FindingsConfig().stall_warning_seconds + 1
+    ranks = tuple(_rank_steps(rank, fold(ev), now) for rank, ev in events.items())
+    (f,) = findings.analyze_stall(inputs(TimelineSnapshot(ranks)))
+    assert f.rank == stuck and f.evidence["holding_ranks"] == [stuck], (f.summary, f.evidence)
+    assert f"rank {stuck} (" in f.summary and f"rank {1 - int(stuck)} (" not in f.summary, f.summary

@@ -166,8 +166,8 @@ def analyze_stall(inputs: AnalysisInputs) -> list[Finding]:
     """Every rank of a job that stepped has hit no probe at all (no step, no DataLoader
     wait, no backward, no collective: an evaluation loop still iterates its DataLoader)
     for max(``stall_warning_seconds``, ``stall_warning_factor`` x its p90 step): name the rank
-    holding the job (the one that called the fewest collectives since its last step: the
-    others wait in the next one), what it was doing (its stage), and its line from the stacks. It clears when
+    holding the job (of the ranks still in the earliest step, the one that called the fewest
+    collectives since its last step began: the others wait in their next collective), what it was doing (its stage), and its line from the stacks. It clears when
     steps resume; the stack-based ``hang`` takes over at ``stacks.stall_seconds``."""
     t, cfg = inputs.timeline, inputs.config
     if t is None:
@@ -182,10 +182,12 @@ def analyze_stall(inputs: AnalysisInputs) -> list[Finding]:
         if not all((r.idle_seconds or 0.0) >= _stall_after(r, cfg.stall_warning_seconds, cfg.stall_warning_factor)
                    for r in ranks):
             continue
-        # counted from each rank's last optimizer step, a point every rank shares (totals
-        # count from when each rank was first seen, which differs)
-        fewest = min(r.step_collectives for r in ranks)
-        holding = [r for r in ranks if r.step_collectives == fewest] if len(ranks) > 1 else ranks
+        # the step first: where a step begins before its forward (Lightning's
+        # optimizer.step(closure), a zero_grad boundary) the ranks ahead have begun the next
+        # step and called fewer collectives in it; then the collectives within that step
+        behind = _behind(ranks)
+        fewest = min(r.step_collectives for r in behind)
+        holding = [r for r in behind if r.step_collectives == fewest] if len(ranks) > 1 else ranks
         if len(holding) == len(ranks) and len(ranks) > 1:
             holding = []  # every rank called as many: they wait together (elsewhere, or the network)
         idle = {r.rank: r.idle_seconds or 0.0 for r in ranks}
@@ -220,6 +222,19 @@ def analyze_stall(inputs: AnalysisInputs) -> list[Finding]:
             if holding else ("look at the other nodes' agents, a checkpoint being saved, or the network "
                              "(NCCL_DEBUG=INFO)")))
     return out
+
+
+def _behind(ranks: list[RankSteps]) -> list[RankSteps]:
+    """The ranks still in the job's earliest step: those whose last step began within half a
+    step of the earliest last step's start. The ranks of a job begin a step within their skew
+    of each other, and a rank a step ahead began its step about a whole step later. Judged by
+    the start's time, not by the step counts: those count from when each rank was first seen,
+    which differs, and lost probe events make them a floor."""
+    steps = [x for r in ranks if (x := r.p50 or (r.step_seconds_sum / r.steps_total if r.steps_total else 0.0)) > 0]
+    if not steps:
+        return ranks
+    earliest = max(r.since_step_seconds or 0.0 for r in ranks)
+    return [r for r in ranks if earliest - (r.since_step_seconds or 0.0) < 0.5 * min(steps)]
 
 
 def user_line(frames: tuple[Frame, ...]) -> str:
