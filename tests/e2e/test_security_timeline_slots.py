@@ -23,7 +23,7 @@ import pytest
 
 from helpers.agent import free_port, http_get, parse_metrics
 from helpers.fake_libtorch import junk, probeable, repeated_name
-from helpers.nobody import as_nobody, nobody_python
+from helpers.nobody import nobody_python, nobody_with_torch
 from helpers.processes import kill_tree, wait_for
 from helpers.timeline import Job
 from helpers.watch import job_env, samples, token, watch_config
@@ -241,8 +241,9 @@ def test_events_lost_to_nobodys_flood_are_said_for_roots_rank(tmp_path: Path, ru
         script = folder / "flood.py"
         script.write_text(FLOOD)
         script.chmod(0o644)
-        for _ in range(2):
-            floods.append(subprocess.Popen(as_nobody(sys.executable, str(script)), cwd="/", start_new_session=True,
+        for k in range(2):
+            (folder / str(k)).mkdir(mode=0o755)
+            floods.append(subprocess.Popen(nobody_with_torch(script, folder / str(k)), cwd="/", start_new_session=True,
                                            env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}))
         job.start_file.write_text("go")
         wait_for(job.done, 180, interval=0.5, what="root's job's steps")

@@ -333,7 +333,7 @@ def test_nobodys_thread_churn_neither_grows_the_agent_nor_costs_roots_job_a_step
     count is exact, and nobody's rank says its figures miss the shed events."""
     import tempfile
 
-    from helpers.nobody import as_nobody
+    from helpers.nobody import nobody_with_torch
     from helpers.timeline import Job, metrics, value
     from helpers.watch import token, watch_config
     from profagent.analysis import timeline as tl
@@ -345,8 +345,7 @@ def test_nobodys_thread_churn_neither_grows_the_agent_nor_costs_roots_job_a_step
     script = base / "churn.py"
     script.write_text(CHURN_JOB)
     script.chmod(0o644)
-    # the suite's own Python (with torch): nobody may read it, and maps the same libtorch
-    churn = subprocess.Popen(as_nobody(sys.executable, str(script)), start_new_session=True, env={
+    churn = subprocess.Popen(nobody_with_torch(script, base), start_new_session=True, env={
         "PATH": "/usr/bin:/bin", "PAW_TOKEN": tok, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
         "OMP_NUM_THREADS": "1", "READY": str(ready), "GO": str(go), "COUNT": str(count), "CHURN_SECONDS": "40"})
     victim = Job(tmp_path, 2, "--steps", "150", "--workers", "0", "--linger", "120", env={"PAW_TOKEN": tok})

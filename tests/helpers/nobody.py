@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +20,19 @@ NOBODY = 65534
 def as_nobody(*cmd: str) -> list[str]:
     """``cmd`` run as nobody."""
     return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd]
+
+
+def nobody_with_torch(script: Path, folder: Path) -> list[str]:
+    """``script`` run as nobody by the suite's own Python (with torch), so that its process
+    maps the very libtorch file root's jobs map: the venv is bound under ``folder`` (a fresh
+    folder in /tmp) in a mount namespace of that process alone, as the checkout may sit in
+    a folder nobody cannot enter (a 0700 one). The command keeps one PID throughout."""
+    venv = folder / "venv"
+    venv.mkdir(mode=0o755)
+    venv.chmod(0o755)
+    python = venv / Path(sys.executable).relative_to(sys.prefix)
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount --bind "$0" "$1" && shift && exec "$@"',
+            sys.prefix, str(venv), *as_nobody(str(python), str(script))]
 
 
 def nobody_python(code: str, env: dict[str, str], folder: Path) -> subprocess.Popen:

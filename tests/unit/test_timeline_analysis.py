@@ -697,7 +697,7 @@ def _rank_steps(rank: str, r: tl.RankTimeline, now: float) -> RankSteps:
 @pytest.mark.parametrize("stuck", ["0", "1"])
 @pytest.mark.parametrize("where", ["host", "forward"])
 def test_stall_names_the_rank_a_step_behind_on_every_loop_shape(lightning: bool, stuck: str, where: str) -> None:
-    """Two ranks run 40 iterations together; the stuck one stops in its host code after an
+    """Two ranks go through 40 iterations together; the stuck one stops in its host code after an
     iteration (a user callback) or in its next forward; the other goes on until its next
     iteration's first collective, where it waits. The rank named is the one that stopped,
     whatever each rank's count (the other was first seen 7 iterations later)."""
