@@ -28,6 +28,9 @@ def stragglers(url: str) -> list[dict]:
     return [f for f in findings(url)["findings"] if f["finding"] == "straggler"]
 
 
+# `make test-long`: test_frameworks_hf_trainer.py holds the same on a real HF Trainer in
+# `make test`; this plain-torch model of it (three minutes) keeps the suite within its budget
+@pytest.mark.long
 @pytest.mark.timeout(420)  # a healthy phase, up to a minute to name it, a minute held, the job's end
 def test_a_trainer_like_straggler_is_named_within_a_minute_and_held_while_it_lasts(tmp_path: Path, run_agent) -> None:
     """40 s healthy (no straggler at any poll), then rank 1's device takes 1.5 times as long
