@@ -28,31 +28,22 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from agent_cost import free_port, get  # noqa: E402  (bench/agent_cost.py: the same agent plumbing)
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = ROOT / "tests" / "workloads" / "plain_ddp.py"
 GOAL_AGENT = 0.02
 GOAL_TIMELINE = 0.003
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return resp.read().decode()
 
 
 def family(text: str, name: str) -> dict[str, float]:

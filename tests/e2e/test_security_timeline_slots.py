@@ -50,6 +50,16 @@ while True:
 """
 
 
+def stops_leaving_none_of_its_groups(agent, before: set[str]) -> None:  # noqa: ANN001  (an AgentProcess)
+    """SIGTERM: the agent exits 0 and none of its probe groups (named by its pid; other agents
+    probe too) is left."""
+    mine = {g for g in _groups() - before if f"_{agent.proc.pid:x}_" in g}
+    assert mine
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.proc.wait(30) == 0
+    assert not mine & _groups(), "a definition of the agent is left after its clean stop"
+
+
 def _groups() -> set[str]:
     return {g for g, _ in uprobes.definitions(TRACEFS)}
 
@@ -117,11 +127,7 @@ def test_nobodys_libraries_never_shut_out_roots_job(tmp_path: Path, run_agent) -
         kill_tree(attacker)
         wait_for(lambda: len(lines(r"is no longer mapped by an observed process: its 2 probes removed")) == 8, 60,
                  interval=0.5, what="nobody's probes removed once its process is gone")
-        mine = {g for g in _groups() - before if f"_{agent.proc.pid:x}_" in g}  # other agents probe too
-        assert mine
-        agent.proc.send_signal(signal.SIGTERM)
-        assert agent.proc.wait(30) == 0
-        assert not mine & _groups(), "a definition of the agent is left after its clean stop"
+        stops_leaving_none_of_its_groups(agent, before)
     finally:
         if attacker is not None:
             kill_tree(attacker)
@@ -198,11 +204,7 @@ def test_nobodys_crafted_string_table_neither_bloats_the_agent_nor_stalls_roots_
         except BaseException:
             print("counted, lost, events:", last)
             raise
-        mine = {g for g in _groups() - before if f"_{agent.proc.pid:x}_" in g}
-        assert mine
-        agent.proc.send_signal(signal.SIGTERM)
-        assert agent.proc.wait(30) == 0
-        assert not mine & _groups(), "a definition of the agent is left after its clean stop"
+        stops_leaving_none_of_its_groups(agent, before)
     finally:
         if attacker is not None:
             kill_tree(attacker)

@@ -31,15 +31,6 @@ def stuck() -> None:
         time.sleep(1)  # the user's loop never goes on: the other rank waits in its next collective
 
 
-class Points(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 1 << 20
-
-    def __getitem__(self, i: int):
-        g = torch.Generator().manual_seed(i)
-        return torch.randn(128, generator=g), torch.randint(0, 10, (), generator=g)
-
-
 def main() -> None:
     bound(framework_truth.MAX_SECONDS)
     torch.set_num_threads(1)
@@ -50,7 +41,7 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
                                 torch.nn.ReLU(), torch.nn.Linear(256, 10))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = torch.utils.data.DataLoader(Points(), batch_size=16, num_workers=0)
+    loader = torch.utils.data.DataLoader(framework_truth.Points(), batch_size=16, num_workers=0)
     model, opt, loader = accelerator.prepare(model, opt, loader)
     truth.watch_optimizer(opt.optimizer)
     truth.wait_for_go()

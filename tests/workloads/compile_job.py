@@ -32,15 +32,6 @@ def stuck() -> None:
         time.sleep(1)  # the user's loop never goes on: the other rank waits in its next collective
 
 
-class Points(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 1 << 20
-
-    def __getitem__(self, i: int):
-        g = torch.Generator().manual_seed(i)
-        return torch.randn(128, generator=g), torch.randint(0, 10, (), generator=g)
-
-
 def main() -> None:
     bound(framework_truth.MAX_SECONDS)
     torch.set_num_threads(1)
@@ -58,7 +49,7 @@ def main() -> None:
         step = opt.step
     else:
         step = torch.compile(opt.step)
-    loader = torch.utils.data.DataLoader(Points(), batch_size=16, num_workers=0)
+    loader = torch.utils.data.DataLoader(framework_truth.Points(), batch_size=16, num_workers=0)
     truth.wait_for_go()
     max_steps = int(os.environ.get("FW_MAX_STEPS", "100000"))
     for x, y in loader:

@@ -32,6 +32,17 @@ PAUSE_SECONDS = float(os.environ.get("FW_PAUSE_SECONDS", "60"))
 MAX_SECONDS = int(os.environ.get("FW_MAX_SECONDS", "900"))
 
 
+class Points(torch.utils.data.Dataset):
+    """The jobs' synthetic data: a vector and a label per index, the same on every run."""
+
+    def __len__(self) -> int:
+        return 1 << 20
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(128, generator=g), torch.randint(0, 10, (), generator=g)
+
+
 def rank() -> int:
     """This process's rank: torchrun's RANK, else Lightning's children's LOCAL_RANK."""
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))

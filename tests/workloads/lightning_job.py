@@ -33,15 +33,6 @@ def stuck() -> None:
         time.sleep(1)  # the user's hook never returns: the other rank waits in its next collective
 
 
-class Points(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 1 << 20
-
-    def __getitem__(self, i: int):
-        g = torch.Generator().manual_seed(i)
-        return torch.randn(128, generator=g), torch.randint(0, 10, (), generator=g)
-
-
 class Net(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -68,7 +59,7 @@ class Net(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(Points(), batch_size=16, num_workers=0)
+        return torch.utils.data.DataLoader(framework_truth.Points(), batch_size=16, num_workers=0)
 
 
 class GroundTruth(pl.Callback):
